@@ -1,0 +1,91 @@
+"""Multi-head self-attention that calls the encoding's hooks and hands the rest to a backend.
+
+The attention never tests an encoding's name: it calls ``rotate`` when the encoding has it, and the
+backend asks the :class:`~posenc.backends.base.ScoreSpec` for bias and query/value terms.
+``embed`` (absolute methods) is applied once by the model to the token embeddings, not here.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from . import backends
+from .backends.base import ScoreSpec
+from .encodings.base import check_positive, has_hook
+
+
+class LayerCache:
+    """Keys (already rotated) and values of one layer seen so far: (B, H, T, D) each."""
+
+    def __init__(self) -> None:
+        self.k: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
+
+    @property
+    def length(self) -> int:
+        return 0 if self.k is None else self.k.shape[-2]
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.k is None:
+            self.k, self.v = k, v
+        else:
+            self.k, self.v = torch.cat((self.k, k), dim=-2), torch.cat((self.v, v), dim=-2)
+        return self.k, self.v
+
+
+class Attention(nn.Module):
+    """x (B, T, dim) -> (B, T, dim), with positions from ``encoding``.
+
+    Args:
+        dim: model width; must be divisible by ``num_heads``.
+        num_heads: number of heads H; head dim D = dim // H.
+        encoding: a positional encoding built for (num_heads, dim // num_heads), e.g.
+            ``posenc.build("alibi", num_heads=8, head_dim=64)``.
+        causal: mask keys after the query (decoder) or not (encoder).
+        backend: "auto" or one of :func:`posenc.backends.names`.
+    """
+
+    def __init__(self, dim: int, num_heads: int, encoding: nn.Module, causal: bool = True, backend: str = "auto") -> None:
+        super().__init__()
+        check_positive("dim", dim)
+        check_positive("num_heads", num_heads)
+        if dim % num_heads:
+            raise ValueError(f"dim ({dim}) must be divisible by num_heads ({num_heads})")
+        self.dim, self.num_heads, self.head_dim = dim, num_heads, dim // num_heads
+        if getattr(encoding, "num_heads", num_heads) != num_heads or getattr(encoding, "head_dim", self.head_dim) != self.head_dim:
+            raise ValueError(
+                f"encoding was built for num_heads={encoding.num_heads}, head_dim={encoding.head_dim}; "
+                f"this attention has num_heads={num_heads}, head_dim={self.head_dim}"
+            )
+        if getattr(encoding, "causal", causal) != causal:
+            raise ValueError(f"encoding was built with causal={encoding.causal}, attention has causal={causal}")
+        self.causal = causal
+        self.backend = backends.check_name(backend)
+        self.encoding = encoding
+        self.qkv = nn.Linear(dim, 3 * dim, bias=False)
+        self.proj = nn.Linear(dim, dim, bias=False)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        cache: LayerCache | None = None,
+        shared: dict | None = None,
+    ) -> torch.Tensor:
+        b, t, _ = x.shape
+        past = 0 if cache is None else cache.length
+        if positions is None:
+            positions = torch.arange(past, past + t, device=x.device)  # (T,)
+        q, k, v = self.qkv(x).view(b, t, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)  # 3 x (B, H, T, D)
+        if has_hook(self.encoding, "rotate"):
+            q, k = self.encoding.rotate(q, k, positions, positions)
+        k_positions = positions
+        if cache is not None:
+            k, v = cache.append(k, v)  # (B, H, past + T, D)
+            k_positions = torch.arange(positions[-1] + 1 - k.shape[-2], positions[-1] + 1, device=x.device)
+        spec = ScoreSpec(self.encoding, positions, k_positions, self.causal, 1.0 / math.sqrt(self.head_dim), shared)
+        out = backends.choose(self.backend, spec, q).attend(q, k, v, spec)  # (B, H, T, D)
+        return self.proj(out.transpose(1, 2).reshape(b, t, self.dim))

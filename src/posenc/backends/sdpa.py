@@ -1,0 +1,33 @@
+"""PyTorch's fused ``scaled_dot_product_attention``.
+
+Without a score bias the causal case uses ``is_causal=True``, which lets the kernel skip the upper
+triangle. A bias is passed as a dense (H, Tq, Tk) ``attn_mask``: correct, but the kernel then does
+the full square (see DESIGN.md §5), so the blocked backend is preferred for training on CPU.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .base import ScoreSpec, additive_mask
+
+
+def supports(spec: ScoreSpec, q: torch.Tensor) -> bool:
+    return not (spec.has_query_terms or spec.has_value_terms)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec) -> torch.Tensor:
+    tq, tk = q.shape[-2], k.shape[-2]
+    if not spec.has_bias:
+        if not spec.causal or tq == 1 and spec.aligned:
+            return F.scaled_dot_product_attention(q, k, v, scale=spec.scale)
+        if tq == tk:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=spec.scale)
+        # Cached decoding of several tokens: is_causal would align the mask top-left.
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=spec.allowed(), scale=spec.scale)
+    mask = spec.bias().to(q.dtype)  # (H, Tq, Tk)
+    causal = additive_mask(spec.allowed(), q.dtype)
+    if causal is not None:
+        mask = mask + causal
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=spec.scale)

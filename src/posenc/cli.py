@@ -1,0 +1,51 @@
+"""The ``posenc`` command line: one subcommand per module, each with ``add_arguments`` and ``run``."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# subcommand -> (module, one-line help). Modules are imported when the parser is built.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "list": ("posenc.describe", "list the encodings: description, parameters, extrapolation"),
+    "buckets": ("posenc.describe", "print the T5 relative-position bucket table"),
+    "show": ("posenc.show", "heatmap of what an encoding adds to the attention scores"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="posenc",
+        description="Positional encodings for Transformer attention: inspect, train short / test long, benchmark.",
+    )
+    from . import __version__
+
+    parser.add_argument("--version", action="version", version=f"posenc {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (module_name, help_text) in COMMANDS.items():
+        module = importlib.import_module(module_name)
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        getattr(module, f"add_{name}_arguments", getattr(module, "add_arguments", None))(p)
+        p.set_defaults(_run=getattr(module, f"run_{name}", getattr(module, "run", None)))
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 0
+    try:
+        return int(args._run(args) or 0)
+    except ValueError as err:  # user errors: one clear line, no traceback
+        print(f"posenc {args.command}: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"posenc {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,62 @@
+"""Registry of positional encodings: one file per method, one line per method here."""
+
+from __future__ import annotations
+
+import inspect
+
+from torch import nn
+
+from .alibi import ALiBi, alibi_slopes
+from .base import PositionalEncoding, has_hook
+from .learned import Learned
+from .nope import NoPE
+from .rope import RoPE
+from .shaw import Shaw
+from .sinusoidal import Sinusoidal
+from .t5 import T5Bias, relative_position_bucket
+from .transformer_xl import TransformerXL
+
+REGISTRY: dict[str, type[PositionalEncoding]] = {
+    cls.name: cls for cls in (NoPE, Sinusoidal, Learned, Shaw, TransformerXL, T5Bias, RoPE, ALiBi)
+}
+
+
+def available() -> list[str]:
+    """Registry names of every encoding, in the order of the classic line."""
+    return list(REGISTRY)
+
+
+def get_class(name: str) -> type[PositionalEncoding]:
+    """The encoding class registered as ``name``; ValueError listing the choices otherwise."""
+    try:
+        return REGISTRY[name]
+    except (KeyError, TypeError):
+        raise ValueError(f"unknown encoding {name!r}; available: {', '.join(available())}") from None
+
+
+def build(name: str, *, num_heads: int, head_dim: int, causal: bool = True, **options) -> nn.Module:
+    """Build the encoding ``name`` for ``num_heads`` heads of ``head_dim`` features.
+
+    ``options`` are the method's own keyword arguments (e.g. ``layout="interleaved"`` for rope,
+    ``num_buckets=32`` for t5); an unknown option is a ValueError naming the accepted ones.
+    """
+    cls = get_class(name)
+    accepted = [p for p in inspect.signature(cls.__init__).parameters if p not in ("self", "num_heads", "head_dim", "causal")]
+    unknown = sorted(set(options) - set(accepted))
+    if unknown:
+        raise ValueError(
+            f"encoding {name!r} got unknown option(s) {unknown}; accepted: {accepted or 'none'}"
+        )
+    return cls(num_heads, head_dim, causal, **options)
+
+
+__all__ = [
+    "REGISTRY",
+    "PositionalEncoding",
+    "available",
+    "build",
+    "get_class",
+    "has_hook",
+    "alibi_slopes",
+    "relative_position_bucket",
+]

@@ -1,0 +1,36 @@
+"""Learned absolute positions (BERT, Devlin et al. 2019; GPT, Radford et al. 2018).
+
+A table of ``max_positions`` learned vectors added to the token embeddings. It cannot encode a
+position it has no row for, so a longer input is a user error, reported as such.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .base import PositionalEncoding, check_positive
+
+
+class Learned(PositionalEncoding):
+    """A learned (max_positions, dim) table; positions past the table raise ValueError."""
+
+    name = "learned"
+    description = "learned table of absolute position vectors (BERT/GPT); bounded by its size"
+    extrapolates = False
+
+    def __init__(self, num_heads: int, head_dim: int, causal: bool = True, max_positions: int = 1024) -> None:
+        super().__init__(num_heads, head_dim, causal)
+        self.max_positions = check_positive("max_positions", max_positions)
+        self.table = nn.Parameter(torch.randn(self.max_positions, self.dim) * 0.02)  # (P, dim)
+
+    def embed(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        # x: (B, T, dim), positions: (T,)
+        needed = int(positions.max()) + 1 if positions.numel() else 0
+        if needed > self.max_positions:
+            raise ValueError(
+                f"learned positions: the table has max_positions={self.max_positions} rows, "
+                f"but the input needs position {needed - 1} (length {needed}); "
+                f"lengths up to {self.max_positions} are allowed"
+            )
+        return x + self.table[positions].to(x.dtype)
