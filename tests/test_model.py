@@ -1,0 +1,141 @@
+"""Every method inside the tiny LM: cached decoding equals the full pass, gradients reach every
+learnable parameter, causal mode is causal and bidirectional mode is bidirectional."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import posenc
+
+METHODS = posenc.available()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny tensors: one thread is faster, and intra-op threads spin badly on a shared machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def tiny(method: str, causal: bool = True, backend: str = "auto", std: float | None = None, **options) -> posenc.LM:
+    """dim 32, depth 2, 4 heads; ``std`` re-draws every weight matrix larger than the init, so that
+    one token's influence on another position is far above rounding noise."""
+    config = posenc.LMConfig(
+        encoding=method, vocab_size=64, dim=32, depth=2, num_heads=4, causal=causal,
+        encoding_options=options, attention_backend=backend,
+    )
+    model = posenc.LM(config)
+    with torch.no_grad():  # position parameters larger than their init, so positions matter
+        for name, p in model.named_parameters():
+            if ".encoding." in f".{name}" or name.startswith("encoding."):
+                p.normal_(std=0.3)
+            elif std is not None and p.dim() == 2:
+                p.normal_(std=std)
+    return model.eval()
+
+
+def test_every_registered_method_is_tested() -> None:
+    assert set(METHODS) >= {"nope", "sinusoidal", "learned", "shaw", "transformer_xl", "t5", "rope", "alibi"}
+
+
+@pytest.mark.parametrize("backend", ["auto", "eager"])
+@pytest.mark.parametrize("method", METHODS)
+def test_cached_decoding_equals_full_pass(method: str, backend: str) -> None:
+    model = tiny(method, backend=backend, std=0.2)  # logits of a few units: a wrong position shows
+    tokens = torch.randint(0, 64, (2, 14))
+    with torch.no_grad():
+        full = model(tokens)  # (B, T, vocab)
+        for chunks in ([1] * 14, [5, 1, 1, 1, 3, 1, 2]):  # one at a time; prefill, singles, chunks
+            cache = model.new_cache(2)
+            parts, at = [], 0
+            for n in chunks:
+                parts.append(model(tokens[:, at : at + n], cache=cache))
+                at += n
+            assert cache.length == 14
+            torch.testing.assert_close(torch.cat(parts, dim=1), full, rtol=0, atol=1e-5, msg=lambda m: f"chunks {chunks}: {m}")
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidirectional"])
+@pytest.mark.parametrize("method", METHODS)
+def test_gradients_reach_every_parameter(method: str, causal: bool) -> None:
+    model = tiny(method, causal=causal).train()
+    tokens = torch.randint(0, 64, (2, 20))
+    targets = torch.randint(0, 64, (2, 20))  # a loss at every position, the last one included
+    F.cross_entropy(model(tokens).reshape(-1, 64), targets.reshape(-1)).backward()
+    params = dict(model.named_parameters())
+    missing = [n for n, p in params.items() if p.grad is None or not p.grad.abs().sum() > 0]
+    assert not missing, f"no gradient: {missing}"
+    # The encoding's own parameters are among them (for the methods that have any).
+    enc_params = [n for n, _ in model.blocks[0].attn.encoding.named_parameters()]
+    if method in ("learned", "shaw", "transformer_xl", "t5"):
+        assert enc_params, f"{method} should have learnable parameters"
+    if method == "t5":  # every bucket some visible (query, key) pair falls in gets a gradient
+        enc = model.blocks[0].attn.encoding
+        pos = torch.arange(20)
+        buckets = enc.bucket_table(pos, pos)
+        visible = buckets[torch.ones(20, 20, dtype=torch.bool).tril()] if causal else buckets.flatten()
+        reached = visible.unique()
+        assert reached.numel() > 16  # exact and log buckets (and both sides when bidirectional)
+        grad = enc.relative_attention_bias.weight.grad  # (buckets, H)
+        assert (grad[reached].abs().sum(-1) > 0).all()
+        unreached = torch.ones(grad.shape[0], dtype=torch.bool)
+        unreached[reached] = False
+        assert (grad[unreached] == 0).all()
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_causal_is_causal(method: str) -> None:
+    model = tiny(method, std=0.2)
+    tokens = torch.randint(0, 64, (1, 12))
+    changed = tokens.clone()
+    changed[0, 8:] = (changed[0, 8:] + 1) % 64
+    with torch.no_grad():
+        a, b = model(tokens), model(changed)
+    torch.testing.assert_close(a[:, :8], b[:, :8], rtol=0, atol=1e-6)  # the past cannot see the future
+    assert (a[:, 8:] - b[:, 8:]).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_bidirectional_builds_and_sees_the_future(method: str) -> None:
+    model = tiny(method, causal=False, std=0.2)
+    assert all(block.attn.encoding.causal is False for block in model.blocks)
+    tokens = torch.randint(0, 64, (2, 12))
+    changed = tokens.clone()
+    changed[:, -1] = (changed[:, -1] + 1) % 64  # only the last token
+    with torch.no_grad():
+        a, b = model(tokens), model(changed)
+    assert a.shape == (2, 12, 64) and torch.isfinite(a).all()
+    assert (a[:, 0] - b[:, 0]).abs().max() > 1e-2, "position 0 does not see the last token"
+    with pytest.raises(ValueError, match="causal"):
+        model.new_cache(2)
+
+
+def test_bidirectional_t5_and_alibi_use_their_two_sided_forms() -> None:
+    t5 = tiny("t5", causal=False).blocks[0].attn.encoding
+    pos = torch.arange(6)
+    buckets = t5.bucket_table(pos, pos)
+    assert (buckets[0, 1:] >= 16).all() and (buckets[1:, 0] < 16).all()  # keys after the query: upper half
+    alibi = tiny("alibi", causal=False).blocks[0].attn.encoding
+    bias = alibi.bias(pos, pos)
+    torch.testing.assert_close(bias, bias.transpose(-1, -2), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("method", ["shaw", "transformer_xl"])
+def test_per_layer_methods_get_one_encoding_per_layer(method: str) -> None:
+    model = tiny(method)
+    assert model.blocks[0].attn.encoding is not model.blocks[1].attn.encoding
+
+
+@pytest.mark.parametrize("method", ["rope", "alibi", "t5", "nope"])
+def test_sdpa_and_eager_backends_agree(method: str) -> None:
+    torch.manual_seed(3)
+    eager = tiny(method, backend="eager")
+    torch.manual_seed(3)
+    sdpa = tiny(method, backend="sdpa")
+    tokens = torch.randint(0, 64, (2, 16))
+    with torch.no_grad():
+        torch.testing.assert_close(sdpa(tokens), eager(tokens), rtol=0, atol=1e-5)
