@@ -241,3 +241,13 @@ def test_output_dtype_follows_input() -> None:
         q, k = qk(8, dtype=dtype)
         q2, k2 = enc.rotate(q, k, pos, pos)
         assert q2.dtype == dtype and k2.dtype == dtype
+
+
+def test_tables_stay_float32_when_the_model_is_cast_to_bfloat16():
+    # module.to(bfloat16) casts buffers too; the rotation tables must come back as float32.
+    model = posenc.LM(posenc.LMConfig(encoding="rope", dim=32, depth=1, num_heads=4)).to(torch.bfloat16)
+    model(torch.randint(0, 256, (1, 10)))
+    assert model.encoding.cos_cached.dtype == torch.float32
+    assert model.encoding.inv_freq.dtype == torch.float32
+    reference = posenc.build("rope", num_heads=4, head_dim=8)
+    torch.testing.assert_close(model.encoding.cos_cached, reference.cos_cached, rtol=0, atol=0)

@@ -53,15 +53,22 @@ class RoPE(PositionalEncoding):
         self.base = float(base)
         self.layout = layout
         self.rotary_dim = rotary_dim
-        inv_freq = self.base ** (-torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim)  # (d/2,)
-        self.register_buffer("inv_freq", inv_freq.to(torch.float32), persistent=False)
+        self.register_buffer("inv_freq", self._inv_freq(torch.device("cpu")), persistent=False)  # (d/2,)
         self.register_buffer("cos_cached", torch.empty(0, rotary_dim // 2), persistent=False)
         self.register_buffer("sin_cached", torch.empty(0, rotary_dim // 2), persistent=False)
         self.build_cache(check_positive("cache_length", cache_length))
 
+    def _inv_freq(self, device: torch.device) -> torch.Tensor:
+        """theta_k = base^(-2k/d), rounded once to float32 (the frequencies checkpoints use)."""
+        exponents = torch.arange(0, self.rotary_dim, 2, dtype=torch.float64, device=device) / self.rotary_dim
+        return (self.base ** -exponents).to(torch.float32)
+
     def build_cache(self, max_len: int) -> None:
         """(Re)build the float32 cos/sin tables for positions 0..max_len-1."""
         device = self.inv_freq.device
+        # Recomputed rather than read from the buffer: `module.to(bfloat16)` casts buffers too,
+        # and the tables must stay float32 whatever the model's dtype.
+        self.inv_freq = self._inv_freq(device)
         # float64 angles, rounded once to float32: the most accurate table float32 can hold.
         positions = torch.arange(max_len, dtype=torch.float64, device=device)
         angles = positions[:, None] * self.inv_freq.to(torch.float64)[None, :]  # (max_len, d/2)
@@ -76,10 +83,11 @@ class RoPE(PositionalEncoding):
         """float32 (T, rotary_dim/2) cos and sin at integer ``positions`` (T,); grows the cache."""
         if positions.numel():
             needed = int(positions.max()) + 1
-            if needed > self.cache_length or self.cos_cached.device != positions.device:
+            stale = self.cos_cached.device != positions.device or self.cos_cached.dtype != torch.float32
+            if needed > self.cache_length or stale:
                 # Explicit growth: at least double, so decoding does not rebuild at every step.
                 self.inv_freq = self.inv_freq.to(positions.device)
-                self.build_cache(max(needed, 2 * self.cache_length))
+                self.build_cache(max(needed, 2 * self.cache_length) if needed > self.cache_length else self.cache_length)
         return self.cos_cached[positions], self.sin_cached[positions]
 
     def rotate_one(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
