@@ -15,6 +15,14 @@ from .model import LM, LMConfig
 
 __version__ = "0.1.0"
 
+
+def load_checkpoint(path, device="cpu") -> LM:
+    """Load a study checkpoint (``checkpoints/METHOD.safetensors`` + its ``.json`` config) into an LM."""
+    from .study import load_checkpoint as _load
+
+    return _load(path, device)
+
+
 __all__ = [
     "Attention",
     "LM",
@@ -23,6 +31,7 @@ __all__ = [
     "alibi_slopes",
     "available",
     "build",
+    "load_checkpoint",
     "relative_position_bucket",
     "__version__",
 ]

@@ -11,6 +11,9 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "list": ("posenc.describe", "list the encodings: description, parameters, extrapolation"),
     "buckets": ("posenc.describe", "print the T5 relative-position bucket table"),
     "show": ("posenc.show", "heatmap of what an encoding adds to the attention scores"),
+    "study": ("posenc.study", "train short, test long: train every method, evaluate at many lengths"),
+    "report": ("posenc.report", "turn a study's output directory into one self-contained HTML page"),
+    "bench": ("posenc.bench", "speed and memory of every method, as ratios to NoPE (optionally vs x-transformers)"),
 }
 
 

@@ -3,6 +3,10 @@
 PE[pos, 2i] = sin(pos / 10000^(2i/dim)), PE[pos, 2i+1] = cos(pos / 10000^(2i/dim)), added to the
 token embeddings. Defined for any position, but a model trained on short inputs has never seen the
 larger positions (Press et al. 2021 show its perplexity exploding past the training length).
+
+As in the paper (§3.4), the token embeddings are multiplied by sqrt(dim) before the table is
+added: with the usual small embedding init (std 0.02) the unit-amplitude table would otherwise
+swamp the content, and a small model trains far worse than with no positions at all.
 """
 
 from __future__ import annotations
@@ -34,14 +38,19 @@ class Sinusoidal(PositionalEncoding):
     description = "fixed sin/cos table added to token embeddings (Vaswani et al. 2017)"
     extrapolates = True  # defined at any length, though quality collapses past training
 
-    def __init__(self, num_heads: int, head_dim: int, causal: bool = True, base: float = 10000.0) -> None:
+    def __init__(
+        self, num_heads: int, head_dim: int, causal: bool = True, base: float = 10000.0, scale_embeddings: bool = True
+    ) -> None:
         super().__init__(num_heads, head_dim, causal)
         if self.dim % 2:
             raise ValueError(f"sinusoidal needs an even model dim (num_heads * head_dim), got {self.dim}")
         if base <= 1:
             raise ValueError(f"base must be > 1, got {base}")
         self.base = float(base)
+        self.scale_embeddings = bool(scale_embeddings)
 
     def embed(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         # x: (B, T, dim), positions: (T,)
+        if self.scale_embeddings:
+            x = x * math.sqrt(self.dim)
         return x + sinusoidal_table(positions, self.dim, self.base).to(x.dtype)

@@ -1,0 +1,81 @@
+"""DistributedDataParallel plumbing for ``torchrun --nproc_per_node=N -m posenc study``.
+
+torchrun sets RANK / WORLD_SIZE / LOCAL_RANK; without them everything here is a no-op for one
+process. gloo on CPU, nccl on CUDA. Workers end with barrier, destroy_process_group, flush and
+``os._exit`` (DESIGN.md §5: otherwise a gloo worker may abort at interpreter exit).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class Context:
+    """Where this process sits: rank among world processes, and the device it computes on."""
+
+    device: torch.device
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world > 1
+
+
+def launched() -> bool:
+    """True inside a torchrun worker of a group of more than one process."""
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
+def setup(device: str) -> Context:
+    """Join the process group when launched by torchrun; otherwise a one-process context."""
+    if not launched():
+        return Context(torch.device(device))
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if device.startswith("cuda"):
+        torch.cuda.set_device(local_rank)
+        dev = torch.device("cuda", local_rank)
+        dist.init_process_group("nccl", device_id=dev)
+    else:
+        dev = torch.device(device)
+        dist.init_process_group("gloo")
+    return Context(dev, rank, world, local_rank)
+
+
+def all_sum(ctx: Context, values: torch.Tensor) -> torch.Tensor:
+    """Sum a tensor over all processes (in place; identity for one process)."""
+    if ctx.distributed:
+        dist.all_reduce(values, op=dist.ReduceOp.SUM)
+    return values
+
+
+def flags(ctx: Context, *values: bool) -> list[bool]:
+    """Logical OR of each flag over all processes."""
+    t = torch.tensor([float(v) for v in values], device=ctx.device)
+    return [bool(x > 0) for x in all_sum(ctx, t).tolist()]
+
+
+def finish(ctx: Context, code: int) -> int:
+    """End a torchrun worker cleanly (never returns there); returns ``code`` for one process."""
+    if not ctx.distributed:
+        return code
+    try:
+        if code == 0:
+            dist.barrier()
+        dist.destroy_process_group()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
