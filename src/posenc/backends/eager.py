@@ -1,28 +1,67 @@
-"""The textbook formula: the reference for tests, and the path for methods that move values."""
+"""The textbook formula: the reference for tests, and the path for methods that move values.
+
+``softmax(q k^T * scale + bias + query_terms + mask) v + value_terms``, written out, walked over
+blocks of ``BLOCK`` queries so that memory stays O(Tk x block) rather than O(Tq x Tk): each block
+gets its bias slice and its score terms from the encoding for those queries only. When a gradient
+is needed, every block is checkpointed (recomputed in the backward), otherwise autograd would
+keep every block's probabilities and the saving would be lost. A softmax row only ever sees its
+own query, so blocking changes nothing in the result.
+"""
 
 from __future__ import annotations
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
 from .base import ScoreSpec
+
+BLOCK = 256  # query rows per block
 
 
 def supports(spec: ScoreSpec, q: torch.Tensor) -> bool:
     return True
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec) -> torch.Tensor:
-    enc = spec.encoding
-    scores = torch.matmul(q, k.transpose(-1, -2)) * spec.scale  # (B, H, Tq, Tk)
+def preferred(spec: ScoreSpec, q: torch.Tensor) -> bool:
+    return True  # the last resort: runs everything
+
+
+def _accumulation(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_positions: torch.Tensor, spec: ScoreSpec) -> torch.Tensor:
+    """The formula for queries ``q`` (B, H, C, D) at ``q_positions`` (C,) against every key."""
+    enc, k_positions = spec.encoding, spec.k_positions
+    acc = _accumulation(q.dtype)
+    scores = torch.matmul(q, k.transpose(-1, -2)).to(acc) * spec.scale  # (B, H, C, Tk)
     if spec.has_bias:
-        scores = scores + spec.bias().to(scores.dtype)
+        # The whole query range goes through the spec: T5's bias is then built once for all layers.
+        bias = spec.bias() if q_positions is spec.q_positions else enc.bias(q_positions, k_positions)  # (H, C, Tk)
+        scores = scores + bias.to(acc)
     if spec.has_query_terms:
-        scores = scores + enc.query_terms(q, k, spec.q_positions, spec.k_positions).to(scores.dtype)
-    allowed = spec.allowed()
-    if allowed is not None:
-        scores = scores.masked_fill(~allowed, float("-inf"))
-    probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)  # (B, H, Tq, Tk)
-    out = torch.matmul(probs, v)  # (B, H, Tq, D)
+        scores = scores + enc.query_terms(q, k, q_positions, k_positions).to(acc)  # (B, H, C, Tk)
+    if spec.causal:
+        scores = scores.masked_fill(k_positions[None, :] > q_positions[:, None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(q.dtype)  # (B, H, C, Tk)
+    out = torch.matmul(probs, v)  # (B, H, C, D)
     if spec.has_value_terms:
-        out = out + enc.value_terms(probs, spec.q_positions, spec.k_positions).to(out.dtype)
+        out = out + enc.value_terms(probs, q_positions, k_positions).to(out.dtype)
     return out
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec, block: int | None = None) -> torch.Tensor:
+    block = BLOCK if block is None else block
+    if block < 1:
+        raise ValueError(f"block must be a positive integer, got {block}")
+    tq = q.shape[-2]
+    if tq <= block:
+        return _block(q, k, v, spec.q_positions, spec)
+    grad = torch.is_grad_enabled() and (
+        q.requires_grad or k.requires_grad or v.requires_grad or any(p.requires_grad for p in spec.encoding.parameters())
+    )
+    outs = []
+    for t0 in range(0, tq, block):
+        args = (q[:, :, t0 : t0 + block], k, v, spec.q_positions[t0 : t0 + block], spec)
+        outs.append(checkpoint(_block, *args, use_reentrant=False) if grad else _block(*args))
+    return torch.cat(outs, dim=-2)  # (B, H, Tq, D)

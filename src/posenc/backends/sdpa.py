@@ -17,6 +17,10 @@ def supports(spec: ScoreSpec, q: torch.Tensor) -> bool:
     return not (spec.has_query_terms or spec.has_value_terms)
 
 
+def preferred(spec: ScoreSpec, q: torch.Tensor) -> bool:
+    return spec.plain
+
+
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec) -> torch.Tensor:
     tq, tk = q.shape[-2], k.shape[-2]
     if not spec.has_bias:

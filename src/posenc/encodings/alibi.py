@@ -13,7 +13,7 @@ import math
 
 import torch
 
-from .base import PositionalEncoding, bias_from_score, check_positive
+from .base import BiasTails, PositionalEncoding, bias_from_score, check_positive, relative_bias_from_score
 
 
 def _geometric_slopes(n: int) -> list[float]:
@@ -53,3 +53,13 @@ class ALiBi(PositionalEncoding):
 
     def bias(self, q_positions: torch.Tensor, k_positions: torch.Tensor) -> torch.Tensor:
         return bias_from_score(self, q_positions, k_positions)  # (H, Tq, Tk)
+
+    # Capabilities for the fast backends (see PositionalEncoding): the bias depends on r = j - i
+    # alone and is linear in r on each side, so once the per-query constant is dropped it is a
+    # per-key term, m_h * j, and the far keys need no (H, N, N) bias at all.
+    def relative_bias(self, relative: torch.Tensor) -> torch.Tensor:
+        return relative_bias_from_score(self, relative)  # (H, *r.shape)
+
+    def bias_tails(self) -> BiasTails:
+        # Causal: f(r) = m r for every r (the future is masked anyway); encoder: -m |r|.
+        return BiasTails(past=0, past_slope=self.slopes, future=0, future_slope=self.slopes if self.causal else -self.slopes)

@@ -32,6 +32,7 @@ Shape legend: B batch, H heads, T / Tq / Tk sequence lengths, D head dim.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
@@ -64,6 +65,15 @@ class PositionalEncoding(nn.Module):
       computes its bias once per forward); otherwise every layer gets its own instance.
     - ``causal_only``: the method has no bidirectional form.
     - ``extrapolates``: it can run past its training length (for ``posenc list``).
+
+    Optional capabilities of bias methods, read by the fast attention backends (never required):
+
+    - ``relative_bias(r) -> (H, *r.shape)``: the bias as a function of r = j - i alone,
+      ``f_h(r) = score(h, i, i + r)``, differentiable in the encoding's parameters.
+    - ``bias_tails() -> BiasTails``: past which distances f is affine in r (ALiBi: everywhere;
+      T5: constant beyond its last bucket's first distance). A backend then treats the far keys as
+      plain attention plus a per-key term and a per-query constant, and only a band near the
+      diagonal needs the explicit bias.
     """
 
     name: ClassVar[str] = ""
@@ -102,3 +112,27 @@ def bias_from_score(encoding: nn.Module, q_positions: torch.Tensor, k_positions:
     """
     heads = torch.arange(encoding.num_heads, device=q_positions.device)[:, None, None]  # (H, 1, 1)
     return encoding.score(heads, q_positions[None, :, None], k_positions[None, None, :])  # (H, Tq, Tk)
+
+
+@dataclass(frozen=True)
+class BiasTails:
+    """Where a relative bias ``f_h(r)`` (r = j - i) is affine in r, one description per side.
+
+    For ``r <= -past``:   ``f_h(r) = f_h(-past) + past_slope[h] * (r + past)``;
+    for ``r >= future``:  ``f_h(r) = f_h(future) + future_slope[h] * (r - future)``.
+    A slope of None means the tail is constant (slope 0). Slopes are fixed tensors (H,), never
+    learned; the intercepts f_h(-past), f_h(future) may be learned (they come from ``relative_bias``).
+    Example: causal ALiBi has past = 0 with slopes m_h; T5 with 32 buckets and max distance 128 has
+    past = 113 (the first distance of the last bucket) and no slope.
+    """
+
+    past: int
+    past_slope: torch.Tensor | None
+    future: int
+    future_slope: torch.Tensor | None
+
+
+def relative_bias_from_score(encoding: nn.Module, relative: torch.Tensor) -> torch.Tensor:
+    """``f_h(r) = score(h, 0, r)`` for an encoding whose bias depends on r = j - i alone: (H, *r.shape)."""
+    heads = torch.arange(encoding.num_heads, device=relative.device).view(-1, *([1] * relative.dim()))  # (H, 1, ..)
+    return encoding.score(heads, torch.zeros_like(relative), relative[None])  # (H, *r.shape)

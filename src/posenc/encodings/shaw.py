@@ -57,5 +57,15 @@ class Shaw(PositionalEncoding):
         per_distance = probs.new_zeros(b, h, tq, size).scatter_add_(-1, index.expand(b, h, tq, tk), probs)  # (B, H, Tq, 2k+1)
         return torch.matmul(per_distance, self.value_table.to(probs.dtype))  # (B, H, Tq, D)
 
+    def clipped_tables(self) -> tuple[int, torch.Tensor, torch.Tensor, float]:
+        """What ``query_terms`` and ``value_terms`` are made of, for fast backends.
+
+        Returns (k, key table (2k+1, D), value table (2k+1, D), scale): the pair (i, j) uses row
+        clip(j - i, -k, k) + k, its score term is ``q_i . key_row * scale`` and its value term
+        ``p_ij * value_row``. Every key farther than k on one side uses the same row, which lets a
+        backend treat far keys as plain attention (backends/relative_terms.py).
+        """
+        return self.max_relative_position, self.key_table, self.value_table, 1.0 / math.sqrt(self.head_dim)
+
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, max_relative_position={self.max_relative_position}"

@@ -19,7 +19,7 @@ import math
 import torch
 from torch import nn
 
-from .base import PositionalEncoding, check_positive
+from .base import BiasTails, PositionalEncoding, check_positive
 
 
 def relative_position_bucket(
@@ -124,6 +124,26 @@ class T5Bias(PositionalEncoding):
     def bias(self, q_positions: torch.Tensor, k_positions: torch.Tensor) -> torch.Tensor:
         buckets = self.bucket_table(q_positions, k_positions)  # (Tq, Tk)
         return self.relative_attention_bias(buckets).permute(2, 0, 1)  # (H, Tq, Tk)
+
+    # Capabilities for the fast backends (see PositionalEncoding). The bias is piecewise constant
+    # in r = j - i, and every distance from the last bucket's first one on shares one value per
+    # head: beyond that band, attention is plain attention plus a per-head constant.
+    def relative_bias(self, relative: torch.Tensor) -> torch.Tensor:
+        return self.relative_attention_bias(self.buckets(relative)).movedim(-1, 0)  # (H, *r.shape)
+
+    def bias_tails(self) -> BiasTails:
+        tails = getattr(self, "_tails", None)  # a function of the fixed sizes: computed once
+        if tails is None:
+            distances = torch.arange(self.max_distance + 1)  # the last bucket starts by max_distance
+            past = self.buckets(-distances)
+            past_start = int(torch.nonzero(past == past[-1])[0])
+            if self.causal:
+                future_start = 1  # every key after the query is bucket 0 (and masked)
+            else:
+                future = self.buckets(distances)
+                future_start = int(torch.nonzero(future == future[-1])[0])
+            tails = self._tails = BiasTails(past=past_start, past_slope=None, future=future_start, future_slope=None)
+        return tails
 
 
 __all__ = ["T5Bias", "relative_position_bucket"]

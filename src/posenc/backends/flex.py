@@ -1,0 +1,145 @@
+"""FlexAttention: ``torch.nn.attention.flex_attention`` with the encoding's scalar form as score_mod.
+
+The encoding's ``score(h, i, j)`` (DESIGN.md §2) is exactly what a fused kernel's score modifier
+needs, so ALiBi and T5 run in one compiled kernel, with the causal mask as a block mask that skips
+whole tiles: no (H, N, N) tensor, and the T5 table gets its gradient through the captured weight.
+
+Where it runs: CUDA (training and inference), and CPU for inference only (FlexAttention has no CPU
+backward: NotImplementedError, DESIGN.md §5), both needing ``torch.compile`` (a C++ compiler on
+CPU, Triton on CUDA). The first call compiles (~12 s on CPU), so "auto" picks it on CUDA only; on
+CPU ``blocked`` is faster anyway. ``supports`` never picks it where it cannot run.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+import sysconfig
+import weakref
+
+import torch
+
+from .base import ScoreSpec
+
+try:
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+except ImportError:  # older torch
+    flex_attention = create_block_mask = None
+
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+CPU_KEY_MULTIPLE = 16  # keys are padded to this on CPU (see attend)
+
+
+@functools.cache
+def compile_available(device_type: str) -> bool:
+    """Whether torch.compile can build a flex kernel on this device type (cheap checks, no build)."""
+    if flex_attention is None:
+        return False
+    if device_type == "cuda":
+        try:
+            from torch.utils._triton import has_triton
+        except ImportError:
+            return False
+        return torch.cuda.is_available() and has_triton()
+    if device_type == "cpu":
+        from torch._inductor import config
+
+        compilers = [c for c in config.cpp.cxx if c] or ["g++"]
+        headers = os.path.join(sysconfig.get_paths()["include"], "Python.h")
+        return any(shutil.which(c) for c in compilers) and os.path.exists(headers)
+    return False
+
+
+def _needs_grad(spec: ScoreSpec, q: torch.Tensor) -> bool:
+    return torch.is_grad_enabled() and (q.requires_grad or any(p.requires_grad for p in spec.encoding.parameters()))
+
+
+def supports(spec: ScoreSpec, q: torch.Tensor) -> bool:
+    if spec.has_query_terms or spec.has_value_terms or (spec.has_bias and not spec.has_score_mod):
+        return False
+    if q.dtype not in DTYPES or not compile_available(q.device.type):
+        return False
+    if q.device.type == "cpu" and _needs_grad(spec, q):
+        return False  # no CPU backward
+    return q.device.type in ("cpu", "cuda")
+
+
+def preferred(spec: ScoreSpec, q: torch.Tensor) -> bool:
+    return q.device.type == "cuda" and spec.has_bias and supports(spec, q)
+
+
+@functools.cache
+def _compiled():
+    # Shapes become dynamic after the first recompile, so decoding does not compile at every step.
+    return torch.compile(flex_attention)
+
+
+class _Offsets:
+    """Absolute position of query 0 and key 0, as tensors the compiled kernel reads (no recompiles).
+
+    Each call gets new tensors rather than writing into these: a backward may still need them."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.set(0, 0)
+
+    def set(self, q_start: int, k_start: int) -> None:
+        self.q = torch.tensor(q_start, device=self.device)
+        self.k = torch.tensor(k_start, device=self.device)
+
+
+_score_mods: dict[tuple[int, torch.device], tuple] = {}
+_block_masks: dict[tuple, object] = {}
+
+
+def _score_mod(encoding: torch.nn.Module, device: torch.device):
+    """One score_mod per encoding and device, reused across calls so the kernel compiles once."""
+    key = (id(encoding), device)
+    hit = _score_mods.get(key)
+    if hit is None or hit[0]() is not encoding:
+        offsets = _Offsets(device)
+
+        def score_mod(score, b, h, q_idx, kv_idx):
+            return score + encoding.score(h, q_idx + offsets.q, kv_idx + offsets.k).to(score.dtype)
+
+        hit = _score_mods[key] = (weakref.ref(encoding), offsets, score_mod)
+    return hit[1], hit[2]
+
+
+def _block_mask(tq: int, tk: int, padded: int, shift: int | None, device: torch.device):
+    """Keys < tk (the rest is padding), and key position <= query position when ``shift``
+    (= q_start - k_start) is given; None when every pair is allowed."""
+    if shift is None and padded == tk:
+        return None
+    key = (tq, tk, padded, shift, device)
+    mask = _block_masks.get(key)
+    if mask is None:
+        if len(_block_masks) > 32:
+            _block_masks.clear()
+
+        def allowed(b, h, q_idx, kv_idx):
+            inside = kv_idx < tk
+            return inside if shift is None else inside & (q_idx + shift >= kv_idx)
+
+        mask = _block_masks[key] = create_block_mask(allowed, None, None, tq, padded, device=device)
+    return mask
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec) -> torch.Tensor:
+    tq, tk = q.shape[-2], k.shape[-2]
+    qs = int(spec.q_positions[0]) if tq else 0
+    ks = int(spec.k_positions[0]) if tk else 0
+    score_mod = None
+    if spec.has_bias:
+        offsets, score_mod = _score_mod(spec.encoding, q.device)
+        offsets.set(qs, ks)
+    padded = tk
+    if q.device.type == "cpu" and tk % CPU_KEY_MULTIPLE:
+        # torch 2.13's compiled CPU kernel returns wrong values for some key lengths (e.g. 8, 24,
+        # 40, 56 with short query blocks); keys padded to a multiple of 16 and masked are right.
+        padded = tk + (-tk % CPU_KEY_MULTIPLE)
+        k = torch.nn.functional.pad(k, (0, 0, 0, padded - tk))
+        v = torch.nn.functional.pad(v, (0, 0, 0, padded - tk))
+    block_mask = _block_mask(tq, tk, padded, qs - ks if spec.causal else None, q.device)
+    return _compiled()(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=spec.scale)

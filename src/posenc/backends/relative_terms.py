@@ -1,0 +1,413 @@
+"""Fast attention for encodings with query/value score terms (Shaw, Transformer-XL).
+
+Backend name ``terms``. The eager formula builds (B, H, Tq, Tk) scores, terms and probabilities;
+here nothing of that size exists in forward or backward (memory O(N x block)), and the result
+(outputs and gradients of q, k, v and every parameter of the encoding) is the eager formula's, up
+to float rounding. Two fast paths, picked from what the encoding offers (never from its name):
+
+- ``clipped_tables()`` (Shaw et al. 2018, "Self-Attention with Relative Position
+  Representations": vectors indexed by clip(j - i, -k, k)). Every key farther than k on one side
+  uses the same key vector a^K_{-k} and value vector a^V_{-k}. For those keys the score term
+  ``q_i . a^K_{-k}`` is a per-row constant c_i and the value term is a^V_{-k} times the far
+  probability mass. So attention splits into
+  * a band of keys with -k <= j - i <= k (<= 0 if causal), explicit, in chunks of queries;
+  * the far past (j - i < -k): plain attention of q[k+1:] on k[:-k-1], a triangle that the CPU
+    flash kernel does with its own causal skip, plus c_i;
+  * for encoders, the far future (j - i > k): the same on the sequences reversed;
+  merged through their log-sum-exps. The flash kernel's backward is called with the *merged*
+  output and log-sum-exp (shifted by a^V and c_i), which makes its probabilities and its
+  ``rowsum(dO * O)`` those of the whole attention, so its gradients are exact; the band's
+  gradients come from autograd. Cost: about one SDPA call plus a band of 2k+1 keys.
+- ``distance_key_form()`` (Dai et al. 2019, "Transformer-XL", §3.3: scores
+  ``q_i . k_j + u . k_j + (q_i + v) . W_R R_{i-j}``). The position term depends on i - j through
+  one key per distance, a (H, L, D) table, so a block of queries times that table gives (block, L)
+  scores per *distance*, and a strided view of them is the (block, keys) layout (the relative
+  shift without a copy). A custom autograd function walks tiles of queries (causal tiles see only
+  their past): forward, that view is the flash kernel's additive mask (scores, softmax and p v
+  fused, log-sum-exp returned); backward recomputes each tile's probabilities from the saved
+  log-sum-exp, as flash attention does, and keeps scores, probabilities and dS in the one
+  per-distance buffer. Cost: the position term adds 4 products of the size of q k^T to the 7 of
+  fused attention, and the backward's softmax is not fused (about 2x SDPA at N=4096).
+  Rejected: appending sin/cos features to q and k so that one SDPA call does everything. R has
+  the model width, so that adds H*D = 512 features per head at the default sizes, and SDPA's cost
+  grows with the head dim (v must be padded too, to stay on the fast kernel): several times slower.
+
+Anything else (another dtype or device, a bias as well, queries outside the keys' positions,
+another encoding with query/value terms) runs the eager formula (blocked, checkpointed).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+from . import eager
+from .base import ScoreSpec
+
+SHAW_CHUNK = 32  # queries per band chunk (at least the band width)
+XL_BLOCK = 128  # queries per Transformer-XL tile
+XL_HEADS = 8  # heads per Transformer-XL tile: fewer, larger calls (a tile is (B, heads, block, keys))
+FAST_DTYPES = (torch.float32, torch.float64)
+
+
+def _path(spec: ScoreSpec, q: torch.Tensor):
+    """The fast function for this call, or None (then the eager formula, blocked, runs)."""
+    enc = spec.encoding
+    if q.device.type != "cpu" or q.dtype not in FAST_DTYPES or spec.has_bias or not _contained(spec):
+        return None
+    if callable(getattr(enc, "clipped_tables", None)):
+        return shaw_attention
+    if callable(getattr(enc, "distance_key_form", None)):
+        return distance_key_attention
+    return None
+
+
+def _contained(spec: ScoreSpec) -> bool:
+    """Every query position is also a key position (so every causal row sees itself)."""
+    qp, kp = spec.q_positions, spec.k_positions
+    return qp.numel() > 0 and kp.numel() > 0 and bool(qp[0] >= kp[0]) and bool(qp[-1] <= kp[-1])
+
+
+def supports(spec: ScoreSpec, q: torch.Tensor) -> bool:
+    return spec.has_query_terms or spec.has_value_terms
+
+
+def preferred(spec: ScoreSpec, q: torch.Tensor) -> bool:
+    return supports(spec, q) and _path(spec, q) is not None
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec) -> torch.Tensor:
+    path = _path(spec, q)
+    return eager.attend(q, k, v, spec) if path is None else path(q, k, v, spec)
+
+
+# --------------------------------------------------------------------------------------------
+# Shaw: band + far regions merged by log-sum-exp.
+
+
+def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float):
+    """CPU flash attention: (output (B, H, Lq, D), logsumexp (B, H, Lq)); causal is top-left."""
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+
+
+def _flash_backward(grad, q, k, v, out, lse, causal: bool, scale: float):
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        grad, q, k, v, out, lse, 0.0, causal, scale=scale
+    )
+
+
+def lower_regions(tq: int, tk: int, offset: int) -> list[tuple[int, int, int, int, bool]]:
+    """Cover {(a, b): b <= a + offset} of a (tq, tk) grid with flash-kernel calls.
+
+    Returns (q0, q1, k0, k1, causal): queries q0:q1 attend keys k0:k1, with the kernel's top-left
+    causal mask (key b - k0 visible to query a - q0 when b - k0 <= a - q0) when ``causal``.
+    """
+    regions = []
+    if offset >= 0:
+        # Keys 0..offset are visible to every query; the rest form a triangle from query 1 on.
+        regions.append((0, tq, 0, min(offset + 1, tk), False))
+        if tq > 1 and offset + 1 < tk:
+            regions.append((1, tq, offset + 1, min(offset + tq, tk), True))
+    elif -offset < tq:
+        regions.append((-offset, tq, 0, min(tq + offset, tk), True))
+    return regions
+
+
+class _MergeFar(torch.autograd.Function):
+    """out = merge of the band (o_b, lse_b) with far regions done by the flash kernel.
+
+    A far region of side s adds, for its rows, logits ``q k^T * scale + consts[s]`` and values
+    ``v + values[s]``. ``regions``: tuples (side, flipped, q0, q1, k0, k1, causal) in the
+    coordinates of q, k, v (flipped: of q, k, v reversed along the sequence).
+    """
+
+    @staticmethod
+    def forward(ctx, o_b, lse_b, q, k, v, consts, values, regions, scale):
+        tq = q.shape[-2]
+        flips = _flipped(q, k, v) if any(r[1] for r in regions) else None
+        lse = lse_b.clone()  # (B, H, Tq)
+        parts = []
+        for side, flip, q0, q1, k0, k1, causal in regions:
+            qs, ks, vs = flips if flip else (q, k, v)
+            o, l = _flash(qs[..., q0:q1, :], ks[..., k0:k1, :], vs[..., k0:k1, :], causal, scale)
+            if flip:
+                o, l = o.flip(-2), l.flip(-1)
+            rows = slice(tq - q1, tq - q0) if flip else slice(q0, q1)
+            lse[..., rows] = torch.logaddexp(lse[..., rows], l + consts[side, ..., rows])
+            parts.append((o, l))
+        out = torch.exp(lse_b - lse)[..., None] * o_b  # (B, H, Tq, D)
+        for (side, flip, q0, q1, *_), (o, l) in zip(regions, parts):
+            rows = slice(tq - q1, tq - q0) if flip else slice(q0, q1)
+            weight = torch.exp(l + consts[side, ..., rows] - lse[..., rows])[..., None]
+            out[..., rows, :] += weight * (o + values[side])
+        ctx.regions, ctx.scale = regions, scale
+        ctx.save_for_backward(o_b, lse_b, q, k, v, consts, values, out, lse, *(t for p in parts for t in p))
+        return out
+
+    @staticmethod
+    def backward(ctx, d_out):
+        o_b, lse_b, q, k, v, consts, values, out, lse, *saved = ctx.saved_tensors
+        regions, scale = ctx.regions, ctx.scale
+        tq, tk = q.shape[-2], k.shape[-2]
+        d_out = d_out.contiguous()
+        total = (d_out * out).sum(-1)  # (B, H, Tq): rowsum(dO * O) of the whole attention
+        w_b = torch.exp(lse_b - lse)
+        d_ob = w_b[..., None] * d_out
+        d_lse_b = w_b * ((d_out * o_b).sum(-1) - total)
+        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        d_consts, d_values = torch.zeros_like(consts), torch.zeros_like(values)
+        flips = _flipped(q, k, v) if any(r[1] for r in regions) else None
+        for i, (side, flip, q0, q1, k0, k1, causal) in enumerate(regions):
+            o, l = saved[2 * i], saved[2 * i + 1]
+            rows = slice(tq - q1, tq - q0) if flip else slice(q0, q1)
+            g, c = d_out[..., rows, :], consts[side, ..., rows]
+            weight = torch.exp(l + c - lse[..., rows])  # far mass of each row, (B, H, rows)
+            d_consts[side, ..., rows] += weight * ((g * (o + values[side])).sum(-1) - total[..., rows])
+            d_values[side] += (weight[..., None] * g).sum((0, 1, 2))
+            # The kernel's P = exp(s - lse') and rowsum(dO * O') must be the whole attention's:
+            # lse' = lse - c and O' = out - values[side] (its v lacks the value vector).
+            o_shift, l_shift = out[..., rows, :] - values[side], lse[..., rows] - c
+            if flip:
+                g, o_shift, l_shift = g.flip(-2), o_shift.flip(-2), l_shift.flip(-1)
+            qs, ks, vs = flips if flip else (q, k, v)
+            gq, gk, gv = _flash_backward(
+                g.contiguous(), qs[..., q0:q1, :], ks[..., k0:k1, :], vs[..., k0:k1, :],
+                o_shift.contiguous(), l_shift.contiguous(), causal, scale,
+            )
+            if flip:
+                dq[..., tq - q1 : tq - q0, :] += gq.flip(-2)
+                dk[..., tk - k1 : tk - k0, :] += gk.flip(-2)
+                dv[..., tk - k1 : tk - k0, :] += gv.flip(-2)
+            else:
+                dq[..., q0:q1, :] += gq
+                dk[..., k0:k1, :] += gk
+                dv[..., k0:k1, :] += gv
+        return d_ob, d_lse_b, dq, dk, dv, d_consts, d_values, None, None
+
+
+def _flipped(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    return tuple(t.flip(-2) for t in tensors)
+
+
+def _shaw_band(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, per_distance: torch.Tensor, value_table: torch.Tensor,
+    clip: int, offset: int, causal: bool, scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention restricted to -clip <= j - i <= clip (<= 0 if causal): (output, logsumexp).
+
+    Query a is at key index a + offset. Queries go in chunks of c; chunk m's band keys all lie in
+    a window of c + width - 1 keys starting at key m*c + offset - clip, and the key at column t of
+    that window has table row t - (query's row in the chunk), the same for every chunk.
+    """
+    b, h, tq, d = q.shape
+    tk = k.shape[-2]
+    width = clip + 1 if causal else 2 * clip + 1  # table rows in the band: 0..width-1
+    c = max(SHAW_CHUNK, width)
+    n = -(-tq // c)
+    span = c + width - 1
+    first = offset - clip  # key index of chunk 0's first window column
+    front, back = max(0, -first), max(0, first + n * c + width - 1 - tk)
+    start = first + front
+    kp = F.pad(k, (0, 0, front, back))[..., start : start + n * c + width - 1, :]  # (B, H, n*c + width - 1, D)
+    vp = F.pad(v, (0, 0, front, back))[..., start : start + n * c + width - 1, :]
+    k_win = kp.unfold(-2, span, c)  # (B, H, n, D, span)
+    v_win = vp.unfold(-2, span, c).transpose(-1, -2)  # (B, H, n, span, D)
+    pad_q = n * c - tq
+    qc = F.pad(q, (0, 0, 0, pad_q)).reshape(b, h, n, c, d)  # (B, H, n, c, D)
+    pdc = F.pad(per_distance, (0, 0, 0, pad_q)).reshape(b, h, n, c, -1)  # (B, H, n, c, 2k+1)
+
+    dev = q.device
+    cols, rows = torch.arange(span, device=dev), torch.arange(c, device=dev)
+    row_of = cols[None, :] - rows[:, None]  # (c, span): table row of each in-band pair
+    in_band = (row_of >= 0) & (row_of < width)
+    key = first + torch.arange(n, device=dev)[:, None, None] * c + cols  # (n, 1, span) key index
+    padded_query = (torch.arange(n, device=dev)[:, None] * c + rows >= tq)[:, :, None]  # (n, c, 1)
+    # Padded query rows keep their (zero-padded) band keys so no row is all -inf; they are dropped.
+    allowed = in_band & (((key >= 0) & (key < tk)) | padded_query)  # (n, c, span)
+
+    scores = torch.matmul(qc, k_win) * scale  # (B, H, n, c, span)
+    terms = pdc.gather(-1, row_of.clamp(0, width - 1).expand(b, h, n, c, span))  # (B, H, n, c, span)
+    scores = (scores + terms).masked_fill(~allowed, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)  # (B, H, n, c)
+    probs = torch.exp(scores - lse[..., None])
+    out = torch.matmul(probs, v_win)  # (B, H, n, c, D)
+    # Value vectors: the probability at each band distance, times the table row.
+    at = rows[:, None] + torch.arange(width, device=dev)[None, :]  # (c, width): column of row r
+    per_row = probs.gather(-1, at.expand(b, h, n, c, width))  # (B, H, n, c, width)
+    out = out + torch.matmul(per_row, value_table[:width])
+    return out.reshape(b, h, n * c, d)[..., :tq, :], lse.reshape(b, h, n * c)[..., :tq]
+
+
+def shaw_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec) -> torch.Tensor:
+    """Shaw et al. (2018) relative attention with clipped distance: band + far regions."""
+    clip, key_table, value_table, term_scale = spec.encoding.clipped_tables()
+    tq, tk = q.shape[-2], k.shape[-2]
+    offset = int(spec.q_positions[0] - spec.k_positions[0])  # query a is key a + offset
+    per_distance = torch.matmul(q, (key_table.to(q.dtype) * term_scale).t())  # (B, H, Tq, 2k+1) logits
+    value_table = value_table.to(q.dtype)
+    o_b, lse_b = _shaw_band(q, k, v, per_distance, value_table, clip, offset, spec.causal, spec.scale)
+    # Far past: j - i < -clip, i.e. key b <= a + offset - clip - 1; table row 0.
+    regions = [(0, False, *r) for r in lower_regions(tq, tk, offset - clip - 1)]
+    consts, values = [per_distance[..., 0]], [value_table[0]]
+    if not spec.causal:
+        # Far future: b >= a + offset + clip + 1. Reversed (a' = tq-1-a, b' = tk-1-b) it is
+        # b' <= a' + tk - tq - offset - clip - 1, a lower region again. Table row 2k.
+        regions += [(1, True, *r) for r in lower_regions(tq, tk, tk - tq - offset - clip - 1)]
+        consts.append(per_distance[..., -1])
+        values.append(value_table[-1])
+    if not regions:
+        return o_b
+    return _MergeFar.apply(o_b, lse_b, q, k, v, torch.stack(consts), torch.stack(values), tuple(regions), spec.scale)
+
+
+# --------------------------------------------------------------------------------------------
+# Transformer-XL: position keys per distance, blocked, recomputed in backward.
+
+
+def _skew(x: torch.Tensor, keys: int) -> torch.Tensor:
+    """View of per-distance scores x (..., c, c + keys - 1) in key layout (..., c, keys).
+
+    Column m of x holds distance (largest - m), largest = last query - first key, so row a and key
+    t read column t + c - 1 - a: a strided view, stride (L - 1) along rows, no copy.
+    """
+    *lead, c, length = x.shape
+    return x.as_strided((*lead, c, keys), (*x.stride()[:-2], length - 1, 1), x.storage_offset() + c - 1)
+
+
+class _DistanceKeyAttention(torch.autograd.Function):
+    """softmax(qc k^T + shift(qp pk^T) [+ causal mask]) v, in tiles of (heads, query block).
+
+    qc, qp (B, H, Tq, D): content and position queries (scales folded in); k, v (B, H, Tk, D);
+    pk (H, L, D): position keys, row m for distance (Tq - 1 + offset) - m; query a is key a + offset.
+    Forward: per tile, the per-distance scores viewed in key layout are the flash kernel's additive
+    mask (it does q k^T, softmax and p v fused, and returns the log-sum-exp). Backward: per tile,
+    recompute the probabilities from the saved log-sum-exp, as flash attention does. Memory: a
+    few (B, heads, block, keys) temporaries, never (Tq, Tk).
+    """
+
+    @staticmethod
+    def forward(ctx, qc, qp, k, v, pk, offset, causal, block, heads):
+        tq, tk = qc.shape[-2], k.shape[-2]
+        out = qc.new_empty(*qc.shape[:-1], v.shape[-1])  # (B, H, Tq, D)
+        lse = qc.new_empty(qc.shape[:-1])  # (B, H, Tq)
+        for hs, a0, a1 in _tiles(qc.shape[1], tq, heads, block):
+            position, keys = _block_position(qp[:, hs], pk[hs], tk, a0, a1, offset, causal)
+            o, l = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                qc[:, hs, a0:a1], k[:, hs, :keys], v[:, hs, :keys], 0.0, False, attn_mask=_skew(position, keys), scale=1.0
+            )
+            out[:, hs, a0:a1], lse[:, hs, a0:a1] = o, l
+        ctx.offset, ctx.causal, ctx.block, ctx.heads = offset, causal, block, heads
+        ctx.save_for_backward(qc, qp, k, v, pk, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, d_out):
+        qc, qp, k, v, pk, out, lse = ctx.saved_tensors
+        offset, causal = ctx.offset, ctx.causal
+        tq, tk = qc.shape[-2], k.shape[-2]
+        total = (d_out * out).sum(-1)  # (B, H, Tq): rowsum(dO * O)
+        # One extra feature folds "- lse" into q k^T and "- total" into dO v^T: fewer passes.
+        ones = k.new_ones(*k.shape[:-1], 1)
+        qc_lse, k_one = torch.cat((qc, -lse[..., None]), -1), torch.cat((k, ones), -1)  # (B, H, T, D + 1)
+        g_total, v_one = torch.cat((d_out, -total[..., None]), -1), torch.cat((v, ones), -1)
+        dqc, dqp = torch.empty_like(qc), torch.empty_like(qp)
+        dk, dv, dpk = torch.zeros_like(k), torch.zeros_like(v), torch.zeros_like(pk)
+        for hs, a0, a1 in _tiles(qc.shape[1], tq, ctx.heads, ctx.block):
+            # Everything below lives in one per-distance buffer (B, h, c, L); ``probs`` is its
+            # key-layout view, so the scores, probabilities and dS never need a copy between the
+            # two layouts. The content product is accumulated into the view by the GEMM itself.
+            dist, keys = _block_position(qp[:, hs], pk[hs], tk, a0, a1, offset, causal)  # (B, h, c, L)
+            c, m0, length = a1 - a0, tq - a1, dist.shape[-1]
+            probs = _skew(dist, keys)  # (B, h, c, keys)
+            _skew(dist.view(-1, c, length), keys).baddbmm_(  # the same memory as probs, 3-d for bmm
+                _flat(qc_lse[:, hs, a0:a1]), _flat(k_one[:, hs, :keys]).transpose(-1, -2)
+            )
+            probs.exp_()  # exp(score - lse): the softmax probabilities
+            g = d_out[:, hs, a0:a1]
+            _add_product(dv[:, hs, :keys], probs.transpose(-1, -2), g)
+            probs.mul_(torch.matmul(g_total[:, hs, a0:a1], v_one[:, hs, :keys].transpose(-1, -2)))  # dS = P (dP - total)
+            # The c - 1 columns at each end of a row that are not its keys: zero, for the
+            # per-distance products below.
+            _, keep_left, keep_right = _masks(c, dist.dtype, dist.device)
+            dist[..., : c - 1].mul_(keep_left)
+            dist[..., keys:].mul_(keep_right)
+            d_scores = probs
+            dqc[:, hs, a0:a1] = torch.matmul(d_scores, k[:, hs, :keys])
+            _add_product(dk[:, hs, :keys], d_scores.transpose(-1, -2), qc[:, hs, a0:a1])
+            dqp[:, hs, a0:a1] = torch.matmul(dist, pk[hs, m0 : m0 + length])
+            if dist.shape[0] == 1:
+                _add_product(dpk[hs, m0 : m0 + length], dist[0].transpose(-1, -2), qp[0, hs, a0:a1])
+            else:
+                dpk[hs, m0 : m0 + length] += torch.matmul(dist.transpose(-1, -2), qp[:, hs, a0:a1]).sum(0)
+        return dqc, dqp, dk, dv, dpk, None, None, None, None
+
+
+def _flat(x: torch.Tensor) -> torch.Tensor:
+    """(B, h, r, c) -> (B*h, r, c) for bmm (a copy when the strides do not allow a view)."""
+    return x.reshape(-1, *x.shape[-2:])
+
+
+def _add_product(target: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """target += a @ b, accumulated by the GEMM itself when target's memory allows a 3-d view."""
+    try:
+        flat = target.view(-1, *target.shape[-2:])
+    except RuntimeError:  # e.g. some heads of a batch > 1: not one stride per batch
+        target += torch.matmul(a, b)
+        return
+    flat.baddbmm_(_flat(a), _flat(b))
+
+
+@functools.lru_cache(maxsize=16)
+def _masks(c: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Float masks of a block of c queries, made once: (c, c) -inf where a key among the block's
+    last c is ahead of the query, else 0 (to add); (c, c-1) 0 for the columns left of row a's keys
+    among its first c - 1 per-distance columns, else 1 (to multiply); (c, c-1) the same right of
+    them among the last c - 1. (Arithmetic, not masked_fill_, which is slow on these views.)"""
+    rows, cols = torch.arange(c, device=device)[:, None], torch.arange(c, device=device)[None, :]
+    future = torch.zeros(c, c, dtype=dtype, device=device).masked_fill_(cols > rows, float("-inf"))
+    inner = cols[:, : c - 1]
+    return future, (inner >= c - 1 - rows).to(dtype), (inner < c - 1 - rows).to(dtype)
+
+
+def _tiles(num_heads: int, tq: int, heads: int, block: int):
+    """(head slice, a0, a1) for every tile of ``heads`` heads x ``block`` queries."""
+    for h0 in range(0, num_heads, heads):
+        for a0 in range(0, tq, block):
+            yield slice(h0, min(h0 + heads, num_heads)), a0, min(a0 + block, tq)
+
+
+def _block_position(qp, pk, tk: int, a0: int, a1: int, offset: int, causal: bool) -> tuple[torch.Tensor, int]:
+    """Position logits of queries a0:a1 per distance, (B, H, c, c + keys - 1), whose ``_skew``
+    view is their (B, H, c, keys) logits against the keys they may see, causal mask included;
+    and ``keys``."""
+    c = a1 - a0
+    keys = min(tk, a1 + offset) if causal else tk
+    m0, length = qp.shape[-2] - a1, c + keys - 1  # pk rows of distances a1-1+offset .. a0+offset-keys+1
+    per_distance = torch.matmul(qp[..., a0:a1, :], pk[:, m0 : m0 + length, :].transpose(-1, -2))  # (B, H, c, L)
+    if causal:
+        # Only the last c keys can be ahead of a query of this block: key a0+offset+t vs query a0+a.
+        future = _masks(c, per_distance.dtype, qp.device)[0][:, c - min(c, keys) :]
+        _skew(per_distance, keys)[..., keys - future.shape[-1] :].add_(future)
+    return per_distance, keys
+
+
+def distance_key_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec) -> torch.Tensor:
+    """Transformer-XL (Dai et al. 2019) attention without (Tq, Tk) tensors."""
+    enc = spec.encoding
+    u, v_bias, term_scale = enc.distance_key_form()
+    tq, tk = q.shape[-2], k.shape[-2]
+    offset = int(spec.q_positions[0] - spec.k_positions[0])
+    # (a) + (c): q.k*scale + u.k*s = (q*scale + u*s).k ; (b) + (d): (q + v).W_R R_{i-j} * s.
+    qc = q * spec.scale + (u.to(q.dtype) * term_scale)[:, None, :]  # (B, H, Tq, D)
+    qp = (q + v_bias.to(q.dtype)[:, None, :]) * term_scale  # (B, H, Tq, D)
+    largest = tq - 1 + offset  # last query minus first key
+    block = XL_BLOCK
+    if spec.causal:
+        # Distances below 0 are masked: zero rows stand in for them (block - 1 of them at most).
+        pk = enc.position_keys(largest - torch.arange(largest + 1, device=q.device), q.dtype)  # (H, L, D)
+        pk = F.pad(pk, (0, 0, 0, min(block, tq) - 1))
+    else:
+        pk = enc.position_keys(largest - torch.arange(tq + tk - 1, device=q.device), q.dtype)  # (H, L, D)
+    return _DistanceKeyAttention.apply(qc, qp, k, v, pk, offset, spec.causal, block, XL_HEADS)

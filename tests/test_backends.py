@@ -1,0 +1,359 @@
+"""Attention backends (sdpa, blocked, flex, eager) against the eager formula, and their selection.
+
+Every backend must give the eager formula's outputs and gradients (q, k, v, the T5 table, the
+attention's weights) to 1e-5 in float32, causal and bidirectional, full passes and KV-cache
+decoding, at sizes that exercise several blocks and the far region of the blocked backend.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+
+import pytest
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from posenc import backends
+from posenc.attention import Attention, LayerCache
+from posenc.backends import blocked, eager, flex, sdpa
+from posenc.backends.base import ScoreSpec
+from posenc.encodings import build
+from posenc.encodings.t5 import T5Bias
+from posenc.model import LM, LMConfig
+
+H, D = 4, 16
+TOL = dict(rtol=1e-5, atol=1e-5)
+# 32 buckets up to distance 32: T5's band is ~30 keys, so N=300 has a far region and several blocks.
+OPTIONS = {"t5": dict(num_buckets=32, max_distance=32)}
+
+
+def make(method: str, causal: bool) -> nn.Module:
+    enc = build(method, num_heads=H, head_dim=D, causal=causal, **OPTIONS.get(method, {}))
+    if method == "t5":
+        nn.init.normal_(enc.relative_attention_bias.weight)  # order-1 biases, so errors show
+    return enc
+
+
+def run(attend, enc, q, k, v, spec, grad_out, dtype=torch.float32):
+    """Output and gradients of (q, k, v, *encoding parameters) for one backend, in float32."""
+    enc = copy.deepcopy(enc).to(dtype)
+    spec = dataclasses.replace(spec, encoding=enc, shared={})
+    q, k, v = (x.detach().to(dtype).requires_grad_() for x in (q, k, v))
+    out = attend(q, k, v, spec)
+    params = [q, k, v, *enc.parameters()]
+    return [t.float() for t in (out, *torch.autograd.grad(out, params, grad_out.to(dtype)))]
+
+
+def reference(enc, q, k, v, spec, grad_out):
+    """The eager formula in float64: the exact values every float32 backend is held to."""
+    return run(REFERENCE, enc, q, k, v, spec, grad_out, torch.float64)
+
+
+def assert_agree(got, want, tensors: int = 4):
+    """1e-5 on the first ``tensors`` (output, q, k, v gradients). A parameter's gradient (the T5
+    table) sums B x N^2 terms, so it is held to 1e-5 of its own scale: float32 eager itself is
+    ~5e-6 of it off."""
+    assert len(got) == len(want)
+    for n, (g, w) in enumerate(zip(got, want)):
+        atol = TOL["atol"] * (1 if n < tensors else max(1.0, w.abs().max().item()))
+        torch.testing.assert_close(g, w, rtol=TOL["rtol"], atol=atol)
+
+
+BACKENDS = {
+    "blocked": lambda q, k, v, spec: blocked.attend(q, k, v, spec, block=64),
+    "sdpa": sdpa.attend,
+    "eager-blocked": lambda q, k, v, spec: eager.attend(q, k, v, spec, block=64),
+}
+REFERENCE = lambda q, k, v, spec: eager.attend(q, k, v, spec, block=10**6)  # noqa: E731 (one block: the plain formula)
+# (queries, keys): a full pass; a KV-cache step of 37 tokens; one decoded token; block + 1 (odd).
+CAUSAL_SHAPES = [(300, 300), (37, 300), (1, 300), (65, 65)]
+ENCODER_SHAPES = [(300, 300), (65, 65)]
+
+
+@pytest.mark.parametrize("backend", list(BACKENDS))
+@pytest.mark.parametrize("method", ["alibi", "t5", "nope"])
+@pytest.mark.parametrize(
+    "causal,tq,tk", [(True, *s) for s in CAUSAL_SHAPES] + [(False, *s) for s in ENCODER_SHAPES]
+)
+def test_backend_agrees_with_eager(backend, method, causal, tq, tk):
+    torch.manual_seed(1)
+    enc = make(method, causal)
+    b = 1 if tq == 300 else 2  # batch 1 runs the blocked band on views, batch 2 on copies
+    q, k, v = torch.randn(b, H, tq, D), torch.randn(b, H, tk, D), torch.randn(b, H, tk, D)
+    start = 5  # absolute positions need not start at 0
+    k_positions = torch.arange(start, start + tk)
+    spec = ScoreSpec(enc, k_positions[tk - tq :], k_positions, causal, 1 / math.sqrt(D), None)
+    grad_out = torch.randn(b, H, tq, D)
+    assert_agree(run(BACKENDS[backend], enc, q, k, v, spec, grad_out), reference(enc, q, k, v, spec, grad_out))
+
+
+def test_blocked_plan_covers_far_region_and_several_blocks():
+    """The sizes above do exercise what they are meant to: far calls, batched band blocks."""
+    for method in ("alibi", "t5"):
+        for causal in (True, False):
+            spec = ScoreSpec(make(method, causal), torch.arange(300), torch.arange(300), causal, 0.25, None)
+            plan = blocked.make_plan(spec, 300, 300, block=64)
+            assert plan.far and any(call.causal for call in plan.far)  # the shifted causal triangle
+            assert method == "t5" or len(plan.far) >= 4  # sloped tail: far blocks of 64 queries
+            assert any(group.inner and group.count > 1 for group in plan.bands)
+            assert causal or any(call.flip for call in plan.far)
+
+
+@pytest.mark.parametrize("method", ["nope", "rope", "alibi", "t5"])
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("backend", ["auto", "sdpa", "blocked"])
+def test_attention_with_kv_cache_agrees_with_eager(method, causal, backend, monkeypatch):
+    """Whole Attention layers: a full pass (encoders) or prefill + cached steps (decoders), outputs
+    and gradients of every parameter, backend vs eager. Small blocks so 70 tokens span several."""
+    monkeypatch.setattr(blocked, "BAND_BLOCK", 16)
+    monkeypatch.setattr(blocked, "FAR_BLOCK", 16)
+    monkeypatch.setattr(blocked, "BAND_GROUP", 2)
+    torch.manual_seed(2)
+    enc = make(method, causal)
+    layers = {name: Attention(H * D, H, copy.deepcopy(enc), causal=causal, backend=name) for name in (backend, "eager")}
+    layers[backend].load_state_dict(layers["eager"].state_dict())
+    layers["eager"].double()  # the reference in float64
+    x = torch.randn(2, 70, H * D)
+    results = {}
+    for name, layer in layers.items():
+        x = x.to(next(layer.parameters()).dtype)
+        if causal:  # prefill 40, then 1, 1, 5 and 23 tokens through the cache
+            cache, outs, at = LayerCache(), [], 0
+            for n in (40, 1, 1, 5, 23):
+                outs.append(layer(x[:, at : at + n], cache=cache))
+                at += n
+            out = torch.cat(outs, dim=1)
+        else:
+            out = layer(x)
+        params = list(layer.parameters())
+        results[name] = [t.float() for t in (out, *torch.autograd.grad(out, params, torch.ones_like(out)))]
+    assert_agree(results[backend], results["eager"], tensors=1)
+
+
+def test_blocked_generic_path_for_other_bias_encodings():
+    """A bias method without relative_bias/bias_tails: blocked runs the generic per-block path."""
+
+    class PlainBias(T5Bias):
+        relative_bias = None
+        bias_tails = None
+
+    torch.manual_seed(3)
+    enc = PlainBias(H, D, causal=True, num_buckets=32, max_distance=32)
+    nn.init.normal_(enc.relative_attention_bias.weight)
+    q, k, v = torch.randn(1, H, 90, D), torch.randn(1, H, 150, D), torch.randn(1, H, 150, D)
+    spec = ScoreSpec(enc, torch.arange(60, 150), torch.arange(150), True, 0.25, None)
+    assert not blocked.fast_path(spec, 90, 150)
+    grad_out = torch.randn(1, H, 90, D)
+    got = run(lambda *a: blocked.attend(*a, block=32), enc, q, k, v, spec, grad_out)
+    assert_agree(got, reference(enc, q, k, v, spec, grad_out))
+
+
+@pytest.mark.parametrize("method", ["alibi", "t5"])
+def test_blocked_value_head_dim_may_differ(method):
+    """v with another head dim than q, k (the flash kernel refuses it): blocked writes it out."""
+    torch.manual_seed(7)
+    enc = make(method, True)
+    q, k, v = torch.randn(1, H, 130, D), torch.randn(1, H, 130, D), torch.randn(1, H, 130, 24)
+    spec = ScoreSpec(enc, torch.arange(130), torch.arange(130), True, 0.25, None)
+    grad_out = torch.randn(1, H, 130, 24)
+    got = run(lambda *a: blocked.attend(*a, block=32), enc, q, k, v, spec, grad_out)
+    assert_agree(got, reference(enc, q, k, v, spec, grad_out))
+
+
+def test_bias_tails_describe_the_bias():
+    """The capabilities blocked relies on: f(r) = score(h, i, i + r), affine beyond the tails."""
+    r = torch.arange(-400, 401)
+    for method in ("alibi", "t5"):
+        for causal in (True, False):
+            enc = make(method, causal)
+            f = enc.relative_bias(r)  # (H, R)
+            torch.testing.assert_close(f, enc.bias(torch.zeros(1, dtype=torch.long), r)[:, 0])
+            tails = enc.bias_tails()
+            at = lambda d: f[:, d + 400]  # noqa: E731
+            for d in range(-400, -tails.past + 1):
+                slope = 0 if tails.past_slope is None else tails.past_slope * (d + tails.past)
+                torch.testing.assert_close(at(d), at(-tails.past) + slope)
+            if not causal:
+                for d in range(tails.future, 401):
+                    slope = 0 if tails.future_slope is None else tails.future_slope * (d - tails.future)
+                    torch.testing.assert_close(at(d), at(tails.future) + slope)
+    # T5: the last bucket (32 buckets, max distance 128) starts at distance 113, as the bucket function says
+    assert build("t5", num_heads=2, head_dim=4).bias_tails().past == 113
+
+
+def test_blocked_alibi_precision_at_long_range():
+    """Steep ALiBi slopes over 1024 keys: blocked stays as close to float64 as a dense float32 bias.
+    (One reference position for all queries would lose ~3e-5 here, DESIGN.md §5.)"""
+    torch.manual_seed(4)
+    h, n = 8, 1024  # 8 heads: slopes down from 1/2
+    enc = build("alibi", num_heads=h, head_dim=D)
+    q, k, v = (torch.randn(1, h, n, D) * 2 for _ in range(3))
+    pos = torch.arange(n)
+    spec = ScoreSpec(enc, pos, pos, True, 0.25, None)
+    with torch.no_grad():
+        exact = eager.attend(q.double(), k.double(), v.double(), ScoreSpec(enc.double(), pos, pos, True, 0.25, None))
+        enc.float()
+        dense = (sdpa.attend(q, k, v, spec).double() - exact).abs().max().item()
+        ours = (blocked.attend(q, k, v, spec).double() - exact).abs().max().item()
+    assert ours <= max(2 * dense, 2e-6), (ours, dense)
+
+
+def test_blocked_bfloat16_close_to_float32():
+    torch.manual_seed(5)
+    for method in ("alibi", "t5"):
+        enc = make(method, True)
+        q, k, v = (torch.randn(1, H, 200, D) for _ in range(3))
+        pos = torch.arange(200)
+        spec = ScoreSpec(enc, pos, pos, True, 0.25, None)
+        want = eager.attend(q, k, v, spec)
+        got = blocked.attend(q.bfloat16(), k.bfloat16(), v.bfloat16(), spec, block=64)
+        assert got.dtype == torch.bfloat16
+        torch.testing.assert_close(got.float(), want, rtol=0, atol=5e-2)
+
+
+class MaxTensor(TorchDispatchMode):
+    """Records the largest tensor any op returns."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.numel())
+        return out
+
+
+@pytest.mark.parametrize("method", ["alibi", "t5"])
+@pytest.mark.parametrize("causal", [True, False])
+def test_no_quadratic_tensor(method, causal):
+    """Forward and backward at N=1024: blocked and eager never make anything near (H, N, N)."""
+    n = 1024
+    enc = build(method, num_heads=H, head_dim=D, causal=causal)
+    q, k, v = (torch.randn(1, H, n, D, requires_grad=True) for _ in range(3))
+    pos = torch.arange(n)
+    for attend in (blocked.attend, lambda *a: eager.attend(*a, block=64)):
+        spec = ScoreSpec(enc, pos, pos, causal, 0.25, {})
+        with MaxTensor() as seen:
+            attend(q, k, v, spec).sum().backward()
+        assert seen.largest <= H * n * n // 4, seen.largest
+
+
+# --- selection -----------------------------------------------------------------------------------
+
+
+def spec_for(method: str, causal: bool = True) -> tuple[ScoreSpec, torch.Tensor]:
+    enc = build(method, num_heads=H, head_dim=D, causal=causal)
+    pos = torch.arange(8)
+    return ScoreSpec(enc, pos, pos, causal, 0.25, None), torch.randn(1, H, 8, D, requires_grad=True)
+
+
+def chosen(method: str, causal: bool = True, grad: bool = True, dtype=torch.float32) -> str:
+    spec, q = spec_for(method, causal)
+    with torch.set_grad_enabled(grad):
+        module = backends.choose("auto", spec, q.to(dtype))
+    return next(name for name, m in backends.BACKENDS.items() if m is module)
+
+
+def test_auto_picks_sdpa_without_score_terms():
+    for method in ("nope", "rope", "sinusoidal", "learned"):
+        for causal in (True, False):
+            assert chosen(method, causal) == "sdpa"
+
+
+def test_auto_picks_blocked_for_bias_methods_on_cpu():
+    for method in ("alibi", "t5"):
+        for causal in (True, False):
+            for grad in (True, False):
+                for dtype in (torch.float32, torch.bfloat16):
+                    assert chosen(method, causal, grad, dtype) == "blocked"
+
+
+def test_auto_never_picks_bias_backends_for_query_value_terms():
+    for method in ("shaw", "transformer_xl"):
+        assert chosen(method) not in ("sdpa", "blocked", "flex")
+
+
+def test_flex_is_never_offered_where_it_cannot_run():
+    spec, q = spec_for("alibi")
+    with torch.enable_grad():
+        assert not flex.supports(spec, q)  # no CPU backward
+    assert not flex.supports(*spec_for("shaw"))
+    assert not flex.preferred(spec, q.detach())  # CPU: blocked is faster and needs no compile
+
+
+@pytest.mark.parametrize("method,backend", [("shaw", "sdpa"), ("transformer_xl", "blocked"), ("shaw", "flex"), ("alibi", "flex")])
+def test_forcing_a_backend_that_cannot_run_raises(method, backend):
+    enc = build(method, num_heads=H, head_dim=D)
+    layer = Attention(H * D, H, enc, backend=backend)
+    with pytest.raises(ValueError, match="allowed") as error:
+        layer(torch.randn(1, 6, H * D))  # with grad: flex has no CPU backward
+    assert "eager" in str(error.value) and repr(backend) in str(error.value)
+
+
+def test_unknown_backend_names_are_refused_early():
+    with pytest.raises(ValueError, match="attention backend"):
+        Attention(H * D, H, build("alibi", num_heads=H, head_dim=D), backend="fast")
+    with pytest.raises(ValueError, match="attention backend"):
+        LMConfig(encoding="alibi", attention_backend="fast")
+
+
+def test_lm_config_forces_a_backend(monkeypatch):
+    calls = []
+    monkeypatch.setattr(eager, "attend", lambda *a, **k: calls.append(1) or sdpa.attend(*a))
+    model = LM(LMConfig(encoding="alibi", dim=32, depth=2, num_heads=2, attention_backend="eager"))
+    model(torch.randint(0, 256, (1, 10)))
+    assert len(calls) == 2
+
+
+def test_register_adds_a_backend_to_the_preference_order(monkeypatch):
+    monkeypatch.setattr(backends, "BACKENDS", dict(backends.BACKENDS))
+    monkeypatch.setattr(backends, "PREFERENCE", list(backends.PREFERENCE))
+
+    class Everything:
+        supports = preferred = staticmethod(lambda spec, q: True)
+        attend = staticmethod(eager.attend)
+
+    backends.register("late", Everything)
+    assert backends.PREFERENCE[-2:] == ["late", "eager"]
+    assert backends.check_name("late") == "late"
+    assert chosen("nope") == "sdpa"  # earlier backends still win
+    backends.register("everything", type("First", (Everything,), {}), before="sdpa")
+    assert chosen("nope") == chosen("shaw") == "everything"
+
+
+# --- shared work ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", ["blocked", "eager"])
+def test_t5_bias_is_computed_once_per_forward(backend, monkeypatch):
+    model = LM(LMConfig(encoding="t5", dim=32, depth=3, num_heads=2, attention_backend=backend))
+    enc = model.encoding
+    hook = "relative_bias" if backend == "blocked" else "bias"
+    calls = []
+    original = getattr(enc, hook)
+    monkeypatch.setattr(enc, hook, lambda *a: calls.append(1) or original(*a))
+    model(torch.randint(0, 256, (2, 20)))
+    assert len(calls) == 1
+    model(torch.randint(0, 256, (2, 20)))
+    assert len(calls) == 2
+
+
+# --- flex (compiles: one small case, skipped where torch.compile cannot build) ---------------------
+
+
+@pytest.mark.skipif(not flex.compile_available("cpu"), reason="torch.compile cannot build CPU kernels here")
+def test_flex_agrees_with_eager_for_cpu_inference():
+    torch.manual_seed(6)
+    enc = make("t5", True)
+    q, k, v = torch.randn(1, H, 7, D), torch.randn(1, H, 40, D), torch.randn(1, H, 40, D)
+    spec = ScoreSpec(enc, torch.arange(33, 40), torch.arange(40), True, 0.25, None)
+    with torch.no_grad():
+        assert flex.supports(spec, q)
+        torch.testing.assert_close(flex.attend(q, k, v, spec), eager.attend(q, k, v, spec), **TOL)
