@@ -23,6 +23,15 @@ Every score term is returned in *logit units*: the attention computes
 ``softmax(q k^T * scale + bias + query_terms)``, with ``scale = 1/sqrt(head_dim)``; a method whose
 paper scales its own terms (Shaw, Transformer-XL) applies the scale itself.
 
+Optional capabilities that fast backends look for (again by presence, never by name); the hooks
+above stay the reference that every backend is tested against:
+
+- ``relative_bias(r) -> (H, *r.shape)`` and ``bias_tails() -> BiasTails``: a bias that depends on
+  r = j - i alone and, past some distance, is constant or linear in r (T5's last buckets, ALiBi), so
+  far keys can go through a fused kernel and only a band near the diagonal is written out.
+- ``clipped_tables()`` (Shaw): clip k, key and value tables, scale.
+- ``distance_key_form()`` (Transformer-XL): u, v, scale, with ``position_keys(distances)``.
+
 Positions are absolute integer indices, 1-D ``LongTensor`` of consecutive values
 (``torch.arange(start, start + T)``). Relative position is ``r = j - i`` (key minus query): r < 0
 means the key is in the past.
