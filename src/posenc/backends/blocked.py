@@ -47,7 +47,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from . import sdpa
-from .base import ScoreSpec
+from .base import ScoreSpec, accumulation_dtype, cpu_flash, cpu_flash_backward, needs_grad
 
 BLOCK = 256  # generic path (and the written-out fallback): query rows per block
 BAND_BLOCK = 64  # query rows per explicit band block: the band is BAND_BLOCK + P - 1 keys wide
@@ -55,11 +55,6 @@ BAND_GROUP = 16  # band blocks batched into one kernel call (temporaries: H x GR
 EXPLICIT_GROUP = 4  # band blocks per step of the written-out backward of a learned bias
 FAR_BLOCK = 1024  # query rows per far call when the tail has a slope (its own reference each)
 SLOPE_BAND = 64  # the band of a sloped tail is at least this wide (see Precision above)
-
-
-def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Scores, log-sum-exps and merges: float32, or float64 for float64 inputs."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def up(x: torch.Tensor) -> torch.Tensor:
@@ -241,7 +236,7 @@ def _kernel(q: torch.Tensor, v: torch.Tensor) -> bool:
 
 def _flash_forward(q, k, v, mask, causal, scale):
     if _kernel(q, v):
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, attn_mask=mask, scale=scale)
+        return cpu_flash(q, k, v, causal, scale, mask)
     # Otherwise (other devices, where flex is the fast path; v's head dim not q's): the formula,
     # BLOCK rows at a time so memory stays O(BLOCK x L).
     outs, lses = [], []
@@ -255,9 +250,7 @@ def _flash_forward(q, k, v, mask, causal, scale):
 
 def _flash_backward(do, q, k, v, out, lse, mask, causal, scale):
     if _kernel(q, v):
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            do, q, k, v, out, lse, 0.0, causal, attn_mask=mask, scale=scale
-        )
+        return cpu_flash_backward(do, q, k, v, out, lse, causal, scale, mask)
     dq, dk, dv = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
     for a in range(0, q.shape[-2], BLOCK):
         r = slice(a, a + BLOCK)
@@ -492,7 +485,7 @@ def _generic(q, k, v, spec: ScoreSpec, block: int) -> torch.Tensor:
             bias = bias.masked_fill(kp[None, None, :] > qp[None, :, None], float("-inf"))
         return F.scaled_dot_product_attention(qc, kc, vc, attn_mask=bias, scale=spec.scale)
 
-    grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or any(p.requires_grad for p in enc.parameters()))
+    grad = needs_grad(spec, q, k, v)
     outs = []
     for t0 in range(0, tq, block):
         qp = spec.q_positions[t0 : t0 + block]

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from .base import ScoreSpec
+from .base import ScoreSpec, accumulation_dtype, needs_grad
 
 BLOCK = 256  # query rows per block
 
@@ -26,14 +26,10 @@ def preferred(spec: ScoreSpec, q: torch.Tensor) -> bool:
     return True  # the last resort: runs everything
 
 
-def _accumulation(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
 def _block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_positions: torch.Tensor, spec: ScoreSpec) -> torch.Tensor:
     """The formula for queries ``q`` (B, H, C, D) at ``q_positions`` (C,) against every key."""
     enc, k_positions = spec.encoding, spec.k_positions
-    acc = _accumulation(q.dtype)
+    acc = accumulation_dtype(q.dtype)
     scores = torch.matmul(q, k.transpose(-1, -2)).to(acc) * spec.scale  # (B, H, C, Tk)
     if spec.has_bias:
         # The whole query range goes through the spec: T5's bias is then built once for all layers.
@@ -57,9 +53,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec, b
     tq = q.shape[-2]
     if tq <= block:
         return _block(q, k, v, spec.q_positions, spec)
-    grad = torch.is_grad_enabled() and (
-        q.requires_grad or k.requires_grad or v.requires_grad or any(p.requires_grad for p in spec.encoding.parameters())
-    )
+    grad = needs_grad(spec, q, k, v)
     outs = []
     for t0 in range(0, tq, block):
         args = (q[:, :, t0 : t0 + block], k, v, spec.q_positions[t0 : t0 + block], spec)

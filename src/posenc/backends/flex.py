@@ -20,7 +20,7 @@ import weakref
 
 import torch
 
-from .base import ScoreSpec
+from .base import ScoreSpec, needs_grad
 
 try:
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
@@ -51,16 +51,12 @@ def compile_available(device_type: str) -> bool:
     return False
 
 
-def _needs_grad(spec: ScoreSpec, q: torch.Tensor) -> bool:
-    return torch.is_grad_enabled() and (q.requires_grad or any(p.requires_grad for p in spec.encoding.parameters()))
-
-
 def supports(spec: ScoreSpec, q: torch.Tensor) -> bool:
     if spec.has_query_terms or spec.has_value_terms or (spec.has_bias and not spec.has_score_mod):
         return False
     if q.dtype not in DTYPES or not compile_available(q.device.type):
         return False
-    if q.device.type == "cpu" and _needs_grad(spec, q):
+    if q.device.type == "cpu" and needs_grad(spec, q):
         return False  # no CPU backward
     return q.device.type in ("cpu", "cuda")
 

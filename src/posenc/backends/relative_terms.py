@@ -44,7 +44,7 @@ import torch
 import torch.nn.functional as F
 
 from . import eager
-from .base import ScoreSpec
+from .base import ScoreSpec, cpu_flash, cpu_flash_backward
 
 SHAW_CHUNK = 32  # queries per band chunk (at least the band width)
 XL_BLOCK = 128  # queries per Transformer-XL tile
@@ -87,17 +87,6 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec) -
 # Shaw: band + far regions merged by log-sum-exp.
 
 
-def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float):
-    """CPU flash attention: (output (B, H, Lq, D), logsumexp (B, H, Lq)); causal is top-left."""
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
-
-
-def _flash_backward(grad, q, k, v, out, lse, causal: bool, scale: float):
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        grad, q, k, v, out, lse, 0.0, causal, scale=scale
-    )
-
-
 def lower_regions(tq: int, tk: int, offset: int) -> list[tuple[int, int, int, int, bool]]:
     """Cover {(a, b): b <= a + offset} of a (tq, tk) grid with flash-kernel calls.
 
@@ -131,7 +120,7 @@ class _MergeFar(torch.autograd.Function):
         parts = []
         for side, flip, q0, q1, k0, k1, causal in regions:
             qs, ks, vs = flips if flip else (q, k, v)
-            o, l = _flash(qs[..., q0:q1, :], ks[..., k0:k1, :], vs[..., k0:k1, :], causal, scale)
+            o, l = cpu_flash(qs[..., q0:q1, :], ks[..., k0:k1, :], vs[..., k0:k1, :], causal, scale)
             if flip:
                 o, l = o.flip(-2), l.flip(-1)
             rows = slice(tq - q1, tq - q0) if flip else slice(q0, q1)
@@ -172,7 +161,7 @@ class _MergeFar(torch.autograd.Function):
             if flip:
                 g, o_shift, l_shift = g.flip(-2), o_shift.flip(-2), l_shift.flip(-1)
             qs, ks, vs = flips if flip else (q, k, v)
-            gq, gk, gv = _flash_backward(
+            gq, gk, gv = cpu_flash_backward(
                 g.contiguous(), qs[..., q0:q1, :], ks[..., k0:k1, :], vs[..., k0:k1, :],
                 o_shift.contiguous(), l_shift.contiguous(), causal, scale,
             )
@@ -294,9 +283,7 @@ class _DistanceKeyAttention(torch.autograd.Function):
         lse = qc.new_empty(qc.shape[:-1])  # (B, H, Tq)
         for hs, a0, a1 in _tiles(qc.shape[1], tq, heads, block):
             position, keys = _block_position(qp[:, hs], pk[hs], tk, a0, a1, offset, causal)
-            o, l = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-                qc[:, hs, a0:a1], k[:, hs, :keys], v[:, hs, :keys], 0.0, False, attn_mask=_skew(position, keys), scale=1.0
-            )
+            o, l = cpu_flash(qc[:, hs, a0:a1], k[:, hs, :keys], v[:, hs, :keys], False, 1.0, _skew(position, keys))
             out[:, hs, a0:a1], lse[:, hs, a0:a1] = o, l
         ctx.offset, ctx.causal, ctx.block, ctx.heads = offset, causal, block, heads
         ctx.save_for_backward(qc, qp, k, v, pk, out, lse)
