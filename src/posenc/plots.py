@@ -5,11 +5,12 @@ training loss. Built on ``matplotlib.figure.Figure`` directly, so no pyplot stat
 from __future__ import annotations
 
 import io
-import os
 from pathlib import Path
 
 from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter
+
+from .files import atomic_write
 
 # One fixed colour per method, so every figure of every run reads the same.
 COLORS = {
@@ -83,10 +84,5 @@ def png_bytes(fig: Figure, dpi: int = 110) -> bytes:
 
 def save(fig: Figure, path: str | Path) -> None:
     """Write a PNG atomically (temporary name, then rename)."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    try:
-        tmp.write_bytes(png_bytes(fig))
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    atomic_write(Path(path), lambda p: p.write_bytes(png_bytes(fig)))
+

@@ -43,6 +43,7 @@ import torch
 import torch.nn.functional as F
 
 from . import distributed
+from .files import atomic_write, write_json, write_text
 from .data import DEFAULT_VALID_BYTES, Corpus, load_corpus, train_batch
 from .encodings import available, get_class
 from .model import LM, LMConfig
@@ -190,28 +191,6 @@ class Paths:
 # ---------------------------------------------------------------- files, written atomically
 
 
-def _atomic(path: Path, write: Callable[[Path], None]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    try:
-        write(tmp)
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)  # some writers create 0600 files; results are meant to be shared
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-
-
-def write_text(path: Path, text: str) -> None:
-    _atomic(path, lambda p: p.write_text(text, encoding="utf-8"))
-
-
-def write_json(path: Path, obj) -> None:
-    write_text(path, json.dumps(obj, indent=1) + "\n")
-
-
 def save_checkpoint(model: LM, path: Path) -> None:
     """Weights as safetensors (shared tensors, e.g. T5's one table for all layers, stored once)
     next to ``path.with_suffix('.json')`` holding the :class:`LMConfig`."""
@@ -219,7 +198,7 @@ def save_checkpoint(model: LM, path: Path) -> None:
 
     from . import __version__
 
-    _atomic(path, lambda p: save_model(model, str(p)))
+    atomic_write(path, lambda p: save_model(model, str(p)))
     write_json(path.with_suffix(".json"), {"lm_config": model.config.to_dict(), "posenc": __version__})
 
 
@@ -322,7 +301,7 @@ def train_method(
                 "step": step, "model": model.state_dict(), "optimizer": opt.state_dict(),
                 "scheduler": sched.state_dict(), "rng": _rng_state(), "losses": losses, "train_time_s": elapsed,
             }
-            _atomic(state_path, lambda p: torch.save(state, p))
+            atomic_write(state_path, lambda p: torch.save(state, p))
 
     net = model
     if ctx.distributed:
