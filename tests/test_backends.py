@@ -257,8 +257,9 @@ def spec_for(method: str, causal: bool = True) -> tuple[ScoreSpec, torch.Tensor]
 def chosen(method: str, causal: bool = True, grad: bool = True, dtype=torch.float32) -> str:
     spec, q = spec_for(method, causal)
     with torch.set_grad_enabled(grad):
-        module = backends.choose("auto", spec, q.to(dtype))
-    return next(name for name, m in backends.BACKENDS.items() if m is module)
+        name, backend = backends.choose("auto", spec, q.to(dtype))
+    assert backends.BACKENDS[name] is backend and backends.name_of(backend) == name
+    return name
 
 
 def test_auto_picks_sdpa_without_score_terms():
@@ -312,20 +313,26 @@ def test_lm_config_forces_a_backend(monkeypatch):
     assert len(calls) == 2
 
 
-def test_register_adds_a_backend_to_the_preference_order(monkeypatch):
-    monkeypatch.setattr(backends, "BACKENDS", dict(backends.BACKENDS))
-    monkeypatch.setattr(backends, "PREFERENCE", list(backends.PREFERENCE))
-
+def test_backends_are_tried_in_the_order_of_one_list(monkeypatch):
     class Everything:
         supports = preferred = staticmethod(lambda spec, q: True)
         attend = staticmethod(eager.attend)
 
-    backends.register("late", Everything)
-    assert backends.PREFERENCE[-2:] == ["late", "eager"]
+    assert isinstance(Everything, backends.Backend)
+    order = dict(backends.BACKENDS)
+    late = {**{k: v for k, v in order.items() if k != "eager"}, "late": Everything, "eager": eager}
+    monkeypatch.setattr(backends, "BACKENDS", late)
     assert backends.check_name("late") == "late"
     assert chosen("nope") == "sdpa"  # earlier backends still win
-    backends.register("everything", type("First", (Everything,), {}), before="sdpa")
+    assert list(backends.BACKENDS)[-2:] == ["late", "eager"]
+    monkeypatch.setattr(backends, "BACKENDS", {"everything": type("First", (Everything,), {}), **order})
     assert chosen("nope") == chosen("shaw") == "everything"
+
+
+def test_backend_file_names_are_their_registered_names():
+    for name, backend in backends.BACKENDS.items():
+        assert backend.__name__ == f"posenc.backends.{name}"
+        assert name in backends.names()
 
 
 # --- shared work ---------------------------------------------------------------------------------

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 from .attention import Attention
 from .encodings import PositionalEncoding, alibi_slopes, available, build, relative_position_bucket
+from .errors import UsageError
 from .model import LM, LMConfig
+from .version import __version__
 
-__version__ = "0.1.0"
 
 
 def load_checkpoint(path, device="cpu") -> LM:
@@ -28,6 +29,7 @@ __all__ = [
     "LM",
     "LMConfig",
     "PositionalEncoding",
+    "UsageError",
     "alibi_slopes",
     "available",
     "build",

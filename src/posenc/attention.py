@@ -64,6 +64,9 @@ class Attention(nn.Module):
             raise ValueError(f"encoding was built with causal={encoding.causal}, attention has causal={causal}")
         self.causal = causal
         self.backend = backends.check_name(backend)
+        # The registered name of the backend that ran the last forward ("auto" resolved): what
+        # benchmarks and users read to know which path ran, without patching anything.
+        self.last_backend: str | None = None
         self.encoding = encoding
         self.qkv = nn.Linear(dim, 3 * dim, bias=False)
         self.proj = nn.Linear(dim, dim, bias=False)
@@ -87,5 +90,6 @@ class Attention(nn.Module):
             k, v = cache.append(k, v)  # (B, H, past + T, D)
             k_positions = torch.arange(positions[-1] + 1 - k.shape[-2], positions[-1] + 1, device=x.device)
         spec = ScoreSpec(self.encoding, positions, k_positions, self.causal, 1.0 / math.sqrt(self.head_dim), shared)
-        out = backends.choose(self.backend, spec, q).attend(q, k, v, spec)  # (B, H, T, D)
+        self.last_backend, backend = backends.choose(self.backend, spec, q)
+        out = backend.attend(q, k, v, spec)  # (B, H, T, D)
         return self.proj(out.transpose(1, 2).reshape(b, t, self.dim))

@@ -216,7 +216,7 @@ def _record_backends(chosen: set[str]):
 
     def choose(*args, **kwargs):
         picked = original(*args, **kwargs)
-        chosen.add(str(getattr(picked, "__name__", type(picked).__name__)).rsplit(".", 1)[-1])
+        chosen.add(picked[0])
         return picked
 
     backends.choose = choose

@@ -1,54 +1,72 @@
-"""Attention backends: one module each, with ``supports``, ``preferred`` and ``attend``.
+"""Attention backends: one module each, registered in :data:`BACKENDS` under its file name.
+
+A backend satisfies the :class:`Backend` protocol:
 
 - ``supports(spec, q) -> bool``: the backend computes this call exactly (forcing it is allowed);
 - ``preferred(spec, q) -> bool``: automatic selection may pick it for this call;
 - ``attend(q, k, v, spec) -> out``.
 
-Automatic selection ("auto") walks ``PREFERENCE`` and takes the first backend that prefers the
-call, from what the call is (device, dtype, grad mode) and what the encoding offers (its hooks and
-capabilities), never from the encoding's name; ``eager`` prefers everything, so it ends the list.
-A user can force a backend by name (``Attention(..., backend="blocked")``,
-``LMConfig(attention_backend=...)``); one that cannot run the call is a ValueError naming those
-that can. A new backend is one module and one :func:`register` line.
+Automatic selection ("auto") walks :data:`BACKENDS` in order and takes the first backend that
+prefers the call, from what the call is (device, dtype, grad mode) and what the encoding offers (its
+hooks and capabilities, :func:`posenc.encodings.base.offers`), never from the encoding's name;
+``eager`` prefers everything, so it ends the list. A user can force a backend by name
+(``Attention(..., backend="blocked")``, ``LMConfig(attention_backend=...)``); one that cannot run
+the call is a :class:`~posenc.errors.UsageError` naming those that can. A new backend is one module
+(``backends/NAME.py``) and one entry in :data:`BACKENDS`.
 """
 
 from __future__ import annotations
 
 from types import ModuleType
+from typing import Protocol, runtime_checkable
 
 import torch
 
-from . import blocked, eager, flex, relative_terms, sdpa
+from ..errors import UsageError
+from . import blocked, eager, flex, sdpa, terms
 from .base import ScoreSpec
 
-BACKENDS: dict[str, ModuleType] = {"sdpa": sdpa, "flex": flex, "blocked": blocked, "eager": eager}
-# Order of preference for "auto":
-# sdpa    no score terms at all: the fused kernel with its causal skip;
-# flex    score biases on CUDA (compiled, forward and backward);
-# blocked score biases elsewhere (CPU training and inference): no (H, N, N) tensor;
-# eager   everything else.
-PREFERENCE: list[str] = ["sdpa", "flex", "blocked", "eager"]
+
+@runtime_checkable
+class Backend(Protocol):
+    """What the attention needs of a backend (a module, or any object with these functions)."""
+
+    def supports(self, spec: ScoreSpec, q: torch.Tensor) -> bool: ...
+
+    def preferred(self, spec: ScoreSpec, q: torch.Tensor) -> bool: ...
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec) -> torch.Tensor: ...
+
+
+# Every backend, in the order "auto" tries them:
+# sdpa     no score terms at all: the fused kernel with its causal skip;
+# flex     score biases on CUDA (compiled, forward and backward);
+# blocked  score biases elsewhere (CPU training and inference): no (H, N, N) tensor;
+# terms    query/value terms (Shaw, Transformer-XL) on CPU: no (H, N, N) tensor;
+# eager    everything else: the textbook formula, the reference for tests.
+BACKENDS: dict[str, Backend] = {m.__name__.rsplit(".", 1)[-1]: m for m in (sdpa, flex, blocked, terms, eager)}
 AUTO = "auto"
 
-
-def register(name: str, module: ModuleType, before: str = "eager") -> None:
-    """Add a backend module: forced by ``name``, and tried by "auto" just before ``before``."""
-    BACKENDS[name] = module
-    if name in PREFERENCE:
-        PREFERENCE.remove(name)
-    PREFERENCE.insert(PREFERENCE.index(before), name)
+for _name, _backend in BACKENDS.items():  # the contract, checked once at import
+    assert isinstance(_backend, Backend), f"backend {_name} lacks supports/preferred/attend"
 
 
-register("terms", relative_terms)  # query/value-term methods (Shaw, Transformer-XL) on CPU
+def name_of(backend: Backend | ModuleType) -> str:
+    """The registered name of a backend (its file name)."""
+    for name, candidate in BACKENDS.items():
+        if candidate is backend:
+            return name
+    raise KeyError(f"{backend!r} is not a registered backend")
 
 
 def names() -> list[str]:
+    """``auto`` and every registered backend name."""
     return [AUTO, *BACKENDS]
 
 
 def check_name(name: str) -> str:
     if name != AUTO and name not in BACKENDS:
-        raise ValueError(f"attention backend must be one of {names()}, got {name!r}")
+        raise UsageError(f"attention backend must be one of {names()}, got {name!r}")
     return name
 
 
@@ -57,22 +75,23 @@ def allowed(spec: ScoreSpec, q: torch.Tensor) -> list[str]:
     return [AUTO] + [name for name, backend in BACKENDS.items() if backend.supports(spec, q)]
 
 
-def choose(name: str, spec: ScoreSpec, q: torch.Tensor) -> ModuleType:
-    """The backend module to run: the forced one (if it can run this call) or the preferred one."""
+def choose(name: str, spec: ScoreSpec, q: torch.Tensor) -> tuple[str, Backend]:
+    """(registered name, backend) to run: the forced one (if it can run this call) or the first
+    one in :data:`BACKENDS` that prefers it."""
     check_name(name)
     if name != AUTO:
         backend = BACKENDS[name]
         if not backend.supports(spec, q):
-            raise ValueError(
+            raise UsageError(
                 f"attention backend {name!r} cannot run encoding {type(spec.encoding).__name__} here "
                 f"(device {q.device.type}, {str(q.dtype).removeprefix('torch.')}, "
                 f"{'with' if torch.is_grad_enabled() else 'without'} grad); allowed: {allowed(spec, q)}"
             )
-        return backend
-    for candidate in PREFERENCE:
-        if BACKENDS[candidate].preferred(spec, q):
-            return BACKENDS[candidate]
-    return eager
+        return name, backend
+    for candidate, backend in BACKENDS.items():
+        if backend.preferred(spec, q):
+            return candidate, backend
+    return "eager", eager
 
 
-__all__ = ["AUTO", "BACKENDS", "PREFERENCE", "ScoreSpec", "allowed", "choose", "check_name", "names", "register"]
+__all__ = ["AUTO", "BACKENDS", "Backend", "ScoreSpec", "allowed", "check_name", "choose", "name_of", "names"]

@@ -63,7 +63,7 @@ class Shaw(PositionalEncoding):
         Returns (k, key table (2k+1, D), value table (2k+1, D), scale): the pair (i, j) uses row
         clip(j - i, -k, k) + k, its score term is ``q_i . key_row * scale`` and its value term
         ``p_ij * value_row``. Every key farther than k on one side uses the same row, which lets a
-        backend treat far keys as plain attention (backends/relative_terms.py).
+        backend treat far keys as plain attention (backends/terms.py).
         """
         return self.max_relative_position, self.key_table, self.value_table, 1.0 / math.sqrt(self.head_dim)
 

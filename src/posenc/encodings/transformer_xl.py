@@ -67,7 +67,7 @@ class TransformerXL(PositionalEncoding):
             query_terms[i, j] = ((q_i + v) . position_keys(i - j)[h] + u . k_j) * scale.
 
         The position term depends on i - j alone, through one key per distance, so a backend can
-        score query blocks against the distances instead of the pairs (backends/relative_terms.py).
+        score query blocks against the distances instead of the pairs (backends/terms.py).
         """
         return self.u, self.v, 1.0 / math.sqrt(self.head_dim)
 
