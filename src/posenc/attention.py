@@ -18,7 +18,8 @@ from .encodings.base import check_positive, has_hook
 
 
 class LayerCache:
-    """Keys (already rotated) and values of one layer seen so far: (B, H, T, D) each."""
+    """Keys and values of one layer seen so far: (B, H, T, D) each. Keys are stored rotated, except
+    for encodings whose rotation depends on the current length (``rotation_depends_on_length``)."""
 
     def __init__(self) -> None:
         self.k: torch.Tensor | None = None
@@ -83,12 +84,19 @@ class Attention(nn.Module):
         if positions is None:
             positions = torch.arange(past, past + t, device=x.device)  # (T,)
         q, k, v = self.qkv(x).view(b, t, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)  # 3 x (B, H, T, D)
-        if has_hook(self.encoding, "rotate"):
+        rotates = has_hook(self.encoding, "rotate")
+        # A rotation that depends on the current length (dynamic NTK, LongRoPE's short/long switch)
+        # must rotate every key with the current length: the cache keeps such keys un-rotated and
+        # they are rotated here at each step (O(T x D) per step), so decoding equals the full pass.
+        late = rotates and getattr(self.encoding, "rotation_depends_on_length", False)
+        if rotates and not late:
             q, k = self.encoding.rotate(q, k, positions, positions)
         k_positions = positions
         if cache is not None:
             k, v = cache.append(k, v)  # (B, H, past + T, D)
             k_positions = torch.arange(positions[-1] + 1 - k.shape[-2], positions[-1] + 1, device=x.device)
+        if late:
+            q, k = self.encoding.rotate(q, k, positions, k_positions)
         spec = ScoreSpec(self.encoding, positions, k_positions, self.causal, 1.0 / math.sqrt(self.head_dim), shared)
         self.last_backend, backend = backends.choose(self.backend, spec, q)
         out = backend.attend(q, k, v, spec)  # (B, H, T, D)

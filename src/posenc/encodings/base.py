@@ -74,6 +74,9 @@ class PositionalEncoding(nn.Module):
       computes its bias once per forward); otherwise every layer gets its own instance.
     - ``causal_only``: the method has no bidirectional form.
     - ``extrapolates``: it can run past its training length (for ``posenc list``).
+    - ``rotation_depends_on_length``: ``rotate`` uses the current length (largest key position + 1),
+      as dynamic NTK scaling does; the attention then keeps keys un-rotated in its KV cache and
+      rotates all of them at every step, so cached decoding equals the full pass.
 
     Optional capabilities of bias methods, read by the fast attention backends (never required):
 
@@ -90,6 +93,9 @@ class PositionalEncoding(nn.Module):
     extrapolates: ClassVar[bool] = True
     shares_across_layers: ClassVar[bool] = True
     causal_only: ClassVar[bool] = False
+    # True when ``rotate`` depends on the current length (the largest key position + 1), not only
+    # on each position: the attention then caches keys un-rotated and rotates them at every step.
+    rotation_depends_on_length: bool = False
 
     def __init__(self, num_heads: int, head_dim: int, causal: bool = True) -> None:
         super().__init__()
