@@ -14,7 +14,10 @@ from torch import nn
 
 from . import backends
 from .backends.base import ScoreSpec
-from .encodings.base import check_positive, has_hook
+from .encodings.base import check_positive
+from .errors import UsageError
+from .encodings.protocol import Rotates, offers
+from .memo import ForwardMemo
 
 
 class LayerCache:
@@ -54,15 +57,15 @@ class Attention(nn.Module):
         check_positive("dim", dim)
         check_positive("num_heads", num_heads)
         if dim % num_heads:
-            raise ValueError(f"dim ({dim}) must be divisible by num_heads ({num_heads})")
+            raise UsageError(f"dim ({dim}) must be divisible by num_heads ({num_heads})")
         self.dim, self.num_heads, self.head_dim = dim, num_heads, dim // num_heads
         if getattr(encoding, "num_heads", num_heads) != num_heads or getattr(encoding, "head_dim", self.head_dim) != self.head_dim:
-            raise ValueError(
+            raise UsageError(
                 f"encoding was built for num_heads={encoding.num_heads}, head_dim={encoding.head_dim}; "
                 f"this attention has num_heads={num_heads}, head_dim={self.head_dim}"
             )
         if getattr(encoding, "causal", causal) != causal:
-            raise ValueError(f"encoding was built with causal={encoding.causal}, attention has causal={causal}")
+            raise UsageError(f"encoding was built with causal={encoding.causal}, attention has causal={causal}")
         self.causal = causal
         self.backend = backends.check_name(backend)
         # The registered name of the backend that ran the last forward ("auto" resolved): what
@@ -77,14 +80,14 @@ class Attention(nn.Module):
         x: torch.Tensor,
         positions: torch.Tensor | None = None,
         cache: LayerCache | None = None,
-        shared: dict | None = None,
+        memo: ForwardMemo | None = None,
     ) -> torch.Tensor:
         b, t, _ = x.shape
         past = 0 if cache is None else cache.length
         if positions is None:
             positions = torch.arange(past, past + t, device=x.device)  # (T,)
         q, k, v = self.qkv(x).view(b, t, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)  # 3 x (B, H, T, D)
-        rotates = has_hook(self.encoding, "rotate")
+        rotates = offers(self.encoding, Rotates)
         # A rotation that depends on the current length (dynamic NTK, LongRoPE's short/long switch)
         # must rotate every key with the current length: the cache keeps such keys un-rotated and
         # they are rotated here at each step (O(T x D) per step), so decoding equals the full pass.
@@ -97,7 +100,7 @@ class Attention(nn.Module):
             k_positions = torch.arange(positions[-1] + 1 - k.shape[-2], positions[-1] + 1, device=x.device)
         if late:
             q, k = self.encoding.rotate(q, k, positions, k_positions)
-        spec = ScoreSpec(self.encoding, positions, k_positions, self.causal, 1.0 / math.sqrt(self.head_dim), shared)
+        spec = ScoreSpec(self.encoding, positions, k_positions, self.causal, 1.0 / math.sqrt(self.head_dim), ForwardMemo() if memo is None else memo)
         self.last_backend, backend = backends.choose(self.backend, spec, q)
         out = backend.attend(q, k, v, spec)  # (B, H, T, D)
         return self.proj(out.transpose(1, 2).reshape(b, t, self.dim))

@@ -17,8 +17,11 @@ from torch import nn
 
 from . import backends
 from .attention import Attention, LayerCache
-from .encodings import build, get_class
-from .encodings.base import check_positive, has_hook
+from .memo import ForwardMemo
+from .encodings import build, get_class, options_of
+from .errors import UsageError
+from .encodings.base import check_positive
+from .encodings.protocol import Embeds, offers
 
 
 @dataclass
@@ -39,7 +42,7 @@ class LMConfig:
         for name in ("vocab_size", "dim", "depth", "num_heads", "mlp_ratio"):
             check_positive(name, getattr(self, name))
         if self.dim % self.num_heads:
-            raise ValueError(f"dim ({self.dim}) must be divisible by num_heads ({self.num_heads})")
+            raise UsageError(f"dim ({self.dim}) must be divisible by num_heads ({self.num_heads})")
         if self.max_positions is not None:
             check_positive("max_positions", self.max_positions)
         backends.check_name(self.attention_backend)
@@ -79,8 +82,8 @@ class Block(nn.Module):
         self.ln2 = nn.LayerNorm(config.dim)
         self.mlp = MLP(config.dim, config.mlp_ratio)
 
-    def forward(self, x, positions, cache=None, shared=None):
-        x = x + self.attn(self.ln1(x), positions, cache, shared)
+    def forward(self, x, positions, cache=None, memo=None):
+        x = x + self.attn(self.ln1(x), positions, cache, memo)
         return x + self.mlp(self.ln2(x))
 
 
@@ -92,7 +95,7 @@ class LM(nn.Module):
         self.config = config
         options = dict(config.encoding_options)
         cls = get_class(config.encoding)
-        if config.max_positions is not None and "max_positions" in cls.__init__.__code__.co_varnames:
+        if config.max_positions is not None and "max_positions" in options_of(cls):
             options.setdefault("max_positions", config.max_positions)
 
         def make():
@@ -124,23 +127,23 @@ class LM(nn.Module):
 
     def new_cache(self, batch_size: int) -> Cache:
         if not self.config.causal:
-            raise ValueError("incremental decoding needs a causal model (causal=True)")
+            raise UsageError("incremental decoding needs a causal model (causal=True)")
         return Cache(self.config.depth, check_positive("batch_size", batch_size))
 
     def forward(self, tokens: torch.Tensor, cache: Cache | None = None) -> torch.Tensor:
         if tokens.dim() != 2:
-            raise ValueError(f"tokens must be (batch, length), got shape {tuple(tokens.shape)}")
+            raise UsageError(f"tokens must be (batch, length), got shape {tuple(tokens.shape)}")
         b, t = tokens.shape
         if cache is not None and cache.batch_size != b:
-            raise ValueError(f"cache was made for batch_size={cache.batch_size}, tokens have batch {b}")
+            raise UsageError(f"cache was made for batch_size={cache.batch_size}, tokens have batch {b}")
         past = 0 if cache is None else cache.length
         positions = torch.arange(past, past + t, device=tokens.device)  # (T,)
         x = self.tok(tokens)  # (B, T, dim)
-        if has_hook(self.encoding, "embed"):
+        if offers(self.encoding, Embeds):
             x = self.encoding.embed(x, positions)
-        shared: dict = {}  # per-forward memo: T5's bias is computed once for all layers
+        memo = ForwardMemo()  # T5's bias and the like: computed once for all layers
         for i, block in enumerate(self.blocks):
-            x = block(x, positions, None if cache is None else cache.layers[i], shared)
+            x = block(x, positions, None if cache is None else cache.layers[i], memo)
         if cache is not None:
             cache.length += t
         return self.head(self.ln_f(x))  # (B, T, vocab)

@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ..encodings.base import has_hook
+from ..encodings.protocol import Biases, QueryTerms, Scores, ValueTerms, offers
+from ..memo import ForwardMemo
 
 
 @dataclass
@@ -24,24 +25,24 @@ class ScoreSpec:
     k_positions: torch.Tensor  # (Tk,) absolute positions of the keys
     causal: bool
     scale: float
-    # Per-forward memo shared by all layers (for encodings with shares_across_layers).
-    shared: dict | None = field(default=None, repr=False)
+    # What this model forward computes once for all its layers (a fresh one for a lone call).
+    memo: ForwardMemo = field(default_factory=ForwardMemo, repr=False)
 
     @property
     def has_bias(self) -> bool:
-        return has_hook(self.encoding, "bias")
+        return offers(self.encoding, Biases)
 
     @property
     def has_query_terms(self) -> bool:
-        return has_hook(self.encoding, "query_terms")
+        return offers(self.encoding, QueryTerms)
 
     @property
     def has_value_terms(self) -> bool:
-        return has_hook(self.encoding, "value_terms")
+        return offers(self.encoding, ValueTerms)
 
     @property
     def has_score_mod(self) -> bool:
-        return has_hook(self.encoding, "score")
+        return offers(self.encoding, Scores)
 
     @property
     def plain(self) -> bool:
@@ -50,18 +51,18 @@ class ScoreSpec:
 
     @property
     def aligned(self) -> bool:
-        """Queries are the last Tq of the keys (full pass, or decoding after a cache)."""
+        """Queries are the last Tq of the keys, position for position (a full pass, or decoding
+        after a KV cache): positions are consecutive, so the ends decide."""
         tq, tk = self.q_positions.numel(), self.k_positions.numel()
-        return tq <= tk
+        if tq == 0 or tq > tk:
+            return tq == 0
+        return bool(self.q_positions[0] == self.k_positions[tk - tq]) and bool(self.q_positions[-1] == self.k_positions[-1])
 
     def bias(self, q_positions: torch.Tensor | None = None) -> torch.Tensor:
-        """Dense (H, Tq, Tk) bias for these (or the given) queries; memoised per forward."""
-        q_positions = self.q_positions if q_positions is None else q_positions
-        if self.shared is not None and getattr(self.encoding, "shares_across_layers", False) and q_positions is self.q_positions:
-            key = ("bias", id(self.encoding))
-            if key not in self.shared:
-                self.shared[key] = self.encoding.bias(q_positions, self.k_positions)
-            return self.shared[key]
+        """Dense (H, Tq, Tk) bias for these (or the given) queries; the whole call's is memoised
+        per forward for encodings shared across layers."""
+        if q_positions is None or q_positions is self.q_positions:
+            return self.memo.dense_bias(self.encoding, self.q_positions, self.k_positions)
         return self.encoding.bias(q_positions, self.k_positions)
 
     def allowed(self, q_positions: torch.Tensor | None = None) -> torch.Tensor | None:

@@ -46,7 +46,9 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from ..errors import UsageError
 from . import sdpa
+from ..encodings.protocol import RelativeBias, offers
 from .base import ScoreSpec, accumulation_dtype, cpu_flash, cpu_flash_backward, needs_grad
 
 BLOCK = 256  # generic path (and the written-out fallback): query rows per block
@@ -73,8 +75,7 @@ def preferred(spec: ScoreSpec, q: torch.Tensor) -> bool:
 def fast_path(spec: ScoreSpec, tq: int, tk: int) -> bool:
     """True when the encoding describes its bias by ``relative_bias`` and ``bias_tails`` and the
     keys cover the queries' positions (a full pass, or decoding after a KV cache)."""
-    enc = spec.encoding
-    if not (callable(getattr(enc, "relative_bias", None)) and callable(getattr(enc, "bias_tails", None))):
+    if not offers(spec.encoding, RelativeBias):
         return False
     if tq == 0 or tk == 0:
         return False
@@ -85,7 +86,7 @@ def fast_path(spec: ScoreSpec, tq: int, tk: int) -> bool:
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec, block: int | None = None) -> torch.Tensor:
     """``block`` (tests) sets the band block and, for sloped tails, the far block to one size."""
     if block is not None and block < 1:
-        raise ValueError(f"block must be a positive integer, got {block}")
+        raise UsageError(f"block must be a positive integer, got {block}")
     if not spec.has_bias:
         return sdpa.attend(q, k, v, spec)
     tq, tk = q.shape[-2], k.shape[-2]
@@ -208,21 +209,12 @@ def make_plan(spec: ScoreSpec, tq: int, tk: int, block: int | None = None) -> Pl
 
 def _band_cache(spec: ScoreSpec) -> dict:
     """Band biases are the same for every layer of one forward: keep them in the per-forward memo."""
-    if spec.shared is None:
-        return {}
-    return spec.shared.setdefault(("band_bias", id(spec.encoding)), {})
+    return spec.memo.table(spec.encoding, "band_bias", (), dict)
 
 
 def relative_values(spec: ScoreSpec, r_lo: int, r_hi: int) -> torch.Tensor:
     """f_h(r) for r = r_lo..r_hi, (H, R); computed once per forward and shared by all layers."""
-    key = ("relative_bias", id(spec.encoding), r_lo, r_hi)
-    if spec.shared is not None and key in spec.shared:
-        return spec.shared[key]
-    relative = torch.arange(r_lo, r_hi + 1, device=spec.q_positions.device)  # (R,)
-    values = spec.encoding.relative_bias(relative)  # (H, R)
-    if spec.shared is not None:
-        spec.shared[key] = values
-    return values
+    return spec.memo.relative_values(spec.encoding, r_lo, r_hi, spec.q_positions.device)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from ..errors import UsageError
 from .base import ScoreSpec, accumulation_dtype, needs_grad
 
 BLOCK = 256  # query rows per block
@@ -49,7 +50,7 @@ def _block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_positions: torch
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec, block: int | None = None) -> torch.Tensor:
     block = BLOCK if block is None else block
     if block < 1:
-        raise ValueError(f"block must be a positive integer, got {block}")
+        raise UsageError(f"block must be a positive integer, got {block}")
     tq = q.shape[-2]
     if tq <= block:
         return _block(q, k, v, spec.q_positions, spec)

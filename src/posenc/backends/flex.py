@@ -85,22 +85,25 @@ class _Offsets:
         self.k = torch.tensor(k_start, device=self.device)
 
 
-_score_mods: dict[tuple[int, torch.device], tuple] = {}
+# One score_mod per encoding and device, reused across calls so the kernel compiles once. Keyed
+# weakly by the encoding, and the score_mod reaches the encoding through a weak reference too, so
+# an entry goes away with its encoding (nothing here keeps a model alive).
+_score_mods: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKeyDictionary()
 _block_masks: dict[tuple, object] = {}
 
 
 def _score_mod(encoding: torch.nn.Module, device: torch.device):
-    """One score_mod per encoding and device, reused across calls so the kernel compiles once."""
-    key = (id(encoding), device)
-    hit = _score_mods.get(key)
-    if hit is None or hit[0]() is not encoding:
+    per_device = _score_mods.setdefault(encoding, {})
+    hit = per_device.get(device)
+    if hit is None:
         offsets = _Offsets(device)
+        ref = weakref.ref(encoding)
 
         def score_mod(score, b, h, q_idx, kv_idx):
-            return score + encoding.score(h, q_idx + offsets.q, kv_idx + offsets.k).to(score.dtype)
+            return score + ref().score(h, q_idx + offsets.q, kv_idx + offsets.k).to(score.dtype)
 
-        hit = _score_mods[key] = (weakref.ref(encoding), offsets, score_mod)
-    return hit[1], hit[2]
+        hit = per_device[device] = (offsets, score_mod)
+    return hit
 
 
 def _block_mask(tq: int, tk: int, padded: int, shift: int | None, device: torch.device):

@@ -43,6 +43,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from ..encodings.protocol import ClippedTables, DistanceKeys, offers
 from . import eager
 from .base import ScoreSpec, cpu_flash, cpu_flash_backward
 
@@ -57,9 +58,9 @@ def _path(spec: ScoreSpec, q: torch.Tensor):
     enc = spec.encoding
     if q.device.type != "cpu" or q.dtype not in FAST_DTYPES or spec.has_bias or not _contained(spec):
         return None
-    if callable(getattr(enc, "clipped_tables", None)):
+    if offers(enc, ClippedTables):
         return shaw_attention
-    if callable(getattr(enc, "distance_key_form", None)):
+    if offers(enc, DistanceKeys):
         return distance_key_attention
     return None
 

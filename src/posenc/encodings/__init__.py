@@ -7,7 +7,9 @@ import inspect
 from torch import nn
 
 from .alibi import ALiBi, alibi_slopes
+from ..errors import UsageError
 from .base import PositionalEncoding, has_hook
+from .protocol import offers
 from .learned import Learned
 from .nope import NoPE
 from .rope import RoPE
@@ -31,7 +33,12 @@ def get_class(name: str) -> type[PositionalEncoding]:
     try:
         return REGISTRY[name]
     except (KeyError, TypeError):
-        raise ValueError(f"unknown encoding {name!r}; available: {', '.join(available())}") from None
+        raise UsageError(f"unknown encoding {name!r}; available: {', '.join(available())}") from None
+
+
+def options_of(cls: type[PositionalEncoding]) -> list[str]:
+    """The method's own keyword options: its constructor's parameters beyond the common ones."""
+    return [p for p in inspect.signature(cls.__init__).parameters if p not in ("self", "num_heads", "head_dim", "causal")]
 
 
 def build(name: str, *, num_heads: int, head_dim: int, causal: bool = True, **options) -> nn.Module:
@@ -41,10 +48,10 @@ def build(name: str, *, num_heads: int, head_dim: int, causal: bool = True, **op
     ``num_buckets=32`` for t5); an unknown option is a ValueError naming the accepted ones.
     """
     cls = get_class(name)
-    accepted = [p for p in inspect.signature(cls.__init__).parameters if p not in ("self", "num_heads", "head_dim", "causal")]
+    accepted = options_of(cls)
     unknown = sorted(set(options) - set(accepted))
     if unknown:
-        raise ValueError(
+        raise UsageError(
             f"encoding {name!r} got unknown option(s) {unknown}; accepted: {accepted or 'none'}"
         )
     return cls(num_heads, head_dim, causal, **options)
@@ -57,6 +64,8 @@ __all__ = [
     "build",
     "get_class",
     "has_hook",
+    "offers",
+    "options_of",
     "alibi_slopes",
     "relative_position_bucket",
 ]

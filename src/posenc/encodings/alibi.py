@@ -13,7 +13,8 @@ import math
 
 import torch
 
-from .base import BiasTails, PositionalEncoding, bias_from_score, check_positive, relative_bias_from_score
+from .base import PositionalEncoding, bias_from_score, check_positive, relative_bias_from_score
+from .protocol import BiasTails
 
 
 def _geometric_slopes(n: int) -> list[float]:

@@ -1,36 +1,9 @@
-"""The encoding protocol: the small set of hooks the attention calls.
+"""The base class of every encoding, and small helpers shared by them.
 
-An encoding is an ``nn.Module`` that implements any subset of the hooks below. The attention
-looks for them with :func:`has_hook` and never asks an encoding for its name, so a new method is
-one new file plus one registry line.
-
-Hooks, in the order a model calls them:
-
-1. ``embed(x, positions) -> x``: add absolute position information to the token embeddings
-   ``x`` (B, T, dim). Called once by the model, on the input, not by every attention layer.
-2. ``rotate(q, k, q_positions, k_positions) -> (q, k)``: transform queries and keys before the
-   content product (RoPE). Keys are transformed *before* they enter a KV cache.
-3. ``bias(q_positions, k_positions) -> (H, Tq, Tk)``: an additive score bias, the same for every
-   item of the batch (T5, ALiBi). Methods with a bias also give the scalar form
-   ``score(h, i, j)``: elementwise over broadcastable integer tensors of head index, query position
-   and key position, usable as a fused kernel's score modifier.
-4. ``query_terms(q, k, q_positions, k_positions) -> (B, H, Tq, Tk)``: query- or key-dependent score
-   terms (Shaw, Transformer-XL), and ``value_terms(probs, q_positions, k_positions) -> (B, H, Tq, D)``
-   for methods that also move values (Shaw). ``k`` is passed too because Transformer-XL's global
-   content bias ``u`` scores every key.
-
-Every score term is returned in *logit units*: the attention computes
-``softmax(q k^T * scale + bias + query_terms)``, with ``scale = 1/sqrt(head_dim)``; a method whose
-paper scales its own terms (Shaw, Transformer-XL) applies the scale itself.
-
-Optional capabilities that fast backends look for (again by presence, never by name); the hooks
-above stay the reference that every backend is tested against:
-
-- ``relative_bias(r) -> (H, *r.shape)`` and ``bias_tails() -> BiasTails``: a bias that depends on
-  r = j - i alone and, past some distance, is constant or linear in r (T5's last buckets, ALiBi), so
-  far keys can go through a fused kernel and only a band near the diagonal is written out.
-- ``clipped_tables()`` (Shaw): clip k, key and value tables, scale.
-- ``distance_key_form()`` (Transformer-XL): u, v, scale, with ``position_keys(distances)``.
+The contract itself (hooks, optional capabilities, :func:`offers`) lives in
+:mod:`posenc.encodings.protocol`; this module holds :class:`PositionalEncoding`, which stores the
+sizes every encoding is built with and declares the plain capability attributes, and the helpers
+that derive one form of a bias from another (dense from scalar, relative from scalar).
 
 Positions are absolute integer indices, 1-D ``LongTensor`` of consecutive values
 (``torch.arange(start, start + T)``). Relative position is ``r = j - i`` (key minus query): r < 0
@@ -41,26 +14,31 @@ Shape legend: B batch, H heads, T / Tq / Tk sequence lengths, D head dim.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 from torch import nn
 
-HOOKS = ("embed", "rotate", "bias", "score", "query_terms", "value_terms")
+from ..errors import UsageError
+from .protocol import BiasTails, Biases, Embeds, QueryTerms, Rotates, Scores, ValueTerms, offers
+
+# Hook names, for has_hook: each maps to its Protocol.
+_HOOK_PROTOCOLS = {"embed": Embeds, "rotate": Rotates, "bias": Biases, "score": Scores,
+                   "query_terms": QueryTerms, "value_terms": ValueTerms}
+HOOKS = tuple(_HOOK_PROTOCOLS)
 
 
 def has_hook(encoding: nn.Module, hook: str) -> bool:
-    """True when ``encoding`` implements ``hook`` (a method of its class, not None)."""
-    if hook not in HOOKS:
-        raise ValueError(f"hook must be one of {HOOKS}, got {hook!r}")
-    return callable(getattr(encoding, hook, None))
+    """``offers(encoding, <the hook's Protocol>)`` by the hook's name (for scripts and tests)."""
+    if hook not in _HOOK_PROTOCOLS:
+        raise UsageError(f"hook must be one of {HOOKS}, got {hook!r}")
+    return offers(encoding, _HOOK_PROTOCOLS[hook])
 
 
 def check_positive(name: str, value: int) -> int:
-    """Raise a ValueError naming the parameter unless ``value`` is a positive integer."""
+    """Raise a UsageError naming the parameter unless ``value`` is a positive integer."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive integer (>= 1), got {value!r}")
+        raise UsageError(f"{name} must be a positive integer (>= 1), got {value!r}")
     return value
 
 
@@ -78,14 +56,9 @@ class PositionalEncoding(nn.Module):
       as dynamic NTK scaling does; the attention then keeps keys un-rotated in its KV cache and
       rotates all of them at every step, so cached decoding equals the full pass.
 
-    Optional capabilities of bias methods, read by the fast attention backends (never required):
-
-    - ``relative_bias(r) -> (H, *r.shape)``: the bias as a function of r = j - i alone,
-      ``f_h(r) = score(h, i, i + r)``, differentiable in the encoding's parameters.
-    - ``bias_tails() -> BiasTails``: past which distances f is affine in r (ALiBi: everywhere;
-      T5: constant beyond its last bucket's first distance). A backend then treats the far keys as
-      plain attention plus a per-key term and a per-query constant, and only a band near the
-      diagonal needs the explicit bias.
+    Hooks and optional capabilities (``bias_tails``, ``clipped_tables``, ...) are methods a subclass
+    defines; :mod:`posenc.encodings.protocol` lists them and :func:`~posenc.encodings.protocol.offers`
+    finds them.
     """
 
     name: ClassVar[str] = ""
@@ -102,7 +75,7 @@ class PositionalEncoding(nn.Module):
         self.num_heads = check_positive("num_heads", num_heads)
         self.head_dim = check_positive("head_dim", head_dim)
         if self.causal_only and not causal:
-            raise ValueError(f"encoding {self.name!r} has no bidirectional form; use causal=True")
+            raise UsageError(f"encoding {self.name!r} has no bidirectional form; use causal=True")
         self.causal = bool(causal)
         self.max_positions: int | None = None
 
@@ -127,24 +100,6 @@ def bias_from_score(encoding: nn.Module, q_positions: torch.Tensor, k_positions:
     """
     heads = torch.arange(encoding.num_heads, device=q_positions.device)[:, None, None]  # (H, 1, 1)
     return encoding.score(heads, q_positions[None, :, None], k_positions[None, None, :])  # (H, Tq, Tk)
-
-
-@dataclass(frozen=True)
-class BiasTails:
-    """Where a relative bias ``f_h(r)`` (r = j - i) is affine in r, one description per side.
-
-    For ``r <= -past``:   ``f_h(r) = f_h(-past) + past_slope[h] * (r + past)``;
-    for ``r >= future``:  ``f_h(r) = f_h(future) + future_slope[h] * (r - future)``.
-    A slope of None means the tail is constant (slope 0). Slopes are fixed tensors (H,), never
-    learned; the intercepts f_h(-past), f_h(future) may be learned (they come from ``relative_bias``).
-    Example: causal ALiBi has past = 0 with slopes m_h; T5 with 32 buckets and max distance 128 has
-    past = 113 (the first distance of the last bucket) and no slope.
-    """
-
-    past: int
-    past_slope: torch.Tensor | None
-    future: int
-    future_slope: torch.Tensor | None
 
 
 def relative_bias_from_score(encoding: nn.Module, relative: torch.Tensor) -> torch.Tensor:

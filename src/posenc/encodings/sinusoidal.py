@@ -15,13 +15,14 @@ import math
 
 import torch
 
+from ..errors import UsageError
 from .base import PositionalEncoding
 
 
 def sinusoidal_table(positions: torch.Tensor, dim: int, base: float = 10000.0) -> torch.Tensor:
     """(T, dim) float32 table for integer ``positions`` (T,); interleaved sin/cos as in the paper."""
     if dim % 2:
-        raise ValueError(f"the sinusoidal table needs an even dim, got {dim}")
+        raise UsageError(f"the sinusoidal table needs an even dim, got {dim}")
     # Angles in float32 from integer positions: exact for positions below 2^24.
     inv_freq = torch.exp(
         torch.arange(0, dim, 2, dtype=torch.float32, device=positions.device) * (-math.log(base) / dim)
@@ -43,9 +44,9 @@ class Sinusoidal(PositionalEncoding):
     ) -> None:
         super().__init__(num_heads, head_dim, causal)
         if self.dim % 2:
-            raise ValueError(f"sinusoidal needs an even model dim (num_heads * head_dim), got {self.dim}")
+            raise UsageError(f"sinusoidal needs an even model dim (num_heads * head_dim), got {self.dim}")
         if base <= 1:
-            raise ValueError(f"base must be > 1, got {base}")
+            raise UsageError(f"base must be > 1, got {base}")
         self.base = float(base)
         self.scale_embeddings = bool(scale_embeddings)
 

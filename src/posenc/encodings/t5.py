@@ -19,7 +19,9 @@ import math
 import torch
 from torch import nn
 
-from .base import BiasTails, PositionalEncoding, check_positive
+from ..errors import UsageError
+from .base import PositionalEncoding, check_positive
+from .protocol import BiasTails
 
 
 def relative_position_bucket(
@@ -40,18 +42,18 @@ def relative_position_bucket(
     per_side = num_buckets // 2 if bidirectional else num_buckets
     exact = per_side // 2
     if exact < 1:
-        raise ValueError(
+        raise UsageError(
             f"num_buckets must be >= {4 if bidirectional else 2} "
             f"({'bidirectional' if bidirectional else 'causal'}), got {num_buckets}"
         )
     if max_distance <= exact:
-        raise ValueError(
+        raise UsageError(
             f"max_distance must be above the exact range ({exact} distances get their own bucket "
             f"with num_buckets={num_buckets}), got {max_distance}"
         )
     relative_position = torch.as_tensor(relative_position)
     if relative_position.is_floating_point():
-        raise ValueError("relative_position must be an integer tensor")
+        raise UsageError("relative_position must be an integer tensor")
     relative_position = relative_position.long()
     if bidirectional:
         offset = (relative_position > 0).long() * per_side  # keys after the query: upper half

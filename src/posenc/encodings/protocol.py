@@ -1,0 +1,156 @@
+"""The contract between encodings and the attention: hooks and optional capabilities, as Protocols.
+
+An encoding is an ``nn.Module`` that implements any subset of the *hooks*; the attention and the
+backends find them with :func:`offers` and never ask an encoding for its name, so a new method is
+one new file plus one registry line. Each hook or capability is a runtime-checkable
+``typing.Protocol``; :func:`offers` is the one check used everywhere.
+
+Hooks, in the order a model calls them (shape legend: B batch, H heads, T / Tq / Tk lengths, D head
+dim; positions are 1-D integer tensors of consecutive absolute indices):
+
+- :class:`Embeds` ``embed(x, positions) -> x``: absolute information added to the token embeddings
+  x (B, T, dim); called once by the model on its input, not by every attention layer.
+- :class:`Rotates` ``rotate(q, k, q_positions, k_positions) -> (q, k)``: queries and keys
+  transformed before the content product (RoPE and its family).
+- :class:`Biases` ``bias(q_positions, k_positions) -> (H, Tq, Tk)``: an additive score bias, the
+  same for every item of the batch (T5, ALiBi and the biases after them).
+- :class:`QueryTerms` ``query_terms(q, k, q_positions, k_positions) -> (B, H, Tq, Tk)``: score
+  terms that depend on the queries or keys (Shaw, Transformer-XL).
+- :class:`ValueTerms` ``value_terms(probs, q_positions, k_positions) -> (B, H, Tq, D)``: added
+  to the output, for methods that also move values (Shaw).
+
+Every score term is in *logit units*: the attention computes ``softmax(q k^T * scale + bias +
+query_terms) v + value_terms`` with ``scale = 1/sqrt(D)``; a paper that scales its own terms has the
+encoding apply that scale itself.
+
+Capabilities are optional descriptions of the same function that let a fast backend skip the
+(H, N, N) tensor. They never change the result: the hooks stay the reference every backend is
+tested against.
+
+- :class:`Scores`: ``score(h, i, j)``, the bias as a scalar function, elementwise over
+  broadcastable integer tensors of head, query position and key position: a fused kernel's score
+  modifier (``backends/flex.py``). Every bias method of posenc offers it.
+- :class:`RelativeBias`: ``relative_bias(r) -> (H, *r.shape)`` and ``bias_tails() -> BiasTails``:
+  a bias that depends on r = j - i alone and, past some distance, is constant or linear in r (T5's
+  last bucket, ALiBi), so far keys can go through a fused kernel (``backends/blocked.py``).
+- :class:`ClippedTables`: ``clipped_tables()`` (Shaw): clip k, key and value tables, scale.
+- :class:`DistanceKeys`: ``distance_key_form()`` and ``position_keys(distances, dtype)``
+  (Transformer-XL): one position key per distance (``backends/terms.py``).
+- :class:`BiasFeatures`: ``bias_features(q_positions, k_positions) -> (qf (H, Tq, F), kf (H, Tk,
+  F))`` with ``bias = qf @ kf^T`` up to a per-query constant: an exactly low-rank bias that plain
+  SDPA runs as F extra features on q and k.
+
+Plain attributes complete the contract (see :class:`~posenc.encodings.base.PositionalEncoding`):
+``max_positions``, ``shares_across_layers``, ``causal_only``, ``extrapolates``,
+``rotation_depends_on_length``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import torch
+
+
+@runtime_checkable
+class Embeds(Protocol):
+    def embed(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor: ...
+
+
+@runtime_checkable
+class Rotates(Protocol):
+    def rotate(
+        self, q: torch.Tensor, k: torch.Tensor, q_positions: torch.Tensor, k_positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+@runtime_checkable
+class Biases(Protocol):
+    def bias(self, q_positions: torch.Tensor, k_positions: torch.Tensor) -> torch.Tensor: ...
+
+
+@runtime_checkable
+class QueryTerms(Protocol):
+    def query_terms(
+        self, q: torch.Tensor, k: torch.Tensor, q_positions: torch.Tensor, k_positions: torch.Tensor
+    ) -> torch.Tensor: ...
+
+
+@runtime_checkable
+class ValueTerms(Protocol):
+    def value_terms(self, probs: torch.Tensor, q_positions: torch.Tensor, k_positions: torch.Tensor) -> torch.Tensor: ...
+
+
+@dataclass(frozen=True)
+class BiasTails:
+    """Where a relative bias ``f_h(r)`` (r = j - i) is affine in r, one description per side.
+
+    For ``r <= -past``:   ``f_h(r) = f_h(-past) + past_slope[h] * (r + past)``;
+    for ``r >= future``:  ``f_h(r) = f_h(future) + future_slope[h] * (r - future)``.
+    A slope of None means the tail is constant (slope 0). Slopes are fixed tensors (H,), never
+    learned; the intercepts f_h(-past), f_h(future) may be learned (they come from ``relative_bias``).
+    Example: causal ALiBi has past = 0 with slopes m_h; T5 with 32 buckets and max distance 128 has
+    past = 113 (the first distance of the last bucket) and no slope.
+    """
+
+    past: int
+    past_slope: torch.Tensor | None
+    future: int
+    future_slope: torch.Tensor | None
+
+
+@runtime_checkable
+class Scores(Protocol):
+    def score(self, h: torch.Tensor, i: torch.Tensor, j: torch.Tensor) -> torch.Tensor: ...
+
+
+@runtime_checkable
+class RelativeBias(Protocol):
+    def relative_bias(self, relative: torch.Tensor) -> torch.Tensor: ...
+
+    def bias_tails(self) -> BiasTails: ...
+
+
+@runtime_checkable
+class ClippedTables(Protocol):
+    def clipped_tables(self) -> tuple[int, torch.Tensor, torch.Tensor, float]: ...
+
+
+@runtime_checkable
+class DistanceKeys(Protocol):
+    def distance_key_form(self) -> tuple[torch.Tensor, torch.Tensor, float]: ...
+
+    def position_keys(self, distances: torch.Tensor, dtype: torch.dtype) -> torch.Tensor: ...
+
+
+@runtime_checkable
+class BiasFeatures(Protocol):
+    def bias_features(self, q_positions: torch.Tensor, k_positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+HOOKS: tuple[type, ...] = (Embeds, Rotates, Biases, QueryTerms, ValueTerms)
+CAPABILITIES: tuple[type, ...] = (Scores, RelativeBias, ClippedTables, DistanceKeys, BiasFeatures)
+
+
+def members(capability: type) -> tuple[str, ...]:
+    """The method names a hook or capability Protocol asks for."""
+    return tuple(name for name, value in vars(capability).items() if not name.startswith("_") and callable(value))
+
+
+def offers(encoding: object, capability: type) -> bool:
+    """True when ``encoding`` implements every method of ``capability`` (one of :data:`HOOKS` or
+    :data:`CAPABILITIES`).
+
+    Stricter than ``isinstance`` with a runtime-checkable Protocol, which only asks that the
+    attributes exist: a subclass can switch a hook off by setting it to None.
+    """
+    if capability not in HOOKS and capability not in CAPABILITIES:
+        raise TypeError(f"capability must be one of {[c.__name__ for c in HOOKS + CAPABILITIES]}, got {capability!r}")
+    return all(callable(getattr(encoding, name, None)) for name in members(capability))
+
+
+__all__ = [
+    "CAPABILITIES", "HOOKS", "BiasFeatures", "BiasTails", "Biases", "ClippedTables", "DistanceKeys", "Embeds",
+    "QueryTerms", "RelativeBias", "Rotates", "Scores", "ValueTerms", "members", "offers",
+]

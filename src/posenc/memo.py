@@ -1,0 +1,63 @@
+"""What one model forward computes once and every layer reuses.
+
+T5's bias table is one set of parameters shared by all layers, and ALiBi's slopes are fixed: their
+(H, Tq, Tk) bias, their per-distance values and the band biases the blocked backend builds are the
+same in every layer of one forward. The model makes one :class:`ForwardMemo` per forward and hands
+it to every attention layer; backends ask it by name. A memo is never kept across forwards, so a
+parameter update can never leave a stale value behind, and autograd sees the one computation from
+which all layers' gradients flow.
+
+Entries are keyed by the encoding object (held, so its id cannot be reused while the memo lives)
+and the geometry of the call.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, TypeVar
+
+import torch
+from torch import nn
+
+T = TypeVar("T")
+
+
+class ForwardMemo:
+    """Per-forward cache of position-only tensors, shared by the layers of one model forward."""
+
+    def __init__(self) -> None:
+        self._values: dict[tuple, object] = {}
+        self._held: dict[int, nn.Module] = {}
+
+    def _get(self, encoding: nn.Module, key: tuple, make: Callable[[], T]) -> T:
+        full = (id(encoding), *key)
+        if full not in self._values:
+            self._held[id(encoding)] = encoding
+            self._values[full] = make()
+        return self._values[full]  # type: ignore[return-value]
+
+    def dense_bias(self, encoding: nn.Module, q_positions: torch.Tensor, k_positions: torch.Tensor) -> torch.Tensor:
+        """``encoding.bias(q_positions, k_positions)`` (H, Tq, Tk), computed once per forward when the
+        encoding is shared across layers (one instance for all of them), else every time."""
+        if not getattr(encoding, "shares_across_layers", False):
+            return encoding.bias(q_positions, k_positions)
+        key = ("dense_bias", *_geometry(q_positions, k_positions))
+        return self._get(encoding, key, lambda: encoding.bias(q_positions, k_positions))
+
+    def relative_values(self, encoding: nn.Module, r_lo: int, r_hi: int, device: torch.device) -> torch.Tensor:
+        """``encoding.relative_bias(r)`` for r = r_lo..r_hi: (H, R)."""
+        make = lambda: encoding.relative_bias(torch.arange(r_lo, r_hi + 1, device=device))  # noqa: E731  (H, R)
+        return self._get(encoding, ("relative_values", r_lo, r_hi, device), make)
+
+    def table(self, encoding: nn.Module, name: str, key: tuple, make: Callable[[], T]) -> T:
+        """Any other per-forward value a backend derives from positions alone (``name`` says what,
+        ``key`` its geometry), e.g. the blocked backend's band biases."""
+        return self._get(encoding, (name, *key), make)
+
+
+def _geometry(q_positions: torch.Tensor, k_positions: torch.Tensor) -> tuple:
+    """(Tq, Tk, first query position, first key position, device): positions are consecutive."""
+    tq, tk = q_positions.numel(), k_positions.numel()
+    return tq, tk, int(q_positions[0]) if tq else 0, int(k_positions[0]) if tk else 0, q_positions.device
+
+
+__all__ = ["ForwardMemo"]
