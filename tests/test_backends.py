@@ -13,17 +13,16 @@ import math
 
 import pytest
 import torch
-
-from posenc.memo import ForwardMemo
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from posenc import backends
 from posenc.attention import Attention, LayerCache
-from posenc.backends import blocked, eager, flex, sdpa
+from posenc.backends import band, blocked, eager, flex, sdpa
 from posenc.backends.base import ScoreSpec
-from posenc.encodings import build
+from posenc.encodings import alibi_slopes, build
+from posenc.memo import ForwardMemo
 from posenc.encodings.t5 import T5Bias
 from posenc.model import LM, LMConfig
 
@@ -101,7 +100,9 @@ def test_blocked_plan_covers_far_region_and_several_blocks():
             plan = blocked.make_plan(spec, 300, 300, block=64)
             assert plan.far and any(call.causal for call in plan.far)  # the shifted causal triangle
             assert method == "t5" or len(plan.far) >= 4  # sloped tail: far blocks of 64 queries
-            assert any(group.inner and group.count > 1 for group in plan.bands)
+            # T5 writes out a band of batched blocks; ALiBi's bias is all per-key feature: no band.
+            assert (method == "alibi") == (not plan.bands)
+            assert method == "alibi" or any(group.inner and group.count > 1 for group in plan.bands)
             assert causal or any(call.flip for call in plan.far)
 
 
@@ -112,8 +113,8 @@ def test_attention_with_kv_cache_agrees_with_eager(method, causal, backend, monk
     """Whole Attention layers: a full pass (encoders) or prefill + cached steps (decoders), outputs
     and gradients of every parameter, backend vs eager. Small blocks so 70 tokens span several."""
     monkeypatch.setattr(blocked, "BAND_BLOCK", 16)
-    monkeypatch.setattr(blocked, "FAR_BLOCK", 16)
-    monkeypatch.setattr(blocked, "BAND_GROUP", 2)
+    monkeypatch.setattr(blocked, "FEATURE_SPAN", 16 * float(alibi_slopes(H).max()))  # far blocks of 16 queries
+    monkeypatch.setattr(band, "BAND_GROUP", 2)
     torch.manual_seed(2)
     enc = make(method, causal)
     layers = {name: Attention(H * D, H, copy.deepcopy(enc), causal=causal, backend=name) for name in (backend, "eager")}
@@ -189,7 +190,7 @@ def test_bias_tails_describe_the_bias():
 
 def test_blocked_alibi_precision_at_long_range():
     """Steep ALiBi slopes over 1024 keys: blocked stays as close to float64 as a dense float32 bias.
-    (One reference position for all queries would lose ~3e-5 here, DESIGN.md §5.)"""
+    (One reference position for all queries would lose ~3e-5 here: docs/precision.md.)"""
     torch.manual_seed(4)
     h, n = 8, 1024  # 8 heads: slopes down from 1/2
     enc = build("alibi", num_heads=h, head_dim=D)
@@ -386,3 +387,84 @@ def test_flex_keeps_no_encoding_alive():
     gc.collect()
     assert ref() is None
     assert len(flex._score_mods) == 0
+
+
+# --- ALiBi's feature path: head groups, windows, and the fallback without flash ops ----------------
+
+
+def test_alibi_heads_are_grouped_by_slope():
+    """Steep heads walk small far blocks, gentle ones large blocks; every group has >= 2 heads."""
+    slopes = alibi_slopes(8)  # 1/2 .. 1/256
+    groups = blocked.head_groups(slopes, torch.float32, 4096, None, spread=10.0, past=0)
+    covered = [h for heads, _, _ in groups for h in range(*heads.indices(8)[:2])]
+    assert covered == list(range(8))
+    assert all(heads.stop - heads.start >= blocked.MIN_GROUP_HEADS for heads, _, _ in groups)
+    rows = [r for _, r, _ in groups]
+    assert rows[0] is not None and rows[0] * float(slopes[0]) <= blocked.FEATURE_SPAN  # precision bound
+    assert rows[-1] is None or rows[-1] > rows[0]  # gentle heads: larger blocks (or one)
+    for heads, _, window in groups:  # a key past the window weighs below 2^-150 of the diagonal's
+        s = float(slopes[heads].min())
+        assert window is not None and s * window >= blocked.ZERO_LOGIT + 2 * 10.0
+    # float64, a constant tail or a forced block: one group of every head, no window.
+    assert blocked.head_groups(slopes, torch.float64, 4096, None, 10.0, 0) == [(slice(None), None, None)]
+    assert blocked.head_groups(None, torch.float32, 4096, None, 10.0, 0) == [(slice(None), None, None)]
+
+
+def test_alibi_windows_leave_out_only_keys_that_weigh_nothing():
+    """At N=2048 the steep heads' windows drop most far keys; the result is float64's to float32
+    precision (and no worse than a dense float32 bias)."""
+    torch.manual_seed(8)
+    h, n = 8, 2048
+    enc = build("alibi", num_heads=h, head_dim=D)
+    q, k, v = (torch.randn(1, h, n, D) for _ in range(3))
+    pos = torch.arange(n)
+    spec = ScoreSpec(enc, pos, pos, True, 1 / math.sqrt(D))
+    plan = blocked.make_plan(spec, n, n, torch.float32, None, blocked._spread(q, k, spec.scale))
+    steep = [c for c in plan.far if c.heads.start == 0 and not c.causal]
+    assert steep and max(c.region.keys[1] - c.region.keys[0] for c in steep) < n // 2  # windowed
+    grad_out = torch.randn(1, h, n, D)
+    with torch.no_grad():
+        exact = eager.attend(q.double(), k.double(), v.double(), ScoreSpec(enc.double(), pos, pos, True, 1 / math.sqrt(D)))
+        enc.float()
+        dense = (sdpa.attend(q, k, v, spec).double() - exact).abs().max().item()
+    got = run(blocked.attend, enc, q, k, v, spec, grad_out)
+    assert (got[0].double() - exact).abs().max().item() <= max(2 * dense, 2e-6)
+    assert_agree(got, reference(enc, q, k, v, spec, grad_out))
+
+
+def test_without_flash_ops_bias_methods_fall_back_to_public_sdpa():
+    """A torch without the private CPU flash ops: one warning at import, auto picks public SDPA for
+    bias methods and eager for query/value terms, and the results are unchanged."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent('''
+        import warnings, torch
+        namespace = type(torch.ops.aten)
+        original = namespace.__getattr__
+        def hide(self, name):
+            if name.startswith("_scaled_dot_product_flash_attention_for_cpu"):
+                raise AttributeError(name)
+            return original(self, name)
+        namespace.__getattr__ = hide
+        for name in [n for n in vars(torch.ops.aten) if n.startswith("_scaled_dot_product_flash_attention_for_cpu")]:
+            delattr(torch.ops.aten, name)  # ops looked up already are cached as attributes
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            import posenc
+            from posenc.backends import regions
+        flash = [w for w in caught if "flash" in str(w.message)]
+        assert len(flash) == 1 and not regions.FLASH_OPS, [str(w.message) for w in caught]
+        torch.manual_seed(0)
+        for method, want in (("alibi", "sdpa"), ("t5", "sdpa"), ("shaw", "eager"), ("transformer_xl", "eager")):
+            fast = posenc.Attention(32, 2, posenc.build(method, num_heads=2, head_dim=16))
+            slow = posenc.Attention(32, 2, posenc.build(method, num_heads=2, head_dim=16), backend="eager")
+            slow.load_state_dict(fast.state_dict())
+            x = torch.randn(1, 40, 32)
+            torch.testing.assert_close(fast(x), slow(x), rtol=1e-5, atol=1e-5)
+            assert fast.last_backend == want, (method, fast.last_backend)
+        print("ok")
+    ''')
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-2000:]

@@ -170,22 +170,6 @@ def test_no_quadratic_tensor(method, causal, monkeypatch):
     assert mode.largest >= quadratic // 2  # the check can see a quadratic tensor
 
 
-@pytest.mark.parametrize("tq, tk", [(1, 1), (1, 7), (5, 5), (5, 9), (8, 3), (9, 17)])
-def test_lower_regions_cover_exactly(tq, tk):
-    """The flash calls cover {(a, b): b <= a + offset} once each, for every offset."""
-    for offset in range(-tq - 2, tk + 3):
-        count = torch.zeros(tq, tk, dtype=torch.long)
-        for q0, q1, k0, k1, causal in terms.lower_regions(tq, tk, offset):
-            assert q0 < q1 and k0 < k1  # no empty call
-            a = torch.arange(q0, q1)[:, None]
-            b = torch.arange(k0, k1)[None, :]
-            seen = (b - k0 <= a - q0) if causal else torch.ones(q1 - q0, k1 - k0, dtype=torch.bool)
-            count[q0:q1, k0:k1] += seen.long()
-            assert seen.any(dim=1).all()  # every query of a call sees a key: finite log-sum-exp
-        want = (torch.arange(tk)[None, :] <= torch.arange(tq)[:, None] + offset).long()
-        assert torch.equal(count, want), offset
-
-
 def test_falls_back_to_eager_when_not_fast():
     enc = make("shaw", True)
     spec = spec_for(enc, 10, 10, True)

@@ -56,7 +56,7 @@ def test_buckets_equal_hf_for_every_r(num_buckets: int, max_distance: int, bidir
 
 
 def test_design_example_one_side_of_16_buckets() -> None:
-    """DESIGN.md §4: 16 buckets a side, max distance 128."""
+    """docs/conventions.md: 16 buckets a side, max distance 128."""
     distances = torch.tensor([0, 1, 2, 3, 4, 5, 6, 7, 16, 32, 64, 128, 129, 1000, 10**6])
     expected = torch.tensor([0, 1, 2, 3, 4, 5, 6, 7, 10, 12, 14, 15, 15, 15, 15])
     # Causal with 16 buckets: keys in the past, r = -distance.

@@ -4,7 +4,8 @@
     enc = posenc.build("alibi", num_heads=8, head_dim=64)
     attn = posenc.Attention(512, 8, enc)
 
-See ``posenc.available()`` for the methods and ``../shared/DESIGN.md`` for the conventions.
+See ``posenc.available()`` for the methods and ``docs/`` in the repository for the design,
+the protocol and the conventions.
 """
 
 from __future__ import annotations

@@ -1,38 +1,37 @@
 """Blocked attention for score-bias methods (ALiBi, T5): no (H, N, N) tensor, forward or backward.
 
-An encoding that gives its bias as a function of r = j - i (``relative_bias``) and says where that
-function is affine in r (``bias_tails``, see :class:`~posenc.encodings.base.BiasTails`) splits
-every query's keys in three:
+An encoding that gives its bias as a function of r = j - i (:class:`RelativeBias`: ``relative_bias``
+and ``bias_tails``, see :class:`~posenc.encodings.protocol.BiasTails`) splits every query's keys:
 
 - the far past, r <= -P: there ``f(r) = f(-P) + s (r + P)`` is a per-key term ``s (j - ref)``
-  plus a per-query constant. The per-key term is a (1, H, 1, L) mask the fused kernel broadcasts
-  (no mask at all when the tail is constant, as for T5) and the constant shifts the part's
-  log-sum-exp. "Keys with j <= i - P" is the kernel's own causal mask on shifted slices
-  (q[P:] against k[:N-P], top-left aligned), so the far past of every query is one kernel call
-  that keeps the causal skip (DESIGN.md §5, T5 idea);
-- the far future, r >= F (encoders only): the mirror image, the same calls on reversed slices;
-- the band in between, -P < r < F (T5: the last P keys), with the explicit bias gathered from
-  ``relative_bias``, in blocks of ``BAND_BLOCK`` queries against their ``BAND_BLOCK + P - 1``
-  keys. The blocks share one (H, block, width) bias, so ``BAND_GROUP`` of them go to the kernel
-  as one batched call on overlapping windows of k and v (views, no copies, at batch size 1):
-  O(H x GROUP x block x width) memory.
+  plus a per-query constant. The constant only shifts the part's log-sum-exp. The per-key term
+  (ALiBi, where P = 0: every key is "far") rides on one extra feature: q gets the constant
+  ``1/scale``, k gets ``s (j - ref)``, so the fused kernel's own ``q k^T * scale`` adds it, with no
+  mask; q, k and v are padded to a multiple of 8 features, which the CPU kernel runs at nearly the
+  speed of 64 (a mask, even a broadcast (1, H, 1, L) one, sends the CPU kernel's backward down a
+  path several times slower: measured 1.62 of 2.17 s of an ALiBi step at N=4096). A constant tail
+  (T5) needs no feature at all. "Keys with j <= i - P" is the kernel's causal mask on shifted
+  slices (:func:`~posenc.backends.regions.lower`), so the far part keeps the causal skip;
+- the far future, r >= F (encoders only): the mirror image, on reversed slices;
+- the band in between, -P < r < F (T5: the last P keys), written out from ``relative_bias`` in
+  batched blocks (:mod:`posenc.backends.band`).
 
-The CPU flash kernel returns each call's log-sum-exp, and the parts are merged with it. The
-backward is a custom ``autograd.Function``: the flash backward of each part, given the *merged*
-output and log-sum-exp, is exactly that part's share of the gradient, so only q, k, v, the output
-and the log-sum-exp are saved, as for plain SDPA. A learned bias (T5) gets its gradient from the
-band, where dS = P (dP - D) is computed explicitly and summed per relative position, and from each
-far part, whose constant's gradient is ``sum over its pairs of dS = sum_j v_j . dv_j - sum_i w_i
-D_i`` (w_i: the part's share of row i, D_i = dO_i . O_i), with no extra kernel call. A fixed bias
-(ALiBi) runs its band backward in the kernel too.
+Parts are merged through their log-sum-exps (:class:`~posenc.backends.regions.Merge`), and the
+backward is a custom ``autograd.Function`` that saves only q, k, v, the output and the log-sum-exp:
+each part's flash backward, given the merged output and log-sum-exp, is exactly its share of the
+gradient. A learned bias (T5) gets its gradient from the band, where dS = P (dP - D) is computed
+explicitly and summed per relative position, and from each far part, whose constant's gradient is
+``sum over its pairs of dS = sum_j v_j . dv_j - sum_i w_i D_i`` (w_i: the part's share of row i,
+D_i = dO_i . O_i), with no extra kernel call.
 
-Precision: a sloped tail (ALiBi) puts s (j - ref) into the kernel's float32 sum, which rounds it to
-~6e-8 |s (j - ref)|; one ref for all of N=4096 queries costs ~1e-4 on the keys that matter
-(DESIGN.md §5). So the far calls of a sloped tail walk ``FAR_BLOCK`` queries, each with its own
-ref, and the band is at least ``SLOPE_BAND`` wide: the keys whose terms are large are then far
-enough to weigh little. Measured against float64 (ALiBi, 8 heads, N=1024-2048): the same error as
-SDPA with a dense float32 bias (1e-6 to 1e-5 depending on the logits' size); a band of 32 or far
-blocks of 4096 were up to 3x worse.
+Precision: the kernel sums ``q . k + s (j - ref) / scale`` in float32, which rounds to ~6e-8 of the
+largest term. So the far part of a sloped tail walks blocks of queries, each with its own ``ref``
+at its middle, of at most ``FEATURE_SPAN / max|s|`` queries: the keys that matter to a query (near
+it, where ``exp(-s |i - j|)`` is not negligible) then carry terms of at most ~FEATURE_SPAN/2, and
+the result is as close to float64 as SDPA with a dense float32 bias (tests). ALiBi's slopes are
+powers of two for power-of-two head counts, so ``s (j - ref)`` itself is exact in float32. In
+bfloat16/float16 the term goes in two features (a high and a low part), since one 8-bit mantissa
+would round it to ~1/8 of a logit.
 
 Other bias encodings (only ``bias``) take the generic path: per block of ``BLOCK`` queries, SDPA
 with that block's bias slice, under activation checkpointing when a gradient is needed.
@@ -46,22 +45,21 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from ..errors import UsageError
-from . import sdpa
 from ..encodings.protocol import RelativeBias, offers
-from .base import ScoreSpec, accumulation_dtype, cpu_flash, cpu_flash_backward, needs_grad
+from ..errors import UsageError
+from . import band, sdpa
+from .base import ScoreSpec, accumulation_dtype, needs_grad
+from .regions import (
+    FLASH_OPS, Merge, Region, call_order, flushed, kernel_backward, kernel_forward, keys_of, lower, region_backward, rows_of,
+    up, upper,
+)
 
-BLOCK = 256  # generic path (and the written-out fallback): query rows per block
+BLOCK = 256  # generic path: query rows per block
 BAND_BLOCK = 64  # query rows per explicit band block: the band is BAND_BLOCK + P - 1 keys wide
-BAND_GROUP = 16  # band blocks batched into one kernel call (temporaries: H x GROUP x BLOCK x width)
-EXPLICIT_GROUP = 4  # band blocks per step of the written-out backward of a learned bias
-FAR_BLOCK = 1024  # query rows per far call when the tail has a slope (its own reference each)
-SLOPE_BAND = 64  # the band of a sloped tail is at least this wide (see Precision above)
-
-
-def up(x: torch.Tensor) -> torch.Tensor:
-    """x in its accumulation dtype (no copy for float32 and float64)."""
-    return x.to(accumulation_dtype(x.dtype))
+FEATURE_SPAN = 32.0  # a sloped far block is at most FEATURE_SPAN / max|slope| queries (see Precision)
+FEATURE_MULTIPLE = 8  # q, k, v padded to a multiple of this many features when a feature is added
+MIN_GROUP_HEADS = 2  # heads per far call at least (the kernel's backward runs one head per thread)
+ZERO_LOGIT = 110.0  # exp(-ZERO_LOGIT) is below 2^-150: a probability that rounds to 0 in float32
 
 
 def supports(spec: ScoreSpec, q: torch.Tensor) -> bool:
@@ -69,15 +67,14 @@ def supports(spec: ScoreSpec, q: torch.Tensor) -> bool:
 
 
 def preferred(spec: ScoreSpec, q: torch.Tensor) -> bool:
-    return spec.has_bias and supports(spec, q)
+    # On CPU without the flash ops (old torch), public SDPA with a dense bias is the faster fallback.
+    return spec.has_bias and supports(spec, q) and (FLASH_OPS or q.device.type != "cpu")
 
 
 def fast_path(spec: ScoreSpec, tq: int, tk: int) -> bool:
-    """True when the encoding describes its bias by ``relative_bias`` and ``bias_tails`` and the
-    keys cover the queries' positions (a full pass, or decoding after a KV cache)."""
-    if not offers(spec.encoding, RelativeBias):
-        return False
-    if tq == 0 or tk == 0:
+    """True when the encoding offers :class:`RelativeBias` and the keys cover the queries'
+    positions (a full pass, or decoding after a KV cache)."""
+    if not offers(spec.encoding, RelativeBias) or tq == 0 or tk == 0:
         return False
     qs, ks = int(spec.q_positions[0]), int(spec.k_positions[0])
     return ks <= qs and qs + tq <= ks + tk
@@ -91,47 +88,43 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec, b
         return sdpa.attend(q, k, v, spec)
     tq, tk = q.shape[-2], k.shape[-2]
     if fast_path(spec, tq, tk):
-        plan = make_plan(spec, tq, tk, block)
-        rel = relative_values(spec, plan.r_lo, plan.r_hi)  # (H, R)
+        plan = make_plan(spec, tq, tk, q.dtype, block, _spread(q, k, spec.scale))
+        rel = spec.memo.relative_values(spec.encoding, plan.r_lo, plan.r_hi, q.device)  # (H, R)
         return _TailedBias.apply(q, k, v, rel, plan)
     return _generic(q, k, v, spec, BLOCK if block is None else block)
 
 
+def _spread(q: torch.Tensor, k: torch.Tensor, scale: float) -> float:
+    """A bound on |q_i . k_j| x scale over all pairs (Cauchy-Schwarz): what content can add to a
+    logit, so far keys whose bias is lower by more than this (and then some) weigh nothing."""
+    with torch.no_grad():
+        return float(q.detach().float().norm(dim=-1).max() * k.detach().float().norm(dim=-1).max()) * scale
+
+
 # ---------------------------------------------------------------------------------------------
-# Plan: which kernel calls and which explicit blocks cover every (query, key) pair exactly once
+# Plan: which kernel calls and which band blocks cover every (query, key) pair exactly once
 
 
 @dataclass
 class FarCall:
-    rows: tuple[int, int]  # query index range, original order
-    keys: tuple[int, int]  # key index range, original order
-    causal: bool  # the kernel's top-left causal mask, in call order
-    flip: bool  # future side: the call runs on reversed slices
+    region: Region
+    side: int  # 0: past (r <= -past), 1: future (r >= future)
     ref: int  # key position the per-key term s (j - ref) is measured from
-    side: int  # 0: past, 1: future
-
-
-@dataclass
-class BandGroup:
-    """``count`` band blocks of ``rows`` queries: block n has queries t0 + n*rows + [0, rows) and
-    keys k0 + n*rows + [0, length). Inner blocks (same shape, same bias) run as one batched call."""
-
-    t0: int
-    k0: int
-    rows: int
-    length: int
-    count: int = 1
-    inner: bool = False
+    heads: slice = field(default_factory=lambda: slice(None))  # the heads it covers (similar slopes)
 
     @property
-    def row_range(self) -> tuple[int, int]:
-        return self.t0, self.t0 + self.count * self.rows
+    def causal(self) -> bool:
+        return self.region.causal
+
+    @property
+    def flip(self) -> bool:
+        return self.region.flip
 
 
 @dataclass
 class Plan:
     far: list[FarCall]
-    bands: list[BandGroup]
+    bands: list[band.BandGroup]
     q_start: int  # absolute position of query 0 and of key 0
     k_start: int
     scale: float
@@ -144,252 +137,110 @@ class Plan:
     cache: dict = field(default_factory=dict, repr=False)  # band bias per block geometry
 
 
-def _shifted_causal(tq: int, c0: int, block: int) -> list[tuple[tuple[int, int], tuple[int, int], bool, int]]:
-    """Kernel calls giving every row t in [0, tq) exactly the keys [0, t + c0]: (rows, keys, causal, ref).
+def head_groups(slope: torch.Tensor | None, dtype: torch.dtype, tq: int, block: int | None, spread: float | None, past: int):
+    """(heads, rows per far block, window) per group of heads.
 
-    Per block of rows [t0, t1): the keys every row sees, [0, t0 + c0], as a plain rectangle; the
-    rest is a square whose top-left causal mask is the staircase. ``ref`` is the last key of row t0.
+    Rows: all of them for a constant tail or float64, else the largest power of two with |s| x rows
+    <= FEATURE_SPAN (at least 16), so steep heads walk small blocks and gentle ones large blocks.
+    Window (a tail that starts at the diagonal, past == 0, when ``spread`` bounds |q.k| x scale):
+    keys more than (ZERO_LOGIT + 2 spread) / |s| before the query weigh less than 2^-150 of the
+    diagonal key, exactly zero in float32, and are left out. Contiguous heads with the same block
+    form a group; groups keep at least MIN_GROUP_HEADS heads, since the CPU kernel's backward runs
+    one head per thread.
     """
-    calls = []
-    for t0 in range(0, tq, block):
-        t1 = min(t0 + block, tq)
-        e0 = t0 + c0  # the last key of row t0
-        if e0 >= 0:
-            calls.append(((t0, t1), (0, e0 + 1), False, e0))
-            if t1 - t0 > 1:
-                calls.append(((t0 + 1, t1), (e0 + 1, e0 + t1 - t0), True, e0))
-        elif t1 + c0 > 0:
-            calls.append(((-c0, t1), (0, t1 + c0), True, e0))
-    return calls
+    if block is not None or slope is None or dtype == torch.float64:
+        return [(slice(None), block, None)]
+    runs: list[list] = []  # [first head, last head + 1, rows, smallest |s|]
+    for h, s in enumerate(slope.abs().tolist()):
+        rows = 16
+        while rows * 2 * s <= FEATURE_SPAN and rows < tq:
+            rows *= 2
+        if runs and (runs[-1][2] == rows or runs[-1][1] - runs[-1][0] < MIN_GROUP_HEADS):
+            runs[-1][1], runs[-1][2], runs[-1][3] = h + 1, min(runs[-1][2], rows), min(runs[-1][3], s)
+        else:
+            runs.append([h, h + 1, rows, s])
+    if len(runs) > 1 and runs[-1][1] - runs[-1][0] < MIN_GROUP_HEADS:  # a lone last head joins the one before
+        last = runs.pop()
+        runs[-1][1], runs[-1][2], runs[-1][3] = last[1], min(runs[-1][2], last[2]), min(runs[-1][3], last[3])
+    groups = []
+    for h0, h1, rows, s in runs:
+        window = None
+        if past == 0 and spread is not None and s > 0:
+            window = int((ZERO_LOGIT + 2 * spread) / s) + 1
+        groups.append((slice(h0, h1), None if rows >= tq else rows, window))
+    return groups
 
 
-def make_plan(spec: ScoreSpec, tq: int, tk: int, block: int | None = None) -> Plan:
+def make_plan(spec: ScoreSpec, tq: int, tk: int, dtype: torch.dtype = torch.float32, block: int | None = None,
+              spread: float | None = None) -> Plan:
     tails = spec.encoding.bias_tails()
-    past_slope, future_slope = tails.past_slope, tails.future_slope
-    past = max(tails.past, SLOPE_BAND) if past_slope is not None else tails.past
-    future = max(tails.future, SLOPE_BAND) if future_slope is not None else tails.future
-    future = max(future, 1 - past)  # r = 0 belongs to one side only
-    band_block = BAND_BLOCK if block is None else block
+    slopes = (tails.past_slope, tails.future_slope)
+    past = tails.past
+    future = max(tails.future, 1 - past)  # r = 0 belongs to one side only
     qs, ks = int(spec.q_positions[0]), int(spec.k_positions[0])
-
     far = []
-    # Far past: row t sees the keys with index <= t + qs - ks - past.
-    size = tq if past_slope is None else (FAR_BLOCK if block is None else block)
-    for rows, keys, causal, e0 in _shifted_causal(tq, qs - ks - past, size):
-        far.append(FarCall(rows, keys, causal, False, ks + e0, 0))
-    if not spec.causal:
-        # Far future: row t sees the keys with index >= t + qs - ks + future; reversed, that is
-        # the far past of a reversed row against reversed keys.
-        size = tq if future_slope is None else (FAR_BLOCK if block is None else block)
-        for (r0, r1), (k0, k1), causal, e0 in _shifted_causal(tq, (tk + ks) - (tq + qs) - future, size):
-            far.append(FarCall((tq - r1, tq - r0), (tk - k1, tk - k0), causal, True, ks + tk - 1 - e0, 1))
-
-    bands: list[BandGroup] = []
-    top = 0 if spec.causal else future - 1  # largest r in the band
-    if past + top > 0:  # the band -past < r <= top is not empty
-        for t0 in range(0, tq, band_block):
-            t1 = min(t0 + band_block, tq)
-            k0 = qs + t0 - past + 1 - ks
-            k1 = qs + t1 - 1 + top - ks + 1
-            inner = k0 >= 0 and k1 <= tk and t1 - t0 == band_block
-            k0, k1 = max(k0, 0), min(k1, tk)
-            if k1 <= k0:
-                continue
-            last = bands[-1] if bands else None
-            if inner and last is not None and last.inner and last.count < BAND_GROUP:
-                last.count += 1
-            else:
-                bands.append(BandGroup(t0, k0, t1 - t0, k1 - k0, 1, inner))
-    width = max(band_block, 1) if bands else 1
+    # Far past: query a sees key b when b <= a + qs - ks - past. ref: the boundary key of the middle row.
+    for heads, rows, window in head_groups(slopes[0], dtype, tq, block, spread, past):
+        for region in lower(tq, tk, qs - ks - past, rows, window):
+            far.append(FarCall(region, 0, qs + sum(region.rows) // 2 - past, heads))
+    if not spec.causal:  # far future: b >= a + qs - ks + future
+        for heads, rows, window in head_groups(slopes[1], dtype, tq, block, spread, 1 - future):
+            for region in upper(tq, tk, qs - ks + future, rows, window):
+                far.append(FarCall(region, 1, qs + sum(region.rows) // 2 + future, heads))
+    rows = BAND_BLOCK if block is None else block
+    bands = band.plan_band(tq, tk, qs, ks, past, 0 if spec.causal else future - 1, rows)
+    width = rows if bands else 1
     return Plan(
-        far, bands, qs, ks, spec.scale, spec.causal, past, future, (past_slope, future_slope),
-        r_lo=-(past + width), r_hi=future + width, cache=_band_cache(spec),
+        far, bands, qs, ks, spec.scale, spec.causal, past, future, slopes,
+        r_lo=-(past + width), r_hi=future + width, cache=spec.memo.table(spec.encoding, "band_bias", (), dict),
     )
 
 
-def _band_cache(spec: ScoreSpec) -> dict:
-    """Band biases are the same for every layer of one forward: keep them in the per-forward memo."""
-    return spec.memo.table(spec.encoding, "band_bias", (), dict)
-
-
-def relative_values(spec: ScoreSpec, r_lo: int, r_hi: int) -> torch.Tensor:
-    """f_h(r) for r = r_lo..r_hi, (H, R); computed once per forward and shared by all layers."""
-    return spec.memo.relative_values(spec.encoding, r_lo, r_hi, spec.q_positions.device)
-
-
-# ---------------------------------------------------------------------------------------------
-# The pieces: the fused kernel on a far call, the explicit formula on a band block
-
-
-def _kernel(q: torch.Tensor, v: torch.Tensor) -> bool:
-    """The CPU flash kernel runs it (it needs one head dim for q, k and v)."""
-    return q.device.type == "cpu" and q.shape[-1] == v.shape[-1]
-
-
-def _flash_forward(q, k, v, mask, causal, scale):
-    if _kernel(q, v):
-        return cpu_flash(q, k, v, causal, scale, mask)
-    # Otherwise (other devices, where flex is the fast path; v's head dim not q's): the formula,
-    # BLOCK rows at a time so memory stays O(BLOCK x L).
-    outs, lses = [], []
-    for a in range(0, q.shape[-2], BLOCK):
-        s = _scores(q, k, mask, causal, scale, a, a + BLOCK)  # (B, H, rows, L)
-        lse = torch.logsumexp(s, -1)  # (B, H, rows)
-        outs.append(torch.matmul(torch.exp(s - lse[..., None]).to(v.dtype), v))
-        lses.append(lse)
-    return torch.cat(outs, -2), torch.cat(lses, -1)
-
-
-def _flash_backward(do, q, k, v, out, lse, mask, causal, scale):
-    if _kernel(q, v):
-        return cpu_flash_backward(do, q, k, v, out, lse, causal, scale, mask)
-    dq, dk, dv = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    for a in range(0, q.shape[-2], BLOCK):
-        r = slice(a, a + BLOCK)
-        p = torch.exp(_scores(q, k, mask, causal, scale, a, a + BLOCK) - lse[:, :, r, None])  # (B, H, rows, L)
-        dsum = (up(do[:, :, r]) * up(out[:, :, r])).sum(-1, keepdim=True)
-        ds = (p * (up(torch.matmul(do[:, :, r], v.transpose(-1, -2))) - dsum)).to(q.dtype)
-        dq[:, :, r] = torch.matmul(ds, k) * scale
-        dk += torch.matmul(ds.transpose(-1, -2), q[:, :, r]) * scale
-        dv += torch.matmul(p.to(do.dtype).transpose(-1, -2), do[:, :, r])
-    return dq, dk, dv
-
-
-def _scores(q, k, mask, causal, scale, a, b):
-    """Scores of rows [a, b) of a call, with its mask and its top-left causal mask."""
-    q = q[:, :, a:b]
-    s = up(torch.matmul(q, k.transpose(-1, -2))) * scale  # (B, H, rows, L)
-    if mask is not None:
-        s = s + up(mask if mask.shape[-2] == 1 else mask[:, :, a:b])
-    if causal:
-        rows = torch.arange(a, a + q.shape[-2], device=s.device)[:, None]
-        s = s.masked_fill(torch.arange(k.shape[-2], device=s.device)[None, :] > rows, float("-inf"))
-    return s
-
-
-def _far_terms(plan: Plan, rel: torch.Tensor, call: FarCall, dtype: torch.dtype):
-    """A far call's key mask (1, H, 1, L) in call order (None for a constant tail), its per-query
-    constant (H, C) in row order, and the rel index of its intercept."""
+def _far_terms(plan: Plan, rel: torch.Tensor, call: FarCall):
+    """A far call's per-key term s (j - ref) (h, L), original key order (None for a constant tail),
+    its per-query constant (h, C), original row order, and the rel index of its intercept f(r0)."""
     slope = plan.slopes[call.side]
     r0 = -plan.past if call.side == 0 else plan.future
-    device = rel.device
-    i = plan.q_start + torch.arange(*call.rows, device=device)  # (C,) query positions
+    i = plan.q_start + torch.arange(*call.region.rows, device=rel.device)  # (C,) query positions
     # f(r) = f(r0) + s (j - i - r0) = [s (j - ref)] + [f(r0) + s (ref - r0 - i)]
-    shift = up(rel[:, r0 - plan.r_lo])[:, None].expand(-1, i.numel())  # (H, C)
-    mask = None
+    shift = up(rel[call.heads, r0 - plan.r_lo])[:, None].expand(-1, i.numel())  # (h, C)
+    term = None
     if slope is not None:
-        shift = shift + up(slope)[:, None] * (call.ref - r0 - i)[None, :]
-        j = plan.k_start + torch.arange(*call.keys, device=device)  # (L,) key positions
-        if call.flip:
-            j = j.flip(0)
-        mask = (up(slope)[:, None] * (j - call.ref)[None, :]).to(dtype)[None, :, None, :]  # (1, H, 1, L)
-    return mask, shift, r0 - plan.r_lo
+        s = up(slope[call.heads])[:, None]  # (h, 1)
+        shift = shift + s * (call.ref - r0 - i)[None, :]
+        j = plan.k_start + torch.arange(*call.region.keys, device=rel.device)  # (L,) key positions
+        term = s * (j - call.ref)[None, :]  # (h, L)
+    return term, shift, r0 - plan.r_lo
 
 
-def _band_bias(plan: Plan, rel: torch.Tensor, group: BandGroup):
-    """A band block's bias (H, C, L) with -inf outside the band, and its rel index (C * L,)."""
-    offset = (plan.k_start + group.k0) - (plan.q_start + group.t0)  # r of the block's top-left pair
-    key = (group.rows, group.length, offset, plan.past, plan.future, plan.causal, plan.r_lo, rel.dtype)
-    hit = plan.cache.get(key)
-    if hit is None:
-        c, length = group.rows, group.length
-        relative = offset + torch.arange(length, device=rel.device)[None, :] - torch.arange(c, device=rel.device)[:, None]  # (C, L)
-        inside = relative > -plan.past
-        inside &= relative <= 0 if plan.causal else relative < plan.future
-        index = (relative - plan.r_lo).clamp_(0, rel.shape[1] - 1)
-        bias = up(rel)[:, index].masked_fill_(~inside, float("-inf"))  # (H, C, L)
-        hit = plan.cache[key] = (bias, index.reshape(-1))
-    return hit
+class _Featured:
+    """q, k, v padded with the per-key term's feature(s): q's are ``1/scale``, k's carry the term of
+    the call at hand (written before each call). One feature in float32/64; a high and a low part
+    in 16-bit types. Padded to a multiple of ``FEATURE_MULTIPLE`` (v too: one head dim for all)."""
 
+    def __init__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, *grads: torch.Tensor) -> None:
+        self.d = d = q.shape[-1]
+        self.parts = 1 if q.dtype in (torch.float32, torch.float64) else 2
+        pad = -(d + self.parts) % FEATURE_MULTIPLE + self.parts
+        self.q, self.k, self.v = (F.pad(x, (0, pad)) for x in (q, k, v))  # (B, H, T, d + pad)
+        self.q[..., d : d + self.parts] = 1.0 / scale
+        self.extra = [F.pad(x, (0, pad)) for x in grads]  # dout and out, for the backward
 
-def _split(group: BandGroup, size: int) -> list[BandGroup]:
-    """The group as groups of at most ``size`` blocks."""
-    return [
-        BandGroup(group.t0 + n * group.rows, group.k0 + n * group.rows, group.rows, group.length, min(size, group.count - n), group.inner)
-        for n in range(0, group.count, size)
-    ]
-
-
-def _blocks(x: torch.Tensor, group: BandGroup) -> torch.Tensor:
-    """Rows of the group's blocks, (B, H, T, ...) -> (B * count, H, C, ...): a view when B = 1."""
-    a, b = group.row_range
-    return x[:, :, a:b].unflatten(2, (group.count, group.rows)).transpose(1, 2).flatten(0, 1)
-
-
-def _unblocks(y: torch.Tensor, group: BandGroup) -> torch.Tensor:
-    """Inverse of :func:`_blocks`: (B * count, H, C, ...) -> (B, H, count * C, ...)."""
-    return y.unflatten(0, (-1, group.count)).transpose(1, 2).flatten(2, 3)
-
-
-def _windows(x: torch.Tensor, group: BandGroup) -> torch.Tensor:
-    """Keys of the group's blocks, overlapping windows: (B, H, Tk, D) -> (B * count, H, L, D)."""
-    span = x[:, :, group.k0 : group.k0 + (group.count - 1) * group.rows + group.length]
-    windows = span.unfold(2, group.length, group.rows)  # (B, H, count, D, L), a view
-    return windows.permute(0, 2, 1, 4, 3).flatten(0, 1)  # (B * count, H, L, D)
-
-
-def _add_windows(buf: torch.Tensor, group: BandGroup, g: torch.Tensor) -> None:
-    """buf[:, :, keys of block n] += g[block n] for overlapping windows, a few strided adds."""
-    c, n, tk = group.rows, group.count, buf.shape[2]
-    g = g.unflatten(0, (-1, n)).transpose(1, 2)  # (B, H, count, L, D)
-    for s in range(0, group.length, c):
-        seg = g[:, :, :, s : s + c]  # (B, H, count, c', D): this segment of every window
-        start = group.k0 + s
-        whole = n if start + n * c <= tk else n - 1  # the last window's segment may overhang
-        if whole:
-            buf[:, :, start : start + whole * c].unflatten(2, (whole, c))[:, :, :, : seg.shape[3]] += seg[:, :, :whole]
-        if whole < n:
-            at = start + whole * c
-            buf[:, :, at : at + seg.shape[3]] += seg[:, :, whole]
-
-
-def _merge(out: torch.Tensor, lse: torch.Tensor, rows: tuple[int, int], o: torch.Tensor, l: torch.Tensor, covered: list) -> None:
-    """Fold a part (o, its log-sum-exp l) into the running (out, lse) of rows, in place.
-
-    ``covered`` lists the row ranges merged so far: a part on fresh rows is just copied.
-    """
-    a, b = rows
-    if all(b <= c0 or a >= c1 for c0, c1 in covered):
-        out[:, :, a:b] = o
-        lse[:, :, a:b] = l
-    else:
-        old = lse[:, :, a:b]
-        new = torch.logaddexp(old, l)  # (B, H, C)
-        out[:, :, a:b].mul_(torch.exp(old - new)[..., None]).addcmul_(up(o), torch.exp(l - new)[..., None])
-        lse[:, :, a:b] = new
-    covered.append(rows)
+    def set(self, keys: tuple[int, int], term: torch.Tensor, heads: slice) -> None:
+        hi = term.to(self.k.dtype)  # (h, L)
+        self.k[:, heads, keys[0] : keys[1], self.d] = hi
+        if self.parts == 2:
+            self.k[:, heads, keys[0] : keys[1], self.d + 1] = (term - hi.to(term.dtype)).to(self.k.dtype)
 
 
 # ---------------------------------------------------------------------------------------------
 # The autograd function
 
 
-def _flip(x: torch.Tensor, flip: bool, dim: int = -2) -> torch.Tensor:
-    return x.flip(dim) if flip else x
-
-
 class _TailedBias(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, rel, plan: Plan):
-        b, h, tq, _ = q.shape
-        acc = accumulation_dtype(q.dtype)
-        out = torch.zeros(b, h, tq, v.shape[-1], dtype=acc, device=q.device)  # (B, H, Tq, D), merged
-        lse = torch.full((b, h, tq), float("-inf"), dtype=acc, device=q.device)  # (B, H, Tq), merged
-        covered: list = []
-        far_lse = []  # each far call's shifted log-sum-exp: the gradient of its constant needs it
-        for call in plan.far:
-            mask, shift, _ = _far_terms(plan, rel, call, q.dtype)
-            f = call.flip
-            qc, kc, vc = (_flip(x[:, :, slice(*r)], f) for x, r in ((q, call.rows), (k, call.keys), (v, call.keys)))
-            o, l = _flash_forward(qc, kc, vc, mask, call.causal, plan.scale)
-            l = _flip(l, f, -1) + shift  # (B, H, C): back to the true bias
-            _merge(out, lse, call.rows, _flip(o, f), l, covered)
-            far_lse.append(l)
-        for group in plan.bands:
-            bias, _ = _band_bias(plan, rel, group)
-            o, l = _flash_forward(_blocks(q, group), _windows(k, group), _windows(v, group), bias.to(q.dtype)[None], False, plan.scale)
-            _merge(out, lse, group.row_range, _unblocks(o, group), _unblocks(l, group), covered)
-        out = out.to(q.dtype)
+        out, lse, far_lse = flushed(_forward, q, k, v, rel, plan)
         ctx.plan = plan
         ctx.far_lse = far_lse if ctx.needs_input_grad[3] else None
         ctx.save_for_backward(q, k, v, rel, out, lse)
@@ -398,48 +249,102 @@ class _TailedBias(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, k, v, rel, out, lse = ctx.saved_tensors
-        plan: Plan = ctx.plan
         need_rel = ctx.needs_input_grad[3]
-        dout = dout.contiguous()
-        grads = _Grads(q, k, v)
-        drel = torch.zeros(rel.shape, dtype=accumulation_dtype(rel.dtype), device=rel.device) if need_rel else None
-        dsum = (up(dout) * up(out)).sum(-1)  # (B, H, Tq): D_i = dO_i . O_i
-        for n, call in enumerate(plan.far):
-            mask, shift, r0 = _far_terms(plan, rel, call, q.dtype)
-            f, r, c = call.flip, slice(*call.rows), slice(*call.keys)
-            qc, kc, vc = _flip(q[:, :, r], f), _flip(k[:, :, c], f), _flip(v[:, :, c], f)
-            lc = _flip(lse[:, :, r] - shift, f, -1).contiguous()
-            g = list(_flash_backward(_flip(dout[:, :, r], f), qc, kc, vc, _flip(out[:, :, r], f), lc, mask, call.causal, plan.scale))
-            if need_rel:
-                # The constant's gradient: sum over the call's pairs of dS = P (dP - D).
-                weight = torch.exp(ctx.far_lse[n] - lse[:, :, r])  # (B, H, C): the call's share of each row
-                drel[:, r0] += (up(vc) * up(g[2])).sum((0, 2, 3)) - (weight * dsum[:, :, r]).sum((0, 2))
-            for i, where in enumerate((r, c, c)):
-                grads.add(i, where, _flip(g[i], f))
-                g[i] = None  # free it before the next buffer is allocated
-        # The explicit formula (learned bias) keeps several (blocks, H, C, L) tensors: smaller groups.
-        groups = plan.bands if not need_rel else [part for g in plan.bands for part in _split(g, EXPLICIT_GROUP)]
-        for group in groups:
-            bias, index = _band_bias(plan, rel, group)
-            qc, kc, vc, doc = _blocks(q, group), _windows(k, group), _windows(v, group), _blocks(dout, group)
-            oc, lc, dc = _blocks(out, group), _blocks(lse, group), _blocks(dsum, group)
-            if not need_rel:  # a fixed bias (ALiBi): the kernel, with the band's mask
-                gq, gk, gv = _flash_backward(doc, qc, kc, vc, oc, lc.contiguous(), bias.to(q.dtype)[None], False, plan.scale)
-            else:
-                # A learned bias needs dS = P (dP - D) itself: the explicit formula.
-                s = up(torch.matmul(qc, kc.transpose(-1, -2))).mul_(plan.scale).add_(bias)  # (B*n, H, C, L)
-                p = s.sub_(lc[..., None]).exp_()  # probabilities under the merged normaliser
-                gv = torch.matmul(p.to(doc.dtype).transpose(-1, -2), doc)
-                ds = up(torch.matmul(doc, vc.transpose(-1, -2))).sub_(dc[..., None]).mul_(p)  # dS
-                drel.scatter_add_(1, index.expand(rel.shape[0], -1), ds.sum(0).reshape(rel.shape[0], -1))
-                ds = ds.to(q.dtype)
-                gq = torch.matmul(ds, kc).mul_(plan.scale)
-                gk = torch.matmul(ds.transpose(-1, -2), qc).mul_(plan.scale)
-            grads.add(0, slice(*group.row_range), _unblocks(gq, group))
-            _add_windows(grads.get(1), group, gk)
-            _add_windows(grads.get(2), group, gv)
-        dq, dk, dv = grads.result()
-        return dq, dk, dv, (drel.to(rel.dtype) if need_rel else None), None
+        dq, dk, dv, drel = flushed(_backward, ctx.plan, ctx.far_lse, need_rel, dout, q, k, v, rel, out, lse)
+        return dq, dk, dv, drel, None
+
+
+def _forward(q, k, v, rel, plan: Plan):
+    """Output (B, H, Tq, Dv), its log-sum-exp (B, H, Tq) and each far call's log-sum-exp."""
+    b, h, tq, d = q.shape
+    merged = Merge(b, h, tq, v.shape[-1], q.dtype, q.device)
+    feat = _Featured(q, k, v, plan.scale) if any(s is not None for s in plan.slopes) else None
+    far_lse = []  # each far call's shifted log-sum-exp: the gradient of its constant needs it
+    for call in plan.far:
+        term, shift, _ = _far_terms(plan, rel, call)
+        r, hs = call.region, call.heads
+        qq, kk, vv = (q, k, v) if term is None else (feat.q, feat.k, feat.v)
+        if term is not None:
+            feat.set(r.keys, term, hs)
+        o, l = kernel_forward(*_cut(r, qq[:, hs], kk[:, hs], vv[:, hs]), r.causal, plan.scale)
+        l = call_order(l, r, -1) + shift  # (B, h, C): back to the true bias
+        merged.add(r.rows, call_order(o, r)[..., : v.shape[-1]], l, hs)
+        far_lse.append(l)
+    for group in plan.bands:
+        bias, _ = _band_bias(plan, rel, group)
+        o, l = kernel_forward(band.blocks(q, group), band.windows(k, group), band.windows(v, group), False, plan.scale, bias.to(q.dtype)[None])
+        merged.add(group.row_range, band.unblocks(o, group), band.unblocks(l, group))
+    return merged.out.to(q.dtype), merged.lse, far_lse
+
+
+def _backward(plan: Plan, far_lse, need_rel: bool, dout, q, k, v, rel, out, lse):
+    dout = dout.contiguous()
+    grads = _Grads(q, k, v)
+    drel = torch.zeros(rel.shape, dtype=accumulation_dtype(rel.dtype), device=rel.device) if need_rel else None
+    dsum = (up(dout) * up(out)).sum(-1)  # (B, H, Tq): D_i = dO_i . O_i
+    sloped = any(s is not None for s in plan.slopes)
+    feat = _Featured(q, k, v, plan.scale, dout, out) if sloped else None
+    for n, call in enumerate(plan.far):
+        term, shift, r0 = _far_terms(plan, rel, call)
+        r, hs = call.region, call.heads
+        if term is None:
+            g = list(region_backward(r, dout[:, hs], q[:, hs], k[:, hs], v[:, hs], out[:, hs], lse[:, hs], plan.scale, lse_shift=shift))
+        else:
+            feat.set(r.keys, term, hs)
+            do, o = (x[:, hs] for x in feat.extra)
+            g = region_backward(r, do, feat.q[:, hs], feat.k[:, hs], feat.v[:, hs], o, lse[:, hs], plan.scale, lse_shift=shift)
+            g = [x[..., : like.shape[-1]] for x, like in zip(g, (q, k, v))]
+        rows, keys = slice(*r.rows), slice(*r.keys)
+        if need_rel:
+            # The constant's gradient: sum over the call's pairs of dS = P (dP - D).
+            weight = torch.exp(far_lse[n] - lse[:, hs, rows])  # (B, h, C): the call's share of each row
+            drel[hs, r0] += (up(v[:, hs, keys]) * up(g[2])).sum((0, 2, 3)) - (weight * dsum[:, hs, rows]).sum((0, 2))
+        for i, where in enumerate((rows, keys, keys)):
+            grads.add(i, where, g[i], hs)
+            g[i] = None  # free it before the next buffer is allocated
+    _band_backward(plan, rel, drel, q, k, v, out, lse, dout, dsum, grads)
+    dq, dk, dv = grads.result()
+    return dq, dk, dv, (drel.to(rel.dtype) if need_rel else None)
+
+
+def _cut(region: Region, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+    """The region's q rows and k, v keys, in call order."""
+    return rows_of(q, region), keys_of(k, region), keys_of(v, region)
+
+
+def _band_bias(plan: Plan, rel: torch.Tensor, group: band.BandGroup):
+    """The band block's bias and rel index, built once per forward for each block geometry."""
+    offset = (plan.k_start + group.k0) - (plan.q_start + group.t0)  # r of the block's top-left pair
+    key = (group.rows, group.length, offset, plan.past, plan.future, plan.causal, plan.r_lo, rel.dtype)
+    hit = plan.cache.get(key)
+    if hit is None:
+        hit = plan.cache[key] = band.band_bias(rel, plan.r_lo, group, offset, plan.past, plan.future, plan.causal)
+    return hit
+
+
+def _band_backward(plan, rel, drel, q, k, v, out, lse, dout, dsum, grads) -> None:
+    """The band's gradients: the kernel's backward for a fixed bias, the explicit formula (with the
+    bias gradient summed per relative position) for a learned one, in smaller groups."""
+    need_rel = drel is not None
+    groups = plan.bands if not need_rel else [part for g in plan.bands for part in band.split(g, band.EXPLICIT_GROUP)]
+    for group in groups:
+        bias, index = _band_bias(plan, rel, group)
+        qc, kc, vc, doc = band.blocks(q, group), band.windows(k, group), band.windows(v, group), band.blocks(dout, group)
+        oc, lc, dc = band.blocks(out, group), band.blocks(lse, group), band.blocks(dsum, group)
+        if not need_rel:
+            gq, gk, gv = kernel_backward(doc, qc, kc, vc, oc, lc.contiguous(), False, plan.scale, bias.to(q.dtype)[None])
+        else:
+            s = up(torch.matmul(qc, kc.transpose(-1, -2))).mul_(plan.scale).add_(bias)  # (B*n, H, C, L)
+            p = s.sub_(lc[..., None]).exp_()  # probabilities under the merged normaliser
+            gv = torch.matmul(p.to(doc.dtype).transpose(-1, -2), doc)
+            ds = up(torch.matmul(doc, vc.transpose(-1, -2))).sub_(dc[..., None]).mul_(p)  # dS
+            drel.scatter_add_(1, index.expand(rel.shape[0], -1), ds.sum(0).reshape(rel.shape[0], -1))
+            ds = ds.to(q.dtype)
+            gq = torch.matmul(ds, kc).mul_(plan.scale)
+            gk = torch.matmul(ds.transpose(-1, -2), qc).mul_(plan.scale)
+        grads.add(0, slice(*group.row_range), band.unblocks(gq, group))
+        band.add_windows(grads.get(1), group, gk)
+        band.add_windows(grads.get(2), group, gv)
 
 
 class _Grads:
@@ -455,8 +360,8 @@ class _Grads:
             self.bufs[i] = torch.zeros_like(self.like[i])
         return self.bufs[i]
 
-    def add(self, i: int, where: slice, g: torch.Tensor) -> None:
-        self.get(i)[:, :, where] += g
+    def add(self, i: int, where: slice, g: torch.Tensor, heads: slice = slice(None)) -> None:
+        self.get(i)[:, heads, where] += g
 
     def result(self) -> list[torch.Tensor]:
         return [torch.zeros_like(x) if b is None else b for x, b in zip(self.like, self.bufs)]

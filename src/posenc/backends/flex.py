@@ -1,11 +1,11 @@
 """FlexAttention: ``torch.nn.attention.flex_attention`` with the encoding's scalar form as score_mod.
 
-The encoding's ``score(h, i, j)`` (DESIGN.md §2) is exactly what a fused kernel's score modifier
+The encoding's ``score(h, i, j)`` (the :class:`~posenc.encodings.protocol.Scores` capability) is exactly what a fused kernel's score modifier
 needs, so ALiBi and T5 run in one compiled kernel, with the causal mask as a block mask that skips
 whole tiles: no (H, N, N) tensor, and the T5 table gets its gradient through the captured weight.
 
 Where it runs: CUDA (training and inference), and CPU for inference only (FlexAttention has no CPU
-backward: NotImplementedError, DESIGN.md §5), both needing ``torch.compile`` (a C++ compiler on
+backward: NotImplementedError in torch 2.13), both needing ``torch.compile`` (a C++ compiler on
 CPU, Triton on CUDA). The first call compiles (~12 s on CPU), so "auto" picks it on CUDA only; on
 CPU ``blocked`` is faster anyway. ``supports`` never picks it where it cannot run.
 """

@@ -2,7 +2,8 @@
 
 Without a score bias the causal case uses ``is_causal=True``, which lets the kernel skip the upper
 triangle. A bias is passed as a dense (H, Tq, Tk) ``attn_mask``: correct, but the kernel then does
-the full square (see DESIGN.md §5), so the blocked backend is preferred for training on CPU.
+the full square and the (H, Tq, Tk) bias is written out, so the blocked backend is preferred on CPU
+(this path is the fallback where torch lacks the CPU flash ops blocked needs).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from . import regions
 from .base import ScoreSpec, additive_mask
 
 
@@ -18,7 +20,8 @@ def supports(spec: ScoreSpec, q: torch.Tensor) -> bool:
 
 
 def preferred(spec: ScoreSpec, q: torch.Tensor) -> bool:
-    return spec.plain
+    # Bias methods too on a CPU whose torch lacks the flash ops the blocked backend needs.
+    return spec.plain or (spec.has_bias and supports(spec, q) and q.device.type == "cpu" and not regions.FLASH_OPS)
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec) -> torch.Tensor:

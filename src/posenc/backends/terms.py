@@ -45,7 +45,8 @@ import torch.nn.functional as F
 
 from ..encodings.protocol import ClippedTables, DistanceKeys, offers
 from . import eager
-from .base import ScoreSpec, cpu_flash, cpu_flash_backward
+from .base import ScoreSpec
+from .regions import FLASH_OPS, call_order, flushed, kernel_forward, keys_of, lower, region_backward, rows_of, upper
 
 SHAW_CHUNK = 32  # queries per band chunk (at least the band width)
 XL_BLOCK = 128  # queries per Transformer-XL tile
@@ -56,7 +57,7 @@ FAST_DTYPES = (torch.float32, torch.float64)
 def _path(spec: ScoreSpec, q: torch.Tensor):
     """The fast function for this call, or None (then the eager formula, blocked, runs)."""
     enc = spec.encoding
-    if q.device.type != "cpu" or q.dtype not in FAST_DTYPES or spec.has_bias or not _contained(spec):
+    if not FLASH_OPS or q.device.type != "cpu" or q.dtype not in FAST_DTYPES or spec.has_bias or not _contained(spec):
         return None
     if offers(enc, ClippedTables):
         return shaw_attention
@@ -88,50 +89,16 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec) -
 # Shaw: band + far regions merged by log-sum-exp.
 
 
-def lower_regions(tq: int, tk: int, offset: int) -> list[tuple[int, int, int, int, bool]]:
-    """Cover {(a, b): b <= a + offset} of a (tq, tk) grid with flash-kernel calls.
-
-    Returns (q0, q1, k0, k1, causal): queries q0:q1 attend keys k0:k1, with the kernel's top-left
-    causal mask (key b - k0 visible to query a - q0 when b - k0 <= a - q0) when ``causal``.
-    """
-    regions = []
-    if offset >= 0:
-        # Keys 0..offset are visible to every query; the rest form a triangle from query 1 on.
-        regions.append((0, tq, 0, min(offset + 1, tk), False))
-        if tq > 1 and offset + 1 < tk:
-            regions.append((1, tq, offset + 1, min(offset + tq, tk), True))
-    elif -offset < tq:
-        regions.append((-offset, tq, 0, min(tq + offset, tk), True))
-    return regions
-
-
 class _MergeFar(torch.autograd.Function):
     """out = merge of the band (o_b, lse_b) with far regions done by the flash kernel.
 
     A far region of side s adds, for its rows, logits ``q k^T * scale + consts[s]`` and values
-    ``v + values[s]``. ``regions``: tuples (side, flipped, q0, q1, k0, k1, causal) in the
-    coordinates of q, k, v (flipped: of q, k, v reversed along the sequence).
+    ``v + values[s]``. ``regions``: (side, :class:`~posenc.backends.regions.Region`) pairs.
     """
 
     @staticmethod
     def forward(ctx, o_b, lse_b, q, k, v, consts, values, regions, scale):
-        tq = q.shape[-2]
-        flips = _flipped(q, k, v) if any(r[1] for r in regions) else None
-        lse = lse_b.clone()  # (B, H, Tq)
-        parts = []
-        for side, flip, q0, q1, k0, k1, causal in regions:
-            qs, ks, vs = flips if flip else (q, k, v)
-            o, l = cpu_flash(qs[..., q0:q1, :], ks[..., k0:k1, :], vs[..., k0:k1, :], causal, scale)
-            if flip:
-                o, l = o.flip(-2), l.flip(-1)
-            rows = slice(tq - q1, tq - q0) if flip else slice(q0, q1)
-            lse[..., rows] = torch.logaddexp(lse[..., rows], l + consts[side, ..., rows])
-            parts.append((o, l))
-        out = torch.exp(lse_b - lse)[..., None] * o_b  # (B, H, Tq, D)
-        for (side, flip, q0, q1, *_), (o, l) in zip(regions, parts):
-            rows = slice(tq - q1, tq - q0) if flip else slice(q0, q1)
-            weight = torch.exp(l + consts[side, ..., rows] - lse[..., rows])[..., None]
-            out[..., rows, :] += weight * (o + values[side])
+        out, lse, parts = flushed(_merge_forward, o_b, lse_b, q, k, v, consts, values, regions, scale)
         ctx.regions, ctx.scale = regions, scale
         ctx.save_for_backward(o_b, lse_b, q, k, v, consts, values, out, lse, *(t for p in parts for t in p))
         return out
@@ -139,46 +106,48 @@ class _MergeFar(torch.autograd.Function):
     @staticmethod
     def backward(ctx, d_out):
         o_b, lse_b, q, k, v, consts, values, out, lse, *saved = ctx.saved_tensors
-        regions, scale = ctx.regions, ctx.scale
-        tq, tk = q.shape[-2], k.shape[-2]
-        d_out = d_out.contiguous()
-        total = (d_out * out).sum(-1)  # (B, H, Tq): rowsum(dO * O) of the whole attention
-        w_b = torch.exp(lse_b - lse)
-        d_ob = w_b[..., None] * d_out
-        d_lse_b = w_b * ((d_out * o_b).sum(-1) - total)
-        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-        d_consts, d_values = torch.zeros_like(consts), torch.zeros_like(values)
-        flips = _flipped(q, k, v) if any(r[1] for r in regions) else None
-        for i, (side, flip, q0, q1, k0, k1, causal) in enumerate(regions):
-            o, l = saved[2 * i], saved[2 * i + 1]
-            rows = slice(tq - q1, tq - q0) if flip else slice(q0, q1)
-            g, c = d_out[..., rows, :], consts[side, ..., rows]
-            weight = torch.exp(l + c - lse[..., rows])  # far mass of each row, (B, H, rows)
-            d_consts[side, ..., rows] += weight * ((g * (o + values[side])).sum(-1) - total[..., rows])
-            d_values[side] += (weight[..., None] * g).sum((0, 1, 2))
-            # The kernel's P = exp(s - lse') and rowsum(dO * O') must be the whole attention's:
-            # lse' = lse - c and O' = out - values[side] (its v lacks the value vector).
-            o_shift, l_shift = out[..., rows, :] - values[side], lse[..., rows] - c
-            if flip:
-                g, o_shift, l_shift = g.flip(-2), o_shift.flip(-2), l_shift.flip(-1)
-            qs, ks, vs = flips if flip else (q, k, v)
-            gq, gk, gv = cpu_flash_backward(
-                g.contiguous(), qs[..., q0:q1, :], ks[..., k0:k1, :], vs[..., k0:k1, :],
-                o_shift.contiguous(), l_shift.contiguous(), causal, scale,
-            )
-            if flip:
-                dq[..., tq - q1 : tq - q0, :] += gq.flip(-2)
-                dk[..., tk - k1 : tk - k0, :] += gk.flip(-2)
-                dv[..., tk - k1 : tk - k0, :] += gv.flip(-2)
-            else:
-                dq[..., q0:q1, :] += gq
-                dk[..., k0:k1, :] += gk
-                dv[..., k0:k1, :] += gv
-        return d_ob, d_lse_b, dq, dk, dv, d_consts, d_values, None, None
+        return flushed(_merge_backward, ctx.regions, ctx.scale, d_out, o_b, lse_b, q, k, v, consts, values, out, lse, saved)
 
 
-def _flipped(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    return tuple(t.flip(-2) for t in tensors)
+def _merge_forward(o_b, lse_b, q, k, v, consts, values, regions, scale):
+    lse = lse_b.clone()  # (B, H, Tq)
+    parts = []
+    for side, region in regions:
+        o, l = kernel_forward(*(f(x, region) for f, x in ((rows_of, q), (keys_of, k), (keys_of, v))), region.causal, scale)
+        o, l = call_order(o, region), call_order(l, region, -1)
+        rows = slice(*region.rows)
+        lse[..., rows] = torch.logaddexp(lse[..., rows], l + consts[side, ..., rows])
+        parts.append((o, l))
+    out = torch.exp(lse_b - lse)[..., None] * o_b  # (B, H, Tq, D)
+    for (side, region), (o, l) in zip(regions, parts):
+        rows = slice(*region.rows)
+        weight = torch.exp(l + consts[side, ..., rows] - lse[..., rows])[..., None]
+        out[..., rows, :] += weight * (o + values[side])
+    return out, lse, parts
+
+
+def _merge_backward(regions, scale, d_out, o_b, lse_b, q, k, v, consts, values, out, lse, saved):
+    d_out = d_out.contiguous()
+    total = (d_out * out).sum(-1)  # (B, H, Tq): rowsum(dO * O) of the whole attention
+    w_b = torch.exp(lse_b - lse)
+    d_ob = w_b[..., None] * d_out
+    d_lse_b = w_b * ((d_out * o_b).sum(-1) - total)
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    d_consts, d_values = torch.zeros_like(consts), torch.zeros_like(values)
+    for i, (side, region) in enumerate(regions):
+        o, l = saved[2 * i], saved[2 * i + 1]
+        rows, keys = slice(*region.rows), slice(*region.keys)
+        g, c = d_out[..., rows, :], consts[side, ..., rows]
+        weight = torch.exp(l + c - lse[..., rows])  # far mass of each row, (B, H, rows)
+        d_consts[side, ..., rows] += weight * ((g * (o + values[side])).sum(-1) - total[..., rows])
+        d_values[side] += (weight[..., None] * g).sum((0, 1, 2))
+        # The kernel's P and rowsum(dO * O) must be the whole attention's: its logits lack c and
+        # its values lack the value vector.
+        gq, gk, gv = region_backward(region, d_out, q, k, v, out, lse, scale, lse_shift=c, out_shift=values[side])
+        dq[..., rows, :] += gq
+        dk[..., keys, :] += gk
+        dv[..., keys, :] += gv
+    return d_ob, d_lse_b, dq, dk, dv, d_consts, d_values, None, None
 
 
 def _shaw_band(
@@ -239,12 +208,11 @@ def shaw_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: Scor
     value_table = value_table.to(q.dtype)
     o_b, lse_b = _shaw_band(q, k, v, per_distance, value_table, clip, offset, spec.causal, spec.scale)
     # Far past: j - i < -clip, i.e. key b <= a + offset - clip - 1; table row 0.
-    regions = [(0, False, *r) for r in lower_regions(tq, tk, offset - clip - 1)]
+    regions = [(0, r) for r in lower(tq, tk, offset - clip - 1)]
     consts, values = [per_distance[..., 0]], [value_table[0]]
     if not spec.causal:
-        # Far future: b >= a + offset + clip + 1. Reversed (a' = tq-1-a, b' = tk-1-b) it is
-        # b' <= a' + tk - tq - offset - clip - 1, a lower region again. Table row 2k.
-        regions += [(1, True, *r) for r in lower_regions(tq, tk, tk - tq - offset - clip - 1)]
+        # Far future: b >= a + offset + clip + 1, run on the sequences reversed. Table row 2k.
+        regions += [(1, r) for r in upper(tq, tk, offset + clip + 1)]
         consts.append(per_distance[..., -1])
         values.append(value_table[-1])
     if not regions:
@@ -284,7 +252,7 @@ class _DistanceKeyAttention(torch.autograd.Function):
         lse = qc.new_empty(qc.shape[:-1])  # (B, H, Tq)
         for hs, a0, a1 in _tiles(qc.shape[1], tq, heads, block):
             position, keys = _block_position(qp[:, hs], pk[hs], tk, a0, a1, offset, causal)
-            o, l = cpu_flash(qc[:, hs, a0:a1], k[:, hs, :keys], v[:, hs, :keys], False, 1.0, _skew(position, keys))
+            o, l = kernel_forward(qc[:, hs, a0:a1], k[:, hs, :keys], v[:, hs, :keys], False, 1.0, _skew(position, keys))
             out[:, hs, a0:a1], lse[:, hs, a0:a1] = o, l
         ctx.offset, ctx.causal, ctx.block, ctx.heads = offset, causal, block, heads
         ctx.save_for_backward(qc, qp, k, v, pk, out, lse)

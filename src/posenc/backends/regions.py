@@ -1,0 +1,285 @@
+"""Kernel regions and log-sum-exp merges: what the ``blocked`` and ``terms`` backends share.
+
+Both split a query's keys into parts that a fused kernel can take whole (the far keys, where the
+position term is constant, or a per-key feature) and a band near the diagonal that they write out.
+This module plans the kernel calls and merges their results.
+
+Geometry. A *region* is one kernel call: queries ``rows`` (a range of query indices) against keys
+``keys`` (a range of key indices), with the kernel's own top-left causal mask or without it, on the
+sequences as they are or reversed (``flip``, for the future side of an encoder). :func:`lower`
+covers ``{(a, b): b <= a + offset}`` of a (Tq, Tk) grid (query a may see key b), per block of rows:
+for each block, the keys every row of the block sees are one plain rectangle, and the rest is a
+square whose top-left causal mask is the staircase. :func:`upper` covers ``{(a, b): b >= a +
+offset}`` as the same thing on reversed sequences.
+
+Merging. The CPU flash kernel returns each call's log-sum-exp (LSE); parts of one softmax row are
+merged exactly by ``lse = logaddexp(lse_1, lse_2)`` and ``out = sum_p exp(lse_p - lse) out_p``
+(:class:`Merge`). Backward: the flash backward of one part, given the *merged* output and LSE
+(shifted by whatever that part adds to its logits and values), is exactly that part's share of the
+gradient, because its probabilities and its ``rowsum(dO * O)`` are then the whole row's
+(:func:`kernel_backward`). So a backend saves only q, k, v, the output and the LSE, as plain SDPA.
+
+Private ops: the CPU flash kernel with LSE is ``torch.ops.aten._scaled_dot_product_flash_attention
+_for_cpu`` (and its backward), present in torch 2.1 and later. :data:`FLASH_OPS` says whether this
+torch has them (checked once, at import); where it does not, the backends that need them step
+aside (``preferred`` is False) and one warning says so; :func:`kernel_forward` then computes the
+formula in row blocks, which is also the path for other devices.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Callable, TypeVar
+
+import torch
+
+from .base import accumulation_dtype
+
+ROW_BLOCK = 256  # rows per step of the formula path (memory O(ROW_BLOCK x L))
+T = TypeVar("T")
+
+
+def _flash_ops_present() -> bool:
+    aten = torch.ops.aten
+    return hasattr(aten, "_scaled_dot_product_flash_attention_for_cpu") and hasattr(
+        aten, "_scaled_dot_product_flash_attention_for_cpu_backward"
+    )
+
+
+FLASH_OPS: bool = _flash_ops_present()
+if not FLASH_OPS:
+    warnings.warn(
+        f"posenc: torch {torch.__version__} has no CPU flash-attention ops with log-sum-exp; the blocked and "
+        "terms backends step aside and bias methods run through public SDPA with a dense bias (slower, same result)",
+        RuntimeWarning,
+        stacklevel=2,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Denormals
+
+
+class _Flushed:
+    """One worker thread that runs kernel loops with denormals flushed to zero.
+
+    A bias that grows with distance (ALiBi) puts many probabilities exp(s - lse) in float32's
+    denormal range (2^-149 .. 2^-126, i.e. s - lse in (-104, -87)), and on many x86 CPUs every
+    multiply with a denormal operand takes a slow microcode path: the CPU flash kernel's backward ran
+    2-3x slower on such inputs here (ALiBi at N=4096), and how much slower depends on the CPU. Those
+    probabilities are below 2^-126 of the row's largest: flushing them to zero changes nothing a
+    float32 result can show. ``torch.set_flush_denormal`` acts on the calling thread only (and the
+    OpenMP team that thread starts inherits it), so the setting stays inside this worker: the
+    user's threads never see it.
+    """
+
+    def __init__(self) -> None:
+        self._pool: ThreadPoolExecutor | None = None
+        self._thread: threading.Thread | None = None
+        self._threads = 0
+        self._lock = threading.Lock()
+        self.available = True
+
+    def _start(self) -> None:
+        self._thread = threading.current_thread()
+        self.available = torch.set_flush_denormal(True)  # False where the CPU has no such mode
+
+    def run(self, fn: Callable[..., T], *args) -> T:
+        """``fn(*args)`` in the flushing thread, with the caller's intra-op thread count."""
+        if threading.current_thread() is self._thread or not self.available:
+            return fn(*args)
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(1, thread_name_prefix="posenc-ftz", initializer=self._start)
+        return self._pool.submit(self._call, torch.get_num_threads(), torch.is_inference_mode_enabled(), fn, args).result()
+
+    def _call(self, threads: int, inference: bool, fn, args):
+        if threads != self._threads:  # the OpenMP thread count is per thread: follow the caller's
+            torch.set_num_threads(threads)
+            self._threads = threads
+        # Grad and inference mode are thread-local too: the loops record no graph.
+        with torch.inference_mode(inference), torch.no_grad():
+            return fn(*args)
+
+
+FLUSHED = _Flushed()
+
+
+def flushed(fn: Callable[..., T], *args) -> T:
+    """Run a loop of CPU kernel calls with denormals flushed (see :class:`_Flushed`)."""
+    return FLUSHED.run(fn, *args)
+
+
+def up(x: torch.Tensor) -> torch.Tensor:
+    """x in its accumulation dtype (no copy for float32 and float64)."""
+    return x.to(accumulation_dtype(x.dtype))
+
+
+# ---------------------------------------------------------------------------------------------
+# Geometry
+
+
+@dataclass(frozen=True)
+class Region:
+    """One kernel call: queries ``rows`` against keys ``keys`` (index ranges, original order)."""
+
+    rows: tuple[int, int]
+    keys: tuple[int, int]
+    causal: bool  # the kernel's top-left causal mask, in call order
+    flip: bool = False  # the call runs on reversed slices (rows and keys both)
+
+
+def lower(tq: int, tk: int, offset: int, block: int | None = None, window: int | None = None) -> list[Region]:
+    """Regions covering ``{(a, b): 0 <= b < tk, b <= a + offset}`` for queries a in [0, tq), in
+    blocks of ``block`` rows (one block when None): each pair exactly once. With ``window``, keys
+    more than ``window`` before a block's first row boundary (b < a + offset - window for all its
+    rows) are left out: for a bias that makes them weigh exactly nothing."""
+    regions = []
+    block = block or max(tq, 1)
+    for t0 in range(0, tq, block):
+        t1 = min(t0 + block, tq)
+        e0 = t0 + offset  # the last key of row t0
+        if e0 >= 0:
+            end = min(e0 + 1, tk)
+            first = 0 if window is None else min(max(0, e0 - window), end - 1)  # at least one key
+            regions.append(Region((t0, t1), (first, end), False))  # every row sees these
+            if t1 - t0 > 1 and e0 + 1 < tk:
+                regions.append(Region((t0 + 1, t1), (e0 + 1, min(e0 + t1 - t0, tk)), True))  # the staircase
+        elif t1 + offset > 0:  # rows before -offset see nothing
+            regions.append(Region((-offset, t1), (0, min(t1 + offset, tk)), True))
+    return regions
+
+
+def upper(tq: int, tk: int, offset: int, block: int | None = None, window: int | None = None) -> list[Region]:
+    """Regions covering ``{(a, b): 0 <= b < tk, b >= a + offset}``: reversed (a' = tq-1-a, b' =
+    tk-1-b) that is ``b' <= a' + (tk - tq - offset)``, a lower set again."""
+    return [
+        Region((tq - r.rows[1], tq - r.rows[0]), (tk - r.keys[1], tk - r.keys[0]), r.causal, True)
+        for r in lower(tq, tk, tk - tq - offset, block, window)
+    ]
+
+
+def call_order(x: torch.Tensor, region: Region, dim: int = -2) -> torch.Tensor:
+    """x, already cut to the region, in call order (reversed when ``flip``); applied to a call's
+    result, the same reversal puts it back in original order."""
+    return x.flip(dim) if region.flip else x
+
+
+def rows_of(x: torch.Tensor, region: Region, dim: int = -2) -> torch.Tensor:
+    """The region's query rows of x, in call order."""
+    a, b = region.rows
+    return call_order(x.narrow(dim, a, b - a), region, dim)
+
+
+def keys_of(x: torch.Tensor, region: Region) -> torch.Tensor:
+    """The region's keys of x (B, H, Tk, D), in call order."""
+    a, b = region.keys
+    return call_order(x[:, :, a:b], region)
+
+
+# ---------------------------------------------------------------------------------------------
+# The kernel (CPU flash with its log-sum-exp), or the formula in row blocks
+
+
+def use_kernel(q: torch.Tensor, v: torch.Tensor) -> bool:
+    """The CPU flash kernel runs this call (it needs one head dim for q, k and v)."""
+    return FLASH_OPS and q.device.type == "cpu" and q.shape[-1] == v.shape[-1]
+
+
+def kernel_forward(q, k, v, causal: bool, scale: float, mask: torch.Tensor | None = None):
+    """softmax(q k^T * scale + mask, top-left causal) v and its log-sum-exp: ((B, H, Lq, D), (B, H, Lq))."""
+    if use_kernel(q, v):
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, attn_mask=mask, scale=scale)[:2]
+    outs, lses = [], []
+    for a in range(0, q.shape[-2], ROW_BLOCK):
+        s = _scores(q, k, mask, causal, scale, a, a + ROW_BLOCK)  # (B, H, rows, L)
+        lse = torch.logsumexp(s, -1)  # (B, H, rows)
+        outs.append(torch.matmul(torch.exp(s - lse[..., None]).to(v.dtype), v))
+        lses.append(lse)
+    return torch.cat(outs, -2), torch.cat(lses, -1)
+
+
+def kernel_backward(do, q, k, v, out, lse, causal: bool, scale: float, mask: torch.Tensor | None = None):
+    """(dq, dk, dv) of :func:`kernel_forward` for the given output and log-sum-exp."""
+    if use_kernel(q, v):
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            do, q, k, v, out, lse, 0.0, causal, attn_mask=mask, scale=scale
+        )
+    dq, dk, dv = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    for a in range(0, q.shape[-2], ROW_BLOCK):
+        r = slice(a, a + ROW_BLOCK)
+        p = torch.exp(_scores(q, k, mask, causal, scale, a, a + ROW_BLOCK) - lse[:, :, r, None])  # (B, H, rows, L)
+        dsum = (up(do[:, :, r]) * up(out[:, :, r])).sum(-1, keepdim=True)
+        ds = (p * (up(torch.matmul(do[:, :, r], v.transpose(-1, -2))) - dsum)).to(q.dtype)
+        dq[:, :, r] = torch.matmul(ds, k) * scale
+        dk += torch.matmul(ds.transpose(-1, -2), q[:, :, r]) * scale
+        dv += torch.matmul(p.to(do.dtype).transpose(-1, -2), do[:, :, r])
+    return dq, dk, dv
+
+
+def _scores(q, k, mask, causal, scale, a, b):
+    """Scores of rows [a, b) of a call, with its mask and its top-left causal mask."""
+    q = q[:, :, a:b]
+    s = up(torch.matmul(q, k.transpose(-1, -2))) * scale  # (B, H, rows, L)
+    if mask is not None:
+        s = s + up(mask if mask.shape[-2] == 1 else mask[:, :, a:b])
+    if causal:
+        rows = torch.arange(a, a + q.shape[-2], device=s.device)[:, None]
+        s = s.masked_fill(torch.arange(k.shape[-2], device=s.device)[None, :] > rows, float("-inf"))
+    return s
+
+
+# ---------------------------------------------------------------------------------------------
+# Merging parts of softmax rows
+
+
+class Merge:
+    """Running (output, log-sum-exp) of every query row, parts folded in as they come.
+
+    ``out`` (B, H, Tq, Dv) and ``lse`` (B, H, Tq) in the accumulation dtype; a part on rows no part
+    has touched yet is copied, otherwise merged: lse = logaddexp(lse, l), out rescaled by both.
+    """
+
+    def __init__(self, b: int, h: int, tq: int, dv: int, dtype: torch.dtype, device: torch.device) -> None:
+        acc = accumulation_dtype(dtype)
+        self.out = torch.zeros(b, h, tq, dv, dtype=acc, device=device)  # (B, H, Tq, Dv)
+        self.lse = torch.full((b, h, tq), float("-inf"), dtype=acc, device=device)  # (B, H, Tq)
+        self._covered: list[tuple[int, int, int, int]] = []  # rows a..b of heads h0..h1 hold a part
+
+    def add(self, rows: tuple[int, int], o: torch.Tensor, l: torch.Tensor, heads: slice = slice(None)) -> None:
+        """Fold a part (o (B, h, C, Dv), its log-sum-exp l (B, h, C), original row order) into
+        ``rows`` of ``heads``."""
+        a, b = rows
+        h0, h1, _ = heads.indices(self.out.shape[1])
+        if all(b <= c0 or a >= c1 or h1 <= g0 or h0 >= g1 for c0, c1, g0, g1 in self._covered):
+            self.out[:, heads, a:b] = o
+            self.lse[:, heads, a:b] = l
+        else:
+            old = self.lse[:, heads, a:b]
+            new = torch.logaddexp(old, up(l))  # (B, h, C)
+            self.out[:, heads, a:b].mul_(torch.exp(old - new)[..., None]).addcmul_(up(o), torch.exp(up(l) - new)[..., None])
+            self.lse[:, heads, a:b] = new
+        self._covered.append((a, b, h0, h1))
+
+
+def region_backward(region: Region, dout, q, k, v, out, lse, scale: float, *, lse_shift=None, out_shift=None, mask=None):
+    """One kernel region's (dq rows, dk keys, dv keys), original order, from the merged output
+    ``out`` and log-sum-exp ``lse`` of the whole attention (B, H, Tq, ...).
+
+    The region's logits are ``q k^T * scale + lse_shift_i`` (+ ``mask``) and its values ``v +
+    out_shift``: the kernel then sees lse - lse_shift and out - out_shift, which makes its
+    probabilities and its rowsum(dO * O) those of the whole row, so its gradients are exact.
+    """
+    o, l = out[:, :, slice(*region.rows)], lse[:, :, slice(*region.rows)]
+    if out_shift is not None:
+        o = o - out_shift
+    if lse_shift is not None:
+        l = l - lse_shift
+    grads = kernel_backward(
+        rows_of(dout, region).contiguous(), rows_of(q, region), keys_of(k, region), keys_of(v, region),
+        call_order(o, region).contiguous(), call_order(l, region, -1).contiguous(), region.causal, scale, mask,
+    )
+    return tuple(call_order(g, region) for g in grads)
