@@ -75,7 +75,7 @@ def test_show_unknown_method_exits_2_with_one_line(capsys) -> None:
     (["show", "learned", "--length", "40", "--option", "max_positions=16"], "max_positions=16"),
     (["show", "alibi", "--option", "foo=1"], "unknown option"),
     (["show", "rope", "--option", "layout"], "KEY=VALUE"),
-    (["show", "rope", "--length", "0"], "--length must be a positive integer"),
+    (["show", "rope", "--length", "0"], ": length must be an integer in [1, 4096]"),  # the library word, not the flag
 ])
 def test_show_bad_arguments(capsys, argv, message) -> None:
     assert cli.main(argv) == 2
