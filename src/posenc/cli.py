@@ -13,7 +13,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "show": ("posenc.show", "heatmap of what an encoding adds to the attention scores"),
     "study": ("posenc.study", "train short, test long: train every method, evaluate at many lengths"),
     "report": ("posenc.report", "turn a study's output directory into one self-contained HTML page"),
-    "bench": ("posenc.bench", "speed and memory of every method, as ratios to NoPE (optionally vs x-transformers)"),
+    "bench": ("posenc.bench.cli", "speed and memory of every method, as ratios to NoPE (optionally vs x-transformers)"),
 }
 
 

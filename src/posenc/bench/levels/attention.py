@@ -1,0 +1,61 @@
+"""Attention level: the core of one :class:`posenc.Attention` call, q, k, v given.
+
+What is timed is everything the attention does with the encoding (its ``rotate``, ``bias`` /
+``score``, ``query_terms`` / ``value_terms`` hooks) plus the backend: ``posenc.Attention`` itself
+with its two projections replaced by identities, so the benchmark follows whatever the attention
+does. ``embed`` (sinusoidal, learned) is applied once per model forward, not per attention call, so
+at this level those methods do exactly NoPE's work (their ratios show the run's noise); the model
+level shows their cost. train = forward + backward (random upstream gradient); infer = forward
+under ``torch.inference_mode``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..job import Job
+from .base import Level, Workload
+
+
+def build(job: Job, device: torch.device, dtype: torch.dtype) -> Workload:
+    import posenc
+
+    dim, heads, b, n = job.dim, job.heads, job.batch, job.length
+    encoding = posenc.build(job.method, num_heads=heads, head_dim=dim // heads, causal=True)
+    attn = posenc.Attention(dim, heads, encoding, causal=True, backend=job.backend)
+    # Identity projections: the input already holds q, k, v side by side, so the timed work is the
+    # encoding's hooks plus the backend, exactly as Attention.forward runs them.
+    attn.qkv, attn.proj = nn.Identity(), nn.Identity()
+    attn = attn.to(device=device, dtype=dtype)
+    train = job.mode == "train"
+    attn.train(train)
+    qkv = torch.randn(b, n, 3 * dim, device=device, dtype=dtype, requires_grad=train)  # (B, T, 3 x H x D)
+    grad = torch.randn(b, n, dim, device=device, dtype=dtype)  # (B, T, H x D) upstream gradient
+    params = [p for p in attn.parameters() if p.requires_grad]
+
+    def step() -> None:
+        if train:
+            attn(qkv).backward(grad)
+            qkv.grad = None
+            for p in params:
+                p.grad = None
+        else:
+            with torch.inference_mode():
+                attn(qkv)
+
+    return Workload(step, attn)
+
+
+def describe(sizes: dict) -> str:
+    return f"attention core, B={sizes['batch']}, H={sizes['heads']}, D={sizes['dim'] // sizes['heads']}, causal"
+
+
+LEVEL = Level(
+    name="attention",
+    summary="one attention core (q, k, v given: encoding hooks + backend), B=1 H=8 D=64",
+    modes=("train", "infer"),
+    sizes={"dim": 512, "heads": 8, "batch": 1, "depth": 1, "vocab": 256},
+    build=build,
+    describe=describe,
+)

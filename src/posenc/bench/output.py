@@ -1,0 +1,90 @@
+"""Where a run's files go: the folder checked before any work, measurements saved as they come.
+
+- :func:`check_out` creates the output folder and writes a probe file in it before any job runs,
+  so an unwritable folder is a one-line :class:`~posenc.errors.UsageError` at once, not an error
+  after all the measurements.
+- :class:`Journal` rewrites ``jobs.json`` (atomically) after every job: an interrupted run keeps
+  what it measured.
+- :func:`write_outputs` writes every file atomically; :func:`save_fallback` puts the measurements
+  in the temporary folder when the output folder fails at the end anyway.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from ..errors import UsageError
+from ..files import write_json, write_text
+from .harness import Results
+from .plots import plot
+from .tables import csv_text, json_object, markdown_table
+
+JOURNAL = "jobs.json"  # every job's record so far; removed once the outputs are written
+
+
+def check_out(out: Path) -> Path:
+    """Create ``out`` (a folder) and check that files can be written in it; UsageError otherwise."""
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"out must be a folder; {str(out)!r} is a file")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / f".posenc-bench-probe{os.getpid()}"
+        write_text(probe, "")  # the same atomic path the outputs take: temporary file, fsync, rename
+        probe.unlink()
+    except OSError as err:
+        raise UsageError(f"out: cannot write in {str(out)!r}: {err.strerror or err}") from None
+    return out
+
+
+class Journal:
+    """Saves every job's record as it comes, in ``path`` (rewritten atomically after each job).
+
+    A failed write is reported once on stderr and the run goes on: the measurements stay in memory
+    and :func:`save_fallback` can still keep them at the end.
+    """
+
+    def __init__(self, path: Path, header: dict | None = None) -> None:
+        self.path, self.header = Path(path), dict(header or {})
+        self.error: OSError | None = None
+
+    def __call__(self, jobs: list[dict]) -> None:
+        if self.error is not None:
+            return
+        try:
+            write_json(self.path, {**self.header, "jobs": jobs})
+        except OSError as err:
+            self.error = err
+            print(f"posenc bench: warning: cannot save measurements in {self.path} ({err}); going on", file=sys.stderr)
+
+
+def write_outputs(results: Results, out: Path) -> dict[str, Path]:
+    """table.md, results.csv, results.json, command.txt and plot.png under ``out``, each atomically."""
+    out = Path(out)
+    paths = {name: out / name for name in ("table.md", "results.csv", "results.json", "command.txt", "plot.png")}
+    write_text(paths["results.json"], _json(results))  # the measurements first
+    write_text(paths["results.csv"], csv_text(results))
+    write_text(paths["table.md"], markdown_table(results) + "\n")
+    write_text(paths["command.txt"], results.meta.get("command", "") + "\n")
+    plot(results.cells, paths["plot.png"], results.meta.get("title", ""))
+    journal = out / JOURNAL
+    if journal.exists():  # results.json holds every record it had
+        journal.unlink()
+    return paths
+
+
+def _json(results: Results) -> str:
+    import json
+
+    return json.dumps(json_object(results), indent=1) + "\n"
+
+
+def save_fallback(results: Results) -> Path:
+    """Write every measurement to a new file in the temporary folder; returns its path."""
+    path = Path(tempfile.gettempdir()) / f"posenc-bench-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.json"
+    write_text(path, _json(results))
+    return path
