@@ -40,6 +40,40 @@ class LayerCache:
         return self.k, self.v
 
 
+def check_positions(positions: torch.Tensor, length: int, past: int | None = None) -> bool:
+    """Validate ``positions`` for a sequence of ``length`` tokens; True when they are consecutive.
+
+    Positions are a 1-D integer tensor of ``length`` distinct, increasing, non-negative values (a
+    randomized-positions scheme may skip values; a KV cache needs them consecutive, continuing at
+    ``past``). Anything else is a UsageError: a wrong length or order would otherwise silently give
+    another attention than the one asked for.
+    """
+    if not isinstance(positions, torch.Tensor) or positions.dim() != 1 or positions.is_floating_point() or positions.is_complex():
+        raise UsageError(f"positions must be a 1-D integer tensor, got {_describe(positions)}")
+    if positions.numel() != length:
+        raise UsageError(f"positions must hold one position per token ({length}), got {positions.numel()}")
+    if length == 0:
+        return True
+    if int(positions[0]) < 0:
+        raise UsageError(f"positions must be >= 0, got {int(positions.min())}")
+    steps = positions[1:] - positions[:-1]
+    if length > 1 and int(steps.min()) < 1:
+        raise UsageError("positions must be strictly increasing (each token after the one before)")
+    consecutive = int(positions[-1]) - int(positions[0]) == length - 1
+    if past is not None and (not consecutive or int(positions[0]) != past):
+        raise UsageError(
+            f"with a KV cache, positions must continue the cache: {past}..{past + length - 1}, "
+            f"got {int(positions[0])}..{int(positions[-1])}"
+        )
+    return consecutive
+
+
+def _describe(x) -> str:
+    if isinstance(x, torch.Tensor):
+        return f"a {x.dim()}-D {str(x.dtype).removeprefix('torch.')} tensor of shape {tuple(x.shape)}"
+    return type(x).__name__
+
+
 class Attention(nn.Module):
     """x (B, T, dim) -> (B, T, dim), with positions from ``encoding``.
 
@@ -86,6 +120,9 @@ class Attention(nn.Module):
         past = 0 if cache is None else cache.length
         if positions is None:
             positions = torch.arange(past, past + t, device=x.device)  # (T,)
+            consecutive = True
+        else:
+            consecutive = check_positions(positions, t, past if cache is not None else None)
         q, k, v = self.qkv(x).view(b, t, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)  # 3 x (B, H, T, D)
         rotates = offers(self.encoding, Rotates)
         # A rotation that depends on the current length (dynamic NTK, LongRoPE's short/long switch)
@@ -100,7 +137,8 @@ class Attention(nn.Module):
             k_positions = torch.arange(positions[-1] + 1 - k.shape[-2], positions[-1] + 1, device=x.device)
         if late:
             q, k = self.encoding.rotate(q, k, positions, k_positions)
-        spec = ScoreSpec(self.encoding, positions, k_positions, self.causal, 1.0 / math.sqrt(self.head_dim), ForwardMemo() if memo is None else memo)
+        memo = ForwardMemo() if memo is None else memo
+        spec = ScoreSpec(self.encoding, positions, k_positions, self.causal, 1.0 / math.sqrt(self.head_dim), memo, consecutive)
         self.last_backend, backend = backends.choose(self.backend, spec, q)
         out = backend.attend(q, k, v, spec)  # (B, H, T, D)
         return self.proj(out.transpose(1, 2).reshape(b, t, self.dim))

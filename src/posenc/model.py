@@ -133,6 +133,13 @@ class LM(nn.Module):
     def forward(self, tokens: torch.Tensor, cache: Cache | None = None) -> torch.Tensor:
         if tokens.dim() != 2:
             raise UsageError(f"tokens must be (batch, length), got shape {tuple(tokens.shape)}")
+        if tokens.is_floating_point() or tokens.is_complex() or tokens.dtype == torch.bool:
+            raise UsageError(f"tokens must be integer token ids, got {str(tokens.dtype).removeprefix('torch.')}")
+        if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= self.config.vocab_size):
+            raise UsageError(
+                f"tokens must be ids in [0, vocab_size={self.config.vocab_size}), got values in "
+                f"[{int(tokens.min())}, {int(tokens.max())}]"
+            )
         b, t = tokens.shape
         if cache is not None and cache.batch_size != b:
             raise UsageError(f"cache was made for batch_size={cache.batch_size}, tokens have batch {b}")

@@ -27,6 +27,9 @@ class ScoreSpec:
     scale: float
     # What this model forward computes once for all its layers (a fresh one for a lone call).
     memo: ForwardMemo = field(default_factory=ForwardMemo, repr=False)
+    # Positions step by one (the usual case). Randomized positions skip values: then only backends
+    # that read every position (eager, sdpa with a dense bias) may run the call.
+    consecutive: bool = True
 
     @property
     def has_bias(self) -> bool:

@@ -63,7 +63,8 @@ ZERO_LOGIT = 110.0  # exp(-ZERO_LOGIT) is below 2^-150: a probability that round
 
 
 def supports(spec: ScoreSpec, q: torch.Tensor) -> bool:
-    return not (spec.has_query_terms or spec.has_value_terms)
+    # Key index = position - first position: both paths below rely on consecutive positions.
+    return spec.consecutive and not (spec.has_query_terms or spec.has_value_terms)
 
 
 def preferred(spec: ScoreSpec, q: torch.Tensor) -> bool:

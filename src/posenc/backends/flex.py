@@ -52,6 +52,8 @@ def compile_available(device_type: str) -> bool:
 
 
 def supports(spec: ScoreSpec, q: torch.Tensor) -> bool:
+    if not spec.consecutive:  # the score_mod reads positions as offset + index
+        return False
     if spec.has_query_terms or spec.has_value_terms or (spec.has_bias and not spec.has_score_mod):
         return False
     if q.dtype not in DTYPES or not compile_available(q.device.type):

@@ -20,8 +20,10 @@ def supports(spec: ScoreSpec, q: torch.Tensor) -> bool:
 
 
 def preferred(spec: ScoreSpec, q: torch.Tensor) -> bool:
-    # Bias methods too on a CPU whose torch lacks the flash ops the blocked backend needs.
-    return spec.plain or (spec.has_bias and supports(spec, q) and q.device.type == "cpu" and not regions.FLASH_OPS)
+    # Bias methods too where the blocked backend cannot help: positions that skip values
+    # (randomized positions, a training-length call), or a CPU torch without the flash ops.
+    fallback = not spec.consecutive or (q.device.type == "cpu" and not regions.FLASH_OPS)
+    return spec.plain or (spec.has_bias and supports(spec, q) and fallback)
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec) -> torch.Tensor:

@@ -57,7 +57,7 @@ FAST_DTYPES = (torch.float32, torch.float64)
 def _path(spec: ScoreSpec, q: torch.Tensor):
     """The fast function for this call, or None (then the eager formula, blocked, runs)."""
     enc = spec.encoding
-    if not FLASH_OPS or q.device.type != "cpu" or q.dtype not in FAST_DTYPES or spec.has_bias or not _contained(spec):
+    if not FLASH_OPS or not spec.consecutive or q.device.type != "cpu" or q.dtype not in FAST_DTYPES or spec.has_bias or not _contained(spec):
         return None
     if offers(enc, ClippedTables):
         return shaw_attention

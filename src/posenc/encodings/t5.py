@@ -69,6 +69,11 @@ def relative_position_bucket(
     return offset + torch.where(distance < exact, distance, far)
 
 
+def _steps_by_one(positions: torch.Tensor) -> bool:
+    """Increasing positions that skip no value (their ends say so)."""
+    return positions.numel() < 2 or int(positions[-1] - positions[0]) == positions.numel() - 1
+
+
 class T5Bias(PositionalEncoding):
     """Learned scalar bias per (bucket, head); table layout (num_buckets, H) as in T5 checkpoints."""
 
@@ -111,8 +116,11 @@ class T5Bias(PositionalEncoding):
         return self.relative_attention_bias.weight[self.buckets(j - i), h]
 
     def bucket_table(self, q_positions: torch.Tensor, k_positions: torch.Tensor) -> torch.Tensor:
-        """(Tq, Tk) bucket indices, cached per (query length, key length, offset, device)."""
+        """(Tq, Tk) bucket indices, cached per (query length, key length, offset, device) for
+        consecutive positions (the geometry then fixes the table)."""
         tq, tk = q_positions.numel(), k_positions.numel()
+        if not (_steps_by_one(q_positions) and _steps_by_one(k_positions)):  # randomized positions
+            return self.buckets(k_positions[None, :] - q_positions[:, None])
         offset = int(k_positions[0] - q_positions[0]) if tq and tk else 0
         key = (tq, tk, offset, q_positions.device)
         table = self._bucket_cache.get(key)

@@ -77,9 +77,15 @@ class TransformerXL(PositionalEncoding):
         tq, tk = q.shape[-2], k.shape[-2]
         # Distances i - j from the largest (last query, first key) down to the smallest.
         largest = q_positions[-1] - k_positions[0]
-        distances = largest - torch.arange(tq + tk - 1, device=q.device)  # (L,)
+        consecutive = int(q_positions[-1] - q_positions[0]) == tq - 1 and int(k_positions[-1] - k_positions[0]) == tk - 1
+        span = tq + tk - 1 if consecutive else int(largest - (q_positions[0] - k_positions[-1])) + 1
+        distances = largest - torch.arange(span, device=q.device)  # (L,)
         keys = self.position_keys(distances, q.dtype)  # (H, L, D)
         per_distance = torch.matmul(q + self.v.to(q.dtype)[:, None, :], keys.transpose(-1, -2))  # (B, H, Tq, L)
-        position = relative_shift(per_distance, tk)  # (B, H, Tq, Tk): (b) + (d)
+        if consecutive:
+            position = relative_shift(per_distance, tk)  # (B, H, Tq, Tk): (b) + (d)
+        else:  # positions that skip values (randomized): gather each pair's distance column
+            column = largest - (q_positions[:, None] - k_positions[None, :])  # (Tq, Tk)
+            position = per_distance.gather(-1, column.expand(*per_distance.shape[:2], tq, tk))
         content = torch.matmul(k, self.u.to(k.dtype)[:, :, None]).transpose(-1, -2)  # (B, H, 1, Tk): (c)
         return (position + content) * (1.0 / math.sqrt(self.head_dim))

@@ -1,0 +1,103 @@
+"""Positions given to the attention: validated, and honoured by every backend when they skip values
+(randomized positions): the fast paths step aside rather than assume consecutive positions."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from posenc import Attention, available, build
+from posenc.attention import LayerCache
+from posenc.errors import UsageError
+
+H, D = 2, 8
+
+
+def layers(method: str, causal: bool = True):
+    torch.manual_seed(0)
+    enc = build(method, num_heads=H, head_dim=D, causal=causal) if method != "learned" else build(
+        method, num_heads=H, head_dim=D, causal=causal, max_positions=64
+    )
+    for p in enc.parameters():  # large enough that the position terms matter
+        torch.nn.init.normal_(p, std=0.5)
+    fast = Attention(H * D, H, enc, causal=causal)
+    slow = Attention(H * D, H, copy.deepcopy(enc), causal=causal, backend="eager")
+    slow.load_state_dict(fast.state_dict())
+    return fast, slow.double()
+
+
+@pytest.mark.parametrize("method", available())
+@pytest.mark.parametrize("causal", [True, False])
+def test_skipping_positions_match_the_formula(method, causal):
+    """Sorted distinct positions with gaps: auto's result is eager's (float64), outputs and grads."""
+    fast, slow = layers(method, causal)
+    positions = torch.tensor([0, 3, 4, 9, 10, 11, 20, 31, 40, 41, 55, 63])
+    x = torch.randn(2, positions.numel(), H * D)
+    out = fast(x, positions)
+    assert fast.last_backend in ("sdpa", "eager")  # no fast path that assumes steps of one
+    want = slow(x.double(), positions)
+    torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
+    # (embed tables are the model's business, unused by one attention layer: allow_unused)
+    grads = torch.autograd.grad(out.sum(), list(fast.parameters()), allow_unused=True)
+    want_grads = torch.autograd.grad(want.sum(), list(slow.parameters()), allow_unused=True)
+    for g, w in zip(grads, want_grads):
+        assert (g is None) == (w is None)
+        if g is not None:
+            torch.testing.assert_close(g.double(), w, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("method", ["alibi", "t5", "shaw", "transformer_xl", "rope"])
+def test_gapped_positions_differ_from_consecutive_ones(method):
+    """The positions are really used: the same tokens at other positions attend differently."""
+    fast, _ = layers(method)
+    x = torch.randn(1, 6, H * D)
+    a = fast(x, torch.arange(6))
+    b = fast(x, torch.tensor([0, 2, 4, 6, 8, 10]))
+    assert not torch.allclose(a, b)
+
+
+@pytest.mark.parametrize(
+    "positions, message",
+    [
+        (torch.arange(5), "positions must hold one position per token (6), got 5"),
+        (torch.arange(7), "positions must hold one position per token (6), got 7"),
+        (torch.arange(6).float(), "positions must be a 1-D integer tensor, got a 1-D float32 tensor of shape (6,)"),
+        (torch.arange(6)[None], "positions must be a 1-D integer tensor, got a 2-D int64 tensor of shape (1, 6)"),
+        (torch.arange(-1, 5), "positions must be >= 0, got -1"),
+        (torch.tensor([0, 1, 2, 2, 3, 4]), "positions must be strictly increasing"),
+        (torch.tensor([5, 4, 3, 2, 1, 0]), "positions must be strictly increasing"),
+    ],
+)
+@pytest.mark.parametrize("method", ["alibi", "t5", "shaw", "transformer_xl", "rope", "learned"])
+def test_bad_positions_are_refused(method, positions, message):
+    fast, _ = layers(method)
+    with pytest.raises(UsageError) as error:
+        fast(torch.randn(1, 6, H * D), positions)
+    assert message in str(error.value)
+
+
+def test_positions_with_a_cache_must_continue_it():
+    fast, _ = layers("alibi")
+    cache = LayerCache()
+    fast(torch.randn(1, 4, H * D), cache=cache)
+    fast(torch.randn(1, 2, H * D), torch.tensor([4, 5]), cache=cache)  # continues: fine
+    with pytest.raises(UsageError, match=r"continue the cache: 6\.\.7, got 8\.\.9"):
+        fast(torch.randn(1, 2, H * D), torch.tensor([8, 9]), cache=cache)
+
+
+@pytest.mark.parametrize(
+    "tokens, message",
+    [
+        (torch.tensor([[1, 2, 256]]), r"tokens must be ids in \[0, vocab_size=256\), got values in \[1, 256\]"),
+        (torch.tensor([[-1, 2, 3]]), r"tokens must be ids in \[0, vocab_size=256\), got values in \[-1, 3\]"),
+        (torch.tensor([[1.0, 2.0]]), "tokens must be integer token ids, got float32"),
+    ],
+)
+def test_tokens_outside_the_vocabulary_are_refused(tokens, message):
+    from posenc import LM, LMConfig
+
+    model = LM(LMConfig(encoding="alibi", dim=16, depth=1, num_heads=2))
+    with pytest.raises(UsageError, match=message):
+        model(tokens)
