@@ -14,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from posenc import data
+from posenc.errors import UsageError
 from posenc.study import windows
 
 
@@ -111,7 +112,7 @@ def test_unusable_corpus_is_a_clear_error(tmp_path, kind):
         (path / "x.dat").write_bytes(b"\xff\xfe\x00" * 100)
     elif kind == "empty_file":
         path.write_bytes(b"")
-    with pytest.raises(ValueError, match="--data"):
+    with pytest.raises(UsageError, match=r"^data "):
         data.load_corpus(str(path))
 
 

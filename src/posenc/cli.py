@@ -11,7 +11,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "list": ("posenc.describe", "list the encodings: description, parameters, extrapolation"),
     "buckets": ("posenc.describe", "print the T5 relative-position bucket table"),
     "show": ("posenc.show", "heatmap of what an encoding adds to the attention scores"),
-    "study": ("posenc.study", "train short, test long: train every method, evaluate at many lengths"),
+    "study": ("posenc.study.cli", "train short, test long: train every method, evaluate at many lengths"),
     "report": ("posenc.report", "turn a study's output directory into one self-contained HTML page"),
     "bench": ("posenc.bench", "speed and memory of every method, as ratios to NoPE (optionally vs x-transformers)"),
 }
@@ -22,7 +22,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="posenc",
         description="Positional encodings for Transformer attention: inspect, train short / test long, benchmark.",
     )
-    from . import __version__
+    from .version import __version__
 
     parser.add_argument("--version", action="version", version=f"posenc {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")

@@ -8,7 +8,7 @@ bits per byte by dividing by ln 2, and no tokenizer has to be downloaded or trai
   every machine that can run posenc, needs no download, and is long-range structured text (indented
   blocks, matching names) where position information matters. Directories named ``test``, ``tests``,
   ``idlelib``, ``test_*``, ``__pycache__`` and any ``site-packages`` / ``dist-packages`` are skipped
-  (on a pyenv install the stdlib path contains site-packages, see DESIGN.md §5).
+  (on a pyenv install the stdlib path itself contains a site-packages folder).
 - a path: one UTF-8 text file, or a folder whose UTF-8 text files (recursively, hidden entries and
   binary files skipped) are used.
 - ``hf:NAME[:CONFIG]``: the ``train`` and ``validation`` splits of a Hugging Face dataset, when the
@@ -31,6 +31,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+
+from .errors import UsageError
 
 VALID_PERCENT = 10
 DEFAULT_VALID_BYTES = 64 * 1024
@@ -65,7 +67,7 @@ def stdlib_files() -> tuple[Path, list[Path]]:
     """The stdlib root and its ``.py`` files, tests and third-party packages excluded, sorted."""
     root = Path(sysconfig.get_paths()["stdlib"])
     if not root.is_dir():
-        raise ValueError(f"--data default: the standard library source was not found at {root}; pass --data PATH")
+        raise UsageError(f"data 'default': the standard library source was not found at {root}; pass a path as data")
     files = []
     for d, dirs, names in os.walk(root):
         dirs[:] = sorted(x for x in dirs if not _skip_dir(x))
@@ -101,9 +103,9 @@ def _tensor(data: bytes | bytearray) -> torch.Tensor:
 
 def _finish(train: bytes, valid: bytes, valid_bytes: int, fingerprint: dict, what: str) -> Corpus:
     if len(train) < 2:
-        raise ValueError(f"--data {what}: the training split is empty")
+        raise UsageError(f"data {what}: the training split is empty")
     if len(valid) < 2:
-        raise ValueError(f"--data {what}: the validation split is empty (needs at least 2 bytes)")
+        raise UsageError(f"data {what}: the validation split is empty (needs at least 2 bytes)")
     valid = valid[: valid_bytes + 1]
     fingerprint.update(
         train_bytes=len(train),
@@ -125,7 +127,7 @@ def _from_files(root: Path, files: list[Path], source: str, valid_bytes: int, *,
             continue
         if not _is_text(data):
             if not skip_binary:
-                raise ValueError(f"--data {source}: {path} is not UTF-8 text (binary data)")
+                raise UsageError(f"data {source}: {path} is not UTF-8 text (binary data)")
             skipped += 1
             continue
         if not data.endswith(b"\n"):
@@ -137,7 +139,7 @@ def _from_files(root: Path, files: list[Path], source: str, valid_bytes: int, *,
     count = len(names["train"]) + len(names["valid"])
     if count == 0:
         reason = f" ({skipped} binary file(s) skipped)" if skipped else ""
-        raise ValueError(f"--data {source}: no UTF-8 text found{reason}; the corpus is empty")
+        raise UsageError(f"data {source}: no UTF-8 text found{reason}; the corpus is empty")
     fingerprint = {"source": source, "files": count, "bytes": total, "sha256": digest.hexdigest()}
     if skipped:
         fingerprint["binary_files_skipped"] = skipped
@@ -171,28 +173,28 @@ def _line_cut(text: bytes, at: int) -> int:
 def _from_hf(spec: str, valid_bytes: int) -> Corpus:
     name, _, config = spec[len("hf:") :].partition(":")
     if not name:
-        raise ValueError("--data hf:NAME[:CONFIG] needs a dataset name, e.g. hf:wikitext:wikitext-103-raw-v1")
+        raise UsageError("data hf:NAME[:CONFIG] needs a dataset name, e.g. hf:wikitext:wikitext-103-raw-v1")
     try:
         import datasets  # noqa: F401  (optional: never installed by posenc)
     except ImportError:
-        raise ValueError(
-            f"--data {spec} needs the `datasets` package (pip install datasets) and a network "
-            "connection; use --data default or --data PATH to run offline"
+        raise UsageError(
+            f"data {spec} needs the `datasets` package (pip install datasets) and a network "
+            "connection; use data 'default' or a path to run offline"
         ) from None
     try:
         ds = datasets.load_dataset(name, config or None)
     except Exception as err:  # network, unknown name, ...: one clear line
-        raise ValueError(f"--data {spec}: could not load the dataset ({type(err).__name__}: {err}); it needs a network") from None
+        raise UsageError(f"data {spec}: could not load the dataset ({type(err).__name__}: {err}); it needs a network") from None
     vsplit = "validation" if "validation" in ds else "test" if "test" in ds else None
     if "train" not in ds or vsplit is None:
-        raise ValueError(f"--data {spec}: the dataset needs a 'train' and a 'validation' (or 'test') split, has {list(ds)}")
+        raise UsageError(f"data {spec}: the dataset needs a 'train' and a 'validation' (or 'test') split, has {list(ds)}")
 
     def text_of(split) -> bytes:
         column = "text" if "text" in split.column_names else next(
             (c for c, f in split.features.items() if getattr(f, "dtype", None) == "string"), None
         )
         if column is None:
-            raise ValueError(f"--data {spec}: no text column in {split.column_names}")
+            raise UsageError(f"data {spec}: no text column in {split.column_names}")
         return "\n".join(split[column]).encode("utf-8")
 
     train, valid = text_of(ds["train"]), text_of(ds[vsplit])
@@ -209,9 +211,9 @@ def _from_hf(spec: str, valid_bytes: int) -> Corpus:
 
 
 def load_corpus(spec: str = "default", valid_bytes: int = DEFAULT_VALID_BYTES) -> Corpus:
-    """Load ``default``, a path, or ``hf:NAME[:CONFIG]`` as byte streams; ValueError when unusable."""
+    """Load ``default``, a path, or ``hf:NAME[:CONFIG]`` as byte streams; UsageError when unusable."""
     if not isinstance(valid_bytes, int) or valid_bytes < 1:
-        raise ValueError(f"valid_bytes must be a positive integer, got {valid_bytes!r}")
+        raise UsageError(f"valid_bytes must be a positive integer, got {valid_bytes!r}")
     if spec in ("default", "DEFAULT"):
         root, files = stdlib_files()
         corpus = _from_files(root, files, "default", valid_bytes, skip_binary=True)
@@ -225,7 +227,7 @@ def load_corpus(spec: str = "default", valid_bytes: int = DEFAULT_VALID_BYTES) -
         return _from_files(path, [path], str(path), valid_bytes, skip_binary=False)
     if path.is_dir():
         return _from_files(path, folder_files(path), str(path), valid_bytes, skip_binary=True)
-    raise ValueError(f"--data must be 'default', an existing file or folder, or hf:NAME[:CONFIG]; {spec!r} does not exist")
+    raise UsageError(f"data must be 'default', an existing file or folder, or hf:NAME[:CONFIG]; {spec!r} does not exist")
 
 
 def train_batch(
@@ -238,7 +240,7 @@ def train_batch(
     """
     n = stream.numel() - length - 1
     if n < 1:
-        raise ValueError(f"train_length ({length}) must be below the training split size ({stream.numel()} bytes)")
+        raise UsageError(f"train_length ({length}) must be below the training split size ({stream.numel()} bytes)")
     g = torch.Generator().manual_seed(seed * 1_000_003 + step)
     starts = torch.randint(0, n + 1, (batch_size,), generator=g)  # (B,)
     idx = starts[:, None] + torch.arange(length + 1)  # (B, T + 1)

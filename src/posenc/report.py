@@ -10,6 +10,10 @@ import html
 import json
 from pathlib import Path
 
+from .errors import UsageError
+from .files import write_text
+from .study import load_results
+
 CSS = """
 body { font-family: system-ui, sans-serif; max-width: 60rem; margin: 2rem auto; padding: 0 1rem; color: #222; }
 table { border-collapse: collapse; margin: 0.5rem 0 1.5rem; font-size: 0.9rem; }
@@ -114,11 +118,9 @@ def add_report_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run_report(args: argparse.Namespace) -> int:
-    from .study import load_results, write_text
-
     run_dir = Path(args.run_dir)
     if not (run_dir / "results.json").is_file():
-        raise ValueError(f"run_dir {str(run_dir)!r} holds no results.json (expected the --out of `posenc study`)")
+        raise UsageError(f"run_dir {str(run_dir)!r} holds no results.json (expected the --out of `posenc study`)")
     results = load_results(run_dir)
     out = Path(args.out) if args.out else run_dir / "report.html"
     write_text(out, render(results, f"posenc study: {run_dir.name}"))
