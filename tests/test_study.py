@@ -82,6 +82,11 @@ def test_csv_and_markdown_match_json(smoke_run):
     md = (out / "results.md").read_text()
     assert md.count("\n") == len(results["methods"]) + 2
     assert re.search(r"\| learned \| [\d.]+ \| n/a", md)
+    # "train s": three significant digits, so a run of a fraction of a second does not read 0
+    for line in md.splitlines()[2:]:
+        method, *_, cell = [c.strip() for c in line.strip("|").split("|")]
+        t = results["methods"][method]["train"]["time_s"]
+        assert 0 < float(cell) == pytest.approx(t, rel=5e-3, abs=0.5 if t >= 100 else 0)
 
 
 def test_checkpoints_load_with_posenc_lm_and_reproduce_the_numbers(smoke_run):
