@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from .config import PRESETS, StudyConfig
 from .evaluation import evaluate, windows
-from .results import SCHEMA, load_results, markdown_table, results_csv, write_outputs
+from .results import SCHEMA, load_results, markdown_table, results_csv, run_status, write_outputs
 from .run import run_experiment
 
 __all__ = [
@@ -40,6 +40,7 @@ __all__ = [
     "markdown_table",
     "results_csv",
     "run_experiment",
+    "run_status",
     "windows",
     "write_outputs",
 ]

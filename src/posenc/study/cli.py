@@ -107,21 +107,32 @@ def run_study(args: argparse.Namespace, on_step: StepCallback | None = None) -> 
     except UsageError as err:
         if not ctx.distributed:
             raise
-        if ctx.main:
-            print(f"posenc study: error: {err}", file=sys.stderr)
         code = 2
+        if ctx.main:  # (a rank that alone rejected the configuration printed its line already)
+            print(f"posenc study: error: {err}", file=sys.stderr)
+        own = ctx.main and not str(err).startswith("another process")
+        distributed.record_failure(ctx, f"posenc study (rank {ctx.rank}): error: {err}", root=own)
     except KeyboardInterrupt:
         if not ctx.distributed:
             print(f"posenc study: interrupted; finished work is in {out}, continue with --resume", file=sys.stderr)
             return 130
         code = 130
-    except BaseException:
+    except BaseException as err:
         if not ctx.distributed:
             raise
-        import traceback
-
-        traceback.print_exc()
         code = 1
+        if distributed.peer_failed(err):  # not this process's fault: one line, the other one explains
+            line = (f"posenc study (rank {ctx.rank}): stopped: another process failed (see its message); "
+                    f"finished work is in {out}, continue with --resume")
+            print(line, file=sys.stderr)
+            distributed.record_failure(ctx, line, root=False)
+        else:
+            import traceback
+
+            traceback.print_exc()
+            line = f"posenc study (rank {ctx.rank}): failed: {type(err).__name__}: {err}"
+            print(line, file=sys.stderr)
+            distributed.record_failure(ctx, line, root=True)
     finally:
         torch.set_num_threads(threads)
     return distributed.finish(ctx, code)

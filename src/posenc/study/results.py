@@ -7,6 +7,8 @@ tables and figure made from it.
     extrapolation.png     perplexity vs evaluation length, training length marked
     checkpoints/M.safetensors + M.json    final weights + their LMConfig (posenc.load_checkpoint)
     state/M.pt            training state while M trains (model, optimizer, scheduler, RNG, step)
+    .posenc-run           marker: posenc made this directory (it writes nowhere else)
+    .posenc-lock          holds the pid of the run writing here (see posenc.files.RunDir)
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import UsageError
-from ..files import write_text
+from ..files import lock_holder, write_text
 
 SCHEMA = "posenc-study/1"
 
@@ -41,18 +43,55 @@ class Paths:
 
 
 def load_results(out: str | Path) -> dict | None:
-    """The results dict of the study in ``out``; None when it has no results.json yet."""
+    """The results dict of the study in ``out``; None when it has no results.json yet;
+    UsageError saying what is wrong when the file is not a study's results."""
     path = Paths(Path(out)).results
     if not path.exists():
         return None
     try:
         results = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as err:
-        raise UsageError(f"{path} is not valid JSON ({err}); cannot resume from it") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise UsageError(f"{path} is not valid JSON ({err}); it is damaged, or not a study's results") from None
     if not isinstance(results, dict) or results.get("schema") != SCHEMA:
         schema = results.get("schema") if isinstance(results, dict) else None
-        raise UsageError(f"{path} is not a posenc study ({schema!r}); cannot resume from it")
+        raise UsageError(f"{path} is not a posenc study's results (schema {schema!r}, expected {SCHEMA!r})")
+    problems = _problems(results)
+    if problems:
+        raise UsageError(f"{path} is not a complete posenc study result ({'; '.join(problems[:3])}); "
+                         "it was edited or damaged")
     return results
+
+
+def _problems(results: dict) -> list[str]:
+    """What a results dict lacks of what resume, the tables and the report read."""
+    out = []
+    cfg = results.get("config")
+    if not isinstance(cfg, dict):
+        out.append("no config")
+    else:
+        out += [f"config has no {k}" for k in ("train_length", "steps", "batch_size", "eval_lengths", "methods")
+                if k not in cfg]
+    methods = results.get("methods")
+    if not isinstance(methods, dict):
+        return out + ["no methods"]
+    for m, e in methods.items():
+        if not isinstance(e, dict) or not isinstance(e.get("eval"), list) or not isinstance(e.get("train"), dict):
+            out.append(f"method {m!r} has no train record or eval list")
+        elif not all(isinstance(r, dict) and {"length", "perplexity", "status"} <= set(r) for r in e["eval"]):
+            out.append(f"method {m!r} has an eval row without length, perplexity or status")
+    return out
+
+
+def run_status(results: dict, out: str | Path) -> str:
+    """The status to show for a study: 'done', 'partial', 'running (pid N ...)', or 'interrupted'
+    for a run that says running while no live process holds its directory's lock."""
+    status = results.get("status", "?")
+    if status != "running":
+        return status
+    holder = lock_holder(out)
+    if holder is None:
+        return "interrupted (resume with --resume)"
+    return f"running (pid {holder.get('pid', '?')}, started {holder.get('started', '?')})"
 
 
 def results_csv(results: dict) -> str:

@@ -6,7 +6,7 @@ it stopped.
 from __future__ import annotations
 
 import contextlib
-import os
+import json
 import platform
 import sys
 import time
@@ -19,13 +19,14 @@ from .. import distributed
 from ..checkpoint import load_checkpoint, save_checkpoint
 from ..data import Corpus, load_corpus
 from ..errors import UsageError
-from ..files import write_json
+from ..files import MARKER, RunDir, WriteError, write_json
+from ..model import LM
 from ..version import __version__
 from .config import StudyConfig
 from .evaluation import cannot_run, evaluate
 from .progress import Progress
 from .results import SCHEMA, Paths, load_results, write_outputs
-from .train import StepCallback, train_method
+from .train import StateError, StepCallback, train_method
 
 
 def versions(ctx: distributed.Context) -> dict:
@@ -42,15 +43,12 @@ def versions(ctx: distributed.Context) -> dict:
     return v
 
 
-def check_out_dir(out: Path) -> None:
-    """Create ``out`` and prove it writable, or UsageError (before any training)."""
+def _is_study(out: Path) -> bool:
+    """A directory written by a posenc study from before run markers existed."""
     try:
-        out.mkdir(parents=True, exist_ok=True)
-        probe = out / f".write-test-{os.getpid()}"
-        probe.write_bytes(b"")
-        probe.unlink()
-    except OSError as err:
-        raise UsageError(f"out directory {str(out)!r} is not writable: {err.strerror or err}") from None
+        return json.loads((out / "results.json").read_text(encoding="utf-8")).get("schema") == SCHEMA
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def _check_same(saved: dict, cfg: StudyConfig, corpus: Corpus, out: Path) -> None:
@@ -65,63 +63,97 @@ def _check_same(saved: dict, cfg: StudyConfig, corpus: Corpus, out: Path) -> Non
                          f"(sha256 {saved.get('corpus', {}).get('sha256')} vs {corpus.fingerprint['sha256']})")
 
 
-def prepare(cfg: StudyConfig, out: Path, resume: bool, ctx: distributed.Context) -> tuple[Corpus, dict]:
-    """Validate everything and load the data: every user error surfaces here, before training."""
+def prepare(cfg: StudyConfig, out: Path, resume: bool, ctx: distributed.Context
+            ) -> tuple[Corpus, dict, RunDir | None]:
+    """Validate everything, claim ``out`` and load the data: every user error surfaces here,
+    before training. The main process returns the claimed (locked) directory."""
     cfg.validate()
     if cfg.batch_size % ctx.world:
         raise UsageError(f"batch_size ({cfg.batch_size}) must be divisible by the number of processes ({ctx.world})")
-    saved = load_results(out) if out.exists() else None
-    if saved is not None and not resume:
-        raise UsageError(f"out: {out} already holds a study (results.json); continue it with resume "
-                         "(--resume), or choose another out")
-    corpus = load_corpus(cfg.data, cfg.valid_bytes)
-    if corpus.train.numel() < cfg.train_length + 2:
-        raise UsageError(f"train_length ({cfg.train_length}) needs a training split longer than {corpus.train.numel()} bytes")
-    if max(cfg.eval_lengths) > corpus.valid_tokens:
-        raise UsageError(
-            f"eval_lengths: {max(cfg.eval_lengths)} exceeds the {corpus.valid_tokens} validation tokens "
-            f"(valid_bytes={cfg.valid_bytes}, or a small corpus); use shorter eval_lengths or more data"
-        )
+    if resume and not out.is_dir():
+        raise UsageError(f"resume: {out} does not exist, so there is nothing to resume; "
+                         "leave out resume to start a new study there")
+    fresh = not (out / MARKER).exists()
+    rundir = RunDir.claim(out, "study", owned=_is_study) if ctx.main else None
+    try:
+        saved = load_results(out)
+        if saved is not None and not resume:
+            raise UsageError(f"out: {out} already holds a study (results.json); continue it with resume "
+                             "(--resume), or choose another out")
+        if resume and saved is None and fresh:
+            raise UsageError(f"resume: {out} holds no study (no results.json); leave out resume to start one")
+        corpus = load_corpus(cfg.data, cfg.valid_bytes)
+        if corpus.train.numel() < cfg.train_length + 2:
+            raise UsageError(f"train_length ({cfg.train_length}) needs a training split longer than "
+                             f"{corpus.train.numel()} bytes")
+        if max(cfg.eval_lengths) > corpus.valid_tokens:
+            raise UsageError(
+                f"eval_lengths: {max(cfg.eval_lengths)} exceeds the {corpus.valid_tokens} validation tokens "
+                f"(valid_bytes={cfg.valid_bytes}, or a small corpus); use shorter eval_lengths or more data"
+            )
+        if saved is not None:
+            _check_same(saved, cfg, corpus, out)
+    except BaseException:
+        if rundir is not None:
+            rundir.discard()  # a directory made for this run alone is removed again
+        raise
     if saved is not None:
-        _check_same(saved, cfg, corpus, out)
         results = saved
         results["config"]["methods"] = list(dict.fromkeys([*saved["config"]["methods"], *cfg.methods]))
+        results["status"] = "running"
     else:
         results = {
             "schema": SCHEMA, "status": "running", "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "config": asdict(cfg), "seed": cfg.seed,
             "corpus": corpus.fingerprint, "methods": {},
         }
-    if ctx.main:
-        check_out_dir(out)  # last: an earlier error leaves no empty folder behind
     results["versions"] = versions(ctx)
-    return corpus, results
+    return corpus, results, rundir
+
+
+def _final_model(method: str, cfg: StudyConfig, corpus: Corpus, results: dict, paths: Paths,
+                 ctx: distributed.Context, ui: Progress, on_step: StepCallback | None) -> LM:
+    """The trained model of ``method``: its final checkpoint, or trained now (continuing from
+    its saved state) and checkpointed."""
+    entry = results["methods"].get(method)
+    checkpoint = paths.checkpoint(method)
+    if entry is not None and entry.get("status") in ("trained", "done"):
+        if checkpoint.exists():
+            try:
+                return load_checkpoint(checkpoint, ctx.device)
+            except UsageError as err:
+                raise UsageError(f"{err}; delete {checkpoint} and continue with resume to train {method} "
+                                 "again") from None
+        ui.warn(f"[{method}] its checkpoint {checkpoint} is missing: training it again")
+    state = paths.state(method)
+    try:
+        model, record = train_method(method, cfg, corpus, state, ctx, ui, on_step)
+    except StateError as err:
+        raise UsageError(f"{err}; delete it and continue with resume: {method} then trains again from step 0, "
+                         "other methods keep their results") from None
+    results["methods"][method] = {
+        "status": "trained", "model": model.config.to_dict(),
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "checkpoint": str(checkpoint.relative_to(paths.root)),
+        "train": record, "eval": [],
+    }
+    if ctx.main:
+        save_checkpoint(model, checkpoint)
+        write_json(paths.results, results)
+        state.unlink(missing_ok=True)  # the final checkpoint replaces it
+    ui.log(f"[{method}] trained {record['steps']} steps in {record['time_s']:.1f}s "
+           f"({record['tokens_per_s']:,.0f} tok/s), final loss {record['final_loss']:.3f}")
+    return model
 
 
 def run_method(method: str, cfg: StudyConfig, corpus: Corpus, results: dict, paths: Paths,
                ctx: distributed.Context, ui: Progress, on_step: StepCallback | None = None) -> None:
     """Train ``method`` (unless its checkpoint is final already), then evaluate every length not
     yet in results.json, saving after each."""
-    entry = results["methods"].get(method)
-    if entry is None or entry.get("status") not in ("trained", "done"):
-        model, record = train_method(method, cfg, corpus, paths.state(method), ctx, ui, on_step)
-        entry = {
-            "status": "trained", "model": model.config.to_dict(),
-            "parameters": sum(p.numel() for p in model.parameters()),
-            "checkpoint": str(paths.checkpoint(method).relative_to(paths.root)),
-            "train": record, "eval": [],
-        }
-        results["methods"][method] = entry
-        if ctx.main:
-            save_checkpoint(model, paths.checkpoint(method))
-            write_json(paths.results, results)
-            paths.state(method).unlink(missing_ok=True)  # the final checkpoint replaces it
-        ui.log(f"[{method}] trained {record['steps']} steps in {record['time_s']:.1f}s "
-               f"({record['tokens_per_s']:,.0f} tok/s), final loss {record['final_loss']:.3f}")
-    else:
-        model = load_checkpoint(paths.checkpoint(method), ctx.device)
-        if ctx.main:  # a kill right after the final checkpoint can leave the last state behind
-            paths.state(method).unlink(missing_ok=True)
+    model = _final_model(method, cfg, corpus, results, paths, ctx, ui, on_step)
+    if ctx.main:  # a kill right after the final checkpoint can leave the last state behind
+        paths.state(method).unlink(missing_ok=True)
+    entry = results["methods"][method]
     done_lengths = {e["length"] for e in entry["eval"]}
     todo = [n for n in cfg.eval_lengths if n not in done_lengths]
     bar = ui.eval_bar(method, len(cfg.eval_lengths), len(cfg.eval_lengths) - len(todo))
@@ -133,7 +165,12 @@ def run_method(method: str, cfg: StudyConfig, corpus: Corpus, results: dict, pat
             row = {"length": length, "perplexity": None, "bits_per_byte": None, "loss": None,
                    "tokens": corpus.valid_tokens, "status": reason}
         else:
-            row = {"length": length, **evaluate(model, corpus.valid, length, cfg.sliding, ctx), "status": "ok"}
+            on_batch, done = ui.windows(method, length)
+            try:
+                row = {"length": length, **evaluate(model, corpus.valid, length, cfg.sliding, ctx, on_batch),
+                       "status": "ok"}
+            finally:
+                done()
         row["time_s"] = round(time.perf_counter() - t0, 3)
         entry["eval"].append(row)
         entry["eval"].sort(key=lambda e: e["length"])
@@ -164,26 +201,42 @@ def run_experiment(cfg: StudyConfig, out: str | Path, *, resume: bool = False, p
     out = Path(out)
     failure = None
     try:
-        corpus, results = prepare(cfg, out, resume, ctx)
+        corpus, results, rundir = prepare(cfg, out, resume, ctx)
     except UsageError as err:
         failure = err
     if ctx.distributed:  # every process stops together if any of them found a user error
         anyone, main_failed = distributed.flags(ctx, failure is not None, failure is not None and ctx.main)
         if anyone and failure is None:
+            if rundir is not None:
+                rundir.discard()
             raise UsageError("another process rejected the configuration (see its message)")
         if failure is not None and not ctx.main and not main_failed:
             print(f"posenc study (rank {ctx.rank}): error: {failure}", file=sys.stderr)
     if failure is not None:
         raise failure
+    try:
+        return _run(cfg, out, corpus, results, rundir, ctx, Progress(progress, main=ctx.main), on_step)
+    except WriteError as err:
+        raise WriteError(f"{err}; finished work is in {out}: make room, then continue with resume") from err
+    finally:
+        if rundir is not None:
+            rundir.release()
+
+
+def _run(cfg: StudyConfig, out: Path, corpus: Corpus, results: dict, rundir: RunDir | None,
+         ctx: distributed.Context, ui: Progress, on_step: StepCallback | None) -> dict:
     paths = Paths(out)
-    ui = Progress(progress and ctx.main)
+    if rundir is not None and rundir.notice:
+        ui.warn(rundir.notice)
     if ctx.main:
         write_json(paths.results, results)
     todo = cfg.methods
     ui.study_bar(len(todo), sum(results["methods"].get(m, {}).get("status") == "done" for m in todo))
     ui.log(f"posenc study: {len(todo)} method(s), train length {cfg.train_length}, eval {cfg.eval_lengths}, "
-           f"{cfg.steps} steps of {cfg.batch_size} x {cfg.train_length} bytes, corpus "
-           f"{results['corpus']['files']} files / {results['corpus']['bytes']:,} bytes, out {out}")
+           f"{cfg.steps} steps of {cfg.batch_size} x {cfg.train_length} bytes, out {out}")
+    ui.log(corpus.summary())
+    for s in corpus.skipped:
+        ui.warn(f"data: skipped {s['file']}: {s['reason']}")
     try:
         for method in todo:
             if results["methods"].get(method, {}).get("status") == "done":

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import pickle
 import signal
 import threading
 import time
@@ -91,10 +92,24 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def load_state(path: Path, device: torch.device) -> dict:
-    """A training state written by :func:`train_method` (tensors and plain values only: loaded with
-    ``weights_only=True``, so the file cannot run code)."""
-    return torch.load(path, map_location=device, weights_only=True)
+class StateError(Exception):
+    """A training state file that cannot be read or does not fit the model (damaged, or foreign)."""
+
+
+def restore(path: Path, model: LM, opt: torch.optim.Optimizer, sched, device: torch.device) -> tuple[int, list, float]:
+    """Load the training state at ``path`` into model, optimizer, scheduler and RNG; returns
+    (step, losses, training seconds). Tensors and plain values only: ``weights_only=True``, so the
+    file cannot run code. StateError when it is damaged or from another model."""
+    try:
+        state = torch.load(path, map_location=device, weights_only=True)
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+        sched.load_state_dict(state["scheduler"])
+        set_rng_state(state["rng"])
+        return int(state["step"]), list(state["losses"]), float(state["train_time_s"])
+    except (RuntimeError, OSError, EOFError, KeyError, TypeError, ValueError, pickle.UnpicklingError) as err:
+        reason = str(err).splitlines()[0].split(". ")[0] if str(err).strip() else type(err).__name__
+        raise StateError(f"the training state {path} cannot be used ({reason.rstrip('.')})") from err
 
 
 def _save(state: dict, tmp: Path) -> None:
@@ -113,12 +128,7 @@ def train_method(
     opt, sched = make_optimizer(model, cfg)
     start, losses, elapsed = 0, [], 0.0
     if state_path.exists():
-        state = load_state(state_path, ctx.device)
-        model.load_state_dict(state["model"])
-        opt.load_state_dict(state["optimizer"])
-        sched.load_state_dict(state["scheduler"])
-        set_rng_state(state["rng"])
-        start, losses, elapsed = state["step"], list(state["losses"]), state["train_time_s"]
+        start, losses, elapsed = restore(state_path, model, opt, sched, ctx.device)
         ui.log(f"[{method}] resuming from step {start}/{cfg.steps}")
 
     def save_state(step: int) -> None:
