@@ -52,8 +52,10 @@ def save_checkpoint(model: LM, path: str | Path) -> None:
     path = Path(path)
     config = model.config.to_dict()
     kept, alias = _unique(model.state_dict())
-    data = save({k: v.detach().contiguous().cpu() for k, v in kept.items()},
-                metadata={"format": FORMAT, "lm_config": json.dumps(config, sort_keys=True)})
+    # One metadata entry: safetensors keeps metadata in a hash map whose order changes from one
+    # save to the next, and the same weights must give the same bytes (and sha256).
+    header = json.dumps({"format": FORMAT, "lm_config": config}, sort_keys=True)
+    data = save({k: v.detach().contiguous().cpu() for k, v in kept.items()}, metadata={"posenc": header})
     write_bytes(path, data)
     write_json(path.with_suffix(".json"), {
         "format": FORMAT, "lm_config": config, "posenc": __version__,
@@ -112,7 +114,7 @@ def load_checkpoint(path: str | Path, device: str | torch.device = "cpu") -> LM:
                          "the weights were changed or replaced")
     try:
         header = _header(data)
-        trained = json.loads(header.get("__metadata__", {}).get("lm_config", "null"))
+        trained = json.loads(header.get("__metadata__", {}).get("posenc", "{}")).get("lm_config")
         tensors = load(data)
     except (SafetensorError, ValueError, UnicodeDecodeError, AttributeError) as err:
         raise UsageError(f"path: {path} is not a readable safetensors file ({err})") from None
