@@ -5,7 +5,6 @@ changed. Every run here is tiny (a few steps of the smoke model on 512 validatio
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
 import os
 import pickle
@@ -18,7 +17,6 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
 import posenc
 from posenc import cli, data, files, plots, report
@@ -113,7 +111,7 @@ def test_skipped_files_are_named_with_their_reason(tmp_path, capsys):
 
 
 def test_default_corpus_split_is_unchanged():
-    """The committed default-study numbers come from this split: the by-file rule, 604/67 files."""
+    """The committed default-study numbers come from this split: the by-file rule, unchanged."""
     fp = data.load_corpus("default", valid_bytes=1000).fingerprint
     assert fp["split"] == "by file: sha256(relative path) mod 100 < 10 -> validation"
     root, stdlib = data.stdlib_files()
