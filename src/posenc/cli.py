@@ -1,10 +1,16 @@
-"""The ``posenc`` command line: one subcommand per module, each with ``add_arguments`` and ``run``."""
+"""The ``posenc`` command line: one subcommand per module, each with ``add_arguments`` and ``run``.
+
+A :class:`~posenc.errors.UsageError` is printed as one line (exit 2); any other exception is a bug or
+a fault of the machine and keeps its traceback.
+"""
 
 from __future__ import annotations
 
 import argparse
 import importlib
 import sys
+
+from .errors import UsageError
 
 # subcommand -> (module, one-line help). Modules are imported when the parser is built.
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -42,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         return int(args._run(args) or 0)
-    except ValueError as err:  # user errors: one clear line, no traceback
+    except UsageError as err:  # user errors: one clear line, no traceback
         print(f"posenc {args.command}: error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
