@@ -83,6 +83,23 @@ def test_show_bad_arguments(capsys, argv, message) -> None:
     assert err.count("\n") == 1 and message in err
 
 
+def test_only_usage_errors_are_one_line(monkeypatch, capsys) -> None:
+    from posenc import report
+
+    def user_mistake(args):
+        raise posenc.UsageError("run_dir 'x' holds no results.json")
+
+    def bug(args):
+        raise ValueError("an internal inconsistency")
+
+    monkeypatch.setattr(report, "run_report", user_mistake)
+    assert cli.main(["report", "x"]) == 2
+    assert capsys.readouterr().err == "posenc report: error: run_dir 'x' holds no results.json\n"
+    monkeypatch.setattr(report, "run_report", bug)
+    with pytest.raises(ValueError, match="an internal inconsistency"):  # a bug keeps its traceback
+        cli.main(["report", "x"])
+
+
 def test_console_entry_point_exit_code() -> None:
     proc = subprocess.run([sys.executable, "-m", "posenc", "show", "nosuch"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2

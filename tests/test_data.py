@@ -14,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from posenc import data
+from posenc.errors import UsageError
 from posenc.study import windows
 
 
@@ -94,9 +95,17 @@ def test_tiny_folder_still_gets_both_splits(tmp_path):
     root = tmp_path / "two"
     root.mkdir()
     for name in ("a.txt", "b.txt"):
-        (root / name).write_text(f"{name} " * 40 + "\n")
+        (root / name).write_text("".join(f"{name} line {i}\n" for i in range(20)))
     corpus = data.load_corpus(str(root))
-    assert corpus.fingerprint["train_files"] == 1 and corpus.fingerprint["valid_files"] == 1
+    # Both files hash to train, and moving one whole file would make validation 50% of the bytes:
+    # the joined text is cut at a line instead, keeping validation's share of the bytes.
+    fp = corpus.fingerprint
+    assert fp["train_files"] >= 1 and fp["valid_files"] >= 1
+    assert fp["train_files"] + fp["valid_files"] == 3  # b.txt has lines on both sides of the cut
+    joined = (root / "a.txt").read_bytes() + (root / "b.txt").read_bytes()
+    train, valid = bytes(corpus.train.tolist()), bytes(corpus.valid.tolist())
+    assert train + valid == joined and train.endswith(b"\n") and valid.startswith(b"b.txt line ")
+    assert 0.05 <= len(valid) / len(joined) <= 0.15 and fp["split"].startswith("by bytes")
 
 
 @pytest.mark.parametrize("kind", ["empty_dir", "binary_file", "binary_only_dir", "empty_file", "missing"])
@@ -111,7 +120,7 @@ def test_unusable_corpus_is_a_clear_error(tmp_path, kind):
         (path / "x.dat").write_bytes(b"\xff\xfe\x00" * 100)
     elif kind == "empty_file":
         path.write_bytes(b"")
-    with pytest.raises(ValueError, match="--data"):
+    with pytest.raises(UsageError, match=r"^data "):
         data.load_corpus(str(path))
 
 

@@ -12,6 +12,7 @@ import torch
 
 import posenc
 from posenc import cli, study
+from posenc.study import PRESETS, StudyConfig, evaluation
 from posenc.data import load_corpus
 
 
@@ -81,6 +82,11 @@ def test_csv_and_markdown_match_json(smoke_run):
     md = (out / "results.md").read_text()
     assert md.count("\n") == len(results["methods"]) + 2
     assert re.search(r"\| learned \| [\d.]+ \| n/a", md)
+    # "train s": three significant digits, so a run of a fraction of a second does not read 0
+    for line in md.splitlines()[2:]:
+        method, *_, cell = [c.strip() for c in line.strip("|").split("|")]
+        t = results["methods"][method]["train"]["time_s"]
+        assert 0 < float(cell) == pytest.approx(t, rel=5e-3, abs=0.5 if t >= 100 else 0)
 
 
 def test_checkpoints_load_with_posenc_lm_and_reproduce_the_numbers(smoke_run):
@@ -91,12 +97,12 @@ def test_checkpoints_load_with_posenc_lm_and_reproduce_the_numbers(smoke_run):
 
     ctx = Context(torch.device("cpu"))
     for method in ("t5", "learned", "shaw"):  # t5 shares one table across layers
-        model = study.load_checkpoint(out / results["methods"][method]["checkpoint"])
+        model = posenc.load_checkpoint(out / results["methods"][method]["checkpoint"])
         assert isinstance(model, posenc.LM) and model.config.encoding == method
         row = results["methods"][method]["eval"][0]
         again = study.evaluate(model, corpus.valid, row["length"], None, ctx)
         assert again["loss"] == pytest.approx(row["loss"], rel=1e-6)
-    t5 = study.load_checkpoint(out / "checkpoints" / "t5.safetensors")
+    t5 = posenc.load_checkpoint(out / "checkpoints" / "t5.safetensors")
     assert all(b.attn.encoding is t5.encoding for b in t5.blocks)  # still shared after loading
 
 
@@ -120,7 +126,7 @@ def test_sliding_stride_equal_to_length_is_the_non_overlapping_evaluation(smoke_
 
     ctx = Context(torch.device("cpu"))
     valid = load_corpus("default", 1024).valid
-    model = study.load_checkpoint(out / "checkpoints" / "alibi.safetensors")
+    model = posenc.load_checkpoint(out / "checkpoints" / "alibi.safetensors")
     plain = study.evaluate(model, valid, 64, None, ctx)
     same = study.evaluate(model, valid, 64, 64, ctx)
     slid = study.evaluate(model, valid, 64, 16, ctx)
@@ -135,9 +141,9 @@ def test_evaluate_batches_do_not_change_the_result(smoke_run, monkeypatch):
 
     ctx = Context(torch.device("cpu"))
     valid = load_corpus("default", 1000).valid  # 1000 is not a multiple of 64: last window moves back
-    model = study.load_checkpoint(out / "checkpoints" / "rope.safetensors")
+    model = posenc.load_checkpoint(out / "checkpoints" / "rope.safetensors")
     big = study.evaluate(model, valid, 64, None, ctx)
-    monkeypatch.setattr(study, "EVAL_TOKENS", 64)  # one window per forward
+    monkeypatch.setattr(evaluation, "EVAL_TOKENS", 64)  # one window per forward
     one = study.evaluate(model, valid, 64, None, ctx)
     assert one["tokens"] == big["tokens"] == 1000
     assert one["loss"] == pytest.approx(big["loss"], rel=1e-6)
@@ -164,7 +170,7 @@ def small_args(out, *extra):
     "extra, message",
     [
         (["--methods", "alibi", "nosuch"], "unknown encoding 'nosuch'"),
-        (["--eval-lengths", "0", "32"], "eval lengths must be integers >= 1"),
+        (["--eval-lengths", "0", "32"], "eval_lengths must be integers >= 1"),
         (["--eval-lengths", "99999"], "exceeds the 4096 validation tokens"),
         (["--sliding", "64"], "sliding stride"),
         (["--steps", "0"], "steps must be"),
@@ -177,6 +183,19 @@ def test_bad_input_is_one_clear_line_before_training(tmp_path, capsys, extra, me
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err and err.count("\n") == 1
     assert not out.exists()  # nothing trained, nothing written
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [["--methods", "nosuch"], ["--eval-lengths", "99999"], ["--dim", "31"], ["--data", "/no/such/path"],
+     ["--resume", "--lr", "-1"]],
+)
+def test_user_mistakes_are_usage_errors(tmp_path, extra):
+    """The study path raises UsageError (printed in one line by the CLI), never a bare ValueError."""
+    from posenc.study.cli import run_study
+
+    with pytest.raises(posenc.UsageError):
+        run_study(cli.build_parser().parse_args([*small_args(tmp_path / "run"), *extra]))
 
 
 def test_bad_corpus_and_out_dir(tmp_path, capsys):
@@ -201,7 +220,7 @@ def test_existing_run_needs_resume_and_the_same_config(tmp_path, capsys):
     assert cli.main(small_args(out)) == 0
     before = (out / "results.json").read_text()
     assert cli.main(small_args(out)) == 2
-    assert "pass --resume" in capsys.readouterr().err
+    assert "continue it with resume (--resume)" in capsys.readouterr().err
     assert cli.main([*small_args(out, "--resume"), "--lr", "0.5"]) == 2
     err = capsys.readouterr().err
     assert "different config" in err and "lr" in err
@@ -220,13 +239,30 @@ def test_existing_run_needs_resume_and_the_same_config(tmp_path, capsys):
 
 
 def test_presets_are_valid_and_default_matches_design():
-    for name in study.PRESETS:
-        cfg = study.StudyConfig.from_preset(name, device="cpu").validate()
+    for name in PRESETS:
+        cfg = StudyConfig.from_preset(name, device="cpu").validate()
         assert cfg.methods == posenc.available()
-    d = study.StudyConfig.from_preset("default")
-    assert (d.depth, d.dim, d.num_heads, d.train_length, d.batch_size, d.steps, d.lr) == (4, 128, 4, 64, 32, 800, 2e-3)
+        assert {k: getattr(cfg, k) for k in PRESETS[name]} == PRESETS[name]
+    # the dataclass's own defaults are the default preset's: one source of every size
+    assert StudyConfig() == StudyConfig.from_preset("default")
+    d = StudyConfig.from_preset("default")
+    keys = ("depth", "dim", "num_heads", "train_length", "batch_size", "steps", "lr")
+    assert tuple(getattr(d, k) for k in keys) == tuple(PRESETS["default"][k] for k in keys)
     assert d.valid_bytes == 64 * 1024 and max(d.eval_lengths) >= 8 * d.train_length
-    p = study.StudyConfig.from_preset("paper")
+    p = StudyConfig.from_preset("paper")
     assert p.train_length == 512 and max(p.eval_lengths) == 16 * 512
-    with pytest.raises(ValueError, match="preset"):
-        study.StudyConfig.from_preset("huge")
+    with pytest.raises(posenc.UsageError, match="preset"):
+        StudyConfig.from_preset("huge")
+
+
+def test_command_line_options_come_from_the_config_fields(capsys):
+    from dataclasses import fields
+
+    with pytest.raises(SystemExit):
+        cli.main(["study", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for f in fields(StudyConfig):
+        assert f"--{f.name.replace('_', '-')}" in text, f.name
+    # per-preset defaults are named in the help, read from PRESETS (not a hand-kept string)
+    assert "validation tokens scored at every length (per preset: " + ", ".join(
+        f"{name} {PRESETS[name]['valid_bytes']}" for name in PRESETS) + ")" in text

@@ -14,7 +14,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from posenc import cli, study
+from posenc import cli
+from posenc.study.cli import run_study
+
+def study(argv: list[str], on_step=None) -> int:
+    """``posenc study ARGV`` with a step callback, as the command line runs it."""
+    return run_study(cli.build_parser().parse_args(["study", *argv]), on_step=on_step)
+
 
 ARGS = ["--preset", "smoke", "--methods", "t5", "rope", "--steps", "12", "--checkpoint-every", "4",
         "--eval-lengths", "32", "64", "--quiet", "--threads", "1"]
@@ -36,15 +42,14 @@ def reference(tmp_path_factory):
     return numbers(out)
 
 
-def test_exception_mid_training_then_resume_gives_the_same_numbers(tmp_path, monkeypatch, reference):
+def test_exception_mid_training_then_resume_gives_the_same_numbers(tmp_path, reference):
     out = tmp_path / "run"
 
     def interrupt(method, step):
         if method == "rope" and step == 10:
             raise KeyboardInterrupt
 
-    monkeypatch.setattr(study, "step_hook", interrupt)
-    assert cli.main(["study", *ARGS, "--out", str(out)]) == 130
+    assert study([*ARGS, "--out", str(out)], on_step=interrupt) == 130
     partial = json.loads((out / "results.json").read_text())
     assert partial["methods"]["t5"]["status"] == "done" and "rope" not in partial["methods"]
     state = torch.load(out / "state" / "rope.pt", weights_only=True)
@@ -52,8 +57,7 @@ def test_exception_mid_training_then_resume_gives_the_same_numbers(tmp_path, mon
     assert (out / "checkpoints" / "t5.safetensors").is_file()
 
     stepped = []
-    monkeypatch.setattr(study, "step_hook", lambda method, step: stepped.append((method, step)))
-    assert cli.main(["study", *ARGS, "--out", str(out), "--resume"]) == 0
+    assert study([*ARGS, "--out", str(out), "--resume"], on_step=lambda method, step: stepped.append((method, step))) == 0
     assert stepped == [("rope", k) for k in range(9, 13)]  # t5 skipped, rope continued from step 8
     assert numbers(out) == reference
     assert not (out / "state").exists()
@@ -61,10 +65,10 @@ def test_exception_mid_training_then_resume_gives_the_same_numbers(tmp_path, mon
 
 SCRIPT = """
 import sys, time
-import posenc.study as s
-s.step_hook = lambda method, step: time.sleep(0.15) if method == "rope" else None  # catchable mid-training
-from posenc.cli import main
-raise SystemExit(main(sys.argv[1:]))
+from posenc.cli import build_parser
+from posenc.study.cli import run_study
+slow = lambda method, step: time.sleep(0.15) if method == "rope" else None  # catchable mid-training
+raise SystemExit(run_study(build_parser().parse_args(sys.argv[1:]), on_step=slow))
 """
 
 

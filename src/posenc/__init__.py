@@ -11,18 +11,11 @@ the protocol and the conventions.
 from __future__ import annotations
 
 from .attention import Attention
+from .checkpoint import load_checkpoint, save_checkpoint
 from .encodings import PositionalEncoding, alibi_slopes, available, build, relative_position_bucket
 from .errors import UsageError
 from .model import LM, LMConfig
 from .version import __version__
-
-
-
-def load_checkpoint(path, device="cpu") -> LM:
-    """Load a study checkpoint (``checkpoints/METHOD.safetensors`` + its ``.json`` config) into an LM."""
-    from .study import load_checkpoint as _load
-
-    return _load(path, device)
 
 
 __all__ = [
@@ -36,5 +29,6 @@ __all__ = [
     "build",
     "load_checkpoint",
     "relative_position_bucket",
+    "save_checkpoint",
     "__version__",
 ]

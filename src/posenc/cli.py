@@ -1,4 +1,8 @@
-"""The ``posenc`` command line: one subcommand per module, each with ``add_arguments`` and ``run``."""
+"""The ``posenc`` command line: one subcommand per module, each with ``add_arguments`` and ``run``.
+
+A :class:`~posenc.errors.UsageError` is printed as one line (exit 2); any other exception is a bug or
+a fault of the machine and keeps its traceback.
+"""
 
 from __future__ import annotations
 
@@ -6,12 +10,14 @@ import argparse
 import importlib
 import sys
 
+from .errors import UsageError
+
 # subcommand -> (module, one-line help). Modules are imported when the parser is built.
 COMMANDS: dict[str, tuple[str, str]] = {
     "list": ("posenc.describe", "list the encodings: description, parameters, extrapolation"),
     "buckets": ("posenc.describe", "print the T5 relative-position bucket table"),
     "show": ("posenc.show", "heatmap of what an encoding adds to the attention scores"),
-    "study": ("posenc.study", "train short, test long: train every method, evaluate at many lengths"),
+    "study": ("posenc.study.cli", "train short, test long: train every method, evaluate at many lengths"),
     "report": ("posenc.report", "turn a study's output directory into one self-contained HTML page"),
     "bench": ("posenc.bench.cli", "speed and memory of every method, as ratios to NoPE (optionally vs x-transformers)"),
 }
@@ -22,7 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="posenc",
         description="Positional encodings for Transformer attention: inspect, train short / test long, benchmark.",
     )
-    from . import __version__
+    from .version import __version__
 
     parser.add_argument("--version", action="version", version=f"posenc {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -42,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         return int(args._run(args) or 0)
-    except ValueError as err:  # user errors: one clear line, no traceback
+    except UsageError as err:  # user errors: one clear line, no traceback
         print(f"posenc {args.command}: error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

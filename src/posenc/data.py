@@ -8,17 +8,21 @@ bits per byte by dividing by ln 2, and no tokenizer has to be downloaded or trai
   every machine that can run posenc, needs no download, and is long-range structured text (indented
   blocks, matching names) where position information matters. Directories named ``test``, ``tests``,
   ``idlelib``, ``test_*``, ``__pycache__`` and any ``site-packages`` / ``dist-packages`` are skipped
-  (on a pyenv install the stdlib path contains site-packages, see DESIGN.md §5).
+  (on a pyenv install the stdlib path itself contains a site-packages folder).
 - a path: one UTF-8 text file, or a folder whose UTF-8 text files (recursively, hidden entries and
   binary files skipped) are used.
 - ``hf:NAME[:CONFIG]``: the ``train`` and ``validation`` splits of a Hugging Face dataset, when the
   ``datasets`` package is importable and the hub can be reached. Nothing else is ever downloaded.
 
 Split rule (files): a file is validation when the first 8 hex digits of sha256(relative path) taken
-mod 100 fall below ``VALID_PERCENT``: fixed, independent of file order, file system and seed. A
-single file is split at a line boundary, validation being its last ``VALID_PERCENT`` percent.
-Only the first ``valid_bytes + 1`` bytes of validation text are kept, so every evaluation length
-scores exactly the same ``valid_bytes`` target tokens.
+mod 100 fall below ``VALID_PERCENT``: fixed, independent of file order, file system and seed. The
+rule is kept only when it gives validation a share of the bytes near ``VALID_PERCENT`` (between half
+and twice that); a folder where it cannot (one big file and a small one, or every file hashed to
+one side) is joined in path order and cut at a line boundary so that validation is the last
+``VALID_PERCENT`` percent of the bytes, as for a single file. Files that are not UTF-8 text are
+skipped in a folder (each is listed with its reason: binary, or not UTF-8) and refused as a single
+file. Only the first ``valid_bytes + 1`` bytes of validation text are kept, so every evaluation
+length scores exactly the same ``valid_bytes`` target tokens.
 """
 
 from __future__ import annotations
@@ -31,6 +35,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+
+from .errors import UsageError
 
 VALID_PERCENT = 10
 DEFAULT_VALID_BYTES = 64 * 1024
@@ -50,6 +56,26 @@ class Corpus:
         """Number of scored validation targets (the same at every evaluation length)."""
         return max(0, self.valid.numel() - 1)
 
+    @property
+    def skipped(self) -> list[dict]:
+        """Files left out of a folder: ``{"file": relative path, "reason": why}``."""
+        return list(self.fingerprint.get("skipped", []))
+
+    def summary(self) -> str:
+        """One line: where the text came from, and how many files and bytes each split holds."""
+        fp = self.fingerprint
+
+        def files(n: int | None) -> str:
+            return "" if n is None else f"{n:,} file{'s' if n != 1 else ''}, "
+
+        line = f"corpus {fp.get('source')}: {files(fp.get('files') or None)}{fp.get('bytes', 0):,} bytes; "
+        line += f"train {files(fp.get('train_files'))}{fp.get('train_bytes', self.train.numel()):,} bytes; "
+        line += f"validation {files(fp.get('valid_files'))}{fp.get('valid_split_bytes', 0):,} bytes"
+        line += f" ({self.valid_tokens:,} scored)"
+        if fp.get("skipped"):
+            line += f"; {len(fp['skipped'])} file(s) skipped"
+        return line + f"; split {fp.get('split')}"
+
 
 def split_of(relative_path: str) -> str:
     """'valid' or 'train' for a file, from a hash of its relative path (posix separators)."""
@@ -65,7 +91,7 @@ def stdlib_files() -> tuple[Path, list[Path]]:
     """The stdlib root and its ``.py`` files, tests and third-party packages excluded, sorted."""
     root = Path(sysconfig.get_paths()["stdlib"])
     if not root.is_dir():
-        raise ValueError(f"--data default: the standard library source was not found at {root}; pass --data PATH")
+        raise UsageError(f"data 'default': the standard library source was not found at {root}; pass a path as data")
     files = []
     for d, dirs, names in os.walk(root):
         dirs[:] = sorted(x for x in dirs if not _skip_dir(x))
@@ -75,14 +101,16 @@ def stdlib_files() -> tuple[Path, list[Path]]:
     return root, sorted(files, key=lambda p: p.relative_to(root).as_posix())
 
 
-def _is_text(data: bytes) -> bool:
-    if b"\x00" in data:
-        return False
+def text_problem(data: bytes) -> str | None:
+    """Why ``data`` is not usable as UTF-8 text (binary, or another encoding), or None."""
+    nul = data.find(b"\x00")
+    if nul >= 0:
+        return f"binary (a NUL byte at offset {nul})"
     try:
         data.decode("utf-8")
-    except UnicodeDecodeError:
-        return False
-    return True
+    except UnicodeDecodeError as err:
+        return f"not UTF-8 (invalid byte 0x{data[err.start]:02x} at offset {err.start}; latin-1 or another encoding?)"
+    return None
 
 
 def folder_files(root: Path) -> list[Path]:
@@ -101,65 +129,75 @@ def _tensor(data: bytes | bytearray) -> torch.Tensor:
 
 def _finish(train: bytes, valid: bytes, valid_bytes: int, fingerprint: dict, what: str) -> Corpus:
     if len(train) < 2:
-        raise ValueError(f"--data {what}: the training split is empty")
+        raise UsageError(f"data {what}: the training split is empty")
     if len(valid) < 2:
-        raise ValueError(f"--data {what}: the validation split is empty (needs at least 2 bytes)")
+        raise UsageError(f"data {what}: the validation split is empty (needs at least 2 bytes)")
+    fingerprint.update(train_bytes=len(train), valid_split_bytes=len(valid))
     valid = valid[: valid_bytes + 1]
-    fingerprint.update(
-        train_bytes=len(train),
-        valid_bytes_used=len(valid) - 1,
-        valid_sha256=hashlib.sha256(valid).hexdigest(),
-    )
+    fingerprint.update(valid_bytes_used=len(valid) - 1, valid_sha256=hashlib.sha256(valid).hexdigest())
     return Corpus(_tensor(train), _tensor(valid), fingerprint)
 
 
-def _from_files(root: Path, files: list[Path], source: str, valid_bytes: int, *, skip_binary: bool) -> Corpus:
+def _split(names: list[str], texts: list[bytes]) -> tuple[bytes, bytes, dict]:
+    """(train, validation, how) for the texts of a set of files, by the rule of the module docstring."""
+    total = sum(map(len, texts))
+    side = [split_of(n) for n in names]
+    valid_share = sum(len(t) for t, s in zip(texts, side) if s == "valid") / total
+    if len(names) > 1 and VALID_PERCENT / 2 <= 100 * valid_share <= 2 * VALID_PERCENT:
+        how = {
+            "split": f"by file: sha256(relative path) mod 100 < {VALID_PERCENT} -> validation",
+            "train_files": side.count("train"), "valid_files": side.count("valid"),
+        }
+        return (b"".join(t for t, s in zip(texts, side) if s == "train"),
+                b"".join(t for t, s in zip(texts, side) if s == "valid"), how)
+    joined = b"".join(texts)  # path order
+    cut = _line_cut(joined, len(joined) * (100 - VALID_PERCENT) // 100)
+    ends = [sum(map(len, texts[: i + 1])) for i in range(len(texts))]
+    starts = [e - len(t) for e, t in zip(ends, texts)]
+    if len(names) == 1:
+        rule = f"single file: last {VALID_PERCENT}% of the bytes, from a line start"
+    else:
+        rule = (f"by bytes: the files joined in path order, last {VALID_PERCENT}% from a line start (the "
+                f"by-file rule would give validation {100 * valid_share:.1f}% of the bytes)")
+    how = {
+        "split": rule,
+        "train_files": sum(b < cut for b in starts),  # files with bytes on each side of the cut
+        "valid_files": sum(e > cut for e in ends),
+    }
+    return joined[:cut], joined[cut:], how
+
+
+def _from_files(root: Path, files: list[Path], source: str, valid_bytes: int, *, skip_bad: bool) -> Corpus:
     digest = hashlib.sha256()
-    parts: dict[str, list[bytes]] = {"train": [], "valid": []}
-    names: dict[str, list[str]] = {"train": [], "valid": []}
-    total, skipped = 0, 0
+    names: list[str] = []
+    texts: list[bytes] = []
+    skipped: list[dict] = []
     for path in files:
         rel = path.relative_to(root).as_posix() if path != root else path.name
         data = path.read_bytes()
         if not data:
             continue
-        if not _is_text(data):
-            if not skip_binary:
-                raise ValueError(f"--data {source}: {path} is not UTF-8 text (binary data)")
-            skipped += 1
+        problem = text_problem(data)
+        if problem:
+            if not skip_bad:
+                raise UsageError(f"data {source}: {path} is not UTF-8 text: {problem}")
+            skipped.append({"file": rel, "reason": problem})
             continue
         if not data.endswith(b"\n"):
             data += b"\n"  # files are joined end to end; keep the boundary a line break
         digest.update(rel.encode("utf-8") + b"\x00" + data)
-        total += len(data)
-        names[split_of(rel)].append(rel)
-        parts[split_of(rel)].append(data)
-    count = len(names["train"]) + len(names["valid"])
-    if count == 0:
-        reason = f" ({skipped} binary file(s) skipped)" if skipped else ""
-        raise ValueError(f"--data {source}: no UTF-8 text found{reason}; the corpus is empty")
-    fingerprint = {"source": source, "files": count, "bytes": total, "sha256": digest.hexdigest()}
+        names.append(rel)
+        texts.append(data)
+    if not names:
+        kinds = sorted({s["reason"].split(" (")[0] for s in skipped})
+        reason = f" ({len(skipped)} file(s) skipped: {', '.join(kinds)})" if skipped else ""
+        raise UsageError(f"data {source}: no UTF-8 text found{reason}; the corpus is empty")
+    fingerprint = {"source": source, "files": len(names), "bytes": sum(map(len, texts)), "sha256": digest.hexdigest()}
     if skipped:
-        fingerprint["binary_files_skipped"] = skipped
-    if count == 1:  # one file: the last VALID_PERCENT percent, from a line start, is validation
-        text = (parts["train"] or parts["valid"])[0]
-        cut = _line_cut(text, len(text) * (100 - VALID_PERCENT) // 100)
-        train, valid = text[:cut], text[cut:]
-        fingerprint.update(split="single file: last %d%% of lines" % VALID_PERCENT, train_files=1, valid_files=1)
-    else:
-        if not parts["valid"] or not parts["train"]:
-            # A tiny folder can hash entirely to one side: move the single file whose hash is
-            # lowest (a fixed choice) to the empty side.
-            full, empty = ("train", "valid") if parts["train"] else ("valid", "train")
-            i = min(range(len(names[full])), key=lambda k: hashlib.sha256(names[full][k].encode()).hexdigest())
-            names[empty].append(names[full].pop(i))
-            parts[empty].append(parts[full].pop(i))
-        train, valid = b"".join(parts["train"]), b"".join(parts["valid"])
-        fingerprint.update(
-            split=f"by file: sha256(relative path) mod 100 < {VALID_PERCENT} -> validation",
-            train_files=len(names["train"]),
-            valid_files=len(names["valid"]),
-        )
+        fingerprint["skipped"] = skipped
+        fingerprint["binary_files_skipped"] = len(skipped)  # (all skipped files: binary or not UTF-8)
+    train, valid, how = _split(names, texts)
+    fingerprint.update(how)
     return _finish(train, valid, valid_bytes, fingerprint, source)
 
 
@@ -171,28 +209,28 @@ def _line_cut(text: bytes, at: int) -> int:
 def _from_hf(spec: str, valid_bytes: int) -> Corpus:
     name, _, config = spec[len("hf:") :].partition(":")
     if not name:
-        raise ValueError("--data hf:NAME[:CONFIG] needs a dataset name, e.g. hf:wikitext:wikitext-103-raw-v1")
+        raise UsageError("data hf:NAME[:CONFIG] needs a dataset name, e.g. hf:wikitext:wikitext-103-raw-v1")
     try:
         import datasets  # noqa: F401  (optional: never installed by posenc)
     except ImportError:
-        raise ValueError(
-            f"--data {spec} needs the `datasets` package (pip install datasets) and a network "
-            "connection; use --data default or --data PATH to run offline"
+        raise UsageError(
+            f"data {spec} needs the `datasets` package (pip install datasets) and a network "
+            "connection; use data 'default' or a path to run offline"
         ) from None
     try:
         ds = datasets.load_dataset(name, config or None)
     except Exception as err:  # network, unknown name, ...: one clear line
-        raise ValueError(f"--data {spec}: could not load the dataset ({type(err).__name__}: {err}); it needs a network") from None
+        raise UsageError(f"data {spec}: could not load the dataset ({type(err).__name__}: {err}); it needs a network") from None
     vsplit = "validation" if "validation" in ds else "test" if "test" in ds else None
     if "train" not in ds or vsplit is None:
-        raise ValueError(f"--data {spec}: the dataset needs a 'train' and a 'validation' (or 'test') split, has {list(ds)}")
+        raise UsageError(f"data {spec}: the dataset needs a 'train' and a 'validation' (or 'test') split, has {list(ds)}")
 
     def text_of(split) -> bytes:
         column = "text" if "text" in split.column_names else next(
             (c for c, f in split.features.items() if getattr(f, "dtype", None) == "string"), None
         )
         if column is None:
-            raise ValueError(f"--data {spec}: no text column in {split.column_names}")
+            raise UsageError(f"data {spec}: no text column in {split.column_names}")
         return "\n".join(split[column]).encode("utf-8")
 
     train, valid = text_of(ds["train"]), text_of(ds[vsplit])
@@ -209,12 +247,12 @@ def _from_hf(spec: str, valid_bytes: int) -> Corpus:
 
 
 def load_corpus(spec: str = "default", valid_bytes: int = DEFAULT_VALID_BYTES) -> Corpus:
-    """Load ``default``, a path, or ``hf:NAME[:CONFIG]`` as byte streams; ValueError when unusable."""
+    """Load ``default``, a path, or ``hf:NAME[:CONFIG]`` as byte streams; UsageError when unusable."""
     if not isinstance(valid_bytes, int) or valid_bytes < 1:
-        raise ValueError(f"valid_bytes must be a positive integer, got {valid_bytes!r}")
+        raise UsageError(f"valid_bytes must be a positive integer, got {valid_bytes!r}")
     if spec in ("default", "DEFAULT"):
         root, files = stdlib_files()
-        corpus = _from_files(root, files, "default", valid_bytes, skip_binary=True)
+        corpus = _from_files(root, files, "default", valid_bytes, skip_bad=True)
         corpus.fingerprint.update(root=str(root), python=sys.version.split()[0])
         corpus.fingerprint["source"] = "default (Python standard library .py files, tests excluded)"
         return corpus
@@ -222,10 +260,10 @@ def load_corpus(spec: str = "default", valid_bytes: int = DEFAULT_VALID_BYTES) -
         return _from_hf(spec, valid_bytes)
     path = Path(spec).expanduser()
     if path.is_file():
-        return _from_files(path, [path], str(path), valid_bytes, skip_binary=False)
+        return _from_files(path, [path], str(path), valid_bytes, skip_bad=False)
     if path.is_dir():
-        return _from_files(path, folder_files(path), str(path), valid_bytes, skip_binary=True)
-    raise ValueError(f"--data must be 'default', an existing file or folder, or hf:NAME[:CONFIG]; {spec!r} does not exist")
+        return _from_files(path, folder_files(path), str(path), valid_bytes, skip_bad=True)
+    raise UsageError(f"data must be 'default', an existing file or folder, or hf:NAME[:CONFIG]; {spec!r} does not exist")
 
 
 def train_batch(
@@ -238,7 +276,7 @@ def train_batch(
     """
     n = stream.numel() - length - 1
     if n < 1:
-        raise ValueError(f"train_length ({length}) must be below the training split size ({stream.numel()} bytes)")
+        raise UsageError(f"train_length ({length}) must be below the training split size ({stream.numel()} bytes)")
     g = torch.Generator().manual_seed(seed * 1_000_003 + step)
     starts = torch.randint(0, n + 1, (batch_size,), generator=g)  # (B,)
     idx = starts[:, None] + torch.arange(length + 1)  # (B, T + 1)

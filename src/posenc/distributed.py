@@ -2,13 +2,16 @@
 
 torchrun sets RANK / WORLD_SIZE / LOCAL_RANK; without them everything here is a no-op for one
 process. gloo on CPU, nccl on CUDA. Workers end with barrier, destroy_process_group, flush and
-``os._exit`` (DESIGN.md §5: otherwise a gloo worker may abort at interpreter exit).
+``os._exit``: without that sequence a gloo worker can abort at interpreter exit
+("terminate called ..." from a background thread torn down too late).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import sys
+import time
 from dataclasses import dataclass
 
 import torch
@@ -65,6 +68,33 @@ def flags(ctx: Context, *values: bool) -> list[bool]:
     """Logical OR of each flag over all processes."""
     t = torch.tensor([float(v) for v in values], device=ctx.device)
     return [bool(x > 0) for x in all_sum(ctx, t).tolist()]
+
+
+def peer_failed(err: BaseException) -> bool:
+    """Whether ``err`` is this process noticing that another one of the group is gone (a collective
+    that lost its peer), rather than a failure of its own."""
+    text = str(err)
+    return isinstance(err, dist.DistError) or any(
+        s in text for s in ("Connection closed by peer", "Connection reset by peer", "NCCL communicator was aborted")
+    )
+
+
+def record_failure(ctx: Context, message: str, root: bool) -> None:
+    """Give torchrun one sentence for this worker's failure (instead of "To enable traceback see ...").
+
+    torchrun reads the file named by TORCHELASTIC_ERROR_FILE and names the failure with the
+    earliest timestamp (whole seconds) as the root cause. A process stopping because a peer failed
+    (``root=False``) dates its note one second later, so the process that failed first is named.
+    """
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path or not ctx.distributed:
+        return
+    try:
+        with open(path, "w") as f:
+            stamp = str(int(time.time()) + (0 if root else 1))
+            json.dump({"message": {"message": message, "extraInfo": {"py_callstack": message, "timestamp": stamp}}}, f)
+    except OSError:
+        pass  # the message was printed anyway
 
 
 def finish(ctx: Context, code: int) -> int:

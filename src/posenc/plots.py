@@ -31,10 +31,12 @@ def extrapolation_figure(results: dict) -> Figure:
             continue
         xs, ys = [r["length"] for r in rows], [r["perplexity"] for r in rows]
         values += ys
-        ax.plot(xs, ys, marker="o", ms=4, label=method, color=COLORS.get(method))
-        skipped = [r["length"] for r in entry["eval"] if r.get("perplexity") is None]
-        if skipped:  # a bounded method: mark where it stops
-            ax.plot(xs[-1], ys[-1], marker="x", ms=10, color=COLORS.get(method))
+        label = method
+        if any(r.get("perplexity") is None for r in entry["eval"]):  # a bounded method: say where it stops
+            label += f" (cannot run past {entry.get('model', {}).get('max_positions') or max(xs)})"
+        # One point is drawn as a marker, not a line: its legend entry then shows a marker too.
+        ax.plot(xs, ys, marker="o", ms=4 if len(xs) > 1 else 7, ls="-" if len(xs) > 1 else "none",
+                label=label, color=COLORS.get(method))
     ax.axvline(train_len, color="black", ls="--", lw=1)
     ax.annotate(f"train length {train_len}", (train_len, 0.97), xycoords=("data", "axes fraction"),
                 ha="left", va="top", fontsize=8, xytext=(4, 0), textcoords="offset points")

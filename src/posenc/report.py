@@ -10,6 +10,12 @@ import html
 import json
 from pathlib import Path
 
+from .errors import UsageError
+from .files import check_writable, write_text
+from .study import load_results, run_status
+
+GENERATOR = '<meta name="generator" content="posenc report">'  # how a page we may overwrite is known
+
 CSS = """
 body { font-family: system-ui, sans-serif; max-width: 60rem; margin: 2rem auto; padding: 0 1rem; color: #222; }
 table { border-collapse: collapse; margin: 0.5rem 0 1.5rem; font-size: 0.9rem; }
@@ -67,8 +73,9 @@ def _kv(d: dict) -> str:
     return _table(["key", "value"], [[str(k), json.dumps(v) if not isinstance(v, str) else v] for k, v in d.items()])
 
 
-def render(results: dict, title: str) -> str:
-    """The report page for a results dict, as an HTML string."""
+def render(results: dict, title: str, status: str | None = None) -> str:
+    """The report page for a results dict, as an HTML string (``status``: shown instead of the
+    results' own, e.g. 'interrupted' for a run whose process is gone)."""
     from . import plots
 
     e = html.escape
@@ -83,10 +90,10 @@ def render(results: dict, title: str) -> str:
     valid = results.get("corpus", {}).get("valid_bytes_used")
     mode = f"sliding windows, stride {cfg['sliding']}" if cfg.get("sliding") else "non-overlapping windows"
     parts = [
-        "<!doctype html>", '<html lang="en"><head><meta charset="utf-8">',
+        "<!doctype html>", '<html lang="en"><head><meta charset="utf-8">', GENERATOR,
         f"<title>{e(title)}</title><style>{CSS}</style></head><body>",
         f"<h1>{e(title)}</h1>",
-        f'<p class="note">Status: {e(results.get("status", "?"))}. Byte-level language models trained at length '
+        f'<p class="note">Status: {e(status or results.get("status", "?"))}. Byte-level language models trained at length '
         f"{cfg['train_length']} for {cfg['steps']} steps of {cfg['batch_size']} sequences, then scored on the same "
         f"{valid} validation bytes at every evaluation length ({e(mode)}). Train short, test long: Press, Smith &amp; "
         "Lewis 2021, arXiv:2108.12409. Perplexity is per byte; a method that extrapolates stays flat past the "
@@ -114,13 +121,16 @@ def add_report_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run_report(args: argparse.Namespace) -> int:
-    from .study import load_results, write_text
-
     run_dir = Path(args.run_dir)
     if not (run_dir / "results.json").is_file():
-        raise ValueError(f"run_dir {str(run_dir)!r} holds no results.json (expected the --out of `posenc study`)")
-    results = load_results(run_dir)
+        raise UsageError(f"run_dir {str(run_dir)!r} holds no results.json (expected the out directory of a study)")
     out = Path(args.out) if args.out else run_dir / "report.html"
-    write_text(out, render(results, f"posenc study: {run_dir.name}"))
+    head = out.read_bytes()[:1024] if out.is_file() else b""
+    if out.is_file() and GENERATOR.encode() not in head and b"<title>posenc study: " not in head:  # (older pages)
+        raise UsageError(f"out: {out} exists and is not a posenc report; choose another name "
+                         "(posenc does not overwrite other files)")
+    check_writable(out, "out")  # before any rendering
+    results = load_results(run_dir)
+    write_text(out, render(results, f"posenc study: {run_dir.name}", run_status(results, run_dir)))
     print(f"wrote {out}")
     return 0

@@ -1,0 +1,46 @@
+"""``posenc study``: train short, test long (Press, Smith & Lewis 2021, "Train Short, Test Long:
+Attention with Linear Biases Enables Input Length Extrapolation", arXiv:2108.12409).
+
+For each positional encoding: train a small byte-level decoder (:class:`posenc.LM`) at one length,
+then score the *same* validation tokens at every evaluation length, cut into windows of that length
+(non-overlapping, as the paper's main setting, or sliding with ``sliding=STRIDE``). A method that
+generalizes keeps its perplexity flat as the windows grow; one that does not gets worse.
+
+    from posenc.study import StudyConfig, run_experiment
+    results = run_experiment(StudyConfig.from_preset("smoke"), "runs/smoke")
+
+The modules, in the order a run meets them:
+
+    config.py      StudyConfig and PRESETS (the one source of the sizes)
+    cli.py         the command line, derived from StudyConfig's fields
+    run.py         run_experiment: checks, then each method in turn, saved as it goes
+    train.py       the training loop, optimizer and schedule, clean stop on Ctrl-C, RNG state
+    evaluation.py  windows and scoring at one length
+    progress.py    bars or log lines
+    results.py     the output directory's layout, results.json, CSV, markdown, figure
+
+Every file is written to a temporary name and renamed, so a kill at any moment leaves either the
+old or the new version; ``resume=True`` (``--resume``) continues from the last saved step and gives
+the same final numbers as a run that never stopped.
+"""
+
+from __future__ import annotations
+
+from .config import PRESETS, StudyConfig
+from .evaluation import evaluate, windows
+from .results import SCHEMA, load_results, markdown_table, results_csv, run_status, write_outputs
+from .run import run_experiment
+
+__all__ = [
+    "PRESETS",
+    "SCHEMA",
+    "StudyConfig",
+    "evaluate",
+    "load_results",
+    "markdown_table",
+    "results_csv",
+    "run_experiment",
+    "run_status",
+    "windows",
+    "write_outputs",
+]

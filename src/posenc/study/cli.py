@@ -1,0 +1,138 @@
+"""``posenc study`` on the command line.
+
+Every :class:`StudyConfig` field is an option (``train_length`` -> ``--train-length``) whose type,
+help and per-preset defaults are read from the dataclass and :data:`PRESETS`, so a new field is a
+new option with nothing else to edit. Options not given stay None: the value then comes from the
+resumed run's config, else from the preset.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import types
+import typing
+from dataclasses import fields
+from pathlib import Path
+
+import torch
+
+from .. import distributed
+from ..encodings import available
+from ..errors import UsageError
+from .config import PRESET_DESCRIPTIONS, PRESET_THREADS, PRESETS, StudyConfig
+from .results import load_results, markdown_table
+from .run import run_experiment
+from .train import StepCallback
+
+_SPECIAL = {"preset"}  # an option of its own: its choices are the presets
+
+
+def _option_type(annotation) -> tuple[type, bool]:
+    """(element type, is a list) of a field annotation such as ``int``, ``int | None``, ``list[str]``."""
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        annotation = next(a for a in typing.get_args(annotation) if a is not type(None))
+    if typing.get_origin(annotation) is list:
+        return typing.get_args(annotation)[0], True
+    return annotation, False
+
+
+def _preset_values(name: str) -> str:
+    values = [PRESETS[p][name] for p in PRESETS]
+    show = [" ".join(map(str, v)) if isinstance(v, list) else str(v) for v in values]
+    return ", ".join(f"{p} {s}" for p, s in zip(PRESETS, show))
+
+
+def add_study_arguments(p: argparse.ArgumentParser) -> None:
+    presets = "; ".join(f"{name} ({text})" for name, text in PRESET_DESCRIPTIONS.items())
+    p.add_argument("--preset", choices=list(PRESETS), default=None, help=f"starting sizes: {presets} (default: default)")
+    hints = typing.get_type_hints(StudyConfig)
+    for f in fields(StudyConfig):
+        if f.name in _SPECIAL:
+            continue
+        kind, many = _option_type(hints[f.name])
+        help_text = f.metadata.get("help", "")
+        if f.metadata.get("preset"):
+            help_text += f" (per preset: {_preset_values(f.name)})"
+        elif f.name == "methods":
+            help_text = f"encodings to study (default: all of {', '.join(available())})"
+        elif f.default is not None and not callable(f.default) and "default" not in help_text:
+            help_text += f" (default {f.default})"
+        p.add_argument(f"--{f.name.replace('_', '-')}", type=kind, nargs="+" if many else None,
+                       metavar=f.metadata.get("metavar"), default=None, help=help_text)
+    p.add_argument("--out", default=None, help="output directory (default runs/PRESET)")
+    p.add_argument("--resume", action="store_true", help="continue the study in --out: finished methods are skipped")
+    p.add_argument("--threads", type=int, help="CPU threads for torch (default: 1 for smoke, else torch's choice)")
+    p.add_argument("--quiet", action="store_true", help="no progress output")
+
+
+def config_from_args(args: argparse.Namespace, saved: dict | None = None) -> StudyConfig:
+    """Preset defaults, then (when resuming) the saved run's config, then the options given."""
+    names = [f.name for f in fields(StudyConfig) if f.name not in _SPECIAL]
+    given = {k: getattr(args, k) for k in names if getattr(args, k, None) is not None}
+    preset = args.preset or (saved or {}).get("preset") or "default"
+    base = dict(PRESETS.get(preset, {}))
+    if saved is not None:
+        base.update({k: v for k, v in saved.items() if k in names})
+    base.update(given)
+    if "device" not in base:
+        base["device"] = "cuda" if torch.cuda.is_available() else "cpu"
+    if "methods" not in base:
+        base["methods"] = available()
+    return StudyConfig.from_preset(preset, **base)
+
+
+def run_study(args: argparse.Namespace, on_step: StepCallback | None = None) -> int:
+    out = Path(args.out or f"runs/{args.preset or 'default'}")
+    saved = None
+    if args.resume and (out / "results.json").exists():
+        saved = (load_results(out) or {}).get("config")
+    cfg = config_from_args(args, saved)
+    if args.threads is not None and args.threads < 1:
+        raise UsageError(f"threads must be >= 1, got {args.threads}")
+    cfg.validate()  # the device string must be valid before a process group is joined
+    ctx = distributed.setup(cfg.device)
+    code = 0
+    threads = torch.get_num_threads()
+    if args.threads or PRESET_THREADS.get(cfg.preset):
+        torch.set_num_threads(args.threads or PRESET_THREADS[cfg.preset])
+    try:
+        results = run_experiment(cfg, out, resume=args.resume, progress=not args.quiet, ctx=ctx, on_step=on_step)
+        if ctx.main:
+            print(f"\nperplexity (bytes) of {results['corpus'].get('valid_bytes_used')} validation tokens at each "
+                  f"evaluation length; trained at {cfg.train_length} (*)\n")
+            print(markdown_table(results))
+            print(f"\nresults in {out}/ (results.json, results.csv, extrapolation.png, checkpoints/); "
+                  f"`posenc report {out}` makes an HTML page")
+    except UsageError as err:
+        if not ctx.distributed:
+            raise
+        code = 2
+        if ctx.main:  # (a rank that alone rejected the configuration printed its line already)
+            print(f"posenc study: error: {err}", file=sys.stderr)
+        own = ctx.main and not str(err).startswith("another process")
+        distributed.record_failure(ctx, f"posenc study (rank {ctx.rank}): error: {err}", root=own)
+    except KeyboardInterrupt:
+        if not ctx.distributed:
+            print(f"posenc study: interrupted; finished work is in {out}, continue with --resume", file=sys.stderr)
+            return 130
+        code = 130
+    except BaseException as err:
+        if not ctx.distributed:
+            raise
+        code = 1
+        if distributed.peer_failed(err):  # not this process's fault: one line, the other one explains
+            line = (f"posenc study (rank {ctx.rank}): stopped: another process failed (see its message); "
+                    f"finished work is in {out}, continue with --resume")
+            print(line, file=sys.stderr)
+            distributed.record_failure(ctx, line, root=False)
+        else:
+            import traceback
+
+            traceback.print_exc()
+            line = f"posenc study (rank {ctx.rank}): failed: {type(err).__name__}: {err}"
+            print(line, file=sys.stderr)
+            distributed.record_failure(ctx, line, root=True)
+    finally:
+        torch.set_num_threads(threads)
+    return distributed.finish(ctx, code)

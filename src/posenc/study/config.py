@@ -1,0 +1,171 @@
+"""What a study is: :class:`StudyConfig` and the presets it starts from.
+
+``PRESETS`` is the one place where sizes are chosen. :class:`StudyConfig`'s size fields take their
+defaults from ``PRESETS["default"]``, the command line derives its options (names, types, help,
+per-preset defaults) from the fields below, and the tests read the presets from here too. Fields
+that do not depend on the preset (optimizer details, seed, evaluation mode) have their one default
+on the field itself.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from ..data import DEFAULT_VALID_BYTES
+from ..encodings import available, get_class
+from ..errors import UsageError
+from ..model import LMConfig
+
+# Model and training sizes per preset. smoke: CI, seconds per method. default: the README's main
+# job (about 15-20 minutes for every method on 2 CPU cores). paper: the ALiBi paper's setup (train
+# at 512, evaluate to 16x) at a size for one GPU.
+PRESETS: dict[str, dict[str, Any]] = {
+    "smoke": dict(
+        dim=32, depth=2, num_heads=2, train_length=32, eval_lengths=[32, 64, 128], steps=60,
+        batch_size=8, lr=1e-2, valid_bytes=4096, checkpoint_every=20,
+    ),
+    "default": dict(
+        dim=128, depth=4, num_heads=4, train_length=64, eval_lengths=[64, 128, 256, 512, 1024],
+        steps=800, batch_size=32, lr=2e-3, valid_bytes=DEFAULT_VALID_BYTES, checkpoint_every=100,
+    ),
+    "paper": dict(
+        dim=512, depth=8, num_heads=8, train_length=512, eval_lengths=[512, 1024, 2048, 4096, 8192],
+        steps=5000, batch_size=32, lr=1e-3, valid_bytes=4 * DEFAULT_VALID_BYTES, checkpoint_every=250,
+    ),
+}
+PRESET_DESCRIPTIONS = {
+    "smoke": "CI, seconds",
+    "default": "the main job, ~15-20 min on 2 CPU cores",
+    "paper": "train at 512, test to 16x, a GPU",
+}
+
+# CPU threads per preset when the command line is not told: a smoke-sized model gains nothing from
+# more than one, and several threads on a busy machine cost it 10x (threads wait for each other).
+PRESET_THREADS = {"smoke": 1}
+
+_DEFAULT = PRESETS["default"]
+
+
+def _sized(name: str, help: str, **meta) -> Any:
+    """A field whose default is the default preset's value (the other presets differ)."""
+    value = _DEFAULT[name]
+    if isinstance(value, list):
+        return field(default_factory=lambda: list(value), metadata={"help": help, "preset": True, **meta})
+    return field(default=value, metadata={"help": help, "preset": True, **meta})
+
+
+def _plain(default: Any, help: str, **meta) -> Any:
+    if callable(default):
+        return field(default_factory=default, metadata={"help": help, **meta})
+    return field(default=default, metadata={"help": help, **meta})
+
+
+@dataclass
+class StudyConfig:
+    """Everything that determines a study's numbers (``methods`` aside, each method is independent).
+
+    The metadata of each field is its documentation: ``help`` is the command line's help text,
+    ``preset`` marks a field whose default differs between presets, ``metavar`` names its value.
+    """
+
+    preset: str = _plain("default", "starting sizes, one of PRESETS")
+    methods: list[str] = _plain(available, "encodings to study (default: all)", metavar="METHOD")
+    data: str = _plain("default", "'default' (Python stdlib source), a text file or folder, or hf:NAME[:CONFIG]")
+    dim: int = _sized("dim", "model width")
+    depth: int = _sized("depth", "layers")
+    num_heads: int = _sized("num_heads", "attention heads")
+    train_length: int = _sized("train_length", "training sequence length in bytes")
+    eval_lengths: list[int] = _sized("eval_lengths", "evaluation window lengths", metavar="L")
+    steps: int = _sized("steps", "training steps per method")
+    batch_size: int = _sized("batch_size", "sequences per step (split across processes under torchrun)")
+    lr: float = _sized("lr", "peak AdamW learning rate (linear warmup, cosine decay)")
+    warmup: int | None = _plain(None, "warmup steps (default: a tenth of the steps)")
+    min_lr_ratio: float = _plain(0.1, "final learning rate as a fraction of lr")
+    weight_decay: float = _plain(0.1, "AdamW weight decay of the weight matrices")
+    grad_clip: float = _plain(1.0, "gradient norm clip")
+    seed: int = _plain(0, "seed for initial weights and data order")
+    valid_bytes: int = _sized("valid_bytes", "validation tokens scored at every length")
+    sliding: int | None = _plain(None, "sliding-window evaluation with this stride (default: non-overlapping)",
+                                 metavar="STRIDE")
+    device: str = _plain("cpu", "cpu or cuda (command line default: cuda when available)")
+    checkpoint_every: int = _sized("checkpoint_every", "steps between resumable checkpoints")
+
+    @classmethod
+    def from_preset(cls, preset: str = "default", **overrides) -> "StudyConfig":
+        """The preset's sizes, then ``overrides`` (None values are ignored)."""
+        if preset not in PRESETS:
+            raise UsageError(f"preset must be one of {list(PRESETS)}, got {preset!r}")
+        values = {**PRESETS[preset], **{k: v for k, v in overrides.items() if v is not None}}
+        return cls(preset=preset, **values)
+
+    def __post_init__(self) -> None:
+        if self.warmup is None and isinstance(self.steps, int):
+            self.warmup = self.steps // 10
+
+    def validate(self) -> "StudyConfig":
+        """UsageError naming the parameter for any unusable value; call before any training."""
+        if self.preset not in PRESETS:
+            raise UsageError(f"preset must be one of {list(PRESETS)}, got {self.preset!r}")
+        if not self.methods:
+            raise UsageError("methods must name at least one encoding")
+        for m in self.methods:
+            try:
+                get_class(m)
+            except ValueError as err:
+                raise UsageError(f"methods: {err}") from None
+        if len(set(self.methods)) != len(self.methods):
+            raise UsageError(f"methods has duplicates: {self.methods}")
+        for name in ("dim", "depth", "num_heads", "train_length", "steps", "batch_size", "valid_bytes", "checkpoint_every"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise UsageError(f"{name} must be an integer >= 1, got {v!r}")
+        if not self.eval_lengths:
+            raise UsageError("eval_lengths must list at least one length")
+        for n in self.eval_lengths:
+            if not isinstance(n, int) or n < 1:
+                raise UsageError(f"eval_lengths must be integers >= 1, got {n!r}")
+        if self.sliding is not None and not 1 <= self.sliding <= min(self.eval_lengths):
+            raise UsageError(f"sliding stride must be between 1 and the smallest of eval_lengths "
+                             f"({min(self.eval_lengths)}), got {self.sliding}")
+        if not isinstance(self.lr, (int, float)) or not self.lr > 0 or not math.isfinite(self.lr):
+            raise UsageError(f"lr must be a positive number, got {self.lr}")
+        if not isinstance(self.warmup, int) or not 0 <= self.warmup < self.steps:
+            raise UsageError(f"warmup must be an integer in [0, steps={self.steps}), got {self.warmup}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise UsageError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        if self.weight_decay < 0:
+            raise UsageError(f"weight_decay must be >= 0, got {self.weight_decay}")
+        if not self.grad_clip > 0:
+            raise UsageError(f"grad_clip must be > 0, got {self.grad_clip}")
+        if not isinstance(self.seed, int) or self.seed < 0:
+            raise UsageError(f"seed must be an integer >= 0, got {self.seed!r}")
+        if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise UsageError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise UsageError("device 'cuda' was asked for but torch sees no CUDA device; use device 'cpu'")
+        for m in self.methods:
+            try:
+                self.lm_config(m)  # dim/heads combination, encoding options
+            except ValueError as err:
+                raise UsageError(str(err)) from None
+        self.eval_lengths = sorted(set(self.eval_lengths))
+        return self
+
+    def lm_config(self, method: str) -> LMConfig:
+        # A bounded method (a learned table) gets exactly the training length: the paper's
+        # setting, and what makes "cannot run past N" show at the first longer evaluation length.
+        bounded = not get_class(method).extrapolates
+        return LMConfig(
+            encoding=method, dim=self.dim, depth=self.depth, num_heads=self.num_heads,
+            max_positions=self.train_length if bounded else None,
+        )
+
+    def comparable(self) -> dict:
+        """The fields a resumed run must share with the original (methods may be added)."""
+        d = asdict(self)
+        d.pop("methods")
+        return d
