@@ -156,7 +156,9 @@ def test_outputs_are_atomic(launched, tmp_path, monkeypatch):
 
     monkeypatch.setattr(matplotlib.figure.Figure, "savefig", half_a_png)
     results = harness.bench(methods=["rope"], lengths=[16], mode="infer", rounds=1, repeats=1, progress=False)
-    with pytest.raises(OSError, match="No space"):
+    from posenc.files import WriteError
+
+    with pytest.raises(WriteError, match="No space left on device; the previous version is unchanged"):
         output.write_outputs(results, out)
     after = {p.name: p.read_bytes() for p in out.iterdir()}
     assert set(after) == set(before)  # no temporary file left behind

@@ -157,8 +157,9 @@ def test_png_is_written_atomically(tmp_path, monkeypatch, capsys) -> None:
 
     real = show_module.atomic_write
     monkeypatch.setattr(show_module, "atomic_write", lambda path, write: real(path, broken))
-    with pytest.raises(OSError, match="No space left"):  # a machine fault, not a user error: traceback
-        cli.main(["show", "alibi", "--length", "8", "--out", str(out)])
+    # A full disk is reported as one sentence the user can act on (posenc.files.WriteError).
+    assert cli.main(["show", "alibi", "--length", "8", "--out", str(out)]) == 2
+    assert f"posenc show: error: cannot write {out}: No space left on device; the previous version is unchanged" in capsys.readouterr().err
     assert out.read_bytes() == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.png"]  # no temporary left behind
     capsys.readouterr()
