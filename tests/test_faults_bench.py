@@ -145,7 +145,7 @@ def test_outputs_are_atomic(launched, tmp_path, monkeypatch):
     out = tmp_path / "out"
     assert cli.main([*ARGV, "--out", str(out)]) == 0
     before = {p.name: p.read_bytes() for p in out.iterdir()}
-    assert set(before) == {"table.md", "results.csv", "results.json", "command.txt", "plot.png"}
+    assert set(before) == {"table.md", "results.csv", "results.json", "command.txt", "plot.png", ".posenc-run", ".posenc-lock"}
 
     import matplotlib.figure
 
@@ -166,3 +166,17 @@ def test_outputs_are_atomic(launched, tmp_path, monkeypatch):
     for name in ("table.md", "results.json"):  # written before the plot: complete new files
         assert after[name] != before[name] and b"rope" in after[name]
     json.loads(after["results.json"])
+
+
+def test_a_folder_posenc_did_not_make_is_refused_before_any_job(tmp_path, monkeypatch, capsys):
+    """Never a user's file overwritten: a non-empty folder without posenc's run marker (and no
+    older bench results in it) is refused at once."""
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "results.csv").write_text("my own numbers\n")
+    ran = []
+    monkeypatch.setattr(harness, "launch", lambda *a, **k: ran.append(1))
+    assert cli.main([*ARGV, "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert f"posenc bench: error: out: {out} is not empty (results.csv) and was not made by posenc" in err
+    assert not ran and (out / "results.csv").read_text() == "my own numbers\n"

@@ -16,7 +16,7 @@ from .. import backends
 from .compare import LIBRARIES
 from .harness import run as run_jobs
 from .levels import LEVELS
-from .output import JOURNAL, Journal, check_out, save_fallback, write_outputs
+from .output import JOURNAL, Journal, claim_out, save_fallback, write_outputs
 from .plan import DEVICES, DTYPES, SIZE_NAMES, Config, configure
 from .tables import markdown_table
 
@@ -69,7 +69,16 @@ def run(args: argparse.Namespace) -> int:
         rounds=args.rounds, repeats=args.repeats, warmup=args.warmup, device=args.device, backend=args.backend,
         dtype=args.dtype, threads=args.threads, timeout=args.timeout, seed=args.seed, **sizes,
     )
-    out = check_out(args.out if args.out is not None else Path("bench-results") / config.level)
+    claim = claim_out(args.out if args.out is not None else Path("bench-results") / config.level)
+    if claim.notice:
+        print(f"posenc bench: {claim.notice}", file=sys.stderr)
+    try:
+        return _run(config, args, claim.path)
+    finally:
+        claim.release()
+
+
+def _run(config, args: argparse.Namespace, out: Path) -> int:
     command = command_line(config, args.methods, out)
     journal = Journal(out / JOURNAL, {"command": command})
     try:

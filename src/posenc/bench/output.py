@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from ..errors import UsageError
-from ..files import write_json, write_text
+from ..files import RunDir, write_json, write_text
 from .harness import Results
 from .plots import plot
 from .tables import csv_text, json_object, markdown_table
@@ -39,6 +39,14 @@ def check_out(out: Path) -> Path:
     except OSError as err:
         raise UsageError(f"out: cannot write in {str(out)!r}: {err.strerror or err}") from None
     return out
+
+
+def claim_out(out: Path) -> RunDir:
+    """Check ``out`` and claim it for this run: a folder another program (or another posenc run)
+    owns is refused (posenc never writes over other files; see :class:`posenc.files.RunDir`). A
+    folder of bench results written before run markers existed is recognised as posenc's."""
+    out = check_out(out)
+    return RunDir.claim(out, "bench", owned=lambda p: (p / "command.txt").is_file() and (p / "results.json").is_file())
 
 
 class Journal:
