@@ -96,3 +96,87 @@ def test_absolute_methods_are_not_shift_invariant(name: str) -> None:
     enc = posenc.build(name, num_heads=H, head_dim=D)
     x = torch.zeros(1, 5, H * D)
     assert not torch.allclose(enc.embed(x, torch.arange(5)), enc.embed(x, torch.arange(7, 12)), atol=1e-3)
+
+
+# ---- RoPE scalings and xPos ------------------------------------------------------------------------
+# Static scalings only change the frequencies (and scale q and k by a constant): the usual RoPE
+# invariance holds. Dynamic NTK and LongRoPE rotate with the parameters of the current length, so a
+# shift keeps the scores only while it keeps the length on the same side of the original length L;
+# within one call (one length) they are relative. xPos decays with i - j: relative too, centred or
+# not (the centre cancels between query and key).
+
+L_ORIGINAL = 16
+ROPE_SCALINGS = {
+    "linear": {"rope_type": "linear", "factor": 2.5},
+    "ntk": {"rope_type": "ntk", "factor": 3.0},
+    "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": L_ORIGINAL},
+    "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": L_ORIGINAL},
+    "proportional": {"rope_type": "proportional", "partial_rotary_factor": 0.5},
+    "dynamic": {"rope_type": "dynamic", "factor": 3.0, "original_max_position_embeddings": L_ORIGINAL},
+    "longrope": {"rope_type": "longrope", "short_factor": [1.0, 1.5, 2.0, 3.0], "long_factor": [1.2, 2.0, 4.0, 6.0],
+                 "original_max_position_embeddings": L_ORIGINAL, "factor": 4.0},
+}
+XPOS_OPTIONS = {"xpos": {}, "xpos-uncentred": {"centre": False}}
+
+
+@lru_cache(maxsize=None)
+def rotary(name: str) -> torch.nn.Module:
+    if name in XPOS_OPTIONS:
+        return posenc.build("xpos", num_heads=H, head_dim=D, **XPOS_OPTIONS[name])
+    return posenc.build("rope", num_heads=H, head_dim=D, scaling=ROPE_SCALINGS[name])
+
+
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(
+    name=st.sampled_from(["linear", "ntk", "yarn", "llama3", "proportional", *XPOS_OPTIONS]),
+    tq=st.integers(1, 10),
+    past=st.integers(0, 6),
+    start=st.integers(0, 50),
+    offset=st.integers(1, 5000),
+    seed=st.integers(0, 2**16),
+)
+def test_scaled_rope_and_xpos_scores_are_shift_invariant(name, tq, past, start, offset, seed) -> None:
+    enc = rotary(name)
+    gen = torch.Generator().manual_seed(seed)
+    tk = tq + past
+    q = torch.randn(1, H, tq, D, generator=gen)
+    k = torch.randn(1, H, tk, D, generator=gen)
+    k_positions = torch.arange(start, start + tk)
+    q_positions = k_positions[past:]
+    with torch.no_grad():
+        before = scores(enc, q, k, q_positions, k_positions)
+        after = scores(enc, q, k, q_positions + offset, k_positions + offset)
+    torch.testing.assert_close(after, before, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["dynamic", "longrope"])
+@pytest.mark.parametrize("lengths", [(6, 16), (20, 900)])  # both <= L, or both > L
+def test_length_dependent_scores_are_shift_invariant_on_one_side_of_l(name, lengths) -> None:
+    enc = rotary(name)
+    q, k = torch.randn(1, H, 3, D), torch.randn(1, H, 6, D)
+    short, long = lengths
+    with torch.no_grad():
+        a = scores(enc, q, k, torch.arange(short - 3, short), torch.arange(short - 6, short))
+        b = scores(enc, q, k, torch.arange(long - 3, long), torch.arange(long - 6, long))
+    if name == "dynamic" and short > L_ORIGINAL:  # the base itself moves with the length
+        assert not torch.allclose(a, b, atol=1e-3)
+    else:
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", [*ROPE_SCALINGS, *XPOS_OPTIONS])
+@pytest.mark.parametrize("n", [12, 40])  # below and past L_ORIGINAL
+def test_within_one_call_scores_depend_on_i_minus_j(name: str, n: int) -> None:
+    """The same query and key content at every position: the score matrix is constant along every
+    diagonal (Toeplitz), for every type, including the length-dependent ones past L."""
+    enc = rotary(name)
+    q = torch.randn(1, H, 1, D).expand(1, H, n, D)
+    k = torch.randn(1, H, 1, D).expand(1, H, n, D)
+    pos = torch.arange(n)
+    with torch.no_grad():
+        s = scores(enc, q, k, pos, pos)[0]  # (H, n, n)
+    for offset in (-7, -1, 0, 3):
+        diagonal = s.diagonal(offset, dim1=-2, dim2=-1)  # (H, n - |offset|)
+        torch.testing.assert_close(diagonal, diagonal[:, :1].expand_as(diagonal), rtol=0, atol=1e-5)
+    assert (s.diagonal(-1, dim1=-2, dim2=-1)[:, 0] - s.diagonal(-5, dim1=-2, dim2=-1)[:, 0]).abs().max() > 1e-3

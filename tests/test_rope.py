@@ -251,3 +251,38 @@ def test_tables_stay_float32_when_the_model_is_cast_to_bfloat16():
     assert model.encoding.inv_freq.dtype == torch.float32
     reference = posenc.build("rope", num_heads=4, head_dim=8)
     torch.testing.assert_close(model.encoding.cos_cached, reference.cos_cached, rtol=0, atol=0)
+
+
+# ---- misuse: positions never wrap, head dims must match ------------------------------------------
+
+
+def test_negative_positions_are_usage_errors_not_wrapped_indices() -> None:
+    """Python indexing would read a table's last rows for negative positions: a silent wrong result."""
+    enc = posenc.build("rope", num_heads=H, head_dim=D)
+    q, k = qk(3)
+    for q_pos, k_pos in ((torch.arange(-1, 2), torch.arange(3)), (torch.arange(3), torch.tensor([-5, 0, 1]))):
+        with pytest.raises(posenc.UsageError, match="positions must be >= 0"):
+            enc.rotate(q, k, q_pos, k_pos)
+    with pytest.raises(posenc.UsageError, match="positions must be >= 0"):
+        enc.cos_sin(torch.tensor([-1]))
+    learned = posenc.build("learned", num_heads=H, head_dim=D, max_positions=8)
+    x = torch.zeros(1, 3, H * D)
+    with pytest.raises(posenc.UsageError, match="positions must be >= 0"):
+        learned.embed(x, torch.arange(-2, 1))
+    with pytest.raises(posenc.UsageError, match="max_positions"):
+        learned.embed(x, torch.arange(7, 10))
+    assert learned.embed(x, torch.arange(5, 8)).shape == x.shape
+
+
+def test_head_dim_other_than_the_encodings_is_a_usage_error() -> None:
+    """A wider q/k would have only its first head_dim features rotated, silently."""
+    enc = posenc.build("rope", num_heads=H, head_dim=D)
+    pos = torch.arange(4)
+    wide, _ = qk(4, d=2 * D)
+    q, k = qk(4)
+    with pytest.raises(posenc.UsageError, match=f"head_dim={D}"):
+        enc.rotate(wide, k, pos, pos)
+    with pytest.raises(posenc.UsageError, match=f"head_dim={D}"):
+        enc.rotate(q, wide[..., : D - 2], pos, pos)
+    with pytest.raises(posenc.UsageError, match="k_positions"):
+        enc.rotate(q, k, pos, torch.arange(5))

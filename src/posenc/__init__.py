@@ -13,6 +13,7 @@ from __future__ import annotations
 from .attention import Attention
 from .checkpoint import load_checkpoint, save_checkpoint
 from .encodings import PositionalEncoding, alibi_slopes, available, build, relative_position_bucket
+from .encodings.rope import rope_from_hf
 from .errors import UsageError
 from .model import LM, LMConfig
 from .version import __version__
@@ -29,6 +30,7 @@ __all__ = [
     "build",
     "load_checkpoint",
     "relative_position_bucket",
+    "rope_from_hf",
     "save_checkpoint",
     "__version__",
 ]

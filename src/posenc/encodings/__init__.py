@@ -17,10 +17,12 @@ from .shaw import Shaw
 from .sinusoidal import Sinusoidal
 from .t5 import T5Bias, relative_position_bucket
 from .transformer_xl import TransformerXL
+from .xpos import XPos
 
 REGISTRY: dict[str, type[PositionalEncoding]] = {
     cls.name: cls for cls in (NoPE, Sinusoidal, Learned, Shaw, TransformerXL, T5Bias, RoPE, ALiBi)
 }
+REGISTRY[XPos.name] = XPos
 
 
 def available() -> list[str]:

@@ -9,11 +9,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..errors import UsageError
 from .base import PositionalEncoding, check_positive
 
 
 class Learned(PositionalEncoding):
-    """A learned (max_positions, dim) table; positions past the table raise ValueError."""
+    """A learned (max_positions, dim) table; positions past the table (or negative) raise UsageError."""
 
     name = "learned"
     description = "learned table of absolute position vectors (BERT/GPT); bounded by its size"
@@ -27,8 +28,10 @@ class Learned(PositionalEncoding):
     def embed(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         # x: (B, T, dim), positions: (T,)
         needed = int(positions.max()) + 1 if positions.numel() else 0
+        if positions.numel() and int(positions.min()) < 0:  # a negative index would wrap to the table's end
+            raise UsageError(f"learned positions: positions must be >= 0, got {int(positions.min())}")
         if needed > self.max_positions:
-            raise ValueError(
+            raise UsageError(
                 f"learned positions: the table has max_positions={self.max_positions} rows, "
                 f"but the input needs position {needed - 1} (length {needed}); "
                 f"lengths up to {self.max_positions} are allowed"

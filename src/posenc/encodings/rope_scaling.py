@@ -1,0 +1,396 @@
+"""RoPE scaling for long context: the frequency schedules that stretch a RoPE model past its
+training length, read from the block a Hugging Face ``config.json`` holds.
+
+Every method changes only the inverse frequencies ``theta_k`` (k = 0 .. r/2 - 1 over the ``r``
+rotated features) and, for two of them, multiplies the rotated q and k by an *attention factor*
+(cos and sin both scaled, so the logits scale by its square, as Hugging Face applies it). With
+``s`` the scale factor, ``L`` the original (training) length and ``theta_k = base^(-2k/r)``:
+
+- ``linear``: Position Interpolation (Chen et al. 2023, §2.3): ``theta_k / s``.
+- ``ntk``: static NTK-aware scaling (bloc97 2023; Peng et al. 2023, "YaRN", §3.1): the base grows
+  to ``base * s^(r/(r-2))``, so the slowest pair is interpolated by ``s`` and the fastest kept.
+- ``dynamic``: dynamic NTK (YaRN §3.3): the same with ``s`` replaced, at the current length ``l``,
+  by ``s * max(l, L)/L - (s - 1)``; it depends on the length, so a KV cache must not keep keys
+  rotated with an older base (see :attr:`RopeScaling.depends_on_length`).
+- ``yarn``: NTK-by-parts (YaRN §3.2): pairs turning more than ``beta_fast`` times over ``L`` keep
+  ``theta_k``, pairs turning fewer than ``beta_slow`` times get ``theta_k / s``, a linear ramp over
+  the dimension index in between; attention factor ``0.1 ln s + 1`` (YaRN §3.4), or the ratio of
+  that formula at ``mscale`` and ``mscale_all_dim`` (DeepSeek), or an explicit ``attention_factor``.
+- ``llama3``: Meta's Llama 3.1 rule: wavelengths below ``L / high_freq_factor`` kept, above
+  ``L / low_freq_factor`` divided by ``s``, interpolated smoothly in between.
+- ``longrope``: LongRoPE (Ding et al. 2024, §3): one rescale factor per pair, ``theta_k /
+  factor_k``, from ``short_factor`` while the length is at most ``L`` and ``long_factor`` beyond;
+  attention factor ``sqrt(1 + ln s / ln L)``. The switch depends on the length, like ``dynamic``.
+- ``proportional``: p-RoPE (Barbero et al. 2024, §6): the lowest-frequency ``1 - p`` fraction of
+  the pairs gets ``theta_k = 0`` (not rotated) and the others keep the full-width schedule
+  (``p = partial_rotary_factor``). This is NOT partial rotary: with the other types
+  ``partial_rotary_factor`` rotates only the first ``p * head_dim`` features but spreads the whole
+  frequency range over them (GPT-NeoX, Phi); p-RoPE keeps every rotated pair's original frequency.
+
+Each schedule is computed in float64 and rounded once to float32 (the frequencies a checkpoint
+uses). The formulas, including the places where a parameter may be left out, follow Hugging Face
+``transformers.modeling_rope_utils`` (5.24), so a pasted ``rope_scaling`` / ``rope_parameters``
+block means the same thing here; the tests compare against it.
+
+Longer than the usual ~300 lines, on purpose: the key table, the validated config, the eight
+schedules and the reader of a whole HF config all answer "what does this key mean", and reading
+them side by side is what keeps them consistent.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import UsageError
+
+# Keys every type accepts besides its own (rope_type / type name the type).
+COMMON_KEYS = ("rope_theta", "partial_rotary_factor")
+# The keys each type reads (optional or required); any other key is a UsageError.
+TYPE_KEYS: dict[str, tuple[str, ...]] = {
+    "default": (),
+    "linear": ("factor",),
+    "ntk": ("factor",),
+    "dynamic": ("factor", "original_max_position_embeddings", "max_position_embeddings"),
+    "yarn": ("factor", "original_max_position_embeddings", "max_position_embeddings", "beta_fast", "beta_slow",
+             "mscale", "mscale_all_dim", "attention_factor", "truncate"),
+    "llama3": ("factor", "original_max_position_embeddings", "low_freq_factor", "high_freq_factor"),
+    "longrope": ("short_factor", "long_factor", "original_max_position_embeddings", "factor",
+                 "max_position_embeddings", "attention_factor"),
+    "proportional": ("factor",),
+}
+ROPE_TYPES = tuple(TYPE_KEYS)
+REQUIRED: dict[str, tuple[str, ...]] = {
+    "linear": ("factor",),
+    "ntk": ("factor",),
+    "dynamic": ("factor",),
+    "yarn": ("original_max_position_embeddings",),
+    "llama3": ("factor", "original_max_position_embeddings", "low_freq_factor", "high_freq_factor"),
+    "longrope": ("short_factor", "long_factor", "original_max_position_embeddings"),
+}
+
+
+def _number(key: str, value, low: float = 0.0, strict: bool = True) -> float:
+    """A finite real number above ``low`` (or at least ``low`` when not strict), as float."""
+    ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+    if not ok or (value <= low if strict else value < low):
+        bound = f"> {low:g}" if strict else f">= {low:g}"
+        raise UsageError(f"rope scaling: {key} must be a finite number {bound}, got {value!r}")
+    return float(value)
+
+
+def _length(key: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise UsageError(f"rope scaling: {key} must be a positive integer, got {value!r}")
+    return int(value)
+
+
+def _factors(key: str, value) -> tuple[float, ...]:
+    if isinstance(value, (str, bytes)) or not isinstance(value, (Sequence, torch.Tensor)) or len(value) == 0:
+        raise UsageError(f"rope scaling: {key} must be a list of numbers > 0 (one per frequency pair), got {value!r}")
+    return tuple(_number(f"{key}[{i}]", float(v) if isinstance(v, torch.Tensor) else v) for i, v in enumerate(value))
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """A parsed, validated scaling block. Fields left None take Hugging Face's defaults when used
+    (``beta_fast`` 32, ``beta_slow`` 1, ``truncate`` True, a factor derived from
+    ``max_position_embeddings / original_max_position_embeddings`` where HF derives it).
+
+    ``max_position_embeddings`` is not part of an HF block (it sits next to it in the config); it is
+    accepted here so a block whose factor HF derives from it (Phi-3's LongRoPE) can be pasted with it.
+    """
+
+    rope_type: str = "default"
+    factor: float | None = None
+    original_max_position_embeddings: int | None = None
+    max_position_embeddings: int | None = None
+    beta_fast: float | None = None
+    beta_slow: float | None = None
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    attention_factor: float | None = None
+    truncate: bool | None = None
+    low_freq_factor: float | None = None
+    high_freq_factor: float | None = None
+    short_factor: tuple[float, ...] | None = None
+    long_factor: tuple[float, ...] | None = None
+    partial_rotary_factor: float | None = None
+    rope_theta: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.rope_type not in TYPE_KEYS:
+            raise UsageError(f"rope scaling: rope_type must be one of {list(ROPE_TYPES)}, got {self.rope_type!r}")
+        allowed = set(TYPE_KEYS[self.rope_type]) | set(COMMON_KEYS)
+        given = {f.name for f in dataclasses.fields(self) if f.name != "rope_type" and getattr(self, f.name) is not None}
+        unused = sorted(given - allowed)
+        if unused:
+            raise UsageError(
+                f"rope scaling: rope_type {self.rope_type!r} does not use {unused}; "
+                f"its keys: {sorted(set(TYPE_KEYS[self.rope_type]) | set(COMMON_KEYS))}"
+            )
+        missing = [key for key in REQUIRED.get(self.rope_type, ()) if getattr(self, key) is None]
+        if missing:
+            raise UsageError(f"rope scaling: rope_type {self.rope_type!r} needs {missing}")
+        convert = {"factor": _number, "beta_fast": _number, "beta_slow": _number, "attention_factor": _number,
+                   "low_freq_factor": _number, "high_freq_factor": _number, "rope_theta": _number,
+                   "mscale": lambda k, v: _number(k, v, strict=False), "mscale_all_dim": lambda k, v: _number(k, v, strict=False),
+                   "original_max_position_embeddings": _length, "max_position_embeddings": _length,
+                   "short_factor": _factors, "long_factor": _factors}
+        for key, check in convert.items():
+            if getattr(self, key) is not None:
+                object.__setattr__(self, key, check(key, getattr(self, key)))
+        if self.truncate is not None and not isinstance(self.truncate, bool):
+            raise UsageError(f"rope scaling: truncate must be true or false, got {self.truncate!r}")
+        p = self.partial_rotary_factor
+        if p is not None and not 0 < _number("partial_rotary_factor", p) <= 1:
+            raise UsageError(f"rope scaling: partial_rotary_factor must be in (0, 1], got {p!r}")
+        if (self.beta_fast or 32.0) <= (self.beta_slow or 1.0):
+            raise UsageError(f"rope scaling: beta_fast ({self.beta_fast or 32.0:g}) must be greater than beta_slow ({self.beta_slow or 1.0:g})")
+        if self.rope_type == "llama3" and self.high_freq_factor <= self.low_freq_factor:
+            raise UsageError(
+                f"rope scaling: high_freq_factor ({self.high_freq_factor:g}) must be greater than low_freq_factor ({self.low_freq_factor:g})"
+            )
+        if self.rope_type == "dynamic":
+            ours, theirs = self.original_max_position_embeddings, self.max_position_embeddings
+            if ours is None and theirs is None:
+                raise UsageError("rope scaling: rope_type 'dynamic' needs original_max_position_embeddings (the training length)")
+            if ours is not None and theirs is not None and ours != theirs:
+                raise UsageError(
+                    f"rope scaling: for 'dynamic', original_max_position_embeddings ({ours}) and "
+                    f"max_position_embeddings ({theirs}) both name the training length; give one"
+                )
+        if self.rope_type == "yarn" and self.factor is None and self.max_position_embeddings is None:
+            raise UsageError("rope scaling: rope_type 'yarn' needs factor (or max_position_embeddings to derive it)")
+        derivable = (self.factor, self.max_position_embeddings, self.attention_factor)
+        if self.rope_type == "longrope" and all(v is None for v in derivable):
+            raise UsageError(
+                "rope scaling: rope_type 'longrope' needs factor (or max_position_embeddings to derive it, "
+                "or an explicit attention_factor)"
+            )
+
+    # -- derived values -------------------------------------------------------------------------
+
+    @property
+    def depends_on_length(self) -> bool:
+        """The frequencies depend on the current length (dynamic NTK, LongRoPE's short/long switch)."""
+        return self.rope_type in ("dynamic", "longrope")
+
+    @property
+    def original_length(self) -> int | None:
+        """L, the length the model was trained at (dynamic: HF's ``max_position_embeddings``)."""
+        return self.original_max_position_embeddings or self.max_position_embeddings
+
+    @property
+    def scale(self) -> float:
+        """s: the explicit factor, or the one HF derives from the two lengths, or 1."""
+        if self.factor is not None:
+            return self.factor
+        if self.max_position_embeddings and self.original_max_position_embeddings:
+            return self.max_position_embeddings / self.original_max_position_embeddings
+        return 1.0
+
+    def to_dict(self) -> dict:
+        """The block back as a plain dict (only the keys given), e.g. for a JSON config."""
+        out = {"rope_type": self.rope_type}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name != "rope_type" and value is not None:
+                out[f.name] = list(value) if isinstance(value, tuple) else value
+        return out
+
+    def check_rotary_dim(self, rotary_dim: int) -> None:
+        """LongRoPE's lists need one factor per rotated pair."""
+        for key in ("short_factor", "long_factor"):
+            values = getattr(self, key)
+            if values is not None and len(values) != rotary_dim // 2:
+                raise UsageError(
+                    f"rope scaling: {key} has {len(values)} entries; rotary_dim={rotary_dim} needs "
+                    f"{rotary_dim // 2} (one per pair of rotated features)"
+                )
+
+
+def parse_scaling(scaling: Mapping | RopeScaling | None) -> RopeScaling:
+    """A Hugging Face style block (``rope_scaling`` / ``rope_parameters``) as a :class:`RopeScaling`.
+
+    Accepts ``rope_type`` or its older name ``type`` (both, if equal); None means no scaling.
+    """
+    if scaling is None:
+        return RopeScaling()
+    if isinstance(scaling, RopeScaling):
+        return scaling
+    if not isinstance(scaling, Mapping):
+        raise UsageError(f"scaling must be a dict such as a config's rope_scaling block, got {type(scaling).__name__}")
+    block = dict(scaling)
+    names = {block.pop(key) for key in ("rope_type", "type") if key in block}
+    if len(names) > 1:
+        raise UsageError(f"rope scaling: rope_type and type disagree: {sorted(map(str, names))}")
+    fields = {f.name for f in dataclasses.fields(RopeScaling)}
+    unknown = sorted(set(block) - fields)
+    if unknown:
+        raise UsageError(f"rope scaling: unknown key(s) {unknown}; accepted: {sorted(fields | {'type'})}")
+    return RopeScaling(rope_type=names.pop() if names else "default", **block)
+
+
+# ---- one schedule per type: (inv_freq float64, attention_factor) --------------------------------
+
+
+def default_frequencies(base: float, dim: int) -> torch.Tensor:
+    """theta_k = base^(-2k/dim), k = 0 .. dim/2 - 1: (dim/2,) float64."""
+    return base ** -(torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+
+
+def _default(cfg: RopeScaling, base: float, dim: int, length: int | None) -> tuple[torch.Tensor, float]:
+    return default_frequencies(base, dim), 1.0
+
+
+def _linear(cfg: RopeScaling, base: float, dim: int, length: int | None) -> tuple[torch.Tensor, float]:
+    return default_frequencies(base, dim) / cfg.factor, 1.0
+
+
+def _ntk(cfg: RopeScaling, base: float, dim: int, length: int | None) -> tuple[torch.Tensor, float]:
+    return default_frequencies(base * cfg.factor ** (dim / (dim - 2)), dim), 1.0
+
+
+def _dynamic(cfg: RopeScaling, base: float, dim: int, length: int | None) -> tuple[torch.Tensor, float]:
+    original = cfg.original_length
+    current = max(length or original, original)
+    grown = cfg.factor * current / original - (cfg.factor - 1)  # 1 at the training length
+    return default_frequencies(base * grown ** (dim / (dim - 2)), dim), 1.0
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _yarn(cfg: RopeScaling, base: float, dim: int, length: int | None) -> tuple[torch.Tensor, float]:
+    s, original = cfg.scale, cfg.original_max_position_embeddings
+    if cfg.attention_factor is not None:
+        attention = cfg.attention_factor
+    elif cfg.mscale and cfg.mscale_all_dim:  # both given and non-zero, as HF tests them
+        attention = _yarn_mscale(s, cfg.mscale) / _yarn_mscale(s, cfg.mscale_all_dim)
+    else:
+        attention = _yarn_mscale(s)
+
+    def pair_turning(rotations: float) -> float:
+        # The (fractional) pair index whose wavelength fits `rotations` turns into the original length.
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = pair_turning(cfg.beta_fast or 32.0), pair_turning(cfg.beta_slow or 1.0)
+    if cfg.truncate is None or cfg.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)  # HF clamps to dim - 1 (not dim/2 - 1); kept for equality
+    if low == high:
+        high += 0.001  # a step instead of a ramp
+    ramp = ((torch.arange(dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)  # 0: keep, 1: interpolate
+    theta = default_frequencies(base, dim)
+    return theta * (1 - ramp) + (theta / s) * ramp, attention
+
+
+def _llama3(cfg: RopeScaling, base: float, dim: int, length: int | None) -> tuple[torch.Tensor, float]:
+    theta = default_frequencies(base, dim)
+    original, s = cfg.original_max_position_embeddings, cfg.factor
+    wavelength = 2 * math.pi / theta
+    # 0 at wavelength L/low_freq_factor (fully interpolated), 1 at L/high_freq_factor (kept).
+    smooth = (original / wavelength - cfg.low_freq_factor) / (cfg.high_freq_factor - cfg.low_freq_factor)
+    blended = (1 - smooth) * theta / s + smooth * theta
+    out = torch.where(wavelength > original / cfg.low_freq_factor, theta / s, blended)
+    return torch.where(wavelength < original / cfg.high_freq_factor, theta, out), 1.0
+
+
+def _longrope(cfg: RopeScaling, base: float, dim: int, length: int | None) -> tuple[torch.Tensor, float]:
+    original = cfg.original_max_position_embeddings
+    factors = cfg.long_factor if length is not None and length > original else cfg.short_factor
+    if cfg.attention_factor is not None:
+        attention = cfg.attention_factor
+    else:
+        s = cfg.scale
+        attention = 1.0 if s <= 1 else math.sqrt(1 + math.log(s) / math.log(original))
+    return default_frequencies(base, dim) / torch.tensor(factors, dtype=torch.float64), attention
+
+
+def _proportional(cfg: RopeScaling, base: float, dim: int, length: int | None) -> tuple[torch.Tensor, float]:
+    kept = int((cfg.partial_rotary_factor or 1.0) * dim // 2)  # HF's rounding of p * dim / 2
+    theta = default_frequencies(base, dim)
+    theta[kept:] = 0.0  # the lowest frequencies: not rotated at all
+    return theta / (cfg.factor or 1.0), 1.0
+
+
+SCHEDULES: dict[str, Callable[[RopeScaling, float, int, int | None], tuple[torch.Tensor, float]]] = {
+    "default": _default, "linear": _linear, "ntk": _ntk, "dynamic": _dynamic, "yarn": _yarn,
+    "llama3": _llama3, "longrope": _longrope, "proportional": _proportional,
+}
+
+
+def inverse_frequencies(cfg: RopeScaling, base: float, dim: int, length: int | None = None) -> tuple[torch.Tensor, float]:
+    """(theta (dim/2,) float32, attention_factor) of ``cfg`` for ``dim`` rotated features at the
+    current ``length`` (None: the original length; only ``dynamic`` and ``longrope`` read it)."""
+    theta, attention = SCHEDULES[cfg.rope_type](cfg, float(base), dim, length)
+    return theta.to(torch.float32), float(attention)
+
+
+def rotary_dim_of(cfg: RopeScaling, head_dim: int, rotary_dim: int | None) -> int:
+    """The number of rotated features: ``rotary_dim``, or ``int(head_dim * partial_rotary_factor)``
+    for every type but ``proportional`` (whose factor is p-RoPE's fraction, not partial rotary)."""
+    if cfg.partial_rotary_factor is None or cfg.rope_type == "proportional":
+        return head_dim if rotary_dim is None else rotary_dim
+    implied = int(head_dim * cfg.partial_rotary_factor)
+    if rotary_dim is not None and rotary_dim != implied:
+        raise UsageError(
+            f"rotary_dim={rotary_dim} disagrees with partial_rotary_factor={cfg.partial_rotary_factor:g} "
+            f"(head_dim={head_dim} -> {implied} rotated features); give one of them"
+        )
+    return implied
+
+
+def options_from_hf(config) -> dict:
+    """``RoPE`` keyword arguments (num_heads, head_dim, base, scaling) from a ``transformers``
+    config object or its ``config.json`` dict, resolving the keys that sit outside the block the
+    way Hugging Face does: ``rope_theta`` and ``partial_rotary_factor`` at the top level, Phi-3's
+    top-level ``original_max_position_embeddings`` (it wins), the original length defaulting to
+    ``max_position_embeddings`` for yarn/llama3/longrope, and dynamic NTK's training length, which
+    HF reads from ``max_position_embeddings`` only.
+    """
+    def get(key: str):
+        return config.get(key) if isinstance(config, Mapping) else getattr(config, key, None)
+
+    num_heads = get("num_attention_heads")
+    if num_heads is None:
+        raise UsageError("rope_from_hf: the config has no num_attention_heads")
+    head_dim = get("head_dim")
+    if head_dim is None:
+        if get("hidden_size") is None:
+            raise UsageError("rope_from_hf: the config has neither head_dim nor hidden_size")
+        head_dim = get("hidden_size") // num_heads
+    block = dict(get("rope_parameters") or get("rope_scaling") or {})
+    base = block.pop("rope_theta", None) or get("rope_theta") or 10000.0
+    if get("partial_rotary_factor") is not None:
+        block.setdefault("partial_rotary_factor", get("partial_rotary_factor"))
+    rope_type = block.get("rope_type", block.get("type", "default"))
+    max_positions = get("max_position_embeddings")
+    if rope_type in ("yarn", "llama3", "longrope"):
+        if get("original_max_position_embeddings") is not None:
+            block["original_max_position_embeddings"] = get("original_max_position_embeddings")
+        elif max_positions is not None:
+            block.setdefault("original_max_position_embeddings", max_positions)
+    if rope_type in ("yarn", "longrope") and block.get("factor") is None:
+        block.pop("factor", None)
+        if max_positions is not None:
+            block["max_position_embeddings"] = max_positions
+    if rope_type == "dynamic":
+        if max_positions is None:
+            raise UsageError("rope_from_hf: dynamic scaling needs the config's max_position_embeddings")
+        block.pop("original_max_position_embeddings", None)  # HF ignores it for dynamic
+        block["original_max_position_embeddings"] = max_positions
+    return {"num_heads": int(num_heads), "head_dim": int(head_dim), "base": float(base), "scaling": block}
+
+
+__all__ = [
+    "ROPE_TYPES", "RopeScaling", "default_frequencies", "inverse_frequencies", "options_from_hf",
+    "parse_scaling", "rotary_dim_of",
+]

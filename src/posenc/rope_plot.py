@@ -1,0 +1,75 @@
+"""Figure of a RoPE scaling: the wavelength of every rotated pair, original vs scaled.
+
+Pair k turns once every ``2 pi / theta_k`` positions. A pair whose wavelength is longer than the
+training length never made a full turn in training; the scalings differ in which pairs they
+stretch (all of them: linear; the slow ones: ntk, yarn, llama3; per pair: longrope) and p-RoPE
+stops rotating the slowest. Built on ``matplotlib.figure.Figure`` directly (no pyplot state).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from matplotlib.figure import Figure
+
+from .encodings.rope import RoPE
+from .encodings.rope_scaling import RopeScaling, parse_scaling
+
+
+def _wavelengths(inv_freq: torch.Tensor) -> list[float]:
+    """2 pi / theta per pair; NaN for an unrotated pair (theta = 0), which has no wavelength."""
+    return [2 * math.pi / f if f > 0 else math.nan for f in inv_freq.double().tolist()]
+
+
+def scaling_figure(
+    scaling: dict | RopeScaling | None,
+    head_dim: int = 64,
+    base: float | None = None,
+    rotary_dim: int | None = None,
+    length: int | None = None,
+    original_length: int | None = None,
+) -> Figure:
+    """Wavelength per pair (log scale) of plain RoPE and of ``scaling``, the original length marked.
+
+    Args:
+        scaling: a Hugging Face style block, as for ``posenc.build("rope", scaling=...)``.
+        head_dim, base, rotary_dim: as for the encoding.
+        length: the current length for ``dynamic`` (default: factor x the original length).
+        original_length: the training length to mark when the block does not name one (linear, ntk).
+    """
+    cfg = parse_scaling(scaling)
+    enc = RoPE(1, head_dim, base=base, rotary_dim=rotary_dim, scaling=cfg, cache_length=1)
+    plain = RoPE(1, head_dim, base=enc.base, rotary_dim=enc.rotary_dim, cache_length=1)
+    pairs = list(range(enc.rotary_dim // 2))
+    fig = Figure(figsize=(8, 4.5), layout="constrained")
+    ax = fig.subplots()
+    ax.plot(pairs, _wavelengths(plain.inv_freq), color="black", lw=1.5, label=f"original (base {enc.base:g})")
+
+    original = cfg.original_length or original_length
+    name = cfg.rope_type if cfg.factor is None else f"{cfg.rope_type} (factor {cfg.factor:g})"
+    if cfg.rope_type == "longrope":
+        ax.plot(pairs, _wavelengths(enc.frequencies(original)), marker=".", label=f"longrope short (length <= {original})")
+        ax.plot(pairs, _wavelengths(enc.frequencies(original + 1)), marker=".", label=f"longrope long (length > {original})")
+    elif cfg.rope_type == "dynamic":
+        at = length or math.ceil(cfg.factor * original)
+        ax.plot(pairs, _wavelengths(enc.frequencies(at)), marker=".", label=f"{name} at length {at}")
+    elif cfg.rope_type != "default":
+        ax.plot(pairs, _wavelengths(enc.inv_freq), marker=".", label=name)
+    unrotated = [k for k, f in zip(pairs, enc.inv_freq.tolist()) if f == 0]
+    if unrotated:
+        ax.axvspan(unrotated[0] - 0.5, unrotated[-1] + 0.5, color="grey", alpha=0.2)
+        ax.text(unrotated[0], 0.5, f"pairs {unrotated[0]}..{unrotated[-1]} not rotated (p-RoPE)",
+                transform=ax.get_xaxis_transform(), fontsize=8)
+    if original:
+        ax.plot([pairs[0], pairs[-1]], [original, original], ls="--", color="grey", lw=1, label=f"original length {original}")
+    ax.set_yscale("log")
+    ax.set_xlabel("pair k (rotated features 2k, 2k+1 or k, k + r/2)")
+    ax.set_ylabel("wavelength 2 pi / theta_k (positions)")
+    ax.set_title(f"RoPE {cfg.rope_type}: wavelength per pair, head_dim {head_dim}, rotary_dim {enc.rotary_dim}")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    return fig
+
+
+__all__ = ["scaling_figure"]
