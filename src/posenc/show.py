@@ -385,10 +385,38 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="encoding option, e.g. --option num_buckets=16 (repeatable)")
     parser.add_argument("--out", type=Path, default=None,
                         help="PNG to write (default posenc-show-METHOD.png); an existing file is replaced only if posenc show wrote it")
+    parser.add_argument("--scaling", default=None, metavar="JSON|FILE",
+                        help="rope only: draw the wavelength of every pair, original vs this Hugging Face style scaling block "
+                             "(JSON text, or a model's config.json), instead of the score map")
+
+
+def show_scaling(method: str, scaling_text: str, head_dim: int, options: dict, out: Path | None) -> Path:
+    """``posenc show rope --scaling ...``: the frequency picture of a RoPE scaling."""
+    from .encodings.rope import RoPE
+    from .rope_plot import scaling_figure, scaling_from_text
+
+    get_class_checked(method)
+    if not issubclass(get_class(method), RoPE):
+        raise UsageError(f"scaling draws a RoPE scaling: method must be rope, got {method!r}")
+    _, head_dim = check_sizes(1, head_dim)
+    out = check_out(Path(out) if out is not None else Path(f"posenc-show-{method}-scaling.png"))
+    scaling = scaling_from_text(scaling_text)
+    try:
+        fig = scaling_figure(scaling, head_dim, base=options.get("base"), rotary_dim=options.get("rotary_dim"))
+    except UsageError:
+        raise
+    except ValueError as err:
+        raise UsageError(f"scaling: {err}") from err
+    write_png(fig, out)
+    return out
 
 
 def run(args: argparse.Namespace) -> int:
     options = parse_options(args.option, args.method)
+    if args.scaling is not None:
+        out = show_scaling(args.method, args.scaling, args.head_dim, options, args.out)
+        print(f"{args.method}: wavelength per pair, original vs scaled -> {out}")
+        return 0
     out, scores = show(args.method, length=args.length, num_heads=args.num_heads, head_dim=args.head_dim,
                        heads=args.heads, causal=args.causal, seed=args.seed, options=options, out=args.out)
     finite = scores[~scores.isnan()]
