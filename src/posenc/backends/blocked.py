@@ -60,6 +60,7 @@ FEATURE_SPAN = 32.0  # a sloped far block is at most FEATURE_SPAN / max|slope| q
 FEATURE_MULTIPLE = 8  # q, k, v padded to a multiple of this many features when a feature is added
 MIN_GROUP_HEADS = 2  # heads per far call at least (the kernel's backward runs one head per thread)
 ZERO_LOGIT = 110.0  # exp(-ZERO_LOGIT) is below 2^-150: a probability that rounds to 0 in float32
+BAND_WINDOW = 1024  # heads whose window is at most this run as a written-out band (few batched calls)
 
 
 def supports(spec: ScoreSpec, q: torch.Tensor) -> bool:
@@ -179,21 +180,27 @@ def make_plan(spec: ScoreSpec, tq: int, tk: int, dtype: torch.dtype = torch.floa
     past = tails.past
     future = max(tails.future, 1 - past)  # r = 0 belongs to one side only
     qs, ks = int(spec.q_positions[0]), int(spec.k_positions[0])
-    far = []
+    rows = BAND_BLOCK if block is None else block
+    far, bands = [], []
     # Far past: query a sees key b when b <= a + qs - ks - past. ref: the boundary key of the middle row.
-    for heads, rows, window in head_groups(slopes[0], dtype, tq, block, spread, past):
-        for region in lower(tq, tk, qs - ks - past, rows, window):
+    for heads, far_rows, window in head_groups(slopes[0], dtype, tq, block, spread, past):
+        if window is not None and window <= BAND_WINDOW and spec.causal:
+            # Steep heads: every key that weighs anything is within the window, so their whole
+            # attention is a band of window + 1 distances, written out exactly and batched.
+            bands += band.plan_band(tq, tk, qs, ks, window + 1, 0, rows, heads)
+            continue
+        for region in lower(tq, tk, qs - ks - past, far_rows, window):
             far.append(FarCall(region, 0, qs + sum(region.rows) // 2 - past, heads))
     if not spec.causal:  # far future: b >= a + qs - ks + future
-        for heads, rows, window in head_groups(slopes[1], dtype, tq, block, spread, 1 - future):
-            for region in upper(tq, tk, qs - ks + future, rows, window):
+        for heads, far_rows, window in head_groups(slopes[1], dtype, tq, block, spread, 1 - future):
+            for region in upper(tq, tk, qs - ks + future, far_rows, window):
                 far.append(FarCall(region, 1, qs + sum(region.rows) // 2 + future, heads))
-    rows = BAND_BLOCK if block is None else block
-    bands = band.plan_band(tq, tk, qs, ks, past, 0 if spec.causal else future - 1, rows)
+    bands += band.plan_band(tq, tk, qs, ks, past, 0 if spec.causal else future - 1, rows)
+    reach = max([past, *(g.past for g in bands)])
     width = rows if bands else 1
     return Plan(
         far, bands, qs, ks, spec.scale, spec.causal, past, future, slopes,
-        r_lo=-(past + width), r_hi=future + width, cache=spec.memo.table(spec.encoding, "band_bias", (), dict),
+        r_lo=-(reach + width), r_hi=future + width, cache=spec.memo.table(spec.encoding, "band_bias", (), dict),
     )
 
 
@@ -273,8 +280,10 @@ def _forward(q, k, v, rel, plan: Plan):
         far_lse.append(l)
     for group in plan.bands:
         bias, _ = _band_bias(plan, rel, group)
-        o, l = kernel_forward(band.blocks(q, group), band.windows(k, group), band.windows(v, group), False, plan.scale, bias.to(q.dtype)[None])
-        merged.add(group.row_range, band.unblocks(o, group), band.unblocks(l, group))
+        hs = group.heads
+        o, l = kernel_forward(band.blocks(q[:, hs], group), band.windows(k[:, hs], group), band.windows(v[:, hs], group),
+                              False, plan.scale, bias.to(q.dtype)[None])
+        merged.add(group.row_range, band.unblocks(o, group), band.unblocks(l, group), hs)
     return merged.out.to(q.dtype), merged.lse, far_lse
 
 
@@ -316,10 +325,10 @@ def _cut(region: Region, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
 def _band_bias(plan: Plan, rel: torch.Tensor, group: band.BandGroup):
     """The band block's bias and rel index, built once per forward for each block geometry."""
     offset = (plan.k_start + group.k0) - (plan.q_start + group.t0)  # r of the block's top-left pair
-    key = (group.rows, group.length, offset, plan.past, plan.future, plan.causal, plan.r_lo, rel.dtype)
+    key = (group.rows, group.length, offset, group.heads.start, group.heads.stop, group.past, group.top, plan.r_lo, rel.dtype)
     hit = plan.cache.get(key)
     if hit is None:
-        hit = plan.cache[key] = band.band_bias(rel, plan.r_lo, group, offset, plan.past, plan.future, plan.causal)
+        hit = plan.cache[key] = band.band_bias(rel, plan.r_lo, group, offset)
     return hit
 
 
@@ -330,8 +339,10 @@ def _band_backward(plan, rel, drel, q, k, v, out, lse, dout, dsum, grads) -> Non
     groups = plan.bands if not need_rel else [part for g in plan.bands for part in band.split(g, band.EXPLICIT_GROUP)]
     for group in groups:
         bias, index = _band_bias(plan, rel, group)
-        qc, kc, vc, doc = band.blocks(q, group), band.windows(k, group), band.windows(v, group), band.blocks(dout, group)
-        oc, lc, dc = band.blocks(out, group), band.blocks(lse, group), band.blocks(dsum, group)
+        hs = group.heads
+        q_, k_, v_, dout_, out_, lse_, dsum_ = (x[:, hs] for x in (q, k, v, dout, out, lse, dsum))
+        qc, kc, vc, doc = band.blocks(q_, group), band.windows(k_, group), band.windows(v_, group), band.blocks(dout_, group)
+        oc, lc, dc = band.blocks(out_, group), band.blocks(lse_, group), band.blocks(dsum_, group)
         if not need_rel:
             gq, gk, gv = kernel_backward(doc, qc, kc, vc, oc, lc.contiguous(), False, plan.scale, bias.to(q.dtype)[None])
         else:
@@ -339,13 +350,14 @@ def _band_backward(plan, rel, drel, q, k, v, out, lse, dout, dsum, grads) -> Non
             p = s.sub_(lc[..., None]).exp_()  # probabilities under the merged normaliser
             gv = torch.matmul(p.to(doc.dtype).transpose(-1, -2), doc)
             ds = up(torch.matmul(doc, vc.transpose(-1, -2))).sub_(dc[..., None]).mul_(p)  # dS
-            drel.scatter_add_(1, index.expand(rel.shape[0], -1), ds.sum(0).reshape(rel.shape[0], -1))
+            h = ds.shape[1]
+            drel[hs].scatter_add_(1, index.expand(h, -1), ds.sum(0).reshape(h, -1))
             ds = ds.to(q.dtype)
             gq = torch.matmul(ds, kc).mul_(plan.scale)
             gk = torch.matmul(ds.transpose(-1, -2), qc).mul_(plan.scale)
-        grads.add(0, slice(*group.row_range), band.unblocks(gq, group))
-        band.add_windows(grads.get(1), group, gk)
-        band.add_windows(grads.get(2), group, gv)
+        grads.add(0, slice(*group.row_range), band.unblocks(gq, group), hs)
+        band.add_windows(grads.get(1)[:, hs], group, gk)
+        band.add_windows(grads.get(2)[:, hs], group, gv)
 
 
 class _Grads:
