@@ -8,7 +8,8 @@ bits per byte by dividing by ln 2, and no tokenizer has to be downloaded or trai
   every machine that can run posenc, needs no download, and is long-range structured text (indented
   blocks, matching names) where position information matters. Directories named ``test``, ``tests``,
   ``idlelib``, ``test_*``, ``__pycache__`` and any ``site-packages`` / ``dist-packages`` are skipped
-  (on a pyenv install the stdlib path contains site-packages, see DESIGN.md §5).
+  (on an interpreter installed by pyenv, sysconfig's stdlib path contains site-packages, i.e.
+  every installed third-party package).
 - a path: one UTF-8 text file, or a folder whose UTF-8 text files (recursively, hidden entries and
   binary files skipped) are used.
 - ``hf:NAME[:CONFIG]``: the ``train`` and ``validation`` splits of a Hugging Face dataset, when the

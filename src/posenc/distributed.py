@@ -2,7 +2,8 @@
 
 torchrun sets RANK / WORLD_SIZE / LOCAL_RANK; without them everything here is a no-op for one
 process. gloo on CPU, nccl on CUDA. Workers end with barrier, destroy_process_group, flush and
-``os._exit`` (DESIGN.md §5: otherwise a gloo worker may abort at interpreter exit).
+``os._exit``: otherwise a gloo worker may abort at interpreter exit ("terminate called without
+an active exception").
 """
 
 from __future__ import annotations
