@@ -93,18 +93,3 @@ def needs_grad(spec: ScoreSpec, *tensors: torch.Tensor) -> bool:
     return torch.is_grad_enabled() and (
         any(t.requires_grad for t in tensors) or any(p.requires_grad for p in spec.encoding.parameters())
     )
-
-
-def cpu_flash(q, k, v, causal: bool, scale: float, mask: torch.Tensor | None = None):
-    """PyTorch's CPU flash kernel: (output (B, H, Lq, D), logsumexp (B, H, Lq)); causal is top-left.
-
-    It returns the log-sum-exp that merging partial attentions needs, which the public SDPA hides.
-    """
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, attn_mask=mask, scale=scale)
-
-
-def cpu_flash_backward(grad, q, k, v, out, lse, causal: bool, scale: float, mask: torch.Tensor | None = None):
-    """Gradients (dq, dk, dv) of :func:`cpu_flash` for the given output and log-sum-exp."""
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        grad, q, k, v, out, lse, 0.0, causal, attn_mask=mask, scale=scale
-    )

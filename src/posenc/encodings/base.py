@@ -5,8 +5,8 @@ The contract itself (hooks, optional capabilities, :func:`offers`) lives in
 sizes every encoding is built with and declares the plain capability attributes, and the helpers
 that derive one form of a bias from another (dense from scalar, relative from scalar).
 
-Positions are absolute integer indices, 1-D ``LongTensor`` of consecutive values
-(``torch.arange(start, start + T)``). Relative position is ``r = j - i`` (key minus query): r < 0
+Positions are absolute integer indices, a 1-D ``LongTensor`` of strictly increasing values, usually
+consecutive (``torch.arange(start, start + T)``); randomized positions skip values. Relative position is ``r = j - i`` (key minus query): r < 0
 means the key is in the past.
 
 Shape legend: B batch, H heads, T / Tq / Tk sequence lengths, D head dim.

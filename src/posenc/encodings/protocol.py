@@ -6,7 +6,8 @@ one new file plus one registry line. Each hook or capability is a runtime-checka
 ``typing.Protocol``; :func:`offers` is the one check used everywhere.
 
 Hooks, in the order a model calls them (shape legend: B batch, H heads, T / Tq / Tk lengths, D head
-dim; positions are 1-D integer tensors of consecutive absolute indices):
+dim; positions are 1-D integer tensors of strictly increasing absolute indices, usually consecutive;
+randomized positions skip values, and fast backends that assume steps of one then step aside):
 
 - :class:`Embeds` ``embed(x, positions) -> x``: absolute information added to the token embeddings
   x (B, T, dim); called once by the model on its input, not by every attention layer.
@@ -142,8 +143,7 @@ def offers(encoding: object, capability: type) -> bool:
     """True when ``encoding`` implements every method of ``capability`` (one of :data:`HOOKS` or
     :data:`CAPABILITIES`).
 
-    Stricter than ``isinstance`` with a runtime-checkable Protocol, which only asks that the
-    attributes exist: a subclass can switch a hook off by setting it to None.
+    A subclass can switch a hook off by setting it to None; every method must be callable.
     """
     if capability not in HOOKS and capability not in CAPABILITIES:
         raise TypeError(f"capability must be one of {[c.__name__ for c in HOOKS + CAPABILITIES]}, got {capability!r}")
