@@ -109,7 +109,11 @@ FLUSHED = _Flushed()
 
 
 def flushed(fn: Callable[..., T], *args) -> T:
-    """Run a loop of CPU kernel calls with denormals flushed (see :class:`_Flushed`)."""
+    """Run a loop of CPU kernel calls with denormals flushed (see :class:`_Flushed`). Work on
+    another device runs here, in the caller's thread (its CUDA stream is the caller's)."""
+    device = next((a.device for a in args if isinstance(a, torch.Tensor)), None)
+    if device is not None and device.type != "cpu":
+        return fn(*args)
     return FLUSHED.run(fn, *args)
 
 
