@@ -25,7 +25,7 @@ class Learned(PositionalEncoding):
         self.table = nn.Parameter(torch.randn(self.max_positions, self.dim) * 0.02)  # (P, dim)
 
     def embed(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        # x: (B, T, dim), positions: (T,)
+        # x: (B, T, dim), positions: (T,) shared or (B, T) per row (left-padded generation)
         needed = int(positions.max()) + 1 if positions.numel() else 0
         if needed > self.max_positions:
             raise ValueError(
