@@ -16,7 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import backends
-from .attention import Attention, LayerCache
+from .attention import Attention
+from .cache import Cache
 from .memo import ForwardMemo
 from .encodings import build, get_class, options_of
 from .errors import UsageError
@@ -53,15 +54,6 @@ class LMConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
-
-
-class Cache:
-    """KV cache for incremental decoding: one :class:`LayerCache` per layer plus the length."""
-
-    def __init__(self, depth: int, batch_size: int) -> None:
-        self.layers = [LayerCache() for _ in range(depth)]
-        self.batch_size = batch_size
-        self.length = 0
 
 
 class MLP(nn.Module):
@@ -125,10 +117,29 @@ class LM(nn.Module):
     def max_length(self) -> int | None:
         return getattr(self.encoding, "max_positions", None)
 
-    def new_cache(self, batch_size: int) -> Cache:
+    def new_cache(self, batch_size: int, capacity: int | None = None, padding=None) -> Cache:
+        """A KV cache for ``batch_size`` rows (:class:`posenc.cache.Cache`).
+
+        Args:
+            capacity: tokens per row to reserve (e.g. prompt + new tokens); None grows by doubling.
+            padding: left padding of each row (``batch_size`` integers >= 0): row b's first
+                padding[b] tokens are padding, hidden from its real tokens. Prompts of different
+                lengths decode together this way (see :meth:`generate`).
+        """
         if not self.config.causal:
             raise UsageError("incremental decoding needs a causal model (causal=True)")
-        return Cache(self.config.depth, check_positive("batch_size", batch_size))
+        if capacity is not None:
+            check_positive("capacity", capacity)
+        return Cache(self, self.config.depth, check_positive("batch_size", batch_size), capacity, padding)
+
+    def generate(self, prompt, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
+                 top_p: float | None = None, seed: int | None = None, stop_tokens=None) -> list[torch.Tensor]:
+        """New tokens after each prompt, decoded one at a time with a KV cache (see
+        :func:`posenc.generate.generate` for the arguments and the batching rules)."""
+        from .generate import generate
+
+        return generate(self, prompt, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                        stop_tokens=stop_tokens)
 
     def forward(self, tokens: torch.Tensor, cache: Cache | None = None) -> torch.Tensor:
         if tokens.dim() != 2:
@@ -141,16 +152,31 @@ class LM(nn.Module):
                 f"[{int(tokens.min())}, {int(tokens.max())}]"
             )
         b, t = tokens.shape
-        if cache is not None and cache.batch_size != b:
-            raise UsageError(f"cache was made for batch_size={cache.batch_size}, tokens have batch {b}")
+        if cache is not None:
+            self._check_cache(cache, b, t)
         past = 0 if cache is None else cache.length
         positions = torch.arange(past, past + t, device=tokens.device)  # (T,)
         x = self.tok(tokens)  # (B, T, dim)
         if offers(self.encoding, Embeds):
-            x = self.encoding.embed(x, positions)
+            # With a left-padded cache, each row's own positions (B, T): see Cache.embed_positions.
+            x = self.encoding.embed(x, positions if cache is None else cache.embed_positions(positions))
         memo = ForwardMemo()  # T5's bias and the like: computed once for all layers
-        for i, block in enumerate(self.blocks):
-            x = block(x, positions, None if cache is None else cache.layers[i], memo)
-        if cache is not None:
-            cache.length += t
+        try:
+            for i, block in enumerate(self.blocks):
+                x = block(x, positions, None if cache is None else cache.layers[i], memo)
+        except BaseException:
+            if cache is not None:  # no layer keeps a half-done step
+                for layer in cache.layers:
+                    layer.length = min(layer.length, past)
+            raise
         return self.head(self.ln_f(x))  # (B, T, vocab)
+
+    def _check_cache(self, cache: Cache, b: int, t: int) -> None:
+        if not isinstance(cache, Cache):
+            raise UsageError(f"cache must come from this model's new_cache(), got {type(cache).__name__}")
+        if not cache.owned_by(self):
+            raise UsageError("cache was made by another model (make one with this model's new_cache())")
+        if cache.batch_size != b:
+            raise UsageError(f"cache was made for batch_size={cache.batch_size}, tokens have batch {b}")
+        if t == 0:
+            raise UsageError("tokens must hold at least one token per row when a cache is given, got length 0")

@@ -35,6 +35,10 @@ would round it to ~1/8 of a logit.
 
 Other bias encodings (only ``bias``) take the generic path: per block of ``BLOCK`` queries, SDPA
 with that block's bias slice, under activation checkpointing when a gradient is needed.
+
+A decode step (one query, no gradient) skips all of the above: the bias is one vector per head,
+the fused kernel's mask (``backends/single.py``). Left-padded rows are split into unpadded calls
+(``backends/padding.py``).
 """
 
 from __future__ import annotations
@@ -47,7 +51,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ..encodings.protocol import RelativeBias, offers
 from ..errors import UsageError
-from . import band, sdpa
+from . import band, padding, sdpa, single
 from .base import ScoreSpec, accumulation_dtype, needs_grad
 from .regions import (
     FLASH_OPS, Merge, Region, call_order, flushed, kernel_backward, kernel_forward, keys_of, lower, region_backward, rows_of,
@@ -65,7 +69,8 @@ BAND_WINDOW = 1024  # heads whose window is at most this run as a written-out ba
 
 def supports(spec: ScoreSpec, q: torch.Tensor) -> bool:
     # Key index = position - first position: both paths below rely on consecutive positions.
-    return spec.consecutive and not (spec.has_query_terms or spec.has_value_terms)
+    unpadded = spec.starts is None or padding.splittable(spec)
+    return spec.consecutive and not (spec.has_query_terms or spec.has_value_terms) and unpadded
 
 
 def preferred(spec: ScoreSpec, q: torch.Tensor) -> bool:
@@ -86,6 +91,10 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec, b
     """``block`` (tests) sets the band block and, for sloped tails, the far block to one size."""
     if block is not None and block < 1:
         raise UsageError(f"block must be a positive integer, got {block}")
+    if single.applies(spec, q, k, v):  # a decode step: the bias is one vector
+        return single.attend(q, k, v, spec)
+    if spec.starts is not None:
+        return padding.by_rows(lambda *a: attend(*a, block=block), q, k, v, spec)
     if not spec.has_bias:
         return sdpa.attend(q, k, v, spec)
     tq, tk = q.shape[-2], k.shape[-2]

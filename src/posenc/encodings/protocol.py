@@ -43,11 +43,12 @@ tested against.
 
 Plain attributes complete the contract (see :class:`~posenc.encodings.base.PositionalEncoding`):
 ``max_positions``, ``shares_across_layers``, ``causal_only``, ``extrapolates``,
-``rotation_depends_on_length``.
+``rotation_depends_on_length``, ``shift_invariant``.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -134,6 +135,7 @@ HOOKS: tuple[type, ...] = (Embeds, Rotates, Biases, QueryTerms, ValueTerms)
 CAPABILITIES: tuple[type, ...] = (Scores, RelativeBias, ClippedTables, DistanceKeys, BiasFeatures)
 
 
+@functools.cache  # a Protocol's members never change; offers() runs several times per layer and step
 def members(capability: type) -> tuple[str, ...]:
     """The method names a hook or capability Protocol asks for."""
     return tuple(name for name, value in vars(capability).items() if not name.startswith("_") and callable(value))
