@@ -33,8 +33,9 @@ powers of two for power-of-two head counts, so ``s (j - ref)`` itself is exact i
 bfloat16/float16 the term goes in two features (a high and a low part), since one 8-bit mantissa
 would round it to ~1/8 of a logit.
 
-Other bias encodings (only ``bias``) take the generic path: per block of ``BLOCK`` queries, SDPA
-with that block's bias slice, under activation checkpointing when a gradient is needed.
+Other bias encodings (no affine tails: KERPLE, FIRE, any ``bias``) take the path of
+:mod:`posenc.backends.explicit`: per block of queries, the kernel with that block's bias as its
+mask, and a written-out backward that also gives the bias its gradient.
 
 A decode step (one query, no gradient) skips all of the above: the bias is one vector per head,
 the fused kernel's mask (``backends/single.py``). Left-padded rows are split into unpadded calls
@@ -47,18 +48,16 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
 from ..encodings.protocol import RelativeBias, offers
 from ..errors import UsageError
-from . import band, padding, sdpa, single
-from .base import ScoreSpec, accumulation_dtype, needs_grad
+from . import band, explicit, padding, sdpa, single
+from .base import ScoreSpec, accumulation_dtype
 from .regions import (
     FLASH_OPS, Merge, Region, call_order, flushed, kernel_backward, kernel_forward, keys_of, lower, region_backward, rows_of,
     up, upper,
 )
 
-BLOCK = 256  # generic path: query rows per block
 BAND_BLOCK = 64  # query rows per explicit band block: the band is BAND_BLOCK + P - 1 keys wide
 FEATURE_SPAN = 32.0  # a sloped far block is at most FEATURE_SPAN / max|slope| queries (see Precision)
 FEATURE_MULTIPLE = 8  # q, k, v padded to a multiple of this many features when a feature is added
@@ -102,7 +101,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec, b
         plan = make_plan(spec, tq, tk, q.dtype, block, _spread(q, k, spec.scale))
         rel = spec.memo.relative_values(spec.encoding, plan.r_lo, plan.r_hi, q.device)  # (H, R)
         return _TailedBias.apply(q, k, v, rel, plan)
-    return _generic(q, k, v, spec, BLOCK if block is None else block)
+    return explicit.attend(q, k, v, spec, block)
 
 
 def _spread(q: torch.Tensor, k: torch.Tensor, scale: float) -> float:
@@ -387,28 +386,3 @@ class _Grads:
 
     def result(self) -> list[torch.Tensor]:
         return [torch.zeros_like(x) if b is None else b for x, b in zip(self.like, self.bufs)]
-
-
-# ---------------------------------------------------------------------------------------------
-# Generic bias encodings: per block, the bias slice and SDPA, recomputed in the backward
-
-
-def _generic(q, k, v, spec: ScoreSpec, block: int) -> torch.Tensor:
-    tq, tk = q.shape[-2], k.shape[-2]
-    enc = spec.encoding
-    ks = int(spec.k_positions[0]) if tk else 0
-
-    def one_block(qc, kc, vc, qp, kp):
-        bias = enc.bias(qp, kp).to(qc.dtype)  # (H, C, L)
-        if spec.causal:
-            bias = bias.masked_fill(kp[None, None, :] > qp[None, :, None], float("-inf"))
-        return F.scaled_dot_product_attention(qc, kc, vc, attn_mask=bias, scale=spec.scale)
-
-    grad = needs_grad(spec, q, k, v)
-    outs = []
-    for t0 in range(0, tq, block):
-        qp = spec.q_positions[t0 : t0 + block]
-        end = max(1, min(tk, int(qp[-1]) - ks + 1)) if spec.causal else tk  # keys this block sees
-        args = (q[:, :, t0 : t0 + block], k[:, :, :end], v[:, :, :end], qp, spec.k_positions[:end])
-        outs.append(checkpoint(one_block, *args, use_reentrant=False) if grad else one_block(*args))
-    return torch.cat(outs, dim=-2)  # (B, H, Tq, D)

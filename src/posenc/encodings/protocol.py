@@ -31,6 +31,9 @@ tested against.
 - :class:`Scores`: ``score(h, i, j)``, the bias as a scalar function, elementwise over
   broadcastable integer tensors of head, query position and key position: a fused kernel's score
   modifier (``backends/flex.py``). Every bias method of posenc offers it.
+- :class:`DistanceBias`: ``relative_bias(r) -> (H, *r.shape)``: a bias that depends on r = j - i
+  alone (KERPLE), so a backend needs one vector per head, not an (H, N, N) tensor
+  (``backends/explicit.py``).
 - :class:`RelativeBias`: ``relative_bias(r) -> (H, *r.shape)`` and ``bias_tails() -> BiasTails``:
   a bias that depends on r = j - i alone and, past some distance, is constant or linear in r (T5's
   last bucket, ALiBi), so far keys can go through a fused kernel (``backends/blocked.py``).
@@ -39,7 +42,12 @@ tested against.
   (Transformer-XL): one position key per distance (``backends/terms.py``).
 - :class:`BiasFeatures`: ``bias_features(q_positions, k_positions) -> (qf (H, Tq, F), kf (H, Tk,
   F))`` with ``bias = qf @ kf^T`` up to a per-query constant: an exactly low-rank bias that plain
-  SDPA runs as F extra features on q and k.
+  SDPA runs as F extra features on q and k (``backends/features.py``).
+- :class:`ContextualPositions`: ``contextual_positions() -> (table (P, D), gate_scale,
+  logit_scale)`` (CoPE): query terms that are q_i . table[p] * logit_scale interpolated at the
+  fractional position p_ij = min(sum_{t=j..i} sigmoid(q_i . k_t * gate_scale), P - 1); every key
+  whose count reaches P - 1 gets one per-query constant, so far keys are plain attention
+  (``backends/contextual.py``).
 
 Plain attributes complete the contract (see :class:`~posenc.encodings.base.PositionalEncoding`):
 ``max_positions``, ``shares_across_layers``, ``causal_only``, ``extrapolates``,
@@ -108,6 +116,11 @@ class Scores(Protocol):
 
 
 @runtime_checkable
+class DistanceBias(Protocol):
+    def relative_bias(self, relative: torch.Tensor) -> torch.Tensor: ...
+
+
+@runtime_checkable
 class RelativeBias(Protocol):
     def relative_bias(self, relative: torch.Tensor) -> torch.Tensor: ...
 
@@ -131,8 +144,15 @@ class BiasFeatures(Protocol):
     def bias_features(self, q_positions: torch.Tensor, k_positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
+@runtime_checkable
+class ContextualPositions(Protocol):
+    def contextual_positions(self) -> tuple[torch.Tensor, float, float]: ...
+
+
 HOOKS: tuple[type, ...] = (Embeds, Rotates, Biases, QueryTerms, ValueTerms)
-CAPABILITIES: tuple[type, ...] = (Scores, RelativeBias, ClippedTables, DistanceKeys, BiasFeatures)
+CAPABILITIES: tuple[type, ...] = (
+    Scores, DistanceBias, RelativeBias, ClippedTables, DistanceKeys, BiasFeatures, ContextualPositions,
+)
 
 
 @functools.cache  # a Protocol's members never change; offers() runs several times per layer and step
@@ -153,6 +173,7 @@ def offers(encoding: object, capability: type) -> bool:
 
 
 __all__ = [
-    "CAPABILITIES", "HOOKS", "BiasFeatures", "BiasTails", "Biases", "ClippedTables", "DistanceKeys", "Embeds",
+    "CAPABILITIES", "HOOKS", "BiasFeatures", "BiasTails", "Biases", "ClippedTables", "ContextualPositions", "DistanceBias", "DistanceKeys",
+    "Embeds",
     "QueryTerms", "RelativeBias", "Rotates", "Scores", "ValueTerms", "members", "offers",
 ]
