@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..encodings.protocol import RelativeBias, offers
+from ..encodings.protocol import DistanceBias, offers
 from .base import ScoreSpec, accumulation_dtype, needs_grad
 from .regions import kernel_forward
 
@@ -121,9 +121,10 @@ def padding(spec: ScoreSpec, tk: int, dtype: torch.dtype, device: torch.device) 
 
 def relative_vector(spec: ScoreSpec, tk: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """The bias of the one query for keys ks..i, (1, H, 1, Tk): a view of the reversed f(r) table
-    for a :class:`RelativeBias` encoding; ``bias`` computed for this step otherwise."""
+    for an encoding whose bias depends on r = j - i alone (:class:`DistanceBias`: ALiBi, T5, KERPLE,
+    Sandwich); ``bias`` computed for this step otherwise (FIRE: its bias depends on i too)."""
     enc = spec.encoding
-    if not offers(enc, RelativeBias):
+    if not offers(enc, DistanceBias):
         return enc.bias(spec.q_positions, spec.k_positions).to(dtype)[None]  # (1, H, 1, Tk)
     ws = workspace(spec)
     c = ws.fit(tk)

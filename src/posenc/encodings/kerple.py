@@ -38,6 +38,7 @@ class KERPLE(PositionalEncoding):
     """Learned log (or power) distance penalty per head."""
 
     name = "kerple"
+    shift_invariant = True  # positions enter as |i - j| only
     description = "learned log or power distance penalty per head (Chi et al. 2022)"
     extrapolates = True
     shares_across_layers = True

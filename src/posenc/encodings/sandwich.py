@@ -39,6 +39,7 @@ class Sandwich(PositionalEncoding):
     """Parameter-free bias: the dot product of sinusoidal position vectors, shrunk per head."""
 
     name = "sandwich"
+    shift_invariant = True  # positions enter as i - j only
     description = "parameter-free bias from the dot product of sinusoidal positions (Chi et al. 2023)"
     extrapolates = True
     shares_across_layers = True
