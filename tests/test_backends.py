@@ -113,7 +113,7 @@ def test_attention_with_kv_cache_agrees_with_eager(method, causal, backend, monk
     """Whole Attention layers: a full pass (encoders) or prefill + cached steps (decoders), outputs
     and gradients of every parameter, backend vs eager. Small blocks so 70 tokens span several."""
     monkeypatch.setattr(blocked, "BAND_BLOCK", 16)
-    monkeypatch.setattr(blocked, "FEATURE_SPAN", 16 * float(alibi_slopes(H).max()))  # far blocks of 16 queries
+    monkeypatch.setattr(blocked, "TERM_SPAN", 16 * float(alibi_slopes(H).max()))  # far blocks of 16 queries
     monkeypatch.setattr(band, "BAND_GROUP", 2)
     torch.manual_seed(2)
     enc = make(method, causal)
@@ -400,7 +400,7 @@ def test_alibi_heads_are_grouped_by_slope():
     assert covered == list(range(8))
     assert all(heads.stop - heads.start >= blocked.MIN_GROUP_HEADS for heads, _, _ in groups)
     rows = [r for _, r, _ in groups]
-    assert rows[0] is not None and rows[0] * float(slopes[0]) <= blocked.FEATURE_SPAN  # precision bound
+    assert rows[0] is not None and rows[0] * float(slopes[0]) <= blocked.TERM_SPAN  # precision bound
     assert rows[-1] is None or rows[-1] > rows[0]  # gentle heads: larger blocks (or one)
     for heads, _, window in groups:  # a key past the window weighs below 2^-150 of the diagonal's
         s = float(slopes[heads].min())

@@ -4,14 +4,16 @@ An encoding that gives its bias as a function of r = j - i (:class:`RelativeBias
 and ``bias_tails``, see :class:`~posenc.encodings.protocol.BiasTails`) splits every query's keys:
 
 - the far past, r <= -P: there ``f(r) = f(-P) + s (r + P)`` is a per-key term ``s (j - ref)``
-  plus a per-query constant. The constant only shifts the part's log-sum-exp. The per-key term
-  (ALiBi, where P = 0: every key is "far") rides on one extra feature: q gets the constant
-  ``1/scale``, k gets ``s (j - ref)``, so the fused kernel's own ``q k^T * scale`` adds it, with no
-  mask; q, k and v are padded to a multiple of 8 features, which the CPU kernel runs at nearly the
-  speed of 64 (a mask, even a broadcast (1, H, 1, L) one, sends the CPU kernel's backward down a
-  path several times slower: measured 1.62 of 2.17 s of an ALiBi step at N=4096). A constant tail
-  (T5) needs no feature at all. "Keys with j <= i - P" is the kernel's causal mask on shifted
-  slices (:func:`~posenc.backends.regions.lower`), so the far part keeps the causal skip;
+  plus a per-query constant. The constant only shifts the part's log-sum-exp; the per-key term
+  (ALiBi, where P = 0: every key is "far") is the kernel's mask, one (1, h, 1, L) vector broadcast
+  over the queries; a constant tail (T5) needs no mask at all. "Keys with j <= i - P" is the
+  kernel's causal mask on shifted slices (:func:`~posenc.backends.regions.lower`), so the far part
+  keeps the causal skip. Heads are grouped by slope (:func:`head_groups`): a steep head weighs
+  nothing beyond a short window, and its whole attention is then a written-out band (below) of
+  that window; the gentle ones take the far calls. The kernel loops run in a thread that flushes
+  denormals (:func:`~posenc.backends.regions.flushed`): ALiBi's far keys put many probabilities in
+  float32's denormal range, which made the kernel's backward 3-5x slower on this CPU (measured
+  1.62 of 2.17 s of an ALiBi step at N=4096 before);
 - the far future, r >= F (encoders only): the mirror image, on reversed slices;
 - the band in between, -P < r < F (T5: the last P keys), written out from ``relative_bias`` in
   batched blocks (:mod:`posenc.backends.band`).
@@ -24,14 +26,13 @@ explicitly and summed per relative position, and from each far part, whose const
 ``sum over its pairs of dS = sum_j v_j . dv_j - sum_i w_i D_i`` (w_i: the part's share of row i,
 D_i = dO_i . O_i), with no extra kernel call.
 
-Precision: the kernel sums ``q . k + s (j - ref) / scale`` in float32, which rounds to ~6e-8 of the
-largest term. So the far part of a sloped tail walks blocks of queries, each with its own ``ref``
-at its middle, of at most ``FEATURE_SPAN / max|s|`` queries: the keys that matter to a query (near
-it, where ``exp(-s |i - j|)`` is not negligible) then carry terms of at most ~FEATURE_SPAN/2, and
-the result is as close to float64 as SDPA with a dense float32 bias (tests). ALiBi's slopes are
-powers of two for power-of-two head counts, so ``s (j - ref)`` itself is exact in float32. In
-bfloat16/float16 the term goes in two features (a high and a low part), since one 8-bit mantissa
-would round it to ~1/8 of a logit.
+Precision: a score ``q . k * scale + s (j - ref)`` is a float32 number, rounded to ~6e-8 of its
+size. So the far part of a sloped tail walks blocks of queries, each with its own ``ref`` at its
+middle, of at most ``TERM_SPAN / max|s|`` queries: the keys that matter to a query (near it, where
+``exp(-s |i - j|)`` is not negligible) then carry terms of at most ~TERM_SPAN/2, and the result is as
+close to float64 as SDPA with a dense float32 bias (tests). ALiBi's slopes are powers of two for
+power-of-two head counts, so ``s (j - ref)`` itself is exact in float32, and the mask stays float32
+for bfloat16/float16 inputs too (the kernel adds it to float32 scores).
 
 Other bias encodings (no affine tails: KERPLE, FIRE, any ``bias``) take the path of
 :mod:`posenc.backends.explicit`: per block of queries, the kernel with that block's bias as its
@@ -47,7 +48,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 
 from ..encodings.protocol import RelativeBias, offers
 from ..errors import UsageError
@@ -59,8 +59,7 @@ from .regions import (
 )
 
 BAND_BLOCK = 64  # query rows per explicit band block: the band is BAND_BLOCK + P - 1 keys wide
-FEATURE_SPAN = 32.0  # a sloped far block is at most FEATURE_SPAN / max|slope| queries (see Precision)
-FEATURE_MULTIPLE = 8  # q, k, v padded to a multiple of this many features when a feature is added
+TERM_SPAN = 64.0  # a sloped far block is at most TERM_SPAN / max|slope| queries (see Precision)
 MIN_GROUP_HEADS = 2  # heads per far call at least (the kernel's backward runs one head per thread)
 ZERO_LOGIT = 110.0  # exp(-ZERO_LOGIT) is below 2^-150: a probability that rounds to 0 in float32
 BAND_WINDOW = 1024  # heads whose window is at most this run as a written-out band (few batched calls)
@@ -151,7 +150,7 @@ def head_groups(slope: torch.Tensor | None, dtype: torch.dtype, tq: int, block: 
     """(heads, rows per far block, window) per group of heads.
 
     Rows: all of them for a constant tail or float64, else the largest power of two with |s| x rows
-    <= FEATURE_SPAN (at least 16), so steep heads walk small blocks and gentle ones large blocks.
+    <= TERM_SPAN (at least 16), so steep heads walk small blocks and gentle ones large blocks.
     Window (a tail that starts at the diagonal, past == 0, when ``spread`` bounds |q.k| x scale):
     keys more than (ZERO_LOGIT + 2 spread) / |s| before the query weigh less than 2^-150 of the
     diagonal key, exactly zero in float32, and are left out. Contiguous heads with the same block
@@ -163,7 +162,7 @@ def head_groups(slope: torch.Tensor | None, dtype: torch.dtype, tq: int, block: 
     runs: list[list] = []  # [first head, last head + 1, rows, smallest |s|]
     for h, s in enumerate(slope.abs().tolist()):
         rows = 16
-        while rows * 2 * s <= FEATURE_SPAN and rows < tq:
+        while rows * 2 * s <= TERM_SPAN and rows < tq:
             rows *= 2
         if runs and (runs[-1][2] == rows or runs[-1][1] - runs[-1][0] < MIN_GROUP_HEADS):
             runs[-1][1], runs[-1][2], runs[-1][3] = h + 1, min(runs[-1][2], rows), min(runs[-1][3], s)
@@ -229,26 +228,6 @@ def _far_terms(plan: Plan, rel: torch.Tensor, call: FarCall):
     return term, shift, r0 - plan.r_lo
 
 
-class _Featured:
-    """q, k, v padded with the per-key term's feature(s): q's are ``1/scale``, k's carry the term of
-    the call at hand (written before each call). One feature in float32/64; a high and a low part
-    in 16-bit types. Padded to a multiple of ``FEATURE_MULTIPLE`` (v too: one head dim for all)."""
-
-    def __init__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, *grads: torch.Tensor) -> None:
-        self.d = d = q.shape[-1]
-        self.parts = 1 if q.dtype in (torch.float32, torch.float64) else 2
-        pad = -(d + self.parts) % FEATURE_MULTIPLE + self.parts
-        self.q, self.k, self.v = (F.pad(x, (0, pad)) for x in (q, k, v))  # (B, H, T, d + pad)
-        self.q[..., d : d + self.parts] = 1.0 / scale
-        self.extra = [F.pad(x, (0, pad)) for x in grads]  # dout and out, for the backward
-
-    def set(self, keys: tuple[int, int], term: torch.Tensor, heads: slice) -> None:
-        hi = term.to(self.k.dtype)  # (h, L)
-        self.k[:, heads, keys[0] : keys[1], self.d] = hi
-        if self.parts == 2:
-            self.k[:, heads, keys[0] : keys[1], self.d + 1] = (term - hi.to(term.dtype)).to(self.k.dtype)
-
-
 # ---------------------------------------------------------------------------------------------
 # The autograd function
 
@@ -274,17 +253,13 @@ def _forward(q, k, v, rel, plan: Plan):
     """Output (B, H, Tq, Dv), its log-sum-exp (B, H, Tq) and each far call's log-sum-exp."""
     b, h, tq, d = q.shape
     merged = Merge(b, h, tq, v.shape[-1], q.dtype, q.device)
-    feat = _Featured(q, k, v, plan.scale) if any(s is not None for s in plan.slopes) else None
     far_lse = []  # each far call's shifted log-sum-exp: the gradient of its constant needs it
     for call in plan.far:
         term, shift, _ = _far_terms(plan, rel, call)
         r, hs = call.region, call.heads
-        qq, kk, vv = (q, k, v) if term is None else (feat.q, feat.k, feat.v)
-        if term is not None:
-            feat.set(r.keys, term, hs)
-        o, l = kernel_forward(*_cut(r, qq[:, hs], kk[:, hs], vv[:, hs]), r.causal, plan.scale)
+        o, l = kernel_forward(*_cut(r, q[:, hs], k[:, hs], v[:, hs]), r.causal, plan.scale, _key_mask(term, r))
         l = call_order(l, r, -1) + shift  # (B, h, C): back to the true bias
-        merged.add(r.rows, call_order(o, r)[..., : v.shape[-1]], l, hs)
+        merged.add(r.rows, call_order(o, r), l, hs)
         far_lse.append(l)
     for group in plan.bands:
         bias, _ = _band_bias(plan, rel, group)
@@ -300,18 +275,11 @@ def _backward(plan: Plan, far_lse, need_rel: bool, dout, q, k, v, rel, out, lse)
     grads = _Grads(q, k, v)
     drel = torch.zeros(rel.shape, dtype=accumulation_dtype(rel.dtype), device=rel.device) if need_rel else None
     dsum = (up(dout) * up(out)).sum(-1)  # (B, H, Tq): D_i = dO_i . O_i
-    sloped = any(s is not None for s in plan.slopes)
-    feat = _Featured(q, k, v, plan.scale, dout, out) if sloped else None
     for n, call in enumerate(plan.far):
         term, shift, r0 = _far_terms(plan, rel, call)
         r, hs = call.region, call.heads
-        if term is None:
-            g = list(region_backward(r, dout[:, hs], q[:, hs], k[:, hs], v[:, hs], out[:, hs], lse[:, hs], plan.scale, lse_shift=shift))
-        else:
-            feat.set(r.keys, term, hs)
-            do, o = (x[:, hs] for x in feat.extra)
-            g = region_backward(r, do, feat.q[:, hs], feat.k[:, hs], feat.v[:, hs], o, lse[:, hs], plan.scale, lse_shift=shift)
-            g = [x[..., : like.shape[-1]] for x, like in zip(g, (q, k, v))]
+        g = list(region_backward(r, dout[:, hs], q[:, hs], k[:, hs], v[:, hs], out[:, hs], lse[:, hs], plan.scale,
+                                 lse_shift=shift, mask=_key_mask(term, r)))
         rows, keys = slice(*r.rows), slice(*r.keys)
         if need_rel:
             # The constant's gradient: sum over the call's pairs of dS = P (dP - D).
@@ -323,6 +291,12 @@ def _backward(plan: Plan, far_lse, need_rel: bool, dout, q, k, v, rel, out, lse)
     _band_backward(plan, rel, drel, q, k, v, out, lse, dout, dsum, grads)
     dq, dk, dv = grads.result()
     return dq, dk, dv, (drel.to(rel.dtype) if need_rel else None)
+
+
+def _key_mask(term: torch.Tensor | None, region: Region) -> torch.Tensor | None:
+    """A far call's per-key term as the kernel's mask, (1, h, 1, L) in call order; float32 whatever
+    the input dtype (the kernel takes it so and adds it to float32 scores), or None."""
+    return None if term is None else call_order(term, region, -1)[None, :, None, :]
 
 
 def _cut(region: Region, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
