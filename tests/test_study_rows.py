@@ -178,10 +178,16 @@ def test_rows_that_cannot_apply_are_usage_errors():
             rows.parse(name)
     for extra, message in ((dict(drop_positions_after=0.2), "drop_positions_after applies to METHOD\\+drop rows"),
                            (dict(methods=["rope+yarn+ft"]), "give finetune_steps"),
-                           (dict(methods=["rope+drop"], drop_positions_after=1.5), "fraction in \\(0, 1\\)")):
+                           (dict(methods=["rope+drop"], drop_positions_after=1.5), "fraction in \\(0, 1\\)"),
+                           (dict(finetune_steps=3), "finetune_steps fine-tunes the rope scaling rows")):
         with pytest.raises(posenc.UsageError, match=message):
             StudyConfig.from_preset("smoke", **{"methods": ["rope"], **extra}).validate()
     assert rows.expand(["rope+yarn+ft"], True) == ["rope", "rope+yarn", "rope+yarn+ft"]
+    # the task alone picks its preset's sizes and rows
+    from posenc.study.cli import config_from_args
+
+    cfg = config_from_args(cli.build_parser().parse_args(["study", "--task", "recall"]))
+    assert cfg.preset == "recall" and cfg.task == "recall" and cfg.methods == StudyConfig.from_preset("recall").methods
 
 
 # ------------------------------------------------------------------ positions dropped late

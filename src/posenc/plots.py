@@ -30,6 +30,7 @@ SHADES = {
     "linear": 0.45, "ntk": -0.35, "dynamic": 0.25, "yarn": -0.55, "llama3": 0.6, "longrope": -0.2,
     "drop": -0.7, "random": 0.75, "blockwise": -0.45, "ft": 0.15,
 }
+MARKERS = ("o", "s", "^", "v", "D", "P", "X", "<", ">", "h", "*", "p")
 EVAL_ONLY = ("linear", "ntk", "dynamic", "yarn", "llama3", "longrope", "blockwise")
 
 
@@ -146,15 +147,18 @@ def recall_figure(results: dict) -> Figure:
     axes = fig.subplots(1, len(classes), sharey=True)
     train_len = results["config"]["train_length"]
     lengths = sorted({r["length"] for e in results["methods"].values() for r in _shown(e)} | {train_len})
+    n = len(results["methods"])
     for ax, cls in zip(axes, classes):
-        for method, entry in results["methods"].items():
+        for i, (method, entry) in enumerate(results["methods"].items()):
             rows = [r for r in _shown(entry) if r.get("accuracy") is not None]
             if not rows:
                 continue
-            xs = [r["length"] for r in rows]
+            # Many rows sit at 1.0 together: each drawn a little to the side, with its own marker.
+            dodge = 2 ** ((i - (n - 1) / 2) * 0.02)
+            xs = [r["length"] * dodge for r in rows]
             d = [r["distances"][cls] for r in rows]
-            line, = ax.plot(xs, [x["accuracy"] for x in d], marker="o", ms=3, ls=style(method) if len(xs) > 1 else "none",
-                            label=method, color=color(method))
+            line, = ax.plot(xs, [x["accuracy"] for x in d], marker=MARKERS[i % len(MARKERS)], ms=4,
+                            ls=style(method) if len(xs) > 1 else "none", label=method, color=color(method))
             if all(x.get("acc_low") is not None for x in d) and len(xs) > 1:
                 ax.fill_between(xs, [x["acc_low"] for x in d], [x["acc_high"] for x in d], color=line.get_color(),
                                 alpha=0.12, lw=0)

@@ -175,19 +175,32 @@ def _kv(d: dict) -> str:
     return _table(["key", "value"], [[str(k), json.dumps(v) if not isinstance(v, str) else v] for k, v in d.items()])
 
 
+def _options(entry: dict) -> str:
+    """The encoding options a row trained with (the fair-table rule's included), and how it varies."""
+    row = entry.get("row") or {}
+    text = ", ".join(f"{k}={v}" for k, v in (row.get("options") or {}).items())
+    if row.get("positions_dropped_after"):
+        text += f"{'; ' if text else ''}positions dropped for the last {row['positions_dropped_after']:g} of the steps"
+    if row.get("random_positions"):
+        text += f"{'; ' if text else ''}random positions from [0, {row['random_positions']})"
+    if row.get("finetune"):
+        text += f"{'; ' if text else ''}fine-tuned {row['finetune']['steps']} steps at {row['finetune']['length']}"
+    return text or "-"
+
+
 def _train_table(results: dict) -> str:
     rows = []
     for method, entry in results["methods"].items():
         t = shown_train(entry)
         if not t:
-            rows.append([method, entry.get("status", ""), f"{entry.get('parameters', 0):,}", "n/a (evaluation only)",
-                         "", "", ""])
+            rows.append([method, entry.get("status", ""), f"{entry.get('parameters', 0):,}", _options(entry),
+                         "n/a (evaluation only)", "", "", ""])
             continue
         rows.append([
-            method, entry.get("status", ""), f"{entry.get('parameters', 0):,}", str(t.get("steps", "")),
+            method, entry.get("status", ""), f"{entry.get('parameters', 0):,}", _options(entry), str(t.get("steps", "")),
             f"{t.get('time_s', 0):.1f}", f"{t.get('tokens_per_s', 0):,.0f}", f"{t.get('final_loss', float('nan')):.4f}",
         ])
-    return _table(["method", "status", "parameters", "steps", "time (s)", "tokens/s", "final loss"], rows)
+    return _table(["method", "status", "parameters", "options", "steps", "time (s)", "tokens/s", "final loss"], rows)
 
 
 def sections(results: dict, level: int = 2) -> list[str]:

@@ -60,7 +60,8 @@ def add_study_arguments(p: argparse.ArgumentParser) -> None:
         elif f.default is not None and not callable(f.default) and "default" not in help_text:
             help_text += f" (default {f.default})"
         p.add_argument(f"--{f.name.replace('_', '-')}", type=kind, nargs="+" if many else None,
-                       metavar=f.metadata.get("metavar"), default=None, help=help_text)
+                       metavar=f.metadata.get("metavar"), choices=f.metadata.get("choices"), default=None,
+                       help=help_text)
     p.add_argument("--out", default=None, help="output directory (default runs/PRESET)")
     p.add_argument("--resume", action="store_true", help="continue the study in --out: finished methods are skipped")
     p.add_argument("--threads", type=int, help="CPU threads for torch (default: 1 for smoke, else torch's choice)")

@@ -52,8 +52,8 @@ PRESETS: dict[str, dict[str, Any]] = {
     ),
     "recall": dict(
         task="recall", methods=[*CLASSIC, *ROPE_SCALINGS],
-        dim=64, depth=2, num_heads=4, train_length=64, eval_lengths=[64, 128, 256, 512],
-        steps=1000, batch_size=32, lr=3e-3, valid_bytes=DEFAULT_VALID_BYTES, checkpoint_every=100,
+        dim=128, depth=2, num_heads=4, train_length=64, eval_lengths=[64, 128, 256, 512],
+        steps=1500, batch_size=32, lr=3e-3, valid_bytes=DEFAULT_VALID_BYTES, checkpoint_every=250,
     ),
     "paper": dict(
         task="lm", methods=[*CLASSIC, *ROPE_SCALINGS],
@@ -101,7 +101,8 @@ class StudyConfig:
     """
 
     preset: str = _plain("default", "starting sizes, one of PRESETS")
-    task: str = _sized("task", "lm: perplexity of text; recall: accuracy of associative recall by distance")
+    task: str = _sized("task", "lm: perplexity of text; recall: accuracy of associative recall by distance",
+                       choices=TASKS)
     methods: list[str] = _sized("methods", "rows to study: METHOD[:KEY=VALUE,...][+VARIANT...] (see posenc.study.rows)",
                                 metavar="METHOD")
     data: str = _plain("default", "'default' (Python stdlib source), a text file or folder, or hf:NAME[:CONFIG]")
@@ -224,6 +225,9 @@ class StudyConfig:
             raise UsageError("METHOD+random rows need LMConfig.random_positions, which this posenc does not have")
         if not isinstance(self.finetune_steps, int) or self.finetune_steps < 0:
             raise UsageError(f"finetune_steps must be an integer >= 0, got {self.finetune_steps!r}")
+        if self.finetune_steps and not any(r.eval in SCALINGS for r in parsed):
+            raise UsageError("finetune_steps fine-tunes the rope scaling rows (METHOD+SCALING), and methods has "
+                             "none; add one, e.g. rope+yarn")
         explicit_ft = [r.name for r in parsed if r.finetune]
         if explicit_ft and not self.finetune_steps:
             raise UsageError(f"methods {explicit_ft} are fine-tuned rows; give finetune_steps (>= 1)")

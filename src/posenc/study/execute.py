@@ -41,6 +41,8 @@ class Runner:
         self.cfg, self.corpus, self.results, self.paths = cfg, corpus, results, paths
         self.ctx, self.ui, self.on_step = ctx, ui, on_step
         self._last: tuple[str, int, LM] | None = None
+        for entry in results["methods"].values():  # (a study from before seeds: its one seed)
+            entry.setdefault("seed", results.get("seed", 0))
 
     # -- bookkeeping ------------------------------------------------------------------------------
 
