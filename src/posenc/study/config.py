@@ -64,8 +64,8 @@ PRESETS: dict[str, dict[str, Any]] = {
 PRESET_DESCRIPTIONS = {
     "smoke": "CI, seconds",
     "default": "the main job, ~20 min on 2 CPU cores",
-    "modern": "the newer methods, ~25 min on 2 CPU cores",
-    "recall": "associative recall, ~15 min on 2 CPU cores",
+    "modern": "the newer methods, ~25 min on 2 CPU cores (estimated)",
+    "recall": "associative recall, ~14 min on 2 CPU cores",
     "paper": "train at 512, test to 16x, a GPU",
 }
 TASKS = ("lm", "recall")
