@@ -410,9 +410,13 @@ def test_alibi_heads_are_grouped_by_slope():
     assert blocked.head_groups(None, torch.float32, 4096, None, 10.0, 0) == [(slice(None), None, None)]
 
 
-def test_alibi_windows_leave_out_only_keys_that_weigh_nothing():
+@pytest.mark.parametrize("as_band", [True, False])
+def test_alibi_windows_leave_out_only_keys_that_weigh_nothing(as_band, monkeypatch):
     """At N=2048 the steep heads' windows drop most far keys; the result is float64's to float32
-    precision (and no worse than a dense float32 bias)."""
+    precision (and no worse than a dense float32 bias). Steep heads run as a written-out band of
+    their window (as_band) or as windowed far calls with the per-key feature."""
+    if not as_band:
+        monkeypatch.setattr(blocked, "BAND_WINDOW", 0)
     torch.manual_seed(8)
     h, n = 8, 2048
     enc = build("alibi", num_heads=h, head_dim=D)
@@ -420,8 +424,15 @@ def test_alibi_windows_leave_out_only_keys_that_weigh_nothing():
     pos = torch.arange(n)
     spec = ScoreSpec(enc, pos, pos, True, 1 / math.sqrt(D))
     plan = blocked.make_plan(spec, n, n, torch.float32, None, blocked._spread(q, k, spec.scale))
-    steep = [c for c in plan.far if c.heads.start == 0 and not c.causal]
-    assert steep and max(c.region.keys[1] - c.region.keys[0] for c in steep) < n // 2  # windowed
+    steep_band = [g for g in plan.bands if g.heads.start == 0]
+    steep_far = [c for c in plan.far if c.heads.start == 0]
+    if as_band:  # every key that weighs anything is within the window: a band of that many distances
+        assert steep_band and not steep_far
+        assert all(g.past <= blocked.BAND_WINDOW + 1 and g.length < n // 2 for g in steep_band)
+    else:
+        assert steep_far and not steep_band
+        rectangles = [c for c in steep_far if not c.causal]
+        assert max(c.region.keys[1] - c.region.keys[0] for c in rectangles) < n // 2  # far keys left out
     grad_out = torch.randn(1, h, n, D)
     with torch.no_grad():
         exact = eager.attend(q.double(), k.double(), v.double(), ScoreSpec(enc.double(), pos, pos, True, 1 / math.sqrt(D)))

@@ -287,7 +287,9 @@ def test_checks_come_before_building_or_computing(tmp_path, monkeypatch, capsys)
     def boom(*args, **kwargs):
         raise AssertionError("computed before the arguments were checked")
 
-    monkeypatch.setattr(show_module, "build", boom)
+    from posenc import show_inputs
+
+    monkeypatch.setattr(show_inputs, "build", boom)
     monkeypatch.setattr(show_module, "score_map", boom)
     (tmp_path / "user.png").write_text("mine")
     for argv in (["--length", "100000"], ["--heads", "-1"], ["--out", str(tmp_path / "user.png")], ["--out", str(tmp_path)]):

@@ -16,7 +16,8 @@ from hypothesis import strategies as st
 import posenc
 from posenc.encodings import has_hook
 
-RELATIVE = ["shaw", "transformer_xl", "t5", "rope", "alibi"]
+# FIRE (normalised by the query's position) and CoPE (positions counted by the content) are not.
+RELATIVE = ["shaw", "transformer_xl", "t5", "rope", "alibi", "kerple", "sandwich"]
 H, D = 3, 8
 
 

@@ -14,6 +14,15 @@ METHODS = posenc.available()
 BIDIRECTIONAL = [m for m in METHODS if not posenc.encodings.get_class(m).causal_only]
 
 
+def refuses_bidirectional(method: str) -> bool:
+    """Causal-only methods (FIRE, CoPE): building them bidirectional is a UsageError naming causal."""
+    if not posenc.encodings.get_class(method).causal_only:
+        return False
+    with pytest.raises(posenc.UsageError, match="causal=True"):
+        tiny(method, causal=False)
+    return True
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _one_thread():
     """Tiny tensors: one thread is faster, and intra-op threads spin badly on a shared machine."""
@@ -41,7 +50,8 @@ def tiny(method: str, causal: bool = True, backend: str = "auto", std: float | N
 
 
 def test_every_registered_method_is_tested() -> None:
-    assert set(METHODS) >= {"nope", "sinusoidal", "learned", "shaw", "transformer_xl", "t5", "rope", "alibi"}
+    assert set(METHODS) >= {"nope", "sinusoidal", "learned", "shaw", "transformer_xl", "t5", "rope", "alibi",
+                            "kerple", "sandwich", "fire", "cope"}
 
 
 @pytest.mark.parametrize("backend", ["auto", "eager"])
@@ -64,9 +74,7 @@ def test_cached_decoding_equals_full_pass(method: str, backend: str) -> None:
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidirectional"])
 @pytest.mark.parametrize("method", METHODS)
 def test_gradients_reach_every_parameter(method: str, causal: bool) -> None:
-    if not causal and method not in BIDIRECTIONAL:
-        with pytest.raises(ValueError, match="causal"):
-            tiny(method, causal=causal)
+    if not causal and refuses_bidirectional(method):
         return
     model = tiny(method, causal=causal).train()
     tokens = torch.randint(0, 64, (2, 20))
@@ -77,7 +85,7 @@ def test_gradients_reach_every_parameter(method: str, causal: bool) -> None:
     assert not missing, f"no gradient: {missing}"
     # The encoding's own parameters are among them (for the methods that have any).
     enc_params = [n for n, _ in model.blocks[0].attn.encoding.named_parameters()]
-    if method in ("learned", "shaw", "transformer_xl", "t5"):
+    if method in ("learned", "shaw", "transformer_xl", "t5", "kerple", "fire", "cope"):
         assert enc_params, f"{method} should have learnable parameters"
     if method == "t5":  # every bucket some visible (query, key) pair falls in gets a gradient
         enc = model.blocks[0].attn.encoding
@@ -107,6 +115,8 @@ def test_causal_is_causal(method: str) -> None:
 
 @pytest.mark.parametrize("method", BIDIRECTIONAL)
 def test_bidirectional_builds_and_sees_the_future(method: str) -> None:
+    if refuses_bidirectional(method):
+        return
     model = tiny(method, causal=False, std=0.2)
     assert all(block.attn.encoding.causal is False for block in model.blocks)
     tokens = torch.randint(0, 64, (2, 12))

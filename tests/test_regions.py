@@ -106,3 +106,19 @@ def test_flushed_runs_in_a_thread_that_flushes_and_leaves_the_caller_alone():
         assert regions.flushed(torch.is_inference_mode_enabled)
     # Nested use runs inline (no deadlock on the one worker).
     assert regions.flushed(lambda: regions.flushed(lambda: 7)) == 7
+
+
+def test_watched_work_stays_in_the_callers_thread():
+    """Profilers and dispatch modes are thread-local: under one, the loops run where they see them."""
+    import threading
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Seen(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    here = threading.current_thread()
+    with Seen():
+        assert regions.flushed(threading.current_thread) is here
+    assert regions.flushed(threading.current_thread) is not here or not regions.FLUSHED.available

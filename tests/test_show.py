@@ -213,3 +213,27 @@ def test_content_is_not_the_first_draw_of_the_weights_seed(seed: int) -> None:
     torch.manual_seed(seed)
     first_row = torch.randn(1, H * D)[0]  # what Learned's table draws first
     assert abs(torch.nn.functional.cosine_similarity(content, first_row, dim=0)) < 0.5
+
+
+def test_show_rope_scaling_draws_the_frequencies(tmp_path, capsys):
+    """``posenc show rope --scaling``: a PNG of the wavelengths, from JSON text or a config.json."""
+    import json
+
+    from posenc import cli
+
+    out = tmp_path / "yarn.png"
+    block = {"rope_type": "yarn", "factor": 4, "original_max_position_embeddings": 2048}
+    assert cli.main(["show", "rope", "--scaling", json.dumps(block), "--out", str(out)]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"rope_theta": 500000.0, "max_position_embeddings": 131072, "rope_scaling": {
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192}}))
+    assert cli.main(["show", "rope", "--scaling", str(config), "--head-dim", "128", "--out", str(tmp_path / "l3.png")]) == 0
+    capsys.readouterr()
+    assert cli.main(["show", "alibi", "--scaling", json.dumps(block), "--out", str(tmp_path / "x.png")]) == 2
+    assert "scaling draws a RoPE scaling: method must be rope, got 'alibi'" in capsys.readouterr().err
+    assert cli.main(["show", "rope", "--scaling", "{not json", "--out", str(tmp_path / "x.png")]) == 2
+    assert "scaling must be a JSON object or a JSON file" in capsys.readouterr().err
+    assert cli.main(["show", "rope", "--scaling", '{"rope_type": "yarn"}', "--out", str(tmp_path / "x.png")]) == 2
+    assert "original_max_position_embeddings" in capsys.readouterr().err

@@ -238,18 +238,11 @@ def test_existing_run_needs_resume_and_the_same_config(tmp_path, capsys):
     assert final["methods"]["alibi"] == after["methods"]["alibi"]
 
 
-# Methods of the newer presets still being added (issue 11); their preset is checked once they exist.
-PENDING = {"kerple", "sandwich", "fire", "cope"}
+MODERN = {"xpos", "xpos+blockwise", "kerple", "sandwich", "fire", "cope", "rope+random", "rope+drop", "alibi", "nope"}
 
 
 def test_presets_are_valid_and_default_matches_design():
     for name in PRESETS:
-        missing = {m.split("+")[0].split(":")[0] for m in PRESETS[name]["methods"]} - set(posenc.available())
-        if missing:
-            assert missing <= PENDING and name == "modern", (name, missing)
-            continue
-        if name == "modern" and "random_positions" not in posenc.LMConfig.__dataclass_fields__:
-            continue  # (rope+random needs LMConfig.random_positions)
         cfg = StudyConfig.from_preset(name, device="cpu").validate()
         # smoke trains every registered method; the others name theirs, so a new method costs them nothing
         assert cfg.methods == (posenc.available() if name == "smoke" else PRESETS[name]["methods"])
@@ -258,8 +251,7 @@ def test_presets_are_valid_and_default_matches_design():
     scalings = ["rope+linear", "rope+ntk", "rope+dynamic", "rope+yarn", "rope+llama3", "rope+longrope"]
     assert PRESETS["default"]["methods"] == [*classic, *scalings]
     assert PRESETS["recall"]["methods"] == [*classic, *scalings] and PRESETS["recall"]["task"] == "recall"
-    assert set(PRESETS["modern"]["methods"]) == {"xpos", "xpos+blockwise", *PENDING, "rope+random", "rope+drop",
-                                                 "alibi", "nope"}
+    assert set(PRESETS["modern"]["methods"]) == MODERN
     # the dataclass's own defaults are the default preset's: one source of every size
     assert StudyConfig() == StudyConfig.from_preset("default")
     d = StudyConfig.from_preset("default")

@@ -288,8 +288,6 @@ def test_the_check_finds_untrained_rows_of_any_position_table():
 # ------------------------------------------------------------------ randomized positions
 
 
-@pytest.mark.skipif("random_positions" not in LMConfig.__dataclass_fields__,
-                    reason="LMConfig.random_positions is not in this posenc yet")
 def test_random_positions_rows_train_with_the_option(tmp_path):
     out = tmp_path / "run"
     assert study(out, "--methods", "rope+random", "--steps", "4", "--random-positions", "256") == 0

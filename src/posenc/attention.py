@@ -3,6 +3,7 @@
 The attention never tests an encoding's name: it calls ``rotate`` when the encoding has it, and the
 backend asks the :class:`~posenc.backends.base.ScoreSpec` for bias and query/value terms.
 ``embed`` (absolute methods) is applied once by the model to the token embeddings, not here.
+The KV cache (:class:`~posenc.cache.LayerCache`) lives in :mod:`posenc.cache`.
 """
 
 from __future__ import annotations
@@ -14,30 +15,11 @@ from torch import nn
 
 from . import backends
 from .backends.base import ScoreSpec
+from .cache import LayerCache
 from .encodings.base import check_positive
 from .errors import UsageError
 from .encodings.protocol import Rotates, offers
 from .memo import ForwardMemo
-
-
-class LayerCache:
-    """Keys and values of one layer seen so far: (B, H, T, D) each. Keys are stored rotated, except
-    for encodings whose rotation depends on the current length (``rotation_depends_on_length``)."""
-
-    def __init__(self) -> None:
-        self.k: torch.Tensor | None = None
-        self.v: torch.Tensor | None = None
-
-    @property
-    def length(self) -> int:
-        return 0 if self.k is None else self.k.shape[-2]
-
-    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.k is None:
-            self.k, self.v = k, v
-        else:
-            self.k, self.v = torch.cat((self.k, k), dim=-2), torch.cat((self.v, v), dim=-2)
-        return self.k, self.v
 
 
 def check_positions(positions: torch.Tensor, length: int, past: int | None = None) -> bool:
@@ -118,6 +100,8 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         b, t, _ = x.shape
         past = 0 if cache is None else cache.length
+        if cache is not None:
+            cache.claim(self)
         if positions is None:
             positions = torch.arange(past, past + t, device=x.device)  # (T,)
             consecutive = True
@@ -131,14 +115,18 @@ class Attention(nn.Module):
         late = rotates and getattr(self.encoding, "rotation_depends_on_length", False)
         if rotates and not late:
             q, k = self.encoding.rotate(q, k, positions, positions)
-        k_positions = positions
+        k_positions, starts, workspace = positions, None, None
         if cache is not None:
-            k, v = cache.append(k, v)  # (B, H, past + T, D)
-            k_positions = torch.arange(positions[-1] + 1 - k.shape[-2], positions[-1] + 1, device=x.device)
+            k, v = cache.append(k, v)  # (B, H, past + T, D): views of the cache's buffers
+            k_positions = cache.positions(x.device)  # 0..past+T-1, a view (nothing per step grows with N)
+            starts, workspace = cache.starts(x.device), cache.workspace
         if late:
             q, k = self.encoding.rotate(q, k, positions, k_positions)
         memo = ForwardMemo() if memo is None else memo
-        spec = ScoreSpec(self.encoding, positions, k_positions, self.causal, 1.0 / math.sqrt(self.head_dim), memo, consecutive)
+        spec = ScoreSpec(
+            self.encoding, positions, k_positions, self.causal, 1.0 / math.sqrt(self.head_dim), memo, consecutive,
+            starts, workspace,
+        )
         self.last_backend, backend = backends.choose(self.backend, spec, q)
         out = backend.attend(q, k, v, spec)  # (B, H, T, D)
         return self.proj(out.transpose(1, 2).reshape(b, t, self.dim))

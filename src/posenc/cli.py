@@ -20,6 +20,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "study": ("posenc.study.cli", "train short, test long: train every method, evaluate at many lengths"),
     "report": ("posenc.report", "turn a study's output directory into one self-contained HTML page"),
     "bench": ("posenc.bench.cli", "speed and memory of every method, as ratios to NoPE (optionally vs x-transformers)"),
+    "sample": ("posenc.sample", "continue a text prompt with a study's checkpoint (byte-level), streaming the output"),
 }
 
 

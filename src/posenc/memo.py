@@ -55,9 +55,13 @@ class ForwardMemo:
 
 
 def _geometry(q_positions: torch.Tensor, k_positions: torch.Tensor) -> tuple:
-    """(Tq, Tk, first query position, first key position, device): positions are consecutive."""
+    """What fixes a position-only value: (Tq, Tk, first query position, first key position, device)
+    for consecutive positions; the positions themselves when they skip values."""
     tq, tk = q_positions.numel(), k_positions.numel()
-    return tq, tk, int(q_positions[0]) if tq else 0, int(k_positions[0]) if tk else 0, q_positions.device
+    key = (tq, tk, int(q_positions[0]) if tq else 0, int(k_positions[0]) if tk else 0, q_positions.device)
+    if (tq > 1 and int(q_positions[-1] - q_positions[0]) != tq - 1) or (tk > 1 and int(k_positions[-1] - k_positions[0]) != tk - 1):
+        key += (tuple(q_positions.tolist()), tuple(k_positions.tolist()))
+    return key
 
 
 __all__ = ["ForwardMemo"]

@@ -4,6 +4,12 @@ nanoGPT-shaped: pre-LayerNorm blocks, GELU MLP, token embedding tied to the outp
 come only from the encoding: ``embed`` once on the input, the other hooks inside each attention.
 Encodings with ``shares_across_layers`` are built once and used by every layer (T5's bias table,
 and the parameter-free methods); the others get one instance per layer.
+
+Randomized positions (Ruoss et al. 2023, "Randomized Positional Encodings Boost Length
+Generalization of Transformers"): with ``LMConfig(random_positions=L)``, every training forward
+(``model.train()``, no KV cache) draws a sorted set of T distinct positions from [0, L) for its T
+tokens, one set for the whole batch and for queries and keys alike, so a model trained on short
+sequences has seen the positions of long ones. Evaluation uses 0..T-1 unless ``positions`` is given.
 """
 
 from __future__ import annotations
@@ -16,7 +22,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import backends
-from .attention import Attention, LayerCache
+from .attention import Attention, check_positions
+from .cache import Cache
 from .memo import ForwardMemo
 from .encodings import build, get_class, options_of
 from .errors import UsageError
@@ -36,6 +43,7 @@ class LMConfig:
     encoding_options: dict = field(default_factory=dict)
     attention_backend: str = "auto"
     mlp_ratio: int = 4
+    random_positions: int | None = None  # training draws positions from [0, random_positions); None = off
 
     def __post_init__(self) -> None:
         get_class(self.encoding)  # unknown name -> ValueError listing the choices
@@ -45,6 +53,8 @@ class LMConfig:
             raise UsageError(f"dim ({self.dim}) must be divisible by num_heads ({self.num_heads})")
         if self.max_positions is not None:
             check_positive("max_positions", self.max_positions)
+        if self.random_positions is not None:
+            check_positive("random_positions", self.random_positions)
         backends.check_name(self.attention_backend)
 
     @property
@@ -53,15 +63,6 @@ class LMConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
-
-
-class Cache:
-    """KV cache for incremental decoding: one :class:`LayerCache` per layer plus the length."""
-
-    def __init__(self, depth: int, batch_size: int) -> None:
-        self.layers = [LayerCache() for _ in range(depth)]
-        self.batch_size = batch_size
-        self.length = 0
 
 
 class MLP(nn.Module):
@@ -113,6 +114,12 @@ class LM(nn.Module):
         for name, p in self.named_parameters():
             if name.endswith("proj.weight"):  # residual projections, GPT-2 scaling
                 nn.init.normal_(p, std=0.02 / math.sqrt(2 * config.depth))
+        bound = self.max_length
+        if config.random_positions is not None and bound is not None and config.random_positions > bound:
+            raise UsageError(
+                f"random_positions ({config.random_positions}) must be <= max_positions ({bound}) of encoding "
+                f"{config.encoding!r}: drawn positions go up to random_positions - 1"
+            )
 
     @staticmethod
     def _init(module: nn.Module) -> None:
@@ -136,12 +143,47 @@ class LM(nn.Module):
             block.attn.encoding = nope
         self.config = replace(self.config, encoding="nope", encoding_options={}, max_positions=None)
 
-    def new_cache(self, batch_size: int) -> Cache:
+    def new_cache(self, batch_size: int, capacity: int | None = None, padding=None) -> Cache:
+        """A KV cache for ``batch_size`` rows (:class:`posenc.cache.Cache`).
+
+        Args:
+            capacity: tokens per row to reserve (e.g. prompt + new tokens); None grows by doubling.
+            padding: left padding of each row (``batch_size`` integers >= 0): row b's first
+                padding[b] tokens are padding, hidden from its real tokens. Prompts of different
+                lengths decode together this way (see :meth:`generate`).
+        """
         if not self.config.causal:
             raise UsageError("incremental decoding needs a causal model (causal=True)")
-        return Cache(self.config.depth, check_positive("batch_size", batch_size))
+        if capacity is not None:
+            check_positive("capacity", capacity)
+        return Cache(self, self.config.depth, check_positive("batch_size", batch_size), capacity, padding)
 
-    def forward(self, tokens: torch.Tensor, cache: Cache | None = None) -> torch.Tensor:
+    def generate(self, prompt, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
+                 top_p: float | None = None, seed: int | None = None, stop_tokens=None) -> list[torch.Tensor]:
+        """New tokens after each prompt, decoded one at a time with a KV cache (see
+        :func:`posenc.generate.generate` for the arguments and the batching rules)."""
+        from .generate import generate
+
+        return generate(self, prompt, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                        stop_tokens=stop_tokens)
+
+    def draw_positions(self, length: int, device: torch.device | str = "cpu") -> torch.Tensor:
+        """A sorted set of ``length`` distinct positions drawn uniformly from [0, random_positions):
+        (length,) LongTensor, from torch's global generator (so ``torch.manual_seed`` repeats it)."""
+        limit = self.config.random_positions
+        if limit is None:
+            raise UsageError("draw_positions needs LMConfig(random_positions=...) to be set")
+        if length > limit:
+            raise UsageError(f"random_positions ({limit}) must be >= the sequence length ({length}) to draw distinct positions")
+        return torch.randperm(limit)[:length].sort().values.to(device)  # (T,)
+
+    def forward(self, tokens: torch.Tensor, cache: Cache | None = None, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens (B, T) -> logits (B, T, vocab).
+
+        ``positions`` (T,): the tokens' positions (sorted, distinct, >= 0; with a cache, continuing
+        it); default 0..T-1 after the cache, or randomized positions in a training forward when
+        ``random_positions`` is set.
+        """
         if tokens.dim() != 2:
             raise UsageError(f"tokens must be (batch, length), got shape {tuple(tokens.shape)}")
         if tokens.is_floating_point() or tokens.is_complex() or tokens.dtype == torch.bool:
@@ -152,16 +194,36 @@ class LM(nn.Module):
                 f"[{int(tokens.min())}, {int(tokens.max())}]"
             )
         b, t = tokens.shape
-        if cache is not None and cache.batch_size != b:
-            raise UsageError(f"cache was made for batch_size={cache.batch_size}, tokens have batch {b}")
+        if cache is not None:
+            self._check_cache(cache, b, t)
         past = 0 if cache is None else cache.length
-        positions = torch.arange(past, past + t, device=tokens.device)  # (T,)
+        if positions is not None:
+            check_positions(positions, t, past if cache is not None else None)
+        elif self.training and cache is None and self.config.random_positions is not None:
+            positions = self.draw_positions(t, tokens.device)  # (T,) shared by the batch, queries and keys
+        else:
+            positions = torch.arange(past, past + t, device=tokens.device)  # (T,)
         x = self.tok(tokens)  # (B, T, dim)
         if offers(self.encoding, Embeds):
-            x = self.encoding.embed(x, positions)
+            # With a left-padded cache, each row's own positions (B, T): see Cache.embed_positions.
+            x = self.encoding.embed(x, positions if cache is None else cache.embed_positions(positions))
         memo = ForwardMemo()  # T5's bias and the like: computed once for all layers
-        for i, block in enumerate(self.blocks):
-            x = block(x, positions, None if cache is None else cache.layers[i], memo)
-        if cache is not None:
-            cache.length += t
+        try:
+            for i, block in enumerate(self.blocks):
+                x = block(x, positions, None if cache is None else cache.layers[i], memo)
+        except BaseException:
+            if cache is not None:  # no layer keeps a half-done step
+                for layer in cache.layers:
+                    layer.length = min(layer.length, past)
+            raise
         return self.head(self.ln_f(x))  # (B, T, vocab)
+
+    def _check_cache(self, cache: Cache, b: int, t: int) -> None:
+        if not isinstance(cache, Cache):
+            raise UsageError(f"cache must come from this model's new_cache(), got {type(cache).__name__}")
+        if not cache.owned_by(self):
+            raise UsageError("cache was made by another model (make one with this model's new_cache())")
+        if cache.batch_size != b:
+            raise UsageError(f"cache was made for batch_size={cache.batch_size}, tokens have batch {b}")
+        if t == 0:
+            raise UsageError("tokens must hold at least one token per row when a cache is given, got length 0")

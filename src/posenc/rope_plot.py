@@ -72,4 +72,33 @@ def scaling_figure(
     return fig
 
 
-__all__ = ["scaling_figure"]
+def scaling_from_text(text: str) -> dict:
+    """A scaling block from the command line: JSON text, or the path of a JSON file (a model's
+    config.json: its ``rope_scaling`` or ``rope_parameters`` block, with ``rope_theta`` and
+    ``max_position_embeddings`` when the block lacks them). UsageError otherwise."""
+    import json
+    from pathlib import Path
+
+    from .errors import UsageError
+
+    path = Path(text).expanduser()
+    source = f"the file {text!r}" if path.is_file() else "its JSON text"
+    try:
+        data = json.loads(path.read_text(encoding="utf-8") if path.is_file() else text)
+    except (OSError, ValueError) as err:
+        raise UsageError(f"scaling must be a JSON object or a JSON file (e.g. '{{\"rope_type\": \"yarn\", \"factor\": 4, "
+                         f"\"original_max_position_embeddings\": 2048}}'); cannot read {source}: {err}") from None
+    if not isinstance(data, dict):
+        raise UsageError(f"scaling must be a JSON object, got {type(data).__name__}")
+    for key in ("rope_scaling", "rope_parameters"):  # a whole model config
+        if isinstance(data.get(key), dict):
+            block = dict(data[key])
+            if "rope_theta" in data and "rope_theta" not in block:
+                block["rope_theta"] = data["rope_theta"]
+            if "max_position_embeddings" in data and "original_max_position_embeddings" not in block:
+                block.setdefault("max_position_embeddings", data["max_position_embeddings"])
+            return block
+    return data
+
+
+__all__ = ["scaling_figure", "scaling_from_text"]

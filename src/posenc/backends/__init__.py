@@ -23,7 +23,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from ..errors import UsageError
-from . import blocked, eager, flex, sdpa, terms
+from . import blocked, contextual, eager, features, flex, sdpa, terms
 from .base import ScoreSpec
 
 
@@ -40,11 +40,13 @@ class Backend(Protocol):
 
 # Every backend, in the order "auto" tries them:
 # sdpa     no score terms at all: the fused kernel with its causal skip;
+# features an exactly low-rank bias (Sandwich) as extra q/k features: the same kernel, same skip;
 # flex     score biases on CUDA (compiled, forward and backward);
 # blocked  score biases elsewhere (CPU training and inference): no (H, N, N) tensor;
 # terms    query/value terms (Shaw, Transformer-XL) on CPU: no (H, N, N) tensor;
+# contextual CoPE's contextual positions: a band written out, far keys fused; no (H, N, N) tensor;
 # eager    everything else: the textbook formula, the reference for tests.
-BACKENDS: dict[str, Backend] = {m.__name__.rsplit(".", 1)[-1]: m for m in (sdpa, flex, blocked, terms, eager)}
+BACKENDS: dict[str, Backend] = {m.__name__.rsplit(".", 1)[-1]: m for m in (sdpa, features, flex, blocked, terms, contextual, eager)}
 AUTO = "auto"
 
 for _name, _backend in BACKENDS.items():  # the contract, checked once at import

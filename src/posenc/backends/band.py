@@ -10,7 +10,7 @@ windows of k and v (views, no copies, at batch size 1): O(H x GROUP x rows x len
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -31,15 +31,18 @@ class BandGroup:
     length: int
     count: int = 1
     inner: bool = False
+    heads: slice = field(default_factory=lambda: slice(None))  # the heads this band serves
+    past: int = 0  # the band is -past < r <= top (r = key position - query position)
+    top: int = 0
 
     @property
     def row_range(self) -> tuple[int, int]:
         return self.t0, self.t0 + self.count * self.rows
 
 
-def plan_band(tq: int, tk: int, qs: int, ks: int, past: int, top: int, rows: int) -> list[BandGroup]:
+def plan_band(tq: int, tk: int, qs: int, ks: int, past: int, top: int, rows: int, heads: slice = slice(None)) -> list[BandGroup]:
     """Groups covering the band ``-past < r <= top`` (r = key position - query position) of queries
-    at positions qs.. and keys at ks.., in blocks of ``rows`` queries."""
+    at positions qs.. and keys at ks.., in blocks of ``rows`` queries, for ``heads``."""
     groups: list[BandGroup] = []
     if past + top <= 0:
         return groups
@@ -55,27 +58,26 @@ def plan_band(tq: int, tk: int, qs: int, ks: int, past: int, top: int, rows: int
         if inner and last is not None and last.inner and last.count < BAND_GROUP:
             last.count += 1
         else:
-            groups.append(BandGroup(t0, k0, t1 - t0, k1 - k0, 1, inner))
+            groups.append(BandGroup(t0, k0, t1 - t0, k1 - k0, 1, inner, heads, past, top))
     return groups
 
 
-def band_bias(rel: torch.Tensor, r_lo: int, group: BandGroup, offset: int, past: int, future: int, causal: bool):
-    """A band block's bias (H, C, L) with -inf outside the band, and its rel index (C * L,).
-
-    ``rel`` holds f(r) for r = r_lo.. ; ``offset`` is r of the block's top-left pair."""
+def band_bias(rel: torch.Tensor, r_lo: int, group: BandGroup, offset: int):
+    """A band block's bias (h, C, L) for the group's heads with -inf outside its band, and its rel
+    index (C * L,). ``rel`` (H, R) holds f(r) for r = r_lo.. ; ``offset`` is r of the block's
+    top-left pair."""
     c, length = group.rows, group.length
     relative = offset + torch.arange(length, device=rel.device)[None, :] - torch.arange(c, device=rel.device)[:, None]  # (C, L)
-    inside = relative > -past
-    inside &= relative <= 0 if causal else relative < future
+    inside = (relative > -group.past) & (relative <= group.top)
     index = (relative - r_lo).clamp_(0, rel.shape[1] - 1)
-    bias = up(rel)[:, index].masked_fill_(~inside, float("-inf"))  # (H, C, L)
+    bias = up(rel[group.heads])[:, index].masked_fill_(~inside, float("-inf"))  # (h, C, L)
     return bias, index.reshape(-1)
 
 
 def split(group: BandGroup, size: int) -> list[BandGroup]:
     """The group as groups of at most ``size`` blocks."""
     return [
-        BandGroup(group.t0 + n * group.rows, group.k0 + n * group.rows, group.rows, group.length, min(size, group.count - n), group.inner)
+        replace(group, t0=group.t0 + n * group.rows, k0=group.k0 + n * group.rows, count=min(size, group.count - n))
         for n in range(0, group.count, size)
     ]
 

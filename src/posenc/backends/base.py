@@ -7,13 +7,18 @@ terms the encoding contributes; backends ask it, never the encoding's name.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from ..encodings.protocol import Biases, QueryTerms, Scores, ValueTerms, offers
 from ..memo import ForwardMemo
+
+if TYPE_CHECKING:
+    from .single import Workspace
 
 
 @dataclass
@@ -30,20 +35,27 @@ class ScoreSpec:
     # Positions step by one (the usual case). Randomized positions skip values: then only backends
     # that read every position (eager, sdpa with a dense bias) may run the call.
     consecutive: bool = True
+    # Left padding (generation in batches): row b's real tokens start at position starts[b] (B,);
+    # keys before it are hidden from the row's real queries. A padding query sees the padding
+    # before it (so no softmax row is empty); its output is never used. None: no padding.
+    starts: torch.Tensor | None = None
+    # Buffers kept between decode steps by the KV cache (see backends/single.py); None for a lone call.
+    workspace: Workspace | None = field(default=None, repr=False)
 
-    @property
+    # What the encoding offers, asked once per spec (a decode step asks each several times).
+    @functools.cached_property
     def has_bias(self) -> bool:
         return offers(self.encoding, Biases)
 
-    @property
+    @functools.cached_property
     def has_query_terms(self) -> bool:
         return offers(self.encoding, QueryTerms)
 
-    @property
+    @functools.cached_property
     def has_value_terms(self) -> bool:
         return offers(self.encoding, ValueTerms)
 
-    @property
+    @functools.cached_property
     def has_score_mod(self) -> bool:
         return offers(self.encoding, Scores)
 
@@ -75,6 +87,15 @@ class ScoreSpec:
         q_positions = self.q_positions if q_positions is None else q_positions
         return self.k_positions[None, :] <= q_positions[:, None]
 
+    def hidden(self, q_positions: torch.Tensor | None = None) -> torch.Tensor | None:
+        """(B, 1, Tq, Tk) bool, True where left padding hides a key from a query (a padding key,
+        a real query); None without padding."""
+        if self.starts is None:
+            return None
+        q_positions = self.q_positions if q_positions is None else q_positions
+        starts = self.starts[:, None, None, None]  # (B, 1, 1, 1)
+        return (self.k_positions[None, None, None, :] < starts) & (q_positions[None, None, :, None] >= starts)
+
 
 def additive_mask(allowed: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
     """Bool (Tq, Tk) -> additive float mask: 0 where allowed, -inf elsewhere."""
@@ -92,19 +113,4 @@ def needs_grad(spec: ScoreSpec, *tensors: torch.Tensor) -> bool:
     """A backward will follow: grad mode is on and an input or an encoding parameter needs it."""
     return torch.is_grad_enabled() and (
         any(t.requires_grad for t in tensors) or any(p.requires_grad for p in spec.encoding.parameters())
-    )
-
-
-def cpu_flash(q, k, v, causal: bool, scale: float, mask: torch.Tensor | None = None):
-    """PyTorch's CPU flash kernel: (output (B, H, Lq, D), logsumexp (B, H, Lq)); causal is top-left.
-
-    It returns the log-sum-exp that merging partial attentions needs, which the public SDPA hides.
-    """
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, attn_mask=mask, scale=scale)
-
-
-def cpu_flash_backward(grad, q, k, v, out, lse, causal: bool, scale: float, mask: torch.Tensor | None = None):
-    """Gradients (dq, dk, dv) of :func:`cpu_flash` for the given output and log-sum-exp."""
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        grad, q, k, v, out, lse, 0.0, causal, attn_mask=mask, scale=scale
     )

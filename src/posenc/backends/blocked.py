@@ -33,8 +33,13 @@ powers of two for power-of-two head counts, so ``s (j - ref)`` itself is exact i
 bfloat16/float16 the term goes in two features (a high and a low part), since one 8-bit mantissa
 would round it to ~1/8 of a logit.
 
-Other bias encodings (only ``bias``) take the generic path: per block of ``BLOCK`` queries, SDPA
-with that block's bias slice, under activation checkpointing when a gradient is needed.
+Other bias encodings (no affine tails: KERPLE, FIRE, any ``bias``) take the path of
+:mod:`posenc.backends.explicit`: per block of queries, the kernel with that block's bias as its
+mask, and a written-out backward that also gives the bias its gradient.
+
+A decode step (one query, no gradient) skips all of the above: the bias is one vector per head,
+the fused kernel's mask (``backends/single.py``). Left-padded rows are split into unpadded calls
+(``backends/padding.py``).
 """
 
 from __future__ import annotations
@@ -43,28 +48,28 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
 from ..encodings.protocol import RelativeBias, offers
 from ..errors import UsageError
-from . import band, sdpa
-from .base import ScoreSpec, accumulation_dtype, needs_grad
+from . import band, explicit, padding, sdpa, single
+from .base import ScoreSpec, accumulation_dtype
 from .regions import (
     FLASH_OPS, Merge, Region, call_order, flushed, kernel_backward, kernel_forward, keys_of, lower, region_backward, rows_of,
     up, upper,
 )
 
-BLOCK = 256  # generic path: query rows per block
 BAND_BLOCK = 64  # query rows per explicit band block: the band is BAND_BLOCK + P - 1 keys wide
 FEATURE_SPAN = 32.0  # a sloped far block is at most FEATURE_SPAN / max|slope| queries (see Precision)
 FEATURE_MULTIPLE = 8  # q, k, v padded to a multiple of this many features when a feature is added
 MIN_GROUP_HEADS = 2  # heads per far call at least (the kernel's backward runs one head per thread)
 ZERO_LOGIT = 110.0  # exp(-ZERO_LOGIT) is below 2^-150: a probability that rounds to 0 in float32
+BAND_WINDOW = 1024  # heads whose window is at most this run as a written-out band (few batched calls)
 
 
 def supports(spec: ScoreSpec, q: torch.Tensor) -> bool:
     # Key index = position - first position: both paths below rely on consecutive positions.
-    return spec.consecutive and not (spec.has_query_terms or spec.has_value_terms)
+    unpadded = spec.starts is None or padding.splittable(spec)
+    return spec.consecutive and not (spec.has_query_terms or spec.has_value_terms) and unpadded
 
 
 def preferred(spec: ScoreSpec, q: torch.Tensor) -> bool:
@@ -85,6 +90,10 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec, b
     """``block`` (tests) sets the band block and, for sloped tails, the far block to one size."""
     if block is not None and block < 1:
         raise UsageError(f"block must be a positive integer, got {block}")
+    if single.applies(spec, q, k, v):  # a decode step: the bias is one vector
+        return single.attend(q, k, v, spec)
+    if spec.starts is not None:
+        return padding.by_rows(lambda *a: attend(*a, block=block), q, k, v, spec)
     if not spec.has_bias:
         return sdpa.attend(q, k, v, spec)
     tq, tk = q.shape[-2], k.shape[-2]
@@ -92,7 +101,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec, b
         plan = make_plan(spec, tq, tk, q.dtype, block, _spread(q, k, spec.scale))
         rel = spec.memo.relative_values(spec.encoding, plan.r_lo, plan.r_hi, q.device)  # (H, R)
         return _TailedBias.apply(q, k, v, rel, plan)
-    return _generic(q, k, v, spec, BLOCK if block is None else block)
+    return explicit.attend(q, k, v, spec, block)
 
 
 def _spread(q: torch.Tensor, k: torch.Tensor, scale: float) -> float:
@@ -179,21 +188,27 @@ def make_plan(spec: ScoreSpec, tq: int, tk: int, dtype: torch.dtype = torch.floa
     past = tails.past
     future = max(tails.future, 1 - past)  # r = 0 belongs to one side only
     qs, ks = int(spec.q_positions[0]), int(spec.k_positions[0])
-    far = []
+    rows = BAND_BLOCK if block is None else block
+    far, bands = [], []
     # Far past: query a sees key b when b <= a + qs - ks - past. ref: the boundary key of the middle row.
-    for heads, rows, window in head_groups(slopes[0], dtype, tq, block, spread, past):
-        for region in lower(tq, tk, qs - ks - past, rows, window):
+    for heads, far_rows, window in head_groups(slopes[0], dtype, tq, block, spread, past):
+        if window is not None and window <= BAND_WINDOW and spec.causal:
+            # Steep heads: every key that weighs anything is within the window, so their whole
+            # attention is a band of window + 1 distances, written out exactly and batched.
+            bands += band.plan_band(tq, tk, qs, ks, window + 1, 0, rows, heads)
+            continue
+        for region in lower(tq, tk, qs - ks - past, far_rows, window):
             far.append(FarCall(region, 0, qs + sum(region.rows) // 2 - past, heads))
     if not spec.causal:  # far future: b >= a + qs - ks + future
-        for heads, rows, window in head_groups(slopes[1], dtype, tq, block, spread, 1 - future):
-            for region in upper(tq, tk, qs - ks + future, rows, window):
+        for heads, far_rows, window in head_groups(slopes[1], dtype, tq, block, spread, 1 - future):
+            for region in upper(tq, tk, qs - ks + future, far_rows, window):
                 far.append(FarCall(region, 1, qs + sum(region.rows) // 2 + future, heads))
-    rows = BAND_BLOCK if block is None else block
-    bands = band.plan_band(tq, tk, qs, ks, past, 0 if spec.causal else future - 1, rows)
+    bands += band.plan_band(tq, tk, qs, ks, past, 0 if spec.causal else future - 1, rows)
+    reach = max([past, *(g.past for g in bands)])
     width = rows if bands else 1
     return Plan(
         far, bands, qs, ks, spec.scale, spec.causal, past, future, slopes,
-        r_lo=-(past + width), r_hi=future + width, cache=spec.memo.table(spec.encoding, "band_bias", (), dict),
+        r_lo=-(reach + width), r_hi=future + width, cache=spec.memo.table(spec.encoding, "band_bias", (), dict),
     )
 
 
@@ -273,8 +288,10 @@ def _forward(q, k, v, rel, plan: Plan):
         far_lse.append(l)
     for group in plan.bands:
         bias, _ = _band_bias(plan, rel, group)
-        o, l = kernel_forward(band.blocks(q, group), band.windows(k, group), band.windows(v, group), False, plan.scale, bias.to(q.dtype)[None])
-        merged.add(group.row_range, band.unblocks(o, group), band.unblocks(l, group))
+        hs = group.heads
+        o, l = kernel_forward(band.blocks(q[:, hs], group), band.windows(k[:, hs], group), band.windows(v[:, hs], group),
+                              False, plan.scale, bias.to(q.dtype)[None])
+        merged.add(group.row_range, band.unblocks(o, group), band.unblocks(l, group), hs)
     return merged.out.to(q.dtype), merged.lse, far_lse
 
 
@@ -316,10 +333,10 @@ def _cut(region: Region, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
 def _band_bias(plan: Plan, rel: torch.Tensor, group: band.BandGroup):
     """The band block's bias and rel index, built once per forward for each block geometry."""
     offset = (plan.k_start + group.k0) - (plan.q_start + group.t0)  # r of the block's top-left pair
-    key = (group.rows, group.length, offset, plan.past, plan.future, plan.causal, plan.r_lo, rel.dtype)
+    key = (group.rows, group.length, offset, group.heads.start, group.heads.stop, group.past, group.top, plan.r_lo, rel.dtype)
     hit = plan.cache.get(key)
     if hit is None:
-        hit = plan.cache[key] = band.band_bias(rel, plan.r_lo, group, offset, plan.past, plan.future, plan.causal)
+        hit = plan.cache[key] = band.band_bias(rel, plan.r_lo, group, offset)
     return hit
 
 
@@ -330,8 +347,10 @@ def _band_backward(plan, rel, drel, q, k, v, out, lse, dout, dsum, grads) -> Non
     groups = plan.bands if not need_rel else [part for g in plan.bands for part in band.split(g, band.EXPLICIT_GROUP)]
     for group in groups:
         bias, index = _band_bias(plan, rel, group)
-        qc, kc, vc, doc = band.blocks(q, group), band.windows(k, group), band.windows(v, group), band.blocks(dout, group)
-        oc, lc, dc = band.blocks(out, group), band.blocks(lse, group), band.blocks(dsum, group)
+        hs = group.heads
+        q_, k_, v_, dout_, out_, lse_, dsum_ = (x[:, hs] for x in (q, k, v, dout, out, lse, dsum))
+        qc, kc, vc, doc = band.blocks(q_, group), band.windows(k_, group), band.windows(v_, group), band.blocks(dout_, group)
+        oc, lc, dc = band.blocks(out_, group), band.blocks(lse_, group), band.blocks(dsum_, group)
         if not need_rel:
             gq, gk, gv = kernel_backward(doc, qc, kc, vc, oc, lc.contiguous(), False, plan.scale, bias.to(q.dtype)[None])
         else:
@@ -339,13 +358,14 @@ def _band_backward(plan, rel, drel, q, k, v, out, lse, dout, dsum, grads) -> Non
             p = s.sub_(lc[..., None]).exp_()  # probabilities under the merged normaliser
             gv = torch.matmul(p.to(doc.dtype).transpose(-1, -2), doc)
             ds = up(torch.matmul(doc, vc.transpose(-1, -2))).sub_(dc[..., None]).mul_(p)  # dS
-            drel.scatter_add_(1, index.expand(rel.shape[0], -1), ds.sum(0).reshape(rel.shape[0], -1))
+            h = ds.shape[1]
+            drel[hs].scatter_add_(1, index.expand(h, -1), ds.sum(0).reshape(h, -1))
             ds = ds.to(q.dtype)
             gq = torch.matmul(ds, kc).mul_(plan.scale)
             gk = torch.matmul(ds.transpose(-1, -2), qc).mul_(plan.scale)
-        grads.add(0, slice(*group.row_range), band.unblocks(gq, group))
-        band.add_windows(grads.get(1), group, gk)
-        band.add_windows(grads.get(2), group, gv)
+        grads.add(0, slice(*group.row_range), band.unblocks(gq, group), hs)
+        band.add_windows(grads.get(1)[:, hs], group, gk)
+        band.add_windows(grads.get(2)[:, hs], group, gv)
 
 
 class _Grads:
@@ -366,28 +386,3 @@ class _Grads:
 
     def result(self) -> list[torch.Tensor]:
         return [torch.zeros_like(x) if b is None else b for x, b in zip(self.like, self.bufs)]
-
-
-# ---------------------------------------------------------------------------------------------
-# Generic bias encodings: per block, the bias slice and SDPA, recomputed in the backward
-
-
-def _generic(q, k, v, spec: ScoreSpec, block: int) -> torch.Tensor:
-    tq, tk = q.shape[-2], k.shape[-2]
-    enc = spec.encoding
-    ks = int(spec.k_positions[0]) if tk else 0
-
-    def one_block(qc, kc, vc, qp, kp):
-        bias = enc.bias(qp, kp).to(qc.dtype)  # (H, C, L)
-        if spec.causal:
-            bias = bias.masked_fill(kp[None, None, :] > qp[None, :, None], float("-inf"))
-        return F.scaled_dot_product_attention(qc, kc, vc, attn_mask=bias, scale=spec.scale)
-
-    grad = needs_grad(spec, q, k, v)
-    outs = []
-    for t0 in range(0, tq, block):
-        qp = spec.q_positions[t0 : t0 + block]
-        end = max(1, min(tk, int(qp[-1]) - ks + 1)) if spec.causal else tk  # keys this block sees
-        args = (q[:, :, t0 : t0 + block], k[:, :, :end], v[:, :, :end], qp, spec.k_positions[:end])
-        outs.append(checkpoint(one_block, *args, use_reentrant=False) if grad else one_block(*args))
-    return torch.cat(outs, dim=-2)  # (B, H, Tq, D)

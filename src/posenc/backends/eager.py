@@ -5,7 +5,8 @@ blocks of ``BLOCK`` queries so that memory stays O(Tk x block) rather than O(Tq 
 gets its bias slice and its score terms from the encoding for those queries only. When a gradient
 is needed, every block is checkpointed (recomputed in the backward), otherwise autograd would
 keep every block's probabilities and the saving would be lost. A softmax row only ever sees its
-own query, so blocking changes nothing in the result.
+own query, so blocking changes nothing in the result. Left padding (``spec.starts``) is one more
+mask: a real query never sees a padding key. Eager is the reference: it has no single-query path.
 """
 
 from __future__ import annotations
@@ -40,6 +41,8 @@ def _block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_positions: torch
         scores = scores + enc.query_terms(q, k, q_positions, k_positions).to(acc)  # (B, H, C, Tk)
     if spec.causal:
         scores = scores.masked_fill(k_positions[None, :] > q_positions[:, None], float("-inf"))
+    if spec.starts is not None:  # left padding: a real query never sees a padding key
+        scores = scores.masked_fill(spec.hidden(q_positions), float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(q.dtype)  # (B, H, C, Tk)
     out = torch.matmul(probs, v)  # (B, H, C, D)
     if spec.has_value_terms:

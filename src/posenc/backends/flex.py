@@ -8,6 +8,10 @@ Where it runs: CUDA (training and inference), and CPU for inference only (FlexAt
 backward: NotImplementedError in torch 2.13), both needing ``torch.compile`` (a C++ compiler on
 CPU, Triton on CUDA). The first call compiles (~12 s on CPU), so "auto" picks it on CUDA only; on
 CPU ``blocked`` is faster anyway. ``supports`` never picks it where it cannot run.
+
+A decode step (one query) does not go through the compiled kernel (a new key length per step):
+the bias is one vector per head, SDPA's mask (``backends/single.py``). Left-padded rows are split
+into unpadded calls (``backends/padding.py``).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import weakref
 
 import torch
 
+from . import padding, single
 from .base import ScoreSpec, needs_grad
 
 try:
@@ -53,6 +58,8 @@ def compile_available(device_type: str) -> bool:
 
 def supports(spec: ScoreSpec, q: torch.Tensor) -> bool:
     if not spec.consecutive:  # the score_mod reads positions as offset + index
+        return False
+    if spec.starts is not None and not padding.splittable(spec):
         return False
     if spec.has_query_terms or spec.has_value_terms or (spec.has_bias and not spec.has_score_mod):
         return False
@@ -128,6 +135,10 @@ def _block_mask(tq: int, tk: int, padded: int, shift: int | None, device: torch.
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec) -> torch.Tensor:
+    if single.applies(spec, q, k, v):
+        return single.attend(q, k, v, spec)
+    if spec.starts is not None:
+        return padding.by_rows(attend, q, k, v, spec)
     tq, tk = q.shape[-2], k.shape[-2]
     qs = int(spec.q_positions[0]) if tq else 0
     ks = int(spec.k_positions[0]) if tk else 0

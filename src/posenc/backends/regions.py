@@ -109,8 +109,20 @@ FLUSHED = _Flushed()
 
 
 def flushed(fn: Callable[..., T], *args) -> T:
-    """Run a loop of CPU kernel calls with denormals flushed (see :class:`_Flushed`)."""
+    """Run a loop of CPU kernel calls with denormals flushed (see :class:`_Flushed`). Work on
+    another device, or watched by a profiler or dispatch mode, runs here in the caller's thread."""
+    device = next((a.device for a in args if isinstance(a, torch.Tensor)), None)
+    if (device is not None and device.type != "cpu") or _observed():
+        return fn(*args)
     return FLUSHED.run(fn, *args)
+
+
+def _observed() -> bool:
+    """A profiler or a dispatch mode (FLOP counters, memory checks) watches this thread: both are
+    thread-local, so the work stays here, where they see it."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    return _get_current_dispatch_mode() is not None or torch.autograd.profiler._is_profiler_enabled
 
 
 def up(x: torch.Tensor) -> torch.Tensor:

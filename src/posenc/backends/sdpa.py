@@ -4,6 +4,10 @@ Without a score bias the causal case uses ``is_causal=True``, which lets the ker
 triangle. A bias is passed as a dense (H, Tq, Tk) ``attn_mask``: correct, but the kernel then does
 the full square and the (H, Tq, Tk) bias is written out, so the blocked backend is preferred on CPU
 (this path is the fallback where torch lacks the CPU flash ops blocked needs).
+
+A decode step (one query) takes the single-query path (``backends/single.py``): the bias is then
+one vector per head, the kernel's mask. Left-padded rows (generation in batches) are split into
+unpadded calls (``backends/padding.py``).
 """
 
 from __future__ import annotations
@@ -11,12 +15,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from . import regions
+from . import padding, regions, single
 from .base import ScoreSpec, additive_mask
 
 
 def supports(spec: ScoreSpec, q: torch.Tensor) -> bool:
-    return not (spec.has_query_terms or spec.has_value_terms)
+    return not (spec.has_query_terms or spec.has_value_terms) and (spec.starts is None or padding.splittable(spec))
 
 
 def preferred(spec: ScoreSpec, q: torch.Tensor) -> bool:
@@ -27,6 +31,10 @@ def preferred(spec: ScoreSpec, q: torch.Tensor) -> bool:
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec) -> torch.Tensor:
+    if single.applies(spec, q, k, v):
+        return single.attend(q, k, v, spec)
+    if spec.starts is not None:
+        return padding.by_rows(attend, q, k, v, spec)
     tq, tk = q.shape[-2], k.shape[-2]
     if not spec.has_bias:
         if not spec.causal or tq == 1 and spec.aligned:

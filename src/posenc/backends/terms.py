@@ -32,6 +32,11 @@ to float rounding. Two fast paths, picked from what the encoding offers (never f
   the model width, so that adds H*D = 512 features per head at the default sizes, and SDPA's cost
   grows with the head dim (v must be padded too, to stay on the fast kernel): several times slower.
 
+A decode step (one query at the last key, no gradient) takes the single-query path of either
+method (``backends/single.py``: far keys in one fused call for Shaw, the kept position keys as the
+kernel's mask for Transformer-XL), on any device. Left-padded rows with several queries are split
+into unpadded calls (``backends/padding.py``).
+
 Anything else (another dtype or device, a bias as well, queries outside the keys' positions,
 another encoding with query/value terms) runs the eager formula (blocked, checkpointed).
 """
@@ -44,7 +49,7 @@ import torch
 import torch.nn.functional as F
 
 from ..encodings.protocol import ClippedTables, DistanceKeys, offers
-from . import eager
+from . import eager, padding, single
 from .base import ScoreSpec
 from .regions import FLASH_OPS, call_order, flushed, kernel_forward, keys_of, lower, region_backward, rows_of, upper
 
@@ -57,6 +62,13 @@ FAST_DTYPES = (torch.float32, torch.float64)
 def _path(spec: ScoreSpec, q: torch.Tensor):
     """The fast function for this call, or None (then the eager formula, blocked, runs)."""
     enc = spec.encoding
+    if not spec.has_bias and single.applies(spec, q, q, q):  # a decode step (k, v: no grad either)
+        if offers(enc, ClippedTables):
+            return single.shaw
+        if offers(enc, DistanceKeys):
+            return single.distance_keys
+    if spec.starts is not None:
+        return None
     if not FLASH_OPS or not spec.consecutive or q.device.type != "cpu" or q.dtype not in FAST_DTYPES or spec.has_bias or not _contained(spec):
         return None
     if offers(enc, ClippedTables):
@@ -73,15 +85,19 @@ def _contained(spec: ScoreSpec) -> bool:
 
 
 def supports(spec: ScoreSpec, q: torch.Tensor) -> bool:
-    return spec.has_query_terms or spec.has_value_terms
+    return (spec.has_query_terms or spec.has_value_terms) and (spec.starts is None or padding.splittable(spec))
 
 
 def preferred(spec: ScoreSpec, q: torch.Tensor) -> bool:
+    if spec.starts is not None and supports(spec, q):  # split by rows: each row may take a fast path
+        return True
     return supports(spec, q) and _path(spec, q) is not None
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec) -> torch.Tensor:
     path = _path(spec, q)
+    if path is None and spec.starts is not None:
+        return padding.by_rows(attend, q, k, v, spec)
     return eager.attend(q, k, v, spec) if path is None else path(q, k, v, spec)
 
 

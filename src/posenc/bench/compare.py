@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from . import xtransformers
+from . import hftransformers, xtransformers
 
-LIBRARIES: dict[str, ModuleType] = {m.NAME: m for m in (xtransformers,)}
+LIBRARIES: dict[str, ModuleType] = {m.NAME: m for m in (xtransformers, hftransformers)}
 
 
 def library_of(impl: str) -> ModuleType:

@@ -30,6 +30,9 @@ METHODS: dict[str, tuple[dict, dict] | None] = {
     "t5": ({"use_abs_pos_emb": False}, {"rel_pos_bias": True, "rel_pos_num_buckets": 32, "rel_pos_max_distance": 128}),
     "shaw": None,
     "transformer_xl": None,
+    "xpos": ({"use_abs_pos_emb": False}, {"rotary_xpos": True, "rotary_emb_dim": None}),
+    # CoPE: x-transformers' own (attn_use_cope); posenc's cope default max_pos is 16 as well.
+    "cope": ({"use_abs_pos_emb": False}, {"attn_use_cope": True, "attn_cope_max_pos": 16}),
 }
 
 

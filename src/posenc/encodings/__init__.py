@@ -9,10 +9,14 @@ from torch import nn
 from .alibi import ALiBi, alibi_slopes
 from ..errors import UsageError
 from .base import PositionalEncoding, has_hook
+from .cope import CoPE
+from .fire import FIRE
+from .kerple import KERPLE
 from .protocol import offers
 from .learned import Learned
 from .nope import NoPE
 from .rope import RoPE
+from .sandwich import Sandwich
 from .shaw import Shaw
 from .sinusoidal import Sinusoidal
 from .t5 import T5Bias, relative_position_bucket
@@ -20,13 +24,14 @@ from .transformer_xl import TransformerXL
 from .xpos import XPos
 
 REGISTRY: dict[str, type[PositionalEncoding]] = {
-    cls.name: cls for cls in (NoPE, Sinusoidal, Learned, Shaw, TransformerXL, T5Bias, RoPE, ALiBi)
+    cls.name: cls
+    for cls in (NoPE, Sinusoidal, Learned, Shaw, TransformerXL, T5Bias, RoPE, ALiBi, KERPLE, Sandwich, FIRE, CoPE)
 }
 REGISTRY[XPos.name] = XPos
 
 
 def available() -> list[str]:
-    """Registry names of every encoding, in the order of the classic line."""
+    """Registry names of every encoding: the classic line up to ALiBi, then the methods after it."""
     return list(REGISTRY)
 
 

@@ -40,6 +40,7 @@ class ALiBi(PositionalEncoding):
     name = "alibi"
     description = "fixed per-head linear distance penalty on scores (Press et al. 2021)"
     extrapolates = True
+    shift_invariant = True  # positions enter as i - j only
 
     def __init__(self, num_heads: int, head_dim: int, causal: bool = True) -> None:
         super().__init__(num_heads, head_dim, causal)

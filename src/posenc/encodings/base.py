@@ -5,8 +5,8 @@ The contract itself (hooks, optional capabilities, :func:`offers`) lives in
 sizes every encoding is built with and declares the plain capability attributes, and the helpers
 that derive one form of a bias from another (dense from scalar, relative from scalar).
 
-Positions are absolute integer indices, 1-D ``LongTensor`` of consecutive values
-(``torch.arange(start, start + T)``). Relative position is ``r = j - i`` (key minus query): r < 0
+Positions are absolute integer indices, a 1-D ``LongTensor`` of strictly increasing values, usually
+consecutive (``torch.arange(start, start + T)``); randomized positions skip values. Relative position is ``r = j - i`` (key minus query): r < 0
 means the key is in the past.
 
 Shape legend: B batch, H heads, T / Tq / Tk sequence lengths, D head dim.
@@ -55,6 +55,13 @@ class PositionalEncoding(nn.Module):
     - ``rotation_depends_on_length``: ``rotate`` uses the current length (largest key position + 1),
       as dynamic NTK scaling does; the attention then keeps keys un-rotated in its KV cache and
       rotates all of them at every step, so cached decoding equals the full pass.
+    - ``shift_invariant``: the model's output does not change when every position of a row is
+      shifted by the same amount (attention depends on i - j only, and nothing is absolute):
+      NoPE, ALiBi, T5, RoPE (without length-dependent scaling), Shaw, Transformer-XL. Generation
+      in batches relies on it: left-padded rows share positions, row b starting at its padding.
+      Absolute methods (sinusoidal, learned) are not, but their only hook, ``embed``, takes each
+      row's own positions, so they batch too; any other method generates rows of one prompt
+      length together (:mod:`posenc.generate`).
 
     Hooks and optional capabilities (``bias_tails``, ``clipped_tables``, ...) are methods a subclass
     defines; :mod:`posenc.encodings.protocol` lists them and :func:`~posenc.encodings.protocol.offers`
@@ -69,6 +76,8 @@ class PositionalEncoding(nn.Module):
     # True when ``rotate`` depends on the current length (the largest key position + 1), not only
     # on each position: the attention then caches keys un-rotated and rotates them at every step.
     rotation_depends_on_length: bool = False
+    # True when positions enter only as differences i - j (see the class docstring).
+    shift_invariant: ClassVar[bool] = False
 
     def __init__(self, num_heads: int, head_dim: int, causal: bool = True) -> None:
         super().__init__()

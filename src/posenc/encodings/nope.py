@@ -16,3 +16,4 @@ class NoPE(PositionalEncoding):
     name = "nope"
     description = "no positional information (baseline; order only through the causal mask)"
     extrapolates = True
+    shift_invariant = True  # no positions at all

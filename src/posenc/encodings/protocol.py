@@ -6,7 +6,8 @@ one new file plus one registry line. Each hook or capability is a runtime-checka
 ``typing.Protocol``; :func:`offers` is the one check used everywhere.
 
 Hooks, in the order a model calls them (shape legend: B batch, H heads, T / Tq / Tk lengths, D head
-dim; positions are 1-D integer tensors of consecutive absolute indices):
+dim; positions are 1-D integer tensors of strictly increasing absolute indices, usually consecutive;
+randomized positions skip values, and fast backends that assume steps of one then step aside):
 
 - :class:`Embeds` ``embed(x, positions) -> x``: absolute information added to the token embeddings
   x (B, T, dim); called once by the model on its input, not by every attention layer.
@@ -30,6 +31,9 @@ tested against.
 - :class:`Scores`: ``score(h, i, j)``, the bias as a scalar function, elementwise over
   broadcastable integer tensors of head, query position and key position: a fused kernel's score
   modifier (``backends/flex.py``). Every bias method of posenc offers it.
+- :class:`DistanceBias`: ``relative_bias(r) -> (H, *r.shape)``: a bias that depends on r = j - i
+  alone (KERPLE), so a backend needs one vector per head, not an (H, N, N) tensor
+  (``backends/explicit.py``).
 - :class:`RelativeBias`: ``relative_bias(r) -> (H, *r.shape)`` and ``bias_tails() -> BiasTails``:
   a bias that depends on r = j - i alone and, past some distance, is constant or linear in r (T5's
   last bucket, ALiBi), so far keys can go through a fused kernel (``backends/blocked.py``).
@@ -38,15 +42,21 @@ tested against.
   (Transformer-XL): one position key per distance (``backends/terms.py``).
 - :class:`BiasFeatures`: ``bias_features(q_positions, k_positions) -> (qf (H, Tq, F), kf (H, Tk,
   F))`` with ``bias = qf @ kf^T`` up to a per-query constant: an exactly low-rank bias that plain
-  SDPA runs as F extra features on q and k.
+  SDPA runs as F extra features on q and k (``backends/features.py``).
+- :class:`ContextualPositions`: ``contextual_positions() -> (table (P, D), gate_scale,
+  logit_scale)`` (CoPE): query terms that are q_i . table[p] * logit_scale interpolated at the
+  fractional position p_ij = min(sum_{t=j..i} sigmoid(q_i . k_t * gate_scale), P - 1); every key
+  whose count reaches P - 1 gets one per-query constant, so far keys are plain attention
+  (``backends/contextual.py``).
 
 Plain attributes complete the contract (see :class:`~posenc.encodings.base.PositionalEncoding`):
 ``max_positions``, ``shares_across_layers``, ``causal_only``, ``extrapolates``,
-``rotation_depends_on_length``.
+``rotation_depends_on_length``, ``shift_invariant``.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -106,6 +116,11 @@ class Scores(Protocol):
 
 
 @runtime_checkable
+class DistanceBias(Protocol):
+    def relative_bias(self, relative: torch.Tensor) -> torch.Tensor: ...
+
+
+@runtime_checkable
 class RelativeBias(Protocol):
     def relative_bias(self, relative: torch.Tensor) -> torch.Tensor: ...
 
@@ -129,10 +144,18 @@ class BiasFeatures(Protocol):
     def bias_features(self, q_positions: torch.Tensor, k_positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
+@runtime_checkable
+class ContextualPositions(Protocol):
+    def contextual_positions(self) -> tuple[torch.Tensor, float, float]: ...
+
+
 HOOKS: tuple[type, ...] = (Embeds, Rotates, Biases, QueryTerms, ValueTerms)
-CAPABILITIES: tuple[type, ...] = (Scores, RelativeBias, ClippedTables, DistanceKeys, BiasFeatures)
+CAPABILITIES: tuple[type, ...] = (
+    Scores, DistanceBias, RelativeBias, ClippedTables, DistanceKeys, BiasFeatures, ContextualPositions,
+)
 
 
+@functools.cache  # a Protocol's members never change; offers() runs several times per layer and step
 def members(capability: type) -> tuple[str, ...]:
     """The method names a hook or capability Protocol asks for."""
     return tuple(name for name, value in vars(capability).items() if not name.startswith("_") and callable(value))
@@ -142,8 +165,7 @@ def offers(encoding: object, capability: type) -> bool:
     """True when ``encoding`` implements every method of ``capability`` (one of :data:`HOOKS` or
     :data:`CAPABILITIES`).
 
-    Stricter than ``isinstance`` with a runtime-checkable Protocol, which only asks that the
-    attributes exist: a subclass can switch a hook off by setting it to None.
+    A subclass can switch a hook off by setting it to None; every method must be callable.
     """
     if capability not in HOOKS and capability not in CAPABILITIES:
         raise TypeError(f"capability must be one of {[c.__name__ for c in HOOKS + CAPABILITIES]}, got {capability!r}")
@@ -151,6 +173,7 @@ def offers(encoding: object, capability: type) -> bool:
 
 
 __all__ = [
-    "CAPABILITIES", "HOOKS", "BiasFeatures", "BiasTails", "Biases", "ClippedTables", "DistanceKeys", "Embeds",
+    "CAPABILITIES", "HOOKS", "BiasFeatures", "BiasTails", "Biases", "ClippedTables", "ContextualPositions", "DistanceBias", "DistanceKeys",
+    "Embeds",
     "QueryTerms", "RelativeBias", "Rotates", "Scores", "ValueTerms", "members", "offers",
 ]

@@ -140,6 +140,7 @@ class RoPE(PositionalEncoding):
     name = "rope"
     description = "rotates q and k by position-dependent angles (Su et al. 2021, RoFormer); HF scalings"
     extrapolates = True  # runs at any length, degrading past the training length
+    shift_invariant = True  # depends on i - j only (rotation_depends_on_length switches it off)
 
     def __init__(
         self,

@@ -20,16 +20,17 @@ from .base import PositionalEncoding
 
 
 def sinusoidal_table(positions: torch.Tensor, dim: int, base: float = 10000.0) -> torch.Tensor:
-    """(T, dim) float32 table for integer ``positions`` (T,); interleaved sin/cos as in the paper."""
+    """(..., dim) float32 table for integer ``positions`` of any shape, e.g. (T,) or (B, T) (each
+    row its own positions); interleaved sin/cos as in the paper."""
     if dim % 2:
         raise UsageError(f"the sinusoidal table needs an even dim, got {dim}")
     # Angles in float32 from integer positions: exact for positions below 2^24.
     inv_freq = torch.exp(
         torch.arange(0, dim, 2, dtype=torch.float32, device=positions.device) * (-math.log(base) / dim)
     )  # (dim/2,)
-    angles = positions.to(torch.float32)[:, None] * inv_freq[None, :]  # (T, dim/2)
-    table = torch.stack((angles.sin(), angles.cos()), dim=-1)  # (T, dim/2, 2)
-    return table.flatten(-2)  # (T, dim)
+    angles = positions.to(torch.float32)[..., None] * inv_freq  # (..., dim/2)
+    table = torch.stack((angles.sin(), angles.cos()), dim=-1)  # (..., dim/2, 2)
+    return table.flatten(-2)  # (..., dim)
 
 
 class Sinusoidal(PositionalEncoding):
@@ -51,7 +52,7 @@ class Sinusoidal(PositionalEncoding):
         self.scale_embeddings = bool(scale_embeddings)
 
     def embed(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        # x: (B, T, dim), positions: (T,)
+        # x: (B, T, dim), positions: (T,) shared or (B, T) per row (left-padded generation)
         if self.scale_embeddings:
             x = x * math.sqrt(self.dim)
         return x + sinusoidal_table(positions, self.dim, self.base).to(x.dtype)

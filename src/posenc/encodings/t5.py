@@ -80,6 +80,7 @@ class T5Bias(PositionalEncoding):
     name = "t5"
     description = "learned scalar bias per head and log-spaced relative-distance bucket (Raffel et al. 2020)"
     extrapolates = True
+    shift_invariant = True  # positions enter as i - j only
     shares_across_layers = True
 
     def __init__(

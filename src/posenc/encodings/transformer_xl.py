@@ -46,6 +46,7 @@ class TransformerXL(PositionalEncoding):
     name = "transformer_xl"
     description = "sinusoidal relative R, position key projection, global biases u, v (Dai et al. 2019)"
     extrapolates = True
+    shift_invariant = True  # positions enter as i - j only
     shares_across_layers = False  # W_R and u, v per layer
 
     def __init__(self, num_heads: int, head_dim: int, causal: bool = True) -> None:

@@ -55,6 +55,7 @@ class XPos(PositionalEncoding):
     description = "RoPE with a per-frequency decay of q.k with distance (Sun et al. 2022); causal only"
     extrapolates = True
     causal_only = True
+    shift_invariant = True  # scores depend on i - j only (one shared centre moves q and k alike)
 
     def __init__(
         self,

@@ -9,9 +9,9 @@ harness, rounds, ratios, tables and plots stay as they are.
 
 from __future__ import annotations
 
-from . import attention, model
+from . import attention, decode, model
 from .base import Level, Refused, Workload
 
-LEVELS: dict[str, Level] = {m.LEVEL.name: m.LEVEL for m in (attention, model)}
+LEVELS: dict[str, Level] = {m.LEVEL.name: m.LEVEL for m in (attention, model, decode)}
 
 __all__ = ["LEVELS", "Level", "Refused", "Workload"]

@@ -1,0 +1,244 @@
+"""Bias attention with a hand-written backward, per block of queries: the ``blocked`` backend's path
+for biases without affine tails (KERPLE, FIRE, any bias method). A helper module, not a backend.
+
+Forward: per block of ``BLOCK`` queries, the CPU flash kernel with the block's (H, C, L) bias as
+its additive mask (L: the keys the block may see; the causal staircase is -inf in the mask), which
+returns the output and the log-sum-exp. Backward, per block: the probabilities recomputed from the
+saved log-sum-exp, ``dS = P (dP - D)`` written out, and dq, dk, dv from it, as flash attention's
+backward does; dS is also the bias's gradient, which goes to the encoding's parameters. Memory is
+O(H x C x N) per step, never (H, N, N); nothing but q, k, v, the output and the log-sum-exp is saved.
+The fused kernel has no gradient for its mask, which is why the backward is written out here.
+
+Two ways to build the block's bias and return its gradient, from what the encoding offers:
+
+- :class:`~posenc.encodings.protocol.DistanceBias` (``relative_bias(r)``: the bias depends on
+  r = j - i alone, KERPLE): one vector ``E[t] = f(r_lo + t)`` per head for every r of the call (the
+  future set to -inf for a decoder). With the block's query rows taken in reverse order, the bias of
+  (row a', key b) is ``E[start + a' + b]``: an overlapping strided *view* of E, no copy, which the
+  kernel reads as its mask. In the backward, dS of the block is written into a zeroed buffer along
+  its anti-diagonals and summed over rows, giving dE (the sum of dS per relative position); autograd
+  takes it from E back to the parameters.
+- any bias (``bias(q_positions, k_positions)``, FIRE): the block's slice computed by the encoding,
+  once without a gradient for the forward, and again in the backward with autograd on, which then
+  turns dS into the parameters' gradients (``torch.autograd.grad``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..encodings.protocol import DistanceBias, offers
+from .base import ScoreSpec, accumulation_dtype, needs_grad
+from .regions import flushed, kernel_forward, up
+
+BLOCK = 64  # query rows per block: temporaries are (B, H, BLOCK, keys)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec, block: int | None = None) -> torch.Tensor:
+    """Bias attention for consecutive positions (query a is key a + offset)."""
+    block = BLOCK if block is None else block
+    offset = int(spec.q_positions[0]) - int(spec.k_positions[0])  # query a is key a + offset
+    geometry = _Geometry(q.shape[-2], k.shape[-2], offset, spec.causal, spec.scale, block)
+    enc = spec.encoding
+    if offers(enc, DistanceBias):
+        r = torch.arange(geometry.r_lo, geometry.r_hi + 1, device=q.device)  # every r = key - query of the call
+        table = enc.relative_bias(r)  # (H, R)
+        if spec.causal:
+            table = table.masked_fill(r > 0, float("-inf"))  # the future, as part of the mask
+        return _Relative.apply(q, k, v, table.to(accumulation_dtype(q.dtype)), geometry)
+    params = [p for p in enc.parameters() if p.requires_grad] if needs_grad(spec, q, k, v) else []
+    return _Generic.apply(q, k, v, spec, geometry, *params)
+
+
+class _Geometry:
+    """Blocks of queries and the keys each may see; r = key position - query position."""
+
+    def __init__(self, tq: int, tk: int, offset: int, causal: bool, scale: float, block: int) -> None:
+        self.tq, self.tk, self.offset, self.causal, self.scale = tq, tk, offset, causal, scale
+        self.block = block
+        self.r_lo = -(tq - 1) - offset  # key 0 against the last query
+        self.r_hi = tk - 1 - offset  # the last key against query 0
+
+    def blocks(self):
+        """(a0, a1, keys): query rows a0..a1-1 see keys 0..keys-1 (a decoder: up to the last row).
+        Last block first: a decoder's blocks then shrink, so each block's temporaries can reuse the
+        memory the one before has just freed."""
+        for a0 in reversed(range(0, self.tq, self.block)):
+            a1 = min(a0 + self.block, self.tq)
+            keys = min(self.tk, max(1, a1 + self.offset)) if self.causal else self.tk
+            yield a0, a1, keys
+
+
+# ---------------------------------------------------------------------------------------------
+# The explicit backward of one block, shared by both paths
+
+
+class _Workspace:
+    """Buffers that every block of one backward reuses. On CPU a fresh (B, H, C, keys) tensor per
+    operation costs several times the operation itself (new pages, cold caches; measured here at
+    4 MB: ~4x for an elementwise op, 2-5x for a matrix product); views of one buffer stay warm."""
+
+    def __init__(self, numel: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.numel, self.dtype, self.device = numel, dtype, device
+        self.buffers: dict[str, torch.Tensor] = {}
+
+    def take(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        """A contiguous tensor of ``shape`` in buffer ``name`` (its old contents)."""
+        buf = self.buffers.get(name)
+        if buf is None:
+            buf = self.buffers[name] = torch.empty(self.numel, dtype=self.dtype, device=self.device)
+        return buf[: math.prod(shape)].view(shape)
+
+
+def _add_product(target: torch.Tensor, a: torch.Tensor, b: torch.Tensor, alpha: float = 1.0) -> None:
+    """target += alpha a @ b, accumulated by the matrix product itself when target allows a 3-d view."""
+    try:
+        flat = target.view(-1, *target.shape[-2:])
+    except RuntimeError:  # not one stride per batch: a temporary
+        target.add_(torch.matmul(a, b), alpha=alpha)
+        return
+    flat.baddbmm_(a.reshape(-1, *a.shape[-2:]), b.reshape(-1, *b.shape[-2:]), alpha=alpha)
+
+
+def _block_grads(ws: _Workspace, p, dout_c, total_c, q_c, k_c, v_c, scale, dk, dv):
+    """p: probabilities (B, H, C, L), in workspace memory. Adds the block's dk, dv (keys 0..L-1)
+    and returns dS (in p's memory) and the block's dq."""
+    _add_product(dv, p.transpose(-1, -2), dout_c)  # dv += P^T dO
+    dp = torch.matmul(dout_c, v_c.transpose(-1, -2), out=ws.take("dp", p.shape))  # (B, H, C, L)
+    ds = p.mul_(dp.sub_(total_c[..., None]))  # dS = P (dP - D)
+    dq_c = torch.matmul(ds, k_c).mul_(scale)  # (B, H, C, D)
+    _add_product(dk, ds.transpose(-1, -2), q_c, alpha=scale)
+    return ds, dq_c
+
+
+def _scores(ws: _Workspace, q_c, k_c, scale, bias, lse_c):
+    """exp(q k^T * scale + bias - lse): the block's probabilities, in workspace memory."""
+    s = torch.matmul(q_c, k_c.transpose(-1, -2), out=ws.take("s", (*q_c.shape[:-1], k_c.shape[-2])))
+    return s.mul_(scale).add_(bias).sub_(lse_c[..., None]).exp_()  # (B, H, C, L)
+
+
+# ---------------------------------------------------------------------------------------------
+# Relative biases: strided views of one vector per head
+
+
+def _view(table: torch.Tensor, g: _Geometry, a0: int, a1: int, keys: int) -> torch.Tensor:
+    """The (1, H, C, keys) bias of rows a1-1 .. a0 (reversed) as a view of ``table`` (H, R)."""
+    c = a1 - a0
+    # reversed row a' is query a1 - 1 - a'; r = b - (a1 - 1 - a') - offset, index r - r_lo.
+    start = g.tq - a1  # = -(a1 - 1 + offset) - r_lo
+    return table.as_strided((1, table.shape[0], c, keys), (0, table.stride(0), 1, 1), table.storage_offset() + start)
+
+
+class _Relative(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, table, g: _Geometry):
+        table = table.contiguous()
+        out, lse = flushed(_relative_forward, q, k, v, table, g)
+        ctx.g = g
+        ctx.save_for_backward(q, k, v, table, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        grads = flushed(_relative_backward, ctx.g, dout, *ctx.saved_tensors, ctx.needs_input_grad[3])
+        return (*grads, None)
+
+
+def _relative_forward(q, k, v, table, g: _Geometry):
+    out = torch.empty(*q.shape[:-1], v.shape[-1], dtype=q.dtype, device=q.device)  # (B, H, Tq, Dv)
+    lse = torch.empty(q.shape[:-1], dtype=accumulation_dtype(q.dtype), device=q.device)  # (B, H, Tq)
+    for a0, a1, keys in g.blocks():
+        mask = _view(table, g, a0, a1, keys).to(q.dtype)
+        o, l = kernel_forward(q[:, :, a0:a1].flip(-2), k[:, :, :keys], v[:, :, :keys], False, g.scale, mask)
+        out[:, :, a0:a1], lse[:, :, a0:a1] = o.flip(-2), l.flip(-1)
+    return out, lse
+
+
+def _relative_backward(g: _Geometry, dout, q, k, v, table, out, lse, need_table: bool):
+    dout = dout.contiguous()
+    acc = accumulation_dtype(q.dtype)
+    total = (up(dout) * up(out)).sum(-1)  # (B, H, Tq): D_i = dO_i . O_i
+    dq, dk, dv = (torch.zeros(x.shape, dtype=acc, device=x.device) for x in (q, k, v))
+    dtable = torch.zeros_like(table) if need_table else None
+    b, h = q.shape[:2]
+    ws = _Workspace(b * h * min(g.block, g.tq) * (g.tk + min(g.block, g.tq)), acc, q.device)
+    for a0, a1, keys in g.blocks():
+        c = a1 - a0
+        q_c, dout_c = up(q[:, :, a0:a1].flip(-2)), up(dout[:, :, a0:a1].flip(-2))  # reversed rows
+        k_c, v_c = up(k[:, :, :keys]), up(v[:, :, :keys])
+        p = _scores(ws, q_c, k_c, g.scale, _view(table, g, a0, a1, keys), lse[:, :, a0:a1].flip(-1))
+        total_c = total[:, :, a0:a1].flip(-1)
+        ds, dq_c = _block_grads(ws, p, dout_c, total_c, q_c, k_c, v_c, g.scale, dk[:, :, :keys], dv[:, :, :keys])
+        dq[:, :, a0:a1] = dq_c.flip(-2)
+        if dtable is not None:
+            # Row a', key b reads table[start + a' + b]: write dS along anti-diagonals, sum the rows.
+            width = c + keys - 1
+            buf = ws.take("diagonals", (h, c, width)).zero_()  # (H, C, C + L - 1)
+            diagonal = buf.as_strided((h, c, keys), (buf.stride(0), width + 1, 1))
+            diagonal.copy_(ds.sum(0) if ds.shape[0] > 1 else ds[0])
+            start = g.tq - a1
+            dtable[:, start : start + width] += buf.sum(1)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dtable
+
+
+# ---------------------------------------------------------------------------------------------
+# Any bias: the encoding's slice per block, differentiated by autograd in the backward
+
+
+def _block_bias(enc, spec: ScoreSpec, g: _Geometry, a0: int, a1: int, keys: int, dtype: torch.dtype) -> torch.Tensor:
+    """The (H, C, keys) bias of rows a0..a1-1, with -inf on the causal staircase."""
+    qp, kp = spec.q_positions[a0:a1], spec.k_positions[:keys]
+    bias = enc.bias(qp, kp).to(dtype)  # (H, C, L)
+    if g.causal:  # only the last C keys can be ahead of a row of the block
+        first = max(0, keys - (a1 - a0))
+        bias[:, :, first:].masked_fill_(kp[None, None, first:] > qp[None, :, None], float("-inf"))
+    return bias
+
+
+class _Generic(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, spec: ScoreSpec, g: _Geometry, *params):
+        out, lse = flushed(_generic_forward, q, k, v, spec, g)
+        ctx.spec, ctx.g, ctx.n_params = spec, g, len(params)
+        ctx.save_for_backward(q, k, v, out, lse, *params)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse, *params = ctx.saved_tensors
+        spec, g = ctx.spec, ctx.g
+        dout = dout.contiguous()
+        total = (up(dout) * up(out)).sum(-1)  # (B, H, Tq)
+        acc = accumulation_dtype(q.dtype)
+        dq, dk, dv = (torch.zeros(x.shape, dtype=acc, device=x.device) for x in (q, k, v))
+        dparams = [torch.zeros_like(p) for p in params]
+        ws = _Workspace(q.shape[0] * q.shape[1] * min(g.block, g.tq) * g.tk, acc, q.device)
+        for a0, a1, keys in g.blocks():
+            # The bias with autograd here; the kernel-like loop in the flushing thread.
+            with torch.enable_grad():
+                bias = _block_bias(spec.encoding, spec, g, a0, a1, keys, acc)  # (H, C, L)
+            ds, dq[:, :, a0:a1] = flushed(_generic_block, ws, g, bias.detach(), dout, total, q, k, v, lse, a0, a1, keys, dk, dv)
+            if params:
+                ds_sum = ds.sum(0) if ds.shape[0] > 1 else ds[0]  # (H, C, L): the bias is shared by the batch
+                for acc_p, gp in zip(dparams, torch.autograd.grad(bias, params, ds_sum, allow_unused=True)):
+                    if gp is not None:
+                        acc_p += gp
+        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, *dparams)
+
+
+def _generic_forward(q, k, v, spec: ScoreSpec, g: _Geometry):
+    out = torch.empty(*q.shape[:-1], v.shape[-1], dtype=q.dtype, device=q.device)
+    lse = torch.empty(q.shape[:-1], dtype=accumulation_dtype(q.dtype), device=q.device)
+    for a0, a1, keys in g.blocks():
+        mask = _block_bias(spec.encoding, spec, g, a0, a1, keys, q.dtype)[None]  # (1, H, C, L)
+        out[:, :, a0:a1], lse[:, :, a0:a1] = kernel_forward(q[:, :, a0:a1], k[:, :, :keys], v[:, :, :keys], False, g.scale, mask)
+    return out, lse
+
+
+def _generic_block(ws: _Workspace, g: _Geometry, bias, dout, total, q, k, v, lse, a0, a1, keys, dk, dv):
+    q_c, dout_c = up(q[:, :, a0:a1]), up(dout[:, :, a0:a1])
+    k_c, v_c = up(k[:, :, :keys]), up(v[:, :, :keys])
+    p = _scores(ws, q_c, k_c, g.scale, bias, lse[:, :, a0:a1])
+    return _block_grads(ws, p, dout_c, total[:, :, a0:a1], q_c, k_c, v_c, g.scale, dk[:, :, :keys], dv[:, :, :keys])

@@ -1,0 +1,46 @@
+"""Left padding for the fast backends: a padded call is split into unpadded calls, row by row.
+
+Generation in batches left-pads prompts of different lengths: row b's real tokens start at
+position ``starts[b]`` and its keys before it are hidden from its real queries (a padding query sees
+the padding before it, see :class:`~posenc.backends.base.ScoreSpec`). For one row that is two
+ordinary causal calls, each over consecutive positions whose keys end at its last query: the real
+queries against the real keys, the padding queries against the padding keys. So every backend
+that can run an unpadded causal call runs a padded one exactly, with no (B, Tq, Tk) mask and no new
+kernel: this is the path for several queries (a batched prefill); one query (a decode step) takes
+the single-query path, where padding is one additive mask per row (``backends/single.py``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import torch
+
+from .base import ScoreSpec
+
+
+def splittable(spec: ScoreSpec) -> bool:
+    """A padded call the row split can run: causal, queries the last keys (a prefill or a cached step)."""
+    return spec.causal and spec.aligned
+
+
+def by_rows(attend: Callable, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec) -> torch.Tensor:
+    """``attend`` (an unpadded backend function) over each row's padding part and real part: (B, H, Tq, D)."""
+    qp, kp = spec.q_positions, spec.k_positions
+    rows = []
+    for b, start in enumerate(spec.starts.tolist()):
+        nq = int((qp < start).sum())  # padding queries come first (positions increase)
+        nk = int((kp < start).sum())
+        parts = []
+        for q_part, k_part in ((slice(0, nq), slice(0, nk)), (slice(nq, None), slice(nk, None))):
+            q_row = q[b : b + 1, :, q_part]
+            if q_row.shape[-2] == 0:
+                continue
+            part = dataclasses.replace(spec, q_positions=qp[q_part], k_positions=kp[k_part], starts=None, workspace=None)
+            parts.append(attend(q_row, k[b : b + 1, :, k_part], v[b : b + 1, :, k_part], part))
+        rows.append(parts[0] if len(parts) == 1 else torch.cat(parts, dim=-2))
+    return torch.cat(rows, dim=0)  # (B, H, Tq, D)
+
+
+__all__ = ["by_rows", "splittable"]

@@ -1,0 +1,206 @@
+"""One query against a KV cache: what every decode step is, without the full-sequence machinery.
+
+For a single query at position i the score terms of the bias methods are one value per key, a
+vector: ALiBi's ``-m_h (i - j)``, T5's table at the bucket of ``j - i``. So a decode step is plain
+attention plus that vector as the kernel's additive mask (``F.scaled_dot_product_attention``, the
+CPU flash kernel): no band planning, no regions, no (H, N, N) anything.
+
+The vector is not even rebuilt per step. For an encoding that offers ``relative_bias`` (a bias of
+r = j - i alone), :class:`Workspace` keeps ``f_h(r)`` for r = -(C-1)..0 once, in *reversed* order
+(slot t holds r = t - (C-1)), so the keys 0..i of query i are the slots C-1-i..C-1: one contiguous
+view, the same values eager computes (``relative_bias`` is ``score(h, 0, r)``). It is rebuilt only
+when the cache outgrows C (doubling: O(1) per step amortized) or the encoding's parameters change
+(their version counters are part of the key), so decoding allocates nothing that grows with N but
+the cache itself. Left padding adds ``-inf`` on each row's padding keys from a (B, C) buffer made
+once; bias and padding are summed into a scratch buffer in place.
+
+The methods with query and value terms get the same treatment (the ``terms`` backend calls them):
+
+- Shaw (``clipped_tables``): one query's keys farther than the clip k all use table row 0, so they
+  are plain attention whose log-sum-exp is shifted by ``q . a^K_0`` and whose output gains
+  ``a^V_0``: one fused call over the far keys, the last k + 1 keys written out, merged by their
+  log-sum-exps (:func:`shaw`).
+- Transformer-XL (``distance_key_form``): the position term ``(q + v) . W_R R_{i-j}`` is one position
+  key per distance; the workspace keeps them for distances C-1..0 (reversed, as above, extended
+  only when the cache doubles), so a step is one product of the query with a view of them, written
+  into the scratch buffer, and one fused call with it as the mask (:func:`distance_keys`).
+
+The workspace belongs to a KV cache (one for all layers of a model; shared encodings share their
+entries); a lone call gets a fresh one, which then allocates as any call would.
+
+Shape legend: B batch, H heads, C workspace capacity, Tk keys, D head dim.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..encodings.protocol import DistanceBias, offers
+from .base import ScoreSpec, accumulation_dtype, needs_grad
+from .regions import kernel_forward
+
+
+class Workspace:
+    """Buffers the single-query paths keep between decode steps, each rebuilt when its key changes.
+
+    ``capacity`` follows the KV cache that owns the workspace (the largest number of keys a step
+    can have until the cache grows); a call with more keys raises it to the next power of two.
+    """
+
+    def __init__(self, capacity: int = 0) -> None:
+        self.capacity = capacity
+        self._entries: dict[tuple, tuple[tuple, object]] = {}
+        self._held: dict[int, nn.Module] = {}  # encodings whose id keys an entry (ids stay unique)
+
+    def fit(self, keys: int) -> int:
+        """The capacity, raised to hold ``keys`` keys if needed."""
+        if keys > self.capacity:
+            self.capacity = 1 << max(keys - 1, 1).bit_length()
+        return self.capacity
+
+    def get(self, name: tuple, key: tuple, make: Callable[[], object]):
+        """The entry ``name``, made again when ``key`` differs from the one it was made with."""
+        hit = self._entries.get(name)
+        if hit is None or hit[0] != key:
+            with torch.no_grad():
+                hit = self._entries[name] = (key, make())
+        return hit[1]
+
+    def hold(self, encoding: nn.Module) -> int:
+        self._held[id(encoding)] = encoding
+        return id(encoding)
+
+    def scratch(self, b: int, h: int, tk: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A (B, H, 1, Tk) view, to be written in place, of a contiguous (H, B, Tk) prefix of a flat
+        buffer of H x B x C (a kernel writing into a strided output may take a slow path)."""
+        c = self.fit(tk)
+        buf = self.get(("scratch",), (b, h, c, dtype, device), lambda: torch.empty(h * b * c, dtype=dtype, device=device))
+        return buf[: h * b * tk].view(h, b, tk).permute(1, 0, 2)[:, :, None, :]  # (B, H, 1, Tk)
+
+
+def versions(module: nn.Module) -> tuple:
+    """What a buffer made from ``module``'s parameters depends on: their identities and versions."""
+    return tuple((id(p), p._version) for p in module.parameters())
+
+
+def applies(spec: ScoreSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """One query at the last key's position (a decode step), every row's query a real token, and no
+    gradient to compute (the workspace's buffers are made without autograd)."""
+    if q.dim() != 4 or q.shape[-2] != 1 or k.dim() != 4 or k.shape[-2] == 0 or not spec.consecutive or spec.q_positions.numel() != 1:
+        return False
+    if int(spec.q_positions[0]) != int(spec.k_positions[-1]) or needs_grad(spec, q, k, v):
+        return False
+    return spec.starts is None or int(spec.q_positions[0]) >= padding(spec, k.shape[-2], q.dtype, q.device)[1]
+
+
+def workspace(spec: ScoreSpec) -> Workspace:
+    return spec.workspace if spec.workspace is not None else Workspace()
+
+
+def padding(spec: ScoreSpec, tk: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor | None, int]:
+    """(additive key mask (B, 1, 1, Tk): -inf on each row's padding keys, or None; the last start)."""
+    if spec.starts is None:
+        return None, 0
+    ws, ks = workspace(spec), int(spec.k_positions[0])
+    c = ws.fit(ks + tk)
+
+    def make():
+        slots = torch.arange(c, device=device)  # (C,) key positions
+        hidden = slots[None, :] < spec.starts.to(device)[:, None]  # (B, C)
+        mask = torch.zeros(hidden.shape, dtype=dtype, device=device).masked_fill_(hidden, float("-inf"))
+        return mask, int(spec.starts.max())
+
+    key = (tuple(spec.starts.tolist()), c, dtype, device)
+    mask, last = ws.get(("padding",), key, make)
+    return mask[:, None, None, ks : ks + tk], last
+
+
+def relative_vector(spec: ScoreSpec, tk: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The bias of the one query for keys ks..i, (1, H, 1, Tk): a view of the reversed f(r) table
+    for an encoding whose bias depends on r = j - i alone (:class:`DistanceBias`: ALiBi, T5, KERPLE,
+    Sandwich); ``bias`` computed for this step otherwise (FIRE: its bias depends on i too)."""
+    enc = spec.encoding
+    if not offers(enc, DistanceBias):
+        return enc.bias(spec.q_positions, spec.k_positions).to(dtype)[None]  # (1, H, 1, Tk)
+    ws = workspace(spec)
+    c = ws.fit(tk)
+    name = ("relative", ws.hold(enc))
+    rel = ws.get(name, (c, dtype, device, versions(enc)), lambda: enc.relative_bias(torch.arange(1 - c, 1, device=device)).to(dtype))
+    return rel[:, c - tk :][None, :, None, :]  # (1, H, 1, Tk): slot c-1 is r = 0, the query itself
+
+
+def mask(spec: ScoreSpec, terms: torch.Tensor | None, b: int, h: int, tk: int, dtype: torch.dtype, device: torch.device):
+    """``terms`` (a (B or 1, H, 1, Tk) score term, or None) plus the padding mask: a view, or the
+    workspace's scratch written in place."""
+    pad, _ = padding(spec, tk, dtype, device)
+    if pad is None or terms is None:
+        return terms if pad is None else pad
+    out = workspace(spec).scratch(b, h, tk, dtype, device)
+    return torch.add(terms, pad, out=out)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec) -> torch.Tensor:
+    """One query, no score terms or a bias: fused attention with the bias vector as its mask."""
+    b, h, _, _ = q.shape
+    tk = k.shape[-2]
+    bias = relative_vector(spec, tk, q.dtype, q.device) if spec.has_bias else None
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask(spec, bias, b, h, tk, q.dtype, q.device), scale=spec.scale)
+
+
+def shaw(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec) -> torch.Tensor:
+    """One query of Shaw et al. (2018) attention: far keys in one fused call, the band written out."""
+    clip, key_table, value_table, term_scale = spec.encoding.clipped_tables()
+    tk, acc = k.shape[-2], accumulation_dtype(q.dtype)
+    per_distance = torch.matmul(q, (key_table.to(q.dtype) * term_scale).t())  # (B, H, 1, 2k+1)
+    values = value_table.to(q.dtype)
+    pad, _ = padding(spec, tk, q.dtype, q.device)
+    width = min(clip + 1, tk)  # band: r = -(width-1)..0, table rows clip-width+1..clip
+    far = tk - width  # keys 0..far-1: r < -clip, table row 0
+    rows = slice(clip - width + 1, clip + 1)
+    scores = (torch.matmul(q, k[:, :, far:].transpose(-1, -2)) * spec.scale + per_distance[..., rows]).to(acc)  # (B, H, 1, w)
+    if pad is not None:
+        scores = scores + pad[..., far:]
+    lse = torch.logsumexp(scores, dim=-1)  # (B, H, 1); never empty: the query sees itself
+    probs = torch.exp(scores - lse[..., None]).to(q.dtype)
+    out = (torch.matmul(probs, v[:, :, far:]) + torch.matmul(probs, values[rows])).to(acc)  # (B, H, 1, D)
+    if far == 0:
+        return out.to(q.dtype)
+    o_far, l_far = kernel_forward(q, k[:, :, :far], v[:, :, :far], False, spec.scale, None if pad is None else pad[..., :far])
+    l_far = l_far.to(acc) + per_distance[..., 0].to(acc)  # (B, H, 1): every far key's term is q . a^K_0
+    if spec.starts is not None:  # a row whose far keys are all padding has no far part
+        empty = spec.starts.to(q.device) > int(spec.k_positions[far - 1])  # (B,)
+        l_far = l_far.masked_fill(empty[:, None, None], float("-inf"))
+    total = torch.logaddexp(lse, l_far)
+    out = out * torch.exp(lse - total)[..., None] + (o_far + values[0]).to(acc) * torch.exp(l_far - total)[..., None]
+    return out.to(q.dtype)
+
+
+def distance_keys(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec) -> torch.Tensor:
+    """One query of Transformer-XL (Dai et al. 2019) attention: the position term from the kept
+    position keys, one fused call with it as the mask."""
+    enc = spec.encoding
+    u, v_bias, term_scale = enc.distance_key_form()
+    b, h, _, d = q.shape
+    tk = k.shape[-2]
+    ws = workspace(spec)
+    c = ws.fit(tk)
+    name = ("position_keys", ws.hold(enc))
+    keys = ws.get(name, (c, q.dtype, q.device, versions(enc)),
+                  lambda: enc.position_keys(torch.arange(c - 1, -1, -1, device=q.device), q.dtype))  # (H, C, D): slot t is distance C-1-t
+    # (a) + (c): q.k*scale + u.k*s = (q*scale + u*s).k ; (b) + (d): (q + v).W_R R_{i-j} * s.
+    content = q * spec.scale + (u.to(q.dtype) * term_scale)[:, None, :]  # (B, H, 1, D)
+    position = (q + v_bias.to(q.dtype)[:, None, :]) * term_scale
+    terms = ws.scratch(b, h, tk, q.dtype, q.device)  # (B, H, 1, Tk), written below
+    flat = terms[:, :, 0].permute(1, 0, 2)  # (H, B, Tk): the scratch's own layout
+    torch.bmm(position[:, :, 0].transpose(0, 1), keys[:, c - tk :].transpose(-1, -2), out=flat)  # keys ks..i: distances i-ks..0
+    pad, _ = padding(spec, tk, q.dtype, q.device)
+    if pad is not None:
+        terms.add_(pad)
+    return F.scaled_dot_product_attention(content, k, v, attn_mask=terms, scale=1.0)
+
+
+__all__ = ["Workspace", "applies", "attend", "distance_keys", "mask", "padding", "relative_vector", "shaw", "versions"]

@@ -1,0 +1,225 @@
+"""KV caches for incremental decoding: preallocated, grown by doubling, written in place.
+
+A :class:`LayerCache` holds one attention layer's keys and values in buffers of shape
+(B, H, capacity, D). Appending writes the new tokens into the free slots, so a decode step costs
+O(B x H x D) instead of copying the whole cache (``torch.cat`` at every step, the old behaviour); when
+the buffers are full they are reallocated at twice the capacity (or what is needed, if more), so T
+appended tokens cost O(T) copies in all. ``crop(length)`` forgets the last tokens (speculative or
+beam decoding) and ``reset()`` all of them, keeping the memory.
+
+While autograd records (the new keys or values require grad), appends concatenate instead, as the
+old cache did: the tensors an earlier step saved for its backward must not be overwritten.
+
+A :class:`Cache` is the model's: one LayerCache per layer, the model that made it (a cache fed to
+another model is an error), the batch size and, for generation in batches, each row's *left
+padding*. With left padding, row b's first ``padding[b]`` slots hold padding tokens; its real tokens
+start at position ``starts[b] = padding[b]`` of the positions the batch shares. Padding keys are
+hidden from every real query (see :class:`posenc.backends.base.ScoreSpec` ``starts``).
+
+Shape legend: B batch, H heads, C capacity, T tokens, D head dim.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Sequence
+
+import torch
+from torch import nn
+
+from .backends.single import Workspace
+from .errors import UsageError
+
+MIN_CAPACITY = 16  # the first allocation holds at least this many tokens
+
+
+def check_padding(padding, batch_size: int) -> list[int] | None:
+    """``padding`` (B non-negative integers, a list or a 1-D tensor) as a list; None when no row is padded."""
+    if padding is None:
+        return None
+    if isinstance(padding, torch.Tensor):
+        if padding.dim() != 1 or padding.is_floating_point() or padding.is_complex():
+            raise UsageError(f"padding must be a 1-D integer tensor or a list of integers, got shape {tuple(padding.shape)}")
+        padding = padding.tolist()
+    padding = list(padding)
+    if len(padding) != batch_size or any(isinstance(p, bool) or not isinstance(p, int) or p < 0 for p in padding):
+        raise UsageError(f"padding must hold one integer >= 0 per row (batch_size={batch_size}), got {padding!r}")
+    return padding if any(padding) else None
+
+
+class LayerCache:
+    """Keys and values of one attention layer: (B, H, length, D) views of (B, H, capacity, D) buffers.
+
+    Keys are stored rotated, except for encodings whose rotation depends on the current length
+    (``rotation_depends_on_length``): the attention rotates those at every step.
+
+    Args:
+        capacity: reserve this many tokens at the first append (e.g. prompt + new tokens, so that
+            generation never reallocates); None: what the first append needs, at least MIN_CAPACITY.
+        padding: left padding of each row (B integers), or None.
+        workspace: buffers the single-query attention paths keep between steps (shared by the
+            layers of one model's cache); a new one when None.
+    """
+
+    def __init__(self, capacity: int | None = None, padding: Sequence[int] | None = None, workspace: Workspace | None = None) -> None:
+        self.k: torch.Tensor | None = None  # (B, H, C, D) buffer
+        self.v: torch.Tensor | None = None
+        self.length = 0
+        self.reserve = capacity
+        self.padding = None if padding is None else check_padding(padding, len(padding))
+        self.workspace = Workspace() if workspace is None else workspace
+        self.capacities: list[int] = []  # every capacity allocated, in order (tests read the growth)
+        self._positions: torch.Tensor | None = None  # arange(C): key positions, viewed, not rebuilt
+        self._starts: torch.Tensor | None = None
+        self._owner: weakref.ref | None = None
+
+    @property
+    def capacity(self) -> int:
+        return 0 if self.k is None else self.k.shape[-2]
+
+    def claim(self, owner: nn.Module) -> None:
+        """Record the layer that fills this cache; another one using it is a UsageError."""
+        if self._owner is None or self._owner() is None:
+            self._owner = weakref.ref(owner)
+        elif self._owner() is not owner:
+            raise UsageError("this cache belongs to another attention layer (make one cache per layer, or model.new_cache())")
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Add k, v (B, H, T, D) after the cached tokens; returns every key and value (B, H, length, D)."""
+        self._check(k, v)
+        end = self.length + k.shape[-2]
+        if torch.is_grad_enabled() and (k.requires_grad or v.requires_grad):
+            # Autograd keeps earlier views for the backward: new tensors, never a write into them.
+            old_k, old_v = (None, None) if self.k is None else (self.k[:, :, : self.length], self.v[:, :, : self.length])
+            self.k = k if old_k is None else torch.cat((old_k, k), dim=-2)
+            self.v = v if old_v is None else torch.cat((old_v, v), dim=-2)
+        else:
+            if end > self.capacity or not self._writable():
+                self._grow(end, k, v)
+            with torch.no_grad():
+                self.k[:, :, self.length : end] = k
+                self.v[:, :, self.length : end] = v
+        self.length = end
+        return self.k[:, :, :end], self.v[:, :, :end]
+
+    def _check(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        if self.k is None or self.length == 0:
+            if self.padding is not None and len(self.padding) != k.shape[0]:
+                raise UsageError(f"cache padding has {len(self.padding)} rows, the batch has {k.shape[0]}")
+            if self.k is not None and (self.k.shape[0], self.k.shape[1], self.k.shape[3]) != (k.shape[0], k.shape[1], k.shape[3]):
+                self.k = self.v = None  # reset, then another shape: start afresh
+            return
+        if k.shape[0] != self.k.shape[0]:
+            raise UsageError(f"cache holds batch_size={self.k.shape[0]} rows, got a batch of {k.shape[0]}")
+        if (k.shape[1], k.shape[3], v.shape[3]) != (self.k.shape[1], self.k.shape[3], self.v.shape[3]) or k.device != self.k.device:
+            raise UsageError(
+                f"cache holds keys of {self.k.shape[1]} heads x {self.k.shape[3]} features on {self.k.device}, "
+                f"got {k.shape[1]} x {k.shape[3]} on {k.device}"
+            )
+
+    def _writable(self) -> bool:
+        """The buffers may be written in place here (not part of a graph, not an inference tensor
+        outside inference mode)."""
+        if self.k.requires_grad or self.v.requires_grad:
+            return False
+        return torch.is_inference_mode_enabled() or not (self.k.is_inference() or self.v.is_inference())
+
+    def _grow(self, needed: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """New buffers of max(needed, twice the capacity, the reserve), the cached tokens copied."""
+        first = self.k is None
+        capacity = max(needed, 2 * self.capacity, self.reserve or 0, MIN_CAPACITY if first else 0)
+        b, h, _, d = k.shape
+        new_k = k.new_empty(b, h, capacity, d)  # (B, H, C, D)
+        new_v = v.new_empty(b, h, capacity, v.shape[-1])
+        if not first and self.length:
+            with torch.no_grad():
+                new_k[:, :, : self.length] = self.k[:, :, : self.length]
+                new_v[:, :, : self.length] = self.v[:, :, : self.length]
+        self.k, self.v = new_k, new_v
+        self.capacities.append(capacity)
+        self.workspace.capacity = max(self.workspace.capacity, capacity)
+
+    def positions(self, device: torch.device) -> torch.Tensor:
+        """Positions of the cached keys, 0..length-1 (a view of a buffer that grows with the cache)."""
+        size = max(self.capacity, self.length)
+        if self._positions is None or self._positions.numel() < size or self._positions.device != device:
+            self._positions = torch.arange(max(size, MIN_CAPACITY), device=device)
+        return self._positions[: self.length]
+
+    def starts(self, device: torch.device) -> torch.Tensor | None:
+        """(B,) position of each row's first real token (its left padding), or None without padding."""
+        if self.padding is None:
+            return None
+        if self._starts is None or self._starts.device != device:
+            self._starts = torch.tensor(self.padding, device=device)
+        return self._starts
+
+    def crop(self, length: int) -> None:
+        """Keep the first ``length`` tokens (0 <= length <= the cached length)."""
+        if isinstance(length, bool) or not isinstance(length, int) or not 0 <= length <= self.length:
+            raise UsageError(f"crop length must be an integer in [0, {self.length}] (the cached length), got {length!r}")
+        self.length = length
+
+    def reset(self, padding: Sequence[int] | None = None) -> None:
+        """Forget every token (the memory stays for the next sequence); ``padding`` for the new rows."""
+        self.length = 0
+        self.padding = None if padding is None else check_padding(padding, len(padding))
+        self._starts = None
+
+
+class Cache:
+    """The KV cache of one :class:`posenc.LM`: a :class:`LayerCache` per layer (see :meth:`LM.new_cache`).
+
+    Args:
+        model: the model it is made for (kept as a weak reference; another model refuses it).
+        depth: number of layers.
+        batch_size: rows B.
+        capacity: tokens to reserve per row (prompt + new tokens); None grows by doubling.
+        padding: left padding of each row (B integers >= 0), for prompts of different lengths.
+    """
+
+    def __init__(self, model: nn.Module, depth: int, batch_size: int, capacity: int | None = None, padding=None) -> None:
+        self._owner = weakref.ref(model)
+        self.batch_size = batch_size
+        self.padding = check_padding(padding, batch_size)
+        self.workspace = Workspace()
+        self.layers = [LayerCache(capacity, self.padding, self.workspace) for _ in range(depth)]
+
+    @property
+    def length(self) -> int:
+        """Tokens cached per row (padding included)."""
+        return self.layers[0].length if self.layers else 0
+
+    @property
+    def capacity(self) -> int:
+        return self.layers[0].capacity if self.layers else 0
+
+    def owned_by(self, model: nn.Module) -> bool:
+        return self._owner() is model
+
+    def crop(self, length: int) -> None:
+        """Keep the first ``length`` tokens of every row, in every layer."""
+        if isinstance(length, bool) or not isinstance(length, int) or not 0 <= length <= self.length:
+            raise UsageError(f"crop length must be an integer in [0, {self.length}] (the cached length), got {length!r}")
+        for layer in self.layers:
+            layer.crop(length)
+
+    def reset(self, padding=None) -> None:
+        """Forget every token, keep the memory; ``padding`` for the next rows (None: no padding)."""
+        self.padding = check_padding(padding, self.batch_size)
+        for layer in self.layers:
+            layer.reset(self.padding)
+
+    def starts(self, device: torch.device) -> torch.Tensor | None:
+        return self.layers[0].starts(device) if self.layers else None
+
+    def embed_positions(self, positions: torch.Tensor) -> torch.Tensor:
+        """Positions for ``embed`` (absolute methods): (T,) shared, or (B, T) each row counted from
+        its first real token when rows are left-padded (padding gets position 0, never attended)."""
+        starts = self.starts(positions.device)
+        if starts is None:
+            return positions
+        return (positions[None, :] - starts[:, None]).clamp(min=0)  # (B, T)
+
+
+__all__ = ["Cache", "LayerCache", "MIN_CAPACITY", "check_padding"]
