@@ -15,7 +15,7 @@ sequences has seen the positions of long ones. Evaluation uses 0..T-1 unless ``p
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
@@ -131,6 +131,17 @@ class LM(nn.Module):
     @property
     def max_length(self) -> int | None:
         return getattr(self.encoding, "max_positions", None)
+
+    def drop_positions(self) -> None:
+        """Stop using positions from now on (DroPE, Gelberg et al. 2025): the input embedding and
+        every attention get a parameter-free NoPE encoding, and ``config`` says ``nope``, so the model
+        is a NoPE model with the same other weights (saved and loaded as one). The old encoding's
+        parameters leave the model; an optimizer built before keeps them, without gradients."""
+        nope = build("nope", num_heads=self.config.num_heads, head_dim=self.config.head_dim, causal=self.config.causal)
+        self.encoding = nope
+        for block in self.blocks:
+            block.attn.encoding = nope
+        self.config = replace(self.config, encoding="nope", encoding_options={}, max_positions=None)
 
     def new_cache(self, batch_size: int, capacity: int | None = None, padding=None) -> Cache:
         """A KV cache for ``batch_size`` rows (:class:`posenc.cache.Cache`).

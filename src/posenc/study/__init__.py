@@ -4,20 +4,32 @@ Attention with Linear Biases Enables Input Length Extrapolation", arXiv:2108.124
 For each positional encoding: train a small byte-level decoder (:class:`posenc.LM`) at one length,
 then score the *same* validation tokens at every evaluation length, cut into windows of that length
 (non-overlapping, as the paper's main setting, or sliding with ``sliding=STRIDE``). A method that
-generalizes keeps its perplexity flat as the windows grow; one that does not gets worse.
+generalizes keeps its perplexity flat as the windows grow; one that does not gets worse. Every
+number carries a 95% bootstrap interval over the scored windows, and ``seeds=N`` trains each row N
+times. Flat perplexity does not show that a model *uses* far context (a recency-biased model keeps
+it flat by ignoring it): ``task="recall"`` measures that instead, the accuracy of fetching a value
+placed near, mid-sequence or far from its query.
 
     from posenc.study import StudyConfig, run_experiment
     results = run_experiment(StudyConfig.from_preset("smoke"), "runs/smoke")
 
 The modules, in the order a run meets them:
 
-    config.py      StudyConfig and PRESETS (the one source of the sizes)
+    config.py      StudyConfig and PRESETS (the one source of the sizes and of each preset's rows)
+    rows.py        what a row of ``methods`` is: METHOD[:KEY=VALUE][+VARIANT], the fair-table rule
     cli.py         the command line, derived from StudyConfig's fields
-    run.py         run_experiment: checks, then each method in turn, saved as it goes
+    run.py         run_experiment: checks, then every row at every seed, saved as it goes
+    execute.py     one row at one seed: train, fine-tune or load its model, score each length
     train.py       the training loop, optimizer and schedule, clean stop on Ctrl-C, RNG state
-    evaluation.py  windows and scoring at one length
+    variants.py    evaluation variants: RoPE scalings, blockwise attention
+    evaluation.py  windows and scoring at one length (perplexity, or recall accuracy)
+    recall.py      the associative-recall task: sequences, batches, evaluation sets
+    bootstrap.py   intervals from resampling the scored windows
+    fairness.py    position parameters an evaluation uses but training never updated
+    seeds.py       several seeds: the runs, their mean, interval and spread
     progress.py    bars or log lines
     results.py     the output directory's layout, results.json, CSV, markdown, figure
+    compare.py     two runs side by side (``posenc report RUN_A RUN_B``)
 
 Every file is written to a temporary name and renamed, so a kill at any moment leaves either the
 old or the new version; ``resume=True`` (``--resume``) continues from the last saved step and gives

@@ -45,21 +45,23 @@ def _preset_values(name: str) -> str:
 
 def add_study_arguments(p: argparse.ArgumentParser) -> None:
     presets = "; ".join(f"{name} ({text})" for name, text in PRESET_DESCRIPTIONS.items())
-    p.add_argument("--preset", choices=list(PRESETS), default=None, help=f"starting sizes: {presets} (default: default)")
+    p.add_argument("--preset", choices=list(PRESETS), default=None,
+                   help=f"starting sizes and rows: {presets} (default: default; recall with task recall)")
     hints = typing.get_type_hints(StudyConfig)
     for f in fields(StudyConfig):
         if f.name in _SPECIAL:
             continue
         kind, many = _option_type(hints[f.name])
         help_text = f.metadata.get("help", "")
-        if f.metadata.get("preset"):
+        if f.name == "methods":
+            help_text += (f"; per preset: {_preset_values(f.name)}; registered methods: {', '.join(available())}")
+        elif f.metadata.get("preset"):
             help_text += f" (per preset: {_preset_values(f.name)})"
-        elif f.name == "methods":
-            help_text = f"encodings to study (default: all of {', '.join(available())})"
         elif f.default is not None and not callable(f.default) and "default" not in help_text:
             help_text += f" (default {f.default})"
         p.add_argument(f"--{f.name.replace('_', '-')}", type=kind, nargs="+" if many else None,
-                       metavar=f.metadata.get("metavar"), default=None, help=help_text)
+                       metavar=f.metadata.get("metavar"), choices=f.metadata.get("choices"), default=None,
+                       help=help_text)
     p.add_argument("--out", default=None, help="output directory (default runs/PRESET)")
     p.add_argument("--resume", action="store_true", help="continue the study in --out: finished methods are skipped")
     p.add_argument("--threads", type=int, help="CPU threads for torch (default: 1 for smoke, else torch's choice)")
@@ -70,15 +72,14 @@ def config_from_args(args: argparse.Namespace, saved: dict | None = None) -> Stu
     """Preset defaults, then (when resuming) the saved run's config, then the options given."""
     names = [f.name for f in fields(StudyConfig) if f.name not in _SPECIAL]
     given = {k: getattr(args, k) for k in names if getattr(args, k, None) is not None}
-    preset = args.preset or (saved or {}).get("preset") or "default"
+    task_preset = "recall" if getattr(args, "task", None) == "recall" else None  # the task's own sizes
+    preset = args.preset or (saved or {}).get("preset") or task_preset or "default"
     base = dict(PRESETS.get(preset, {}))
     if saved is not None:
         base.update({k: v for k, v in saved.items() if k in names})
     base.update(given)
     if "device" not in base:
         base["device"] = "cuda" if torch.cuda.is_available() else "cpu"
-    if "methods" not in base:
-        base["methods"] = available()
     return StudyConfig.from_preset(preset, **base)
 
 
@@ -99,9 +100,15 @@ def run_study(args: argparse.Namespace, on_step: StepCallback | None = None) -> 
     try:
         results = run_experiment(cfg, out, resume=args.resume, progress=not args.quiet, ctx=ctx, on_step=on_step)
         if ctx.main:
-            print(f"\nperplexity (bytes) of {results['corpus'].get('valid_bytes_used')} validation tokens at each "
-                  f"evaluation length; trained at {cfg.train_length} (*)\n")
-            print(markdown_table(results))
+            if cfg.task == "recall":
+                print(f"\nrecall accuracy with the queried pairs far away (the start of each sequence), "
+                      f"{cfg.recall_sequences} sequences per length; trained at {cfg.train_length} (*)")
+            else:
+                print(f"\nperplexity (bytes) of {results['corpus'].get('valid_bytes_used')} validation tokens at each "
+                      f"evaluation length; trained at {cfg.train_length} (*)")
+            print("[95% bootstrap interval over the scored windows]" + (
+                  f"; mean of {cfg.seeds} seeds (min-max of the seeds)" if cfg.seeds > 1 else "") + "\n")
+            print(markdown_table(results, intervals=True))
             print(f"\nresults in {out}/ (results.json, results.csv, extrapolation.png, checkpoints/); "
                   f"`posenc report {out}` makes an HTML page")
     except UsageError as err:

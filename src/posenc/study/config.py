@@ -19,29 +19,57 @@ from ..data import DEFAULT_VALID_BYTES
 from ..encodings import available, get_class
 from ..errors import UsageError
 from ..model import LMConfig
+from . import rows
+from .rows import SCALINGS
 
-# Model and training sizes per preset. smoke: CI, seconds per method. default: the README's main
-# job (about 15-20 minutes for every method on 2 CPU cores). paper: the ALiBi paper's setup (train
-# at 512, evaluate to 16x) at a size for one GPU.
+# The classic line of methods, and the rows that only evaluate a trained RoPE model differently.
+CLASSIC = ["nope", "sinusoidal", "learned", "shaw", "transformer_xl", "t5", "rope", "alibi"]
+ROPE_SCALINGS = [f"rope+{s}" for s in SCALINGS]
+MODERN = ["xpos", "xpos+blockwise", "kerple", "sandwich", "fire", "cope", "rope+random", "rope+drop", "alibi", "nope"]
+
+# Model and training sizes per preset, and the rows each one studies (named here, not "every
+# registered method": a new method must not change what a preset costs). smoke: CI, seconds per
+# method, every registered method (so CI trains each new one). default: the README's main job
+# (about 20 minutes on 2 CPU cores). modern: the methods after ALiBi at the default sizes, with
+# alibi and nope as anchors. recall: the associative-recall task at a size every method learns in
+# a minute or two. paper: the ALiBi paper's setup (train at 512, evaluate to 16x) at a size for one
+# GPU.
 PRESETS: dict[str, dict[str, Any]] = {
     "smoke": dict(
+        task="lm", methods=available(),
         dim=32, depth=2, num_heads=2, train_length=32, eval_lengths=[32, 64, 128], steps=60,
         batch_size=8, lr=1e-2, valid_bytes=4096, checkpoint_every=20,
     ),
     "default": dict(
+        task="lm", methods=[*CLASSIC, *ROPE_SCALINGS],
         dim=128, depth=4, num_heads=4, train_length=64, eval_lengths=[64, 128, 256, 512, 1024],
         steps=800, batch_size=32, lr=2e-3, valid_bytes=DEFAULT_VALID_BYTES, checkpoint_every=100,
     ),
+    "modern": dict(
+        task="lm", methods=list(MODERN),
+        dim=128, depth=4, num_heads=4, train_length=64, eval_lengths=[64, 128, 256, 512, 1024],
+        steps=800, batch_size=32, lr=2e-3, valid_bytes=DEFAULT_VALID_BYTES, checkpoint_every=100,
+    ),
+    "recall": dict(
+        task="recall", methods=[*CLASSIC, *ROPE_SCALINGS],
+        dim=128, depth=2, num_heads=4, train_length=64, eval_lengths=[64, 128, 256, 512],
+        steps=1500, batch_size=32, lr=3e-3, valid_bytes=DEFAULT_VALID_BYTES, checkpoint_every=250,
+    ),
     "paper": dict(
+        task="lm", methods=[*CLASSIC, *ROPE_SCALINGS],
         dim=512, depth=8, num_heads=8, train_length=512, eval_lengths=[512, 1024, 2048, 4096, 8192],
         steps=5000, batch_size=32, lr=1e-3, valid_bytes=4 * DEFAULT_VALID_BYTES, checkpoint_every=250,
     ),
 }
 PRESET_DESCRIPTIONS = {
     "smoke": "CI, seconds",
-    "default": "the main job, ~15-20 min on 2 CPU cores",
+    "default": "the main job, ~20 min on 2 CPU cores",
+    "modern": "the newer methods, ~22 min on 2 CPU cores (estimated)",
+    "recall": "associative recall, ~14 min on 2 CPU cores",
     "paper": "train at 512, test to 16x, a GPU",
 }
+TASKS = ("lm", "recall")
+DROP_DEFAULT = 0.12  # DroPE's share of training without positions
 
 # CPU threads per preset when the command line is not told: a smoke-sized model gains nothing from
 # more than one, and several threads on a busy machine cost it 10x (threads wait for each other).
@@ -73,7 +101,10 @@ class StudyConfig:
     """
 
     preset: str = _plain("default", "starting sizes, one of PRESETS")
-    methods: list[str] = _plain(available, "encodings to study (default: all)", metavar="METHOD")
+    task: str = _sized("task", "lm: perplexity of text; recall: accuracy of associative recall by distance",
+                       choices=TASKS)
+    methods: list[str] = _sized("methods", "rows to study: METHOD[:KEY=VALUE,...][+VARIANT...] (see posenc.study.rows)",
+                                metavar="METHOD")
     data: str = _plain("default", "'default' (Python stdlib source), a text file or folder, or hf:NAME[:CONFIG]")
     dim: int = _sized("dim", "model width")
     depth: int = _sized("depth", "layers")
@@ -93,6 +124,17 @@ class StudyConfig:
                                  metavar="STRIDE")
     device: str = _plain("cpu", "cpu or cuda (command line default: cuda when available)")
     checkpoint_every: int = _sized("checkpoint_every", "steps between resumable checkpoints")
+    seeds: int = _plain(1, "train every row this many times (seed, seed+1, ...): mean and spread across seeds")
+    drop_positions_after: float | None = _plain(
+        None, f"METHOD+drop rows train their last FRACTION of steps without positions (default {DROP_DEFAULT})",
+        metavar="FRACTION")
+    random_positions: int | None = _plain(
+        None, "METHOD+random rows train on sorted random positions from [0, L_MAX) (default: the longest "
+        "eval length)", metavar="L_MAX")
+    finetune_steps: int = _plain(0, "fine-tune each rope scaling row this many steps at finetune_length, "
+                                    "as a +ft row (PI/YaRN protocol; 0: off)")
+    finetune_length: int | None = _plain(None, "fine-tuning length of +ft rows (default: twice train_length)")
+    recall_sequences: int = _plain(64, "recall task: evaluation sequences per length and distance")
 
     @classmethod
     def from_preset(cls, preset: str = "default", **overrides) -> "StudyConfig":
@@ -112,11 +154,9 @@ class StudyConfig:
             raise UsageError(f"preset must be one of {list(PRESETS)}, got {self.preset!r}")
         if not self.methods:
             raise UsageError("methods must name at least one encoding")
-        for m in self.methods:
-            try:
-                get_class(m)
-            except ValueError as err:
-                raise UsageError(f"methods: {err}") from None
+        if self.task not in TASKS:
+            raise UsageError(f"task must be one of {list(TASKS)}, got {self.task!r}")
+        parsed = [rows.parse(m) for m in self.methods]  # unknown methods, options and variants
         if len(set(self.methods)) != len(self.methods):
             raise UsageError(f"methods has duplicates: {self.methods}")
         for name in ("dim", "depth", "num_heads", "train_length", "steps", "batch_size", "valid_bytes", "checkpoint_every"):
@@ -143,29 +183,103 @@ class StudyConfig:
             raise UsageError(f"grad_clip must be > 0, got {self.grad_clip}")
         if not isinstance(self.seed, int) or self.seed < 0:
             raise UsageError(f"seed must be an integer >= 0, got {self.seed!r}")
+        self._validate_rows(parsed)
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
             raise UsageError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
         if self.device.startswith("cuda") and not torch.cuda.is_available():
             raise UsageError("device 'cuda' was asked for but torch sees no CUDA device; use device 'cpu'")
+        self.eval_lengths = sorted(set(self.eval_lengths))
+        self.methods = rows.expand(self.methods, self.finetune_steps > 0)
         for m in self.methods:
             try:
                 self.lm_config(m)  # dim/heads combination, encoding options
-            except ValueError as err:
-                raise UsageError(str(err)) from None
-        self.eval_lengths = sorted(set(self.eval_lengths))
+            except (ValueError, TypeError) as err:
+                raise UsageError(f"methods: {m!r}: {err}") from None
         return self
 
-    def lm_config(self, method: str) -> LMConfig:
+    def _validate_rows(self, parsed: list) -> None:
+        """The options that only some rows read: each given only when such a row is there."""
+        if not isinstance(self.seeds, int) or self.seeds < 1:
+            raise UsageError(f"seeds must be an integer >= 1, got {self.seeds!r}")
+        if not isinstance(self.recall_sequences, int) or self.recall_sequences < 1:
+            raise UsageError(f"recall_sequences must be an integer >= 1, got {self.recall_sequences!r}")
+        drop = [r.name for r in parsed if "drop" in r.train]
+        if self.drop_positions_after is not None:
+            if not drop:
+                raise UsageError("drop_positions_after applies to METHOD+drop rows, and methods has none; "
+                                 "add one, e.g. rope+drop")
+            if not 0 < self.drop_positions_after < 1:
+                raise UsageError(f"drop_positions_after must be a fraction in (0, 1), got {self.drop_positions_after}")
+        if drop and not 1 <= self.drop_step < self.steps:
+            raise UsageError(f"drop_positions_after={self.drop_fraction} of steps={self.steps} leaves no step "
+                             "with positions, or none without; use a fraction nearer 0.5")
+        if self.random_positions is not None:
+            if not any("random" in r.train for r in parsed):
+                raise UsageError("random_positions applies to METHOD+random rows, and methods has none; "
+                                 "add one, e.g. rope+random")
+            if not isinstance(self.random_positions, int) or self.random_positions < max(self.eval_lengths):
+                raise UsageError(f"random_positions must be an integer >= the longest of eval_lengths "
+                                 f"({max(self.eval_lengths)}), so every evaluated position is a possible training "
+                                 f"position; got {self.random_positions!r}")
+        if not isinstance(self.finetune_steps, int) or self.finetune_steps < 0:
+            raise UsageError(f"finetune_steps must be an integer >= 0, got {self.finetune_steps!r}")
+        if self.finetune_steps and not any(r.eval in SCALINGS for r in parsed):
+            raise UsageError("finetune_steps fine-tunes the rope scaling rows (METHOD+SCALING), and methods has "
+                             "none; add one, e.g. rope+yarn")
+        explicit_ft = [r.name for r in parsed if r.finetune]
+        if explicit_ft and not self.finetune_steps:
+            raise UsageError(f"methods {explicit_ft} are fine-tuned rows; give finetune_steps (>= 1)")
+        if self.finetune_length is not None:
+            if not self.finetune_steps:
+                raise UsageError("finetune_length applies to fine-tuned rows; give finetune_steps too")
+            if not isinstance(self.finetune_length, int) or self.finetune_length <= self.train_length:
+                raise UsageError(f"finetune_length must be an integer above train_length ({self.train_length}), "
+                                 f"got {self.finetune_length!r}")
+
+    @property
+    def drop_fraction(self) -> float:
+        return DROP_DEFAULT if self.drop_positions_after is None else self.drop_positions_after
+
+    @property
+    def drop_step(self) -> int:
+        """The first step a +drop row trains without positions."""
+        return self.steps - round(self.drop_fraction * self.steps)
+
+    @property
+    def ft_length(self) -> int:
+        return self.finetune_length or 2 * self.train_length
+
+    def lm_config(self, name: str) -> LMConfig:
+        """The model a row trains (an evaluated row: its base's; a fine-tuned row: the base's with
+        the scaling it is fine-tuned under, see :mod:`.variants`)."""
+        row = rows.parse(name)
+        if row.kind != "train":
+            base = self.lm_config(row.base)
+            if row.kind == "eval":
+                return base
+            from ..encodings import build
+            from .variants import scaling_block
+
+            rope = build(base.encoding, num_heads=base.num_heads, head_dim=base.head_dim, **base.encoding_options)
+            block = scaling_block(row.eval, self.ft_length / self.train_length, self.train_length, rope.base,
+                                  rope.rotary_dim)
+            return LMConfig(**{**base.to_dict(), "encoding_options": {**base.encoding_options, "scaling": block}})
+        options = rows.fair_options(row, self.train_length)
         # A bounded method (a learned table) gets exactly the training length: the paper's
         # setting, and what makes "cannot run past N" show at the first longer evaluation length.
-        bounded = not get_class(method).extrapolates
+        bounded = not get_class(row.method).extrapolates
+        extra = {}
+        if "random" in row.train:
+            extra["random_positions"] = self.random_positions or max(self.eval_lengths)
         return LMConfig(
-            encoding=method, dim=self.dim, depth=self.depth, num_heads=self.num_heads,
-            max_positions=self.train_length if bounded else None,
+            encoding=row.method, dim=self.dim, depth=self.depth, num_heads=self.num_heads,
+            max_positions=options.get("max_positions", self.train_length) if bounded else None,
+            encoding_options=options, **extra,
         )
 
     def comparable(self) -> dict:
-        """The fields a resumed run must share with the original (methods may be added)."""
+        """The fields a resumed run must share with the original (methods and seeds may be added)."""
         d = asdict(self)
         d.pop("methods")
+        d.pop("seeds")
         return d

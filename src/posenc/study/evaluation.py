@@ -60,6 +60,9 @@ def evaluate(model: LM, valid: torch.Tensor, length: int, stride: int | None, ct
              on_batch: BatchCallback | None = None) -> dict:
     """Mean NLL of the validation targets scored in windows of ``length``; every target once.
 
+    Returns loss, perplexity, bits_per_byte, tokens, and ``windows``: per window (in order), the
+    NLL sum of its scored targets and their count, for the bootstrap (:mod:`.bootstrap`).
+
     Args:
         valid: (N + 1,) uint8 bytes: inputs, and the N targets they predict.
         length: window length (clipped to N).
@@ -68,28 +71,79 @@ def evaluate(model: LM, valid: torch.Tensor, length: int, stride: int | None, ct
     """
     total = valid.numel() - 1
     length = min(length, total)
-    wins = windows(total, length, stride or length)[ctx.rank :: ctx.world]
+    every = windows(total, length, stride or length)
+    mine = list(range(len(every)))[ctx.rank :: ctx.world]
     per_batch = batch_size_for(length, model.config.num_heads)
-    nll = torch.zeros(2, dtype=torch.float64, device=ctx.device)  # [sum of NLL, scored targets]
+    # Per window: the NLL summed over its scored targets, and their number (the bootstrap's units).
+    sums = torch.zeros(2, len(every), dtype=torch.float64, device=ctx.device)
     offsets = torch.arange(length + 1)
     model.eval()
-    for i in range(0, len(wins), per_batch):
-        chunk = wins[i : i + per_batch]
+    for i in range(0, len(mine), per_batch):
+        index = mine[i : i + per_batch]
+        chunk = [every[w] for w in index]
         starts = torch.tensor([b for b, _ in chunk])
         ids = valid[starts[:, None] + offsets].long().to(ctx.device)  # (B, L + 1)
         logits = model(ids[:, :-1])  # (B, L, 256)
         token_nll = F.cross_entropy(logits.transpose(1, 2).float(), ids[:, 1:], reduction="none")  # (B, L)
         first = torch.tensor([s for _, s in chunk], device=ctx.device)
         keep = torch.arange(length, device=ctx.device)[None, :] >= first[:, None]  # (B, L)
-        nll[0] += token_nll[keep].double().sum()
-        nll[1] += keep.sum()
+        at = torch.tensor(index, device=ctx.device)
+        sums[0, at] = (token_nll.double() * keep).sum(dim=1)
+        sums[1, at] = keep.sum(dim=1).double()
         if on_batch is not None:
-            on_batch(i + len(chunk), len(wins))
-    distributed.all_sum(ctx, nll)
-    loss = float(nll[0] / nll[1])
+            on_batch(i + len(chunk), len(mine))
+    distributed.all_sum(ctx, sums)  # each window was scored by one process
+    nll, count = float(sums[0].sum()), int(sums[1].sum())
+    loss = nll / count
     return {
         "loss": loss,
         "perplexity": math.exp(loss),
         "bits_per_byte": loss / math.log(2),
-        "tokens": int(nll[1]),
+        "tokens": count,
+        "windows": {"nll": sums[0].tolist(), "count": [int(c) for c in sums[1].tolist()]},
     }
+
+
+@torch.inference_mode()
+def evaluate_recall(model: LM, length: int, train_length: int, count: int, ctx: distributed.Context,
+                    on_batch: BatchCallback | None = None) -> dict:
+    """Exact-match accuracy of the recall answers at ``length``, per distance class.
+
+    Only the answers are scored: the prediction at each query key (the argmax over the whole
+    vocabulary) against the value that followed that key in its pair.
+
+    Returns:
+        {class: {"accuracy", "queries", "distance_min", "distance_max", "windows": {"correct",
+        "count"}}} with one window per sequence (the bootstrap's units).
+    """
+    from . import recall
+
+    out = {}
+    per_batch = batch_size_for(length, model.config.num_heads)
+    model.eval()
+    done, total = 0, len(recall.CLASSES) * len(range(ctx.rank, count, ctx.world))
+    for cls in recall.CLASSES:
+        tokens, answers, distances = recall.eval_set(length, cls, count, train_length)
+        mine = list(range(count))[ctx.rank :: ctx.world]
+        correct = torch.zeros(count, dtype=torch.float64, device=ctx.device)
+        for i in range(0, len(mine), per_batch):
+            index = torch.tensor(mine[i : i + per_batch])
+            ids = tokens[index].to(ctx.device)  # (B, T + 1)
+            at = answers[index].to(ctx.device)  # (B, Q)
+            logits = model(ids[:, :-1])  # (B, T, vocab)
+            rows = torch.arange(len(index), device=ctx.device)[:, None]
+            guess = logits[rows, at].argmax(dim=-1)  # (B, Q)
+            correct[index.to(ctx.device)] = (guess == ids[rows, at + 1]).sum(dim=1).double()
+            done += len(index)
+            if on_batch is not None:
+                on_batch(done, total)
+        distributed.all_sum(ctx, correct)
+        queries = answers.shape[1]
+        out[cls] = {
+            "accuracy": float(correct.sum()) / (count * queries),
+            "queries": count * queries,
+            "distance_min": int(distances.min()),
+            "distance_max": int(distances.max()),
+            "windows": {"correct": [int(c) for c in correct.tolist()], "count": [queries] * count},
+        }
+    return out

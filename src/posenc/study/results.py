@@ -1,14 +1,32 @@
 """A study's files: the layout of its output directory, ``results.json`` (read and checked), and the
 tables and figure made from it.
 
-    results.json          config, corpus fingerprint, versions, per method: loss curve, timing, eval
-    results.csv           one row per method and evaluation length
-    results.md            perplexity table (methods x lengths)
-    extrapolation.png     perplexity vs evaluation length, training length marked
-    checkpoints/M.safetensors + M.json    final weights + their LMConfig (posenc.load_checkpoint)
-    state/M.pt            training state while M trains (model, optimizer, scheduler, RNG, step)
+    results.json          config, corpus fingerprint, versions, per row: loss curve, timing, eval
+    results.csv           one line per row and evaluation length (recall: and distance class)
+    results.md            the table printed at the end (rows x lengths, with 95% intervals)
+    extrapolation.png     perplexity (recall: accuracy by distance) vs evaluation length
+    checkpoints/R.safetensors + R.json    final weights + their LMConfig (posenc.load_checkpoint);
+                          R.seedS.safetensors for the seeds after the first
+    state/R.pt            training state while R trains (model, optimizer, scheduler, RNG, step)
+    windows/R/sS-LN.json  per scored window at length N, seed S: NLL sum and count (recall: correct
+                          answers and queries per sequence and distance class), what the intervals and
+                          the two-run comparison resample
     .posenc-run           marker: posenc made this directory (it writes nowhere else)
     .posenc-lock          holds the pid of the run writing here (see posenc.files.RunDir)
+
+An entry of ``results["methods"]`` (one per row, see :mod:`.rows`) is the run of the first seed,
+with the same keys a one-seed study always had (status, model, parameters, checkpoint, train, eval),
+plus ``row`` (what the row is), ``seeds`` (the runs of the other seeds, each {seed, status,
+checkpoint, train, eval}) and, once two or more seeds are done, ``across_seeds`` ({seeds, train,
+eval}: the mean over seeds with its bootstrap interval and the spread between seeds). Tables and
+figures show ``across_seeds`` when present, else the first seed's rows (:func:`shown`).
+
+An evaluation row (language model): length, perplexity, ppl_low and ppl_high (the 95% bootstrap
+interval over windows), bits_per_byte, loss, tokens, windows, status, time_s, and where they apply
+``untrained`` (position parameters this length used that training never updated, see
+:mod:`.fairness`) and ``scaling`` / ``block_size`` (an evaluation variant's settings). Recall rows:
+length, accuracy, acc_low, acc_high (all distances), ``distances`` {near, middle, far: accuracy,
+acc_low, acc_high, queries, distance_min, distance_max}, status, time_s.
 """
 
 from __future__ import annotations
@@ -35,11 +53,15 @@ class Paths:
     def results(self) -> Path:
         return self.root / "results.json"
 
-    def checkpoint(self, method: str) -> Path:
-        return self.root / "checkpoints" / f"{method}.safetensors"
+    def checkpoint(self, stem: str, seed: int | None = None) -> Path:
+        """The final weights of a row (``seed``: a seed after the first)."""
+        return self.root / "checkpoints" / (f"{stem}.safetensors" if seed is None else f"{stem}.seed{seed}.safetensors")
 
-    def state(self, method: str) -> Path:
-        return self.root / "state" / f"{method}.pt"
+    def state(self, stem: str, seed: int | None = None) -> Path:
+        return self.root / "state" / (f"{stem}.pt" if seed is None else f"{stem}.seed{seed}.pt")
+
+    def windows(self, stem: str, seed: int, length: int) -> Path:
+        return self.root / "windows" / stem / f"s{seed}-L{length}.json"
 
 
 def load_results(out: str | Path) -> dict | None:
@@ -74,12 +96,30 @@ def _problems(results: dict) -> list[str]:
     methods = results.get("methods")
     if not isinstance(methods, dict):
         return out + ["no methods"]
+    metric = metric_of(results)
     for m, e in methods.items():
         if not isinstance(e, dict) or not isinstance(e.get("eval"), list) or not isinstance(e.get("train"), dict):
             out.append(f"method {m!r} has no train record or eval list")
-        elif not all(isinstance(r, dict) and {"length", "perplexity", "status"} <= set(r) for r in e["eval"]):
-            out.append(f"method {m!r} has an eval row without length, perplexity or status")
+        elif not all(isinstance(r, dict) and {"length", metric, "status"} <= set(r) for r in e["eval"]):
+            out.append(f"method {m!r} has an eval row without length, {metric} or status")
     return out
+
+
+def metric_of(results: dict) -> str:
+    """The number a study's rows report: 'perplexity' (task lm) or 'accuracy' (task recall)."""
+    return "accuracy" if (results.get("config") or {}).get("task") == "recall" else "perplexity"
+
+
+def shown(entry: dict) -> list[dict]:
+    """The evaluation rows to show for a row: the mean over seeds once two are done, else the
+    first seed's."""
+    across = entry.get("across_seeds")
+    return across["eval"] if across else entry.get("eval", [])
+
+
+def shown_train(entry: dict) -> dict:
+    across = entry.get("across_seeds")
+    return across["train"] if across else entry.get("train", {})
 
 
 def run_status(results: dict, out: str | Path) -> str:
@@ -95,15 +135,32 @@ def run_status(results: dict, out: str | Path) -> str:
 
 
 def results_csv(results: dict) -> str:
+    """One line per row and length (recall: per row, length and distance class), with intervals;
+    seed columns filled when the row has several seeds."""
     buf = io.StringIO()
     w = csv.writer(buf, lineterminator="\n")
-    w.writerow(["method", "train_length", "eval_length", "perplexity", "bits_per_byte", "loss", "tokens",
-                "status", "train_time_s", "train_tokens_per_s", "parameters"])
+    recall = metric_of(results) == "accuracy"
+    head = ["method", "train_length", "eval_length"]
+    head += (["distance", "distance_min", "distance_max", "accuracy", "acc_low", "acc_high", "queries"] if recall else
+             ["perplexity", "ppl_low", "ppl_high", "bits_per_byte", "loss", "tokens"])
+    head += ["status", "seeds", "seed_sd", "seed_min", "seed_max", "train_time_s", "train_tokens_per_s", "parameters"]
+    w.writerow(head)
+    key = "accuracy" if recall else "perplexity"
     for method, e in results["methods"].items():
-        for row in e["eval"]:
-            w.writerow([method, results["config"]["train_length"], row["length"], row["perplexity"],
-                        row["bits_per_byte"], row["loss"], row["tokens"], row["status"], e["train"]["time_s"],
-                        e["train"]["tokens_per_s"], e["parameters"]])
+        t = shown_train(e)
+        tail = [t.get("time_s", ""), t.get("tokens_per_s", ""), e.get("parameters", "")]
+        for row in shown(e):
+            seeds = [row.get("seeds", 1), row.get("seed_sd", ""), row.get("seed_min", ""), row.get("seed_max", "")]
+            base = [method, results["config"]["train_length"], row["length"]]
+            if not recall:
+                w.writerow([*base, row["perplexity"], row.get("ppl_low", ""), row.get("ppl_high", ""),
+                            row["bits_per_byte"], row["loss"], row["tokens"], row["status"], *seeds, *tail])
+                continue
+            for cls, d in (row.get("distances") or {"": {}}).items():
+                sd = [row.get("seeds", 1), *(d.get(f"seed_{k}", "") for k in ("sd", "min", "max"))]
+                w.writerow([*base, cls, d.get("distance_min", ""), d.get("distance_max", ""), d.get(key),
+                            d.get("acc_low", ""), d.get("acc_high", ""), d.get("queries", ""), row["status"], *sd,
+                            *tail])
     return buf.getvalue()
 
 
@@ -112,25 +169,47 @@ def seconds(t: float) -> str:
     return f"{t:.0f}" if t >= 100 else f"{t:.3g}"
 
 
-def markdown_table(results: dict, key: str = "perplexity") -> str:
-    """Methods x evaluation lengths; a bounded method past its table shows 'n/a (> N)'."""
-    lengths = sorted({r["length"] for e in results["methods"].values() for r in e["eval"]})
+def _cell(r: dict, key: str, low: str, high: str, fmt: str, intervals: bool) -> str:
+    if not intervals or r.get(low) is None:
+        return format(r[key], fmt)
+    return f"{format(r[key], fmt)} [{format(r[low], fmt)}, {format(r[high], fmt)}]"
+
+
+def markdown_table(results: dict, key: str = "perplexity", intervals: bool = False) -> str:
+    """Rows x evaluation lengths (a bounded method past its table shows 'n/a (> N)'); recall
+    studies show the far-distance accuracy. ``intervals``: the 95% bootstrap interval in brackets
+    after each number and, with several seeds, the spread between seeds (min-max); without, plain
+    numbers (results.md, a table other tools read)."""
+    recall = metric_of(results) == "accuracy"
+    lengths = sorted({r["length"] for e in results["methods"].values() for r in shown(e)})
     train_len = results["config"]["train_length"]
     head = ["method", *(f"{n}{'*' if n == train_len else ''}" for n in lengths), "train s"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for method, e in results["methods"].items():
-        by = {r["length"]: r for r in e["eval"]}
+        by = {r["length"]: r for r in shown(e)}
         cells = []
         for n in lengths:
             r = by.get(n)
             if r is None:
                 cells.append("")
-            elif r[key] is None:
+            elif r.get("accuracy" if recall else key) is None:
                 cells.append(f"n/a (> {e['model'].get('max_positions') or train_len})")
+            elif recall:
+                far = r["distances"]["far"]
+                cells.append(_cell(far, "accuracy", "acc_low", "acc_high", ".2f", intervals)
+                             + (_spread(far, ".2f") if intervals else ""))
             else:
-                cells.append(f"{r[key]:.3f}")
-        lines.append("| " + " | ".join([method, *cells, seconds(e["train"]["time_s"])]) + " |")
+                low, high = ("ppl_low", "ppl_high") if key == "perplexity" else ("", "")
+                cells.append(_cell(r, key, low, high, ".3f", intervals) + (_spread(r, ".2f") if intervals else ""))
+        t = shown_train(e).get("time_s")
+        lines.append("| " + " | ".join([method, *cells, "-" if t is None else seconds(t)]) + " |")
     return "\n".join(lines)
+
+
+def _spread(r: dict, fmt: str) -> str:
+    if r.get("seed_min") is None:
+        return ""
+    return f" (seeds {format(r['seed_min'], fmt)}-{format(r['seed_max'], fmt)})"
 
 
 def write_outputs(results: dict, out: Path, table: bool = False) -> None:
@@ -139,6 +218,7 @@ def write_outputs(results: dict, out: Path, table: bool = False) -> None:
     from .. import plots
 
     write_text(out / "results.csv", results_csv(results))
-    plots.save(plots.extrapolation_figure(results), out / "extrapolation.png")
+    figure = plots.recall_figure if metric_of(results) == "accuracy" else plots.extrapolation_figure
+    plots.save(figure(results), out / "extrapolation.png")
     if table:
         write_text(out / "results.md", markdown_table(results) + "\n")

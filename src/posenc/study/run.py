@@ -1,6 +1,7 @@
-"""Running a study: check everything first, then train and evaluate each method in turn, saving
-as it goes, so that an interrupted run continues with ``resume=True`` (``--resume``) exactly where
-it stopped.
+"""Running a study: check everything first, then train and evaluate each row in turn (every row
+at the first seed, then every row at the next), saving as it goes, so that an interrupted run
+continues with ``resume=True`` (``--resume``) exactly where it stopped: finished runs (a row at a
+seed) are skipped, the one that was interrupted continues from its last saved step.
 """
 
 from __future__ import annotations
@@ -16,17 +17,16 @@ from pathlib import Path
 import torch
 
 from .. import distributed
-from ..checkpoint import load_checkpoint, save_checkpoint
 from ..data import Corpus, load_corpus
 from ..errors import UsageError
 from ..files import MARKER, RunDir, WriteError, write_json
-from ..model import LM
 from ..version import __version__
+from . import recall, rows, seeds
 from .config import StudyConfig
-from .evaluation import cannot_run, evaluate
+from .execute import Runner
 from .progress import Progress
 from .results import SCHEMA, Paths, load_results, write_outputs
-from .train import StateError, StepCallback, train_method
+from .train import StepCallback
 
 
 def versions(ctx: distributed.Context) -> dict:
@@ -51,25 +51,41 @@ def _is_study(out: Path) -> bool:
         return False
 
 
-def _check_same(saved: dict, cfg: StudyConfig, corpus: Corpus, out: Path) -> None:
-    old = {k: v for k, v in saved["config"].items() if k != "methods"}
+# Fields a run from before they existed did not record: their value then was the default.
+_ADDED = {"task": "lm", "drop_positions_after": None, "random_positions": None, "finetune_steps": 0,
+          "finetune_length": None, "recall_sequences": 64}
+
+
+def _check_same(saved: dict, cfg: StudyConfig, fingerprint: dict, out: Path) -> None:
+    old = {**_ADDED, **{k: v for k, v in saved["config"].items() if k not in ("methods", "seeds")}}
     new = cfg.comparable()
     diff = [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
     if diff:
         raise UsageError(f"resume: {out} was run with a different config ({'; '.join(diff)}); "
                          "use the original options or another out")
-    if saved.get("corpus", {}).get("sha256") != corpus.fingerprint["sha256"]:
+    if saved.get("corpus", {}).get("sha256") != fingerprint["sha256"]:
         raise UsageError(f"resume: the corpus differs from the one {out} was trained on "
-                         f"(sha256 {saved.get('corpus', {}).get('sha256')} vs {corpus.fingerprint['sha256']})")
+                         f"(sha256 {saved.get('corpus', {}).get('sha256')} vs {fingerprint['sha256']})")
+
+
+def _fingerprint_recall(cfg: StudyConfig) -> dict:
+    from dataclasses import asdict as fields_of
+
+    return {"source": "generated: associative recall (posenc.study.recall)", "task": fields_of(recall.TASK),
+            "sha256": None, "eval_sequences": cfg.recall_sequences}
 
 
 def prepare(cfg: StudyConfig, out: Path, resume: bool, ctx: distributed.Context
-            ) -> tuple[Corpus, dict, RunDir | None]:
+            ) -> tuple[Corpus | None, dict, RunDir | None]:
     """Validate everything, claim ``out`` and load the data: every user error surfaces here,
-    before training. The main process returns the claimed (locked) directory."""
+    before training. The main process returns the claimed (locked) directory. The recall task has
+    no corpus (None): its sequences are generated."""
     cfg.validate()
     if cfg.batch_size % ctx.world:
         raise UsageError(f"batch_size ({cfg.batch_size}) must be divisible by the number of processes ({ctx.world})")
+    if cfg.task == "recall":
+        for n in (cfg.train_length, *cfg.eval_lengths):
+            recall.TASK.check(n)
     if resume and not out.is_dir():
         raise UsageError(f"resume: {out} does not exist, so there is nothing to resume; "
                          "leave out resume to start a new study there")
@@ -82,107 +98,38 @@ def prepare(cfg: StudyConfig, out: Path, resume: bool, ctx: distributed.Context
                              "(--resume), or choose another out")
         if resume and saved is None and fresh:
             raise UsageError(f"resume: {out} holds no study (no results.json); leave out resume to start one")
-        corpus = load_corpus(cfg.data, cfg.valid_bytes)
-        if corpus.train.numel() < cfg.train_length + 2:
-            raise UsageError(f"train_length ({cfg.train_length}) needs a training split longer than "
-                             f"{corpus.train.numel()} bytes")
-        if max(cfg.eval_lengths) > corpus.valid_tokens:
-            raise UsageError(
-                f"eval_lengths: {max(cfg.eval_lengths)} exceeds the {corpus.valid_tokens} validation tokens "
-                f"(valid_bytes={cfg.valid_bytes}, or a small corpus); use shorter eval_lengths or more data"
-            )
+        corpus = None
+        if cfg.task == "lm":
+            corpus = load_corpus(cfg.data, cfg.valid_bytes)
+            if corpus.train.numel() < cfg.train_length + 2:
+                raise UsageError(f"train_length ({cfg.train_length}) needs a training split longer than "
+                                 f"{corpus.train.numel()} bytes")
+            if max(cfg.eval_lengths) > corpus.valid_tokens:
+                raise UsageError(
+                    f"eval_lengths: {max(cfg.eval_lengths)} exceeds the {corpus.valid_tokens} validation tokens "
+                    f"(valid_bytes={cfg.valid_bytes}, or a small corpus); use shorter eval_lengths or more data"
+                )
+        fingerprint = corpus.fingerprint if corpus is not None else _fingerprint_recall(cfg)
         if saved is not None:
-            _check_same(saved, cfg, corpus, out)
+            _check_same(saved, cfg, fingerprint, out)
     except BaseException:
         if rundir is not None:
             rundir.discard()  # a directory made for this run alone is removed again
         raise
     if saved is not None:
         results = saved
-        results["config"]["methods"] = list(dict.fromkeys([*saved["config"]["methods"], *cfg.methods]))
+        results["config"]["methods"] = rows.expand([*saved["config"]["methods"], *cfg.methods],
+                                                   cfg.finetune_steps > 0)
+        results["config"]["seeds"] = max(saved["config"].get("seeds", 1), cfg.seeds)
         results["status"] = "running"
     else:
         results = {
             "schema": SCHEMA, "status": "running", "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "config": asdict(cfg), "seed": cfg.seed,
-            "corpus": corpus.fingerprint, "methods": {},
+            "corpus": fingerprint, "methods": {},
         }
     results["versions"] = versions(ctx)
     return corpus, results, rundir
-
-
-def _final_model(method: str, cfg: StudyConfig, corpus: Corpus, results: dict, paths: Paths,
-                 ctx: distributed.Context, ui: Progress, on_step: StepCallback | None) -> LM:
-    """The trained model of ``method``: its final checkpoint, or trained now (continuing from
-    its saved state) and checkpointed."""
-    entry = results["methods"].get(method)
-    checkpoint = paths.checkpoint(method)
-    if entry is not None and entry.get("status") in ("trained", "done"):
-        if checkpoint.exists():
-            try:
-                return load_checkpoint(checkpoint, ctx.device)
-            except UsageError as err:
-                raise UsageError(f"{err}; delete {checkpoint} and continue with resume to train {method} "
-                                 "again") from None
-        ui.warn(f"[{method}] its checkpoint {checkpoint} is missing: training it again")
-    state = paths.state(method)
-    try:
-        model, record = train_method(method, cfg, corpus, state, ctx, ui, on_step)
-    except StateError as err:
-        raise UsageError(f"{err}; delete it and continue with resume: {method} then trains again from step 0, "
-                         "other methods keep their results") from None
-    results["methods"][method] = {
-        "status": "trained", "model": model.config.to_dict(),
-        "parameters": sum(p.numel() for p in model.parameters()),
-        "checkpoint": str(checkpoint.relative_to(paths.root)),
-        "train": record, "eval": [],
-    }
-    if ctx.main:
-        save_checkpoint(model, checkpoint)
-        write_json(paths.results, results)
-        state.unlink(missing_ok=True)  # the final checkpoint replaces it
-    ui.log(f"[{method}] trained {record['steps']} steps in {record['time_s']:.1f}s "
-           f"({record['tokens_per_s']:,.0f} tok/s), final loss {record['final_loss']:.3f}")
-    return model
-
-
-def run_method(method: str, cfg: StudyConfig, corpus: Corpus, results: dict, paths: Paths,
-               ctx: distributed.Context, ui: Progress, on_step: StepCallback | None = None) -> None:
-    """Train ``method`` (unless its checkpoint is final already), then evaluate every length not
-    yet in results.json, saving after each."""
-    model = _final_model(method, cfg, corpus, results, paths, ctx, ui, on_step)
-    if ctx.main:  # a kill right after the final checkpoint can leave the last state behind
-        paths.state(method).unlink(missing_ok=True)
-    entry = results["methods"][method]
-    done_lengths = {e["length"] for e in entry["eval"]}
-    todo = [n for n in cfg.eval_lengths if n not in done_lengths]
-    bar = ui.eval_bar(method, len(cfg.eval_lengths), len(cfg.eval_lengths) - len(todo))
-    for length in todo:
-        ui.evaluating(bar, length)
-        t0 = time.perf_counter()
-        reason = cannot_run(model, length)
-        if reason:
-            row = {"length": length, "perplexity": None, "bits_per_byte": None, "loss": None,
-                   "tokens": corpus.valid_tokens, "status": reason}
-        else:
-            on_batch, done = ui.windows(method, length)
-            try:
-                row = {"length": length, **evaluate(model, corpus.valid, length, cfg.sliding, ctx, on_batch),
-                       "status": "ok"}
-            finally:
-                done()
-        row["time_s"] = round(time.perf_counter() - t0, 3)
-        entry["eval"].append(row)
-        entry["eval"].sort(key=lambda e: e["length"])
-        ui.log(f"[{method}] L={length}: " + (reason or f"perplexity {row['perplexity']:.3f}, {row['bits_per_byte']:.3f} bits/byte"))
-        ui.advance(bar)
-        if ctx.main:
-            write_json(paths.results, results)
-    ui.close(bar)
-    entry["status"] = "done"
-    if ctx.main:
-        write_json(paths.results, results)
-        write_outputs(results, paths.root)
 
 
 def run_experiment(cfg: StudyConfig, out: str | Path, *, resume: bool = False, progress: bool = True,
@@ -223,31 +170,44 @@ def run_experiment(cfg: StudyConfig, out: str | Path, *, resume: bool = False, p
             rundir.release()
 
 
-def _run(cfg: StudyConfig, out: Path, corpus: Corpus, results: dict, rundir: RunDir | None,
+def _run(cfg: StudyConfig, out: Path, corpus: Corpus | None, results: dict, rundir: RunDir | None,
          ctx: distributed.Context, ui: Progress, on_step: StepCallback | None) -> dict:
     paths = Paths(out)
     if rundir is not None and rundir.notice:
         ui.warn(rundir.notice)
     if ctx.main:
         write_json(paths.results, results)
-    todo = cfg.methods
-    ui.study_bar(len(todo), sum(results["methods"].get(m, {}).get("status") == "done" for m in todo))
-    ui.log(f"posenc study: {len(todo)} method(s), train length {cfg.train_length}, eval {cfg.eval_lengths}, "
-           f"{cfg.steps} steps of {cfg.batch_size} x {cfg.train_length} bytes, out {out}")
-    ui.log(corpus.summary())
-    for s in corpus.skipped:
-        ui.warn(f"data: skipped {s['file']}: {s['reason']}")
+    todo = [rows.parse(m) for m in cfg.methods]
+    runner = Runner(cfg, corpus, results, paths, ctx, ui, on_step)
+
+    def finished(row: rows.Row, index: int) -> bool:
+        entry = results["methods"].get(row.name)
+        run = seeds.run_of(entry, index) if entry else None
+        return run is not None and run.get("status") == "done"
+
+    pairs = [(index, row) for index in range(cfg.seeds) for row in todo]
+    ui.study_bar(len(pairs), sum(finished(row, index) for index, row in pairs))
+    what = (f"{cfg.steps} steps of {cfg.batch_size} x {cfg.train_length} bytes" if corpus is not None else
+            f"{cfg.steps} steps of {cfg.batch_size} recall sequences of {cfg.train_length}")
+    ui.log(f"posenc study: {len(todo)} row(s) x {cfg.seeds} seed(s), task {cfg.task}, train length "
+           f"{cfg.train_length}, eval {cfg.eval_lengths}, {what}, out {out}")
+    if corpus is not None:
+        ui.log(corpus.summary())
+        for s in corpus.skipped:
+            ui.warn(f"data: skipped {s['file']}: {s['reason']}")
     try:
-        for method in todo:
-            if results["methods"].get(method, {}).get("status") == "done":
-                ui.log(f"[{method}] done already, skipped")
+        # Seeds outermost: after the first pass every row has a number; later seeds refine them.
+        for index, row in pairs:
+            if finished(row, index):
+                ui.log(f"[{runner.label(row, index)}] done already, skipped")
                 continue
-            run_method(method, cfg, corpus, results, paths, ctx, ui, on_step)
+            runner.run_row(row, index)
             ui.method_done()
     finally:
         ui.finish()
-    results["status"] = "done" if all(results["methods"].get(m, {}).get("status") == "done"
-                                      for m in results["config"]["methods"]) else "partial"
+    every = [rows.parse(m) for m in results["config"]["methods"]]
+    results["status"] = "done" if all(finished(row, i) for row in every
+                                      for i in range(results["config"].get("seeds", 1))) else "partial"
     if ctx.main:
         write_json(paths.results, results)
         write_outputs(results, out, table=True)

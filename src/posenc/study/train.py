@@ -1,9 +1,12 @@
-"""Training one method: AdamW with warmup and cosine decay, periodic resumable states, a clean stop
-on Ctrl-C / SIGTERM, and DistributedDataParallel under torchrun.
+"""Training one run (a method and seed, or a fine-tune): AdamW with warmup and cosine decay,
+periodic resumable states, a clean stop on Ctrl-C / SIGTERM, and DistributedDataParallel under
+torchrun.
 
-The batch of step s is a pure function of (seed, s) (see :func:`posenc.data.train_batch`) and the
-RNG state is saved with the weights, so a run continued from the state of step s computes the same
-numbers as one that never stopped.
+The batch of step s is a pure function of (seed, s) (see :func:`posenc.data.train_batch` and
+:func:`posenc.study.recall.train_batch`) and the RNG state is saved with the weights, so a run
+continued from the state of step s computes the same numbers as one that never stopped. A ``+drop``
+run removes the model's positions at a fixed step (:meth:`posenc.LM.drop_positions`); its states
+from then on hold the model without them.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import pickle
 import signal
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -21,7 +25,6 @@ import torch
 import torch.nn.functional as F
 
 from .. import distributed
-from ..data import Corpus, train_batch
 from ..files import atomic_write
 from ..model import LM
 from .config import StudyConfig
@@ -31,9 +34,24 @@ from .progress import Progress
 # (and how the tests interrupt a run at an exact step).
 StepCallback = Callable[[str, int], None]
 
+IGNORE = -100  # a target that is not scored
 
-def make_optimizer(model: LM, cfg: StudyConfig) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
-    """AdamW with linear warmup then cosine decay to ``min_lr_ratio * lr``.
+
+def schedule(steps: int, warmup: int, min_lr_ratio: float) -> Callable[[int], float]:
+    """Learning-rate factor of each step: linear warmup, then cosine decay to ``min_lr_ratio``."""
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        t = (step - warmup) / max(1, steps - warmup)
+        return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(t, 1.0)))
+
+    return factor
+
+
+def make_optimizer(model: LM, cfg: StudyConfig, factor: Callable[[int], float] | None = None, lr: float | None = None
+                   ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
+    """AdamW with ``factor`` (default: linear warmup then cosine decay to ``min_lr_ratio * lr``).
 
     Weight decay applies to weight matrices only; biases, norms and the encodings' own
     parameters (position tables, T5 buckets) are left undecayed, so no method is pulled to zero.
@@ -42,15 +60,8 @@ def make_optimizer(model: LM, cfg: StudyConfig) -> tuple[torch.optim.Optimizer, 
     for name, p in model.named_parameters():
         (decay if p.dim() >= 2 and "encoding" not in name else rest).append(p)
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": rest, "weight_decay": 0.0}]
-    opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95))
-
-    def factor(step: int) -> float:
-        if step < cfg.warmup:
-            return (step + 1) / cfg.warmup
-        t = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
-        return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(t, 1.0)))
-
-    return opt, torch.optim.lr_scheduler.LambdaLR(opt, factor)
+    opt = torch.optim.AdamW(groups, lr=cfg.lr if lr is None else lr, betas=(0.9, 0.95))
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, factor or schedule(cfg.steps, cfg.warmup, cfg.min_lr_ratio))
 
 
 class StopOnSignal:
@@ -96,12 +107,16 @@ class StateError(Exception):
     """A training state file that cannot be read or does not fit the model (damaged, or foreign)."""
 
 
-def restore(path: Path, model: LM, opt: torch.optim.Optimizer, sched, device: torch.device) -> tuple[int, list, float]:
+def restore(path: Path, model: LM, opt: torch.optim.Optimizer, sched, device: torch.device,
+            drop_at: int | None = None) -> tuple[int, list, float]:
     """Load the training state at ``path`` into model, optimizer, scheduler and RNG; returns
     (step, losses, training seconds). Tensors and plain values only: ``weights_only=True``, so the
-    file cannot run code. StateError when it is damaged or from another model."""
+    file cannot run code. StateError when it is damaged or from another model. A state saved at or
+    after ``drop_at`` belongs to the model without positions: they are dropped before loading."""
     try:
         state = torch.load(path, map_location=device, weights_only=True)
+        if drop_at is not None and int(state["step"]) > drop_at:
+            model.drop_positions()
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
         sched.load_state_dict(state["scheduler"])
@@ -117,19 +132,47 @@ def _save(state: dict, tmp: Path) -> None:
         torch.save(state, f)
 
 
-def train_method(
-    method: str, cfg: StudyConfig, corpus: Corpus, state_path: Path, ctx: distributed.Context, ui: Progress,
-    on_step: StepCallback | None = None,
-) -> tuple[LM, dict]:
-    """Train one method (continuing from ``state_path`` when it exists); returns the model and
-    its training record. Each process computes its share of every global batch."""
-    torch.manual_seed(cfg.seed)  # the same initial weights whatever else this study ran before
-    model = LM(cfg.lm_config(method)).to(ctx.device)
-    opt, sched = make_optimizer(model, cfg)
+@dataclass
+class Job:
+    """One training run: a model from its initial state, a batch per step, a learning-rate factor.
+
+    ``batch(step)`` must be a pure function of the step (the study derives it from the seed), so
+    a run continued from a saved state sees the batches a run that never stopped would see.
+    """
+
+    label: str  # shown in progress lines, and passed to on_step
+    make_model: Callable[[], LM]  # the initial model, the same at every call
+    batch: Callable[[int], tuple[torch.Tensor, torch.Tensor]]  # step -> inputs, targets (B, T) each
+    steps: int
+    factor: Callable[[int], float]  # learning-rate factor of a step
+    lr: float
+    tokens_per_step: int
+    drop_at: int | None = None  # positions are removed from this step on (``LM.drop_positions``)
+
+
+def _wrap(model: LM, ctx: distributed.Context) -> torch.nn.Module:
+    if not ctx.distributed:
+        return model
+    from torch.nn.parallel import DistributedDataParallel
+
+    ids = [ctx.device.index] if ctx.device.type == "cuda" else None
+    # Buffers (sinusoid and rotary tables) are the same on every process: no need to sync them.
+    params = inspect.signature(DistributedDataParallel).parameters
+    no_sync = {"forward_sync_buffers": False} if "forward_sync_buffers" in params else {"broadcast_buffers": False}
+    return DistributedDataParallel(model, device_ids=ids, **no_sync)
+
+
+def train(job: Job, cfg: StudyConfig, state_path: Path, ctx: distributed.Context, ui: Progress,
+          on_step: StepCallback | None = None) -> tuple[LM, dict]:
+    """Run ``job`` (continuing from ``state_path`` when it exists); returns the model and its
+    training record. Each process computes its share of every global batch; targets equal to
+    ``IGNORE`` are not scored (the recall task scores only its answers)."""
+    model = job.make_model().to(ctx.device)
+    opt, sched = make_optimizer(model, cfg, job.factor, job.lr)
     start, losses, elapsed = 0, [], 0.0
     if state_path.exists():
-        start, losses, elapsed = restore(state_path, model, opt, sched, ctx.device)
-        ui.log(f"[{method}] resuming from step {start}/{cfg.steps}")
+        start, losses, elapsed = restore(state_path, model, opt, sched, ctx.device, job.drop_at)
+        ui.log(f"[{job.label}] resuming from step {start}/{job.steps}")
 
     def save_state(step: int) -> None:
         if ctx.main:
@@ -139,27 +182,23 @@ def train_method(
             }
             atomic_write(state_path, lambda p: _save(state, p))
 
-    net = model
-    if ctx.distributed:
-        from torch.nn.parallel import DistributedDataParallel
-
-        ids = [ctx.device.index] if ctx.device.type == "cuda" else None
-        # Buffers (sinusoid and rotary tables) are the same on every process: no need to sync them.
-        params = inspect.signature(DistributedDataParallel).parameters
-        no_sync = {"forward_sync_buffers": False} if "forward_sync_buffers" in params else {"broadcast_buffers": False}
-        net = DistributedDataParallel(model, device_ids=ids, **no_sync)
-    share = cfg.batch_size // ctx.world
-    rows = slice(ctx.rank * share, (ctx.rank + 1) * share)
-    tokens_per_step = cfg.batch_size * cfg.train_length
-    bar = ui.method_bar(method, cfg.steps, start)
+    net = _wrap(model, ctx)
+    dropped = job.drop_at is not None and start > job.drop_at  # (restore dropped them already)
+    bar = ui.method_bar(job.label, job.steps, start)
     model.train()
     with StopOnSignal(enabled=not ctx.distributed) as stop, ui.closing(bar):
-        for step in range(start, cfg.steps):
+        for step in range(start, job.steps):
             t0 = time.perf_counter()
-            x, y = train_batch(corpus.train, cfg.seed, step, cfg.batch_size, cfg.train_length)  # (B, T) each
+            if not dropped and job.drop_at is not None and step >= job.drop_at:
+                model.drop_positions()  # from here on the attention calls no position hook
+                net = _wrap(model, ctx)  # DDP over the parameters that remain
+                dropped = True
+            x, y = job.batch(step)  # (B, T) each, the global batch
+            share = x.shape[0] // ctx.world
+            rows = slice(ctx.rank * share, (ctx.rank + 1) * share)
             x, y = x[rows].to(ctx.device), y[rows].to(ctx.device)
-            logits = net(x)  # (B/world, T, 256)
-            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+            logits = net(x)  # (B/world, T, vocab)
+            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1), ignore_index=IGNORE)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
@@ -169,21 +208,23 @@ def train_method(
             losses.append(float(mean_loss))
             elapsed += time.perf_counter() - t0
             done = step + 1
-            if done % cfg.checkpoint_every == 0 and done < cfg.steps:
+            if done % cfg.checkpoint_every == 0 and done < job.steps:
                 save_state(done)
-            ui.step(bar, method, done, cfg.steps, losses[-1], tokens_per_step * done / max(elapsed, 1e-9))
+            ui.step(bar, job.label, done, job.steps, losses[-1], job.tokens_per_step * done / max(elapsed, 1e-9))
             if on_step is not None:
-                on_step(method, done)
-            if stop.requested and done < cfg.steps:
+                on_step(job.label, done)
+            if stop.requested and done < job.steps:
                 save_state(done)
                 raise KeyboardInterrupt
     tail = losses[-max(1, len(losses) // 20) :]
     record = {
-        "steps": cfg.steps,
-        "tokens": cfg.steps * tokens_per_step,
+        "steps": job.steps,
+        "tokens": job.steps * job.tokens_per_step,
         "time_s": round(elapsed, 3),
-        "tokens_per_s": round(cfg.steps * tokens_per_step / max(elapsed, 1e-9), 1),
+        "tokens_per_s": round(job.steps * job.tokens_per_step / max(elapsed, 1e-9), 1),
         "final_loss": sum(tail) / len(tail),
         "losses": [round(v, 5) for v in losses],
     }
+    if job.drop_at is not None:
+        record["positions_dropped_at_step"] = job.drop_at
     return model, record

@@ -1,0 +1,190 @@
+"""The rows of a study: what each entry of ``methods`` names, and how it is trained or evaluated.
+
+A row is ``METHOD[:KEY=VALUE,...][+VARIANT...]``:
+
+- ``METHOD`` is a registered encoding; ``KEY=VALUE`` are its own options (``t5:max_distance=128``,
+  ``rope:base=500000``), values read as int, float, true/false, or text.
+- Training variants, each a training run of its own:
+  ``+drop``: positions removed for the last ``drop_positions_after`` of the steps (DroPE: Gelberg
+  et al. 2025, Sakana AI, "Extending the Context of Pretrained LLMs by Dropping their Positional
+  Embeddings"); the trained model is then a NoPE model.
+  ``+random``: randomized positions in training (Ruoss et al. 2023, "Randomized Positional
+  Encodings Boost Length Generalization of Transformers"), through ``LMConfig.random_positions``.
+- Evaluation variants, no training: the base row's trained model evaluated another way.
+  ``+linear``, ``+ntk``, ``+dynamic``, ``+yarn``, ``+llama3``, ``+longrope``: a RoPE model under that
+  scaling, its factor set from evaluation length / training length (:mod:`.variants`).
+  ``+blockwise``: an encoding with a ``block_size`` option (xPos) evaluated with blockwise causal
+  attention, blocks of half the training length (Sun et al. 2022, §3.3).
+- ``+ft`` after a scaling (``rope+yarn+ft``): the PI / YaRN protocol, a short fine-tune of the base
+  model at ``finetune_length`` under the scaling, then evaluated (Chen et al. 2023, "Extending Context
+  Window of Large Language Models via Positional Interpolation"; Peng et al. 2023, "YaRN").
+
+Which variant applies to which method is decided by what the method is (a RoPE class, an option it
+accepts), never by its name.
+
+The fair-table rule (:func:`fair_options`): an option that bounds a relative distance range,
+T5's ``max_distance`` (where the last, shared bucket starts) and Shaw's ``max_relative_position``
+(the clip), is capped so that the range fits in the training length. Otherwise the entries for
+distances longer than any training sequence (T5's last buckets with max_distance 128 at length 64)
+never receive a gradient, and at evaluation they decide the bias with their initial values: that
+measures the set-up, not the method. A row that sets the option itself (``t5:max_distance=128``,
+the paper's setting) keeps it, and the study reports which parameters it used untrained
+(:mod:`.fairness`).
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+from dataclasses import dataclass, field
+
+from ..encodings import get_class, options_of
+from ..encodings.rope import RoPE
+from ..errors import UsageError
+
+TRAIN_VARIANTS = ("random", "drop")
+SCALINGS = ("linear", "ntk", "dynamic", "yarn", "llama3", "longrope")
+EVAL_VARIANTS = (*SCALINGS, "blockwise")
+FINETUNE = "ft"
+
+# Options bounding a relative distance range, and the largest value that still lets every entry be
+# reached by a training sequence of length T (distances 0..T-1).
+DISTANCE_BOUNDS = {"max_distance": lambda t: t, "max_relative_position": lambda t: t - 1}
+
+_NAME = re.compile(r"^[a-z0-9_]+$")
+
+
+def _value(text: str):
+    low = text.lower()
+    if low in ("true", "false"):
+        return low == "true"
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
+@dataclass(frozen=True)
+class Row:
+    """One entry of ``methods``, parsed."""
+
+    name: str
+    method: str
+    options: dict = field(default_factory=dict)
+    train: tuple[str, ...] = ()  # training variants, in order
+    eval: str | None = None  # evaluation variant
+    finetune: bool = False
+
+    @property
+    def kind(self) -> str:
+        """'train' (trained from scratch), 'eval' (a base model evaluated another way) or
+        'finetune' (a base model fine-tuned, then evaluated)."""
+        if self.finetune:
+            return "finetune"
+        return "eval" if self.eval else "train"
+
+    @property
+    def base(self) -> str | None:
+        """The row whose trained model this one starts from (None for a trained row)."""
+        if self.kind == "train":
+            return None
+        return self.name.split("+" + self.eval)[0]
+
+    @property
+    def stem(self) -> str:
+        """A file name for this row (``:`` ``=`` ``,`` would trouble some file systems)."""
+        return self.name.replace(":", "_").replace("=", "-").replace(",", "_")
+
+
+def parse(name: str) -> Row:
+    """The :class:`Row` of a ``methods`` entry; UsageError naming what is wrong."""
+    if not isinstance(name, str) or not name:
+        raise UsageError(f"methods: each entry must be a method name, got {name!r}")
+    head, *suffixes = name.split("+")
+    method, _, opts = head.partition(":")
+    try:
+        cls = get_class(method)
+    except ValueError as err:
+        raise UsageError(f"methods: {err}") from None
+    options = {}
+    if opts:
+        accepted = options_of(cls)
+        for item in opts.split(","):
+            key, eq, value = item.partition("=")
+            if not eq or not _NAME.match(key):
+                raise UsageError(f"methods: {name!r}: options are KEY=VALUE separated by commas, got {item!r}")
+            if key not in accepted:
+                raise UsageError(f"methods: {name!r}: {method} has no option {key!r}; accepted: {accepted or 'none'}")
+            options[key] = _value(value)
+    train, evaluation, finetune = [], None, False
+    for s in suffixes:
+        if s in TRAIN_VARIANTS and evaluation is None and not finetune and s not in train:
+            train.append(s)
+        elif s in EVAL_VARIANTS and evaluation is None and not finetune:
+            evaluation = s
+        elif s == FINETUNE and evaluation in SCALINGS and not finetune:
+            finetune = True
+        else:
+            order = f"METHOD[:KEY=VALUE,...][+{'|+'.join(TRAIN_VARIANTS)}][+SCALING|+blockwise][+{FINETUNE} after a scaling]"
+            raise UsageError(f"methods: {name!r}: unknown or misplaced variant {s!r}; a row is {order}, "
+                             f"SCALING one of {', '.join(SCALINGS)}")
+    row = Row(name, method, options, tuple(train), evaluation, finetune)
+    _check_applies(row, cls)
+    return row
+
+
+def _check_applies(row: Row, cls) -> None:
+    """UsageError when a variant cannot apply to the model it would act on."""
+    if row.eval is None:
+        return
+    if "drop" in row.train:
+        raise UsageError(f"methods: {row.name!r}: a +drop model has no positions left for +{row.eval} to act on")
+    if row.eval in SCALINGS and not issubclass(cls, RoPE):
+        raise UsageError(f"methods: {row.name!r}: +{row.eval} is a RoPE scaling; {row.method} is not a RoPE encoding")
+    if row.eval == "blockwise" and "block_size" not in options_of(cls):
+        raise UsageError(f"methods: {row.name!r}: +blockwise needs an encoding with a block_size option (xpos); "
+                         f"{row.method} has none")
+
+
+def fair_options(row: Row, train_length: int) -> dict:
+    """The encoding options a row trains with: its own, and every distance bound the method has
+    capped at what the training length reaches (see the module docstring)."""
+    cls = get_class(row.method)
+    options = dict(row.options)
+    params = inspect.signature(cls.__init__).parameters
+    for key, bound in DISTANCE_BOUNDS.items():
+        if key in options or key not in params:
+            continue
+        default = params[key].default
+        if isinstance(default, int) and default > bound(train_length):
+            options[key] = max(1, bound(train_length))
+    return options
+
+
+def expand(names: list[str], finetune: bool) -> list[str]:
+    """``names`` with the rows they need added: an evaluated or fine-tuned row's base before it,
+    and with ``finetune`` each scaling row's ``+ft`` companion after it; order kept, no duplicates."""
+    out: list[str] = []
+
+    def add(n: str) -> None:
+        if n in out:
+            return
+        row = parse(n)
+        if row.base is not None:
+            add(row.base)
+        if row.kind == "finetune":
+            add(row.base + "+" + row.eval)
+        if n not in out:
+            out.append(n)
+        if finetune and row.kind == "eval" and row.eval in SCALINGS and n + "+" + FINETUNE not in out:
+            out.append(n + "+" + FINETUNE)
+
+    for n in names:
+        add(n)
+    return out
+
+
+__all__ = ["DISTANCE_BOUNDS", "EVAL_VARIANTS", "FINETUNE", "Row", "SCALINGS", "TRAIN_VARIANTS", "expand",
+           "fair_options", "parse"]

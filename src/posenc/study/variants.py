@@ -1,0 +1,106 @@
+"""Evaluation variants: a trained model evaluated another way, with no training.
+
+RoPE scalings (``rope+linear``, ``+ntk``, ``+dynamic``, ``+yarn``, ``+llama3``, ``+longrope``): the
+trained RoPE model is evaluated at length ``l`` under the scaling, with the factor a user would set
+to run a model trained at ``T`` on inputs of ``l``: ``s = l / T`` (1 at the training length, where
+every scaling is the plain rotation). Per type, the block handed to
+:meth:`posenc.encodings.rope.RoPE.set_scaling`:
+
+- ``linear``, ``ntk``: ``factor = s``.
+- ``dynamic``: ``factor = 1`` and ``original_max_position_embeddings = T``: dynamic NTK reads the
+  current length itself, and with factor 1 its scale at length ``l`` is exactly ``l / T``.
+- ``yarn``: ``factor = s``, ``original_max_position_embeddings = T``, Hugging Face's other defaults
+  (beta_fast 32, beta_slow 1, attention factor 0.1 ln s + 1).
+- ``llama3``: ``factor = s``, ``original_max_position_embeddings = T``, Llama 3.1's
+  ``low_freq_factor = 1`` and ``high_freq_factor = 4``.
+- ``longrope``: LongRoPE's factors come from a search (Ding et al. 2024, §3.2) that a study cannot
+  run for each model; they are derived here from one rule instead: ``short_factor`` all 1 (at
+  lengths up to T the model rotates as it was trained), and ``long_factor_k = 1`` for a pair whose
+  wavelength ``2 pi / theta_k`` is at most T (the model saw it turn fully: keep it) and ``s`` for a
+  pair whose wavelength is longer (it never turned fully in training: interpolate it). This is the
+  non-uniform, frequency-dependent shape LongRoPE's search finds (low frequencies interpolated
+  more), without the search; ``factor = s`` and ``original_max_position_embeddings = T`` set
+  longrope's attention factor ``sqrt(1 + ln s / ln T)``.
+
+A fine-tuned row (``+ft``, the PI / YaRN protocol) uses the same blocks with one fixed factor,
+``finetune_length / T``, for its fine-tune and for every evaluation length.
+
+Blockwise (``xpos+blockwise``): the encoding's ``block_size`` set to half the training length while
+evaluating (Sun et al. 2022, §3.3): a query sees its own block and the previous one only.
+
+Each variant is applied to the model's own encodings for the duration of a ``with`` block and undone
+after it, so one loaded model serves its base row and every variant.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Iterator
+
+from ..model import LM
+from .rows import Row
+
+
+def scaling_block(kind: str, factor: float, train_length: int, base: float, rotary_dim: int) -> dict:
+    """The Hugging Face style scaling block of ``kind`` with scale ``factor`` for a model trained at
+    ``train_length`` (see the module docstring)."""
+    s = max(1.0, float(factor))
+    t = train_length
+    if kind in ("linear", "ntk"):
+        return {"rope_type": kind, "factor": s}
+    if kind == "dynamic":
+        return {"rope_type": "dynamic", "factor": 1.0, "original_max_position_embeddings": t}
+    if kind == "yarn":
+        return {"rope_type": "yarn", "factor": s, "original_max_position_embeddings": t}
+    if kind == "llama3":
+        return {"rope_type": "llama3", "factor": s, "original_max_position_embeddings": t,
+                "low_freq_factor": 1.0, "high_freq_factor": 4.0}
+    if kind == "longrope":
+        pairs = rotary_dim // 2
+        wavelengths = [2 * math.pi * base ** (2 * k / rotary_dim) for k in range(pairs)]
+        return {"rope_type": "longrope", "factor": s, "original_max_position_embeddings": t,
+                "short_factor": [1.0] * pairs, "long_factor": [1.0 if w <= t else s for w in wavelengths]}
+    raise ValueError(f"not a scaling: {kind!r}")
+
+
+def encodings(model: LM) -> list:
+    """The distinct encoding instances of the model's attention layers (one when shared)."""
+    seen: dict[int, object] = {}
+    for block in model.blocks:
+        seen.setdefault(id(block.attn.encoding), block.attn.encoding)
+    return list(seen.values())
+
+
+@contextlib.contextmanager
+def applied(model: LM, row: Row, length: int, train_length: int) -> Iterator[dict]:
+    """Within the block, ``model`` evaluates as ``row``'s evaluation variant at ``length``; yields
+    what was applied (recorded with the row's results). A row without one changes nothing."""
+    if row.kind != "eval":
+        yield {}
+        return
+    encs = encodings(model)
+    undo = []
+    try:
+        if row.eval == "blockwise":
+            size = max(1, train_length // 2)
+            for enc in encs:
+                undo.append((enc, "block_size", enc.block_size))
+                enc.block_size = size
+            yield {"block_size": size}
+        else:
+            first = encs[0]
+            block = scaling_block(row.eval, length / train_length, train_length, first.base, first.rotary_dim)
+            for enc in encs:
+                undo.append((enc, "scaling", enc.scaling))
+                enc.set_scaling(block)
+            yield {"scaling": block}
+    finally:
+        for enc, what, old in reversed(undo):
+            if what == "scaling":
+                enc.set_scaling(old)
+            else:
+                setattr(enc, what, old)
+
+
+__all__ = ["applied", "encodings", "scaling_block"]
