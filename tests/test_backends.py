@@ -19,7 +19,7 @@ from torch.utils._pytree import tree_flatten
 
 from posenc import backends
 from posenc.attention import Attention, LayerCache
-from posenc.backends import band, blocked, eager, flex, sdpa
+from posenc.backends import band, blocked, eager, flex, sdpa, tails
 from posenc.backends.base import ScoreSpec
 from posenc.encodings import alibi_slopes, build
 from posenc.memo import ForwardMemo
@@ -97,7 +97,7 @@ def test_blocked_plan_covers_far_region_and_several_blocks():
     for method in ("alibi", "t5"):
         for causal in (True, False):
             spec = ScoreSpec(make(method, causal), torch.arange(300), torch.arange(300), causal, 0.25)
-            plan = blocked.make_plan(spec, 300, 300, block=64)
+            plan = tails.make_plan(spec, 300, 300, block=64)
             assert plan.far and any(call.causal for call in plan.far)  # the shifted causal triangle
             assert method == "t5" or len(plan.far) >= 4  # sloped tail: far blocks of 64 queries
             # T5 writes out a band of batched blocks; ALiBi's bias is all per-key feature: no band.
@@ -112,8 +112,8 @@ def test_blocked_plan_covers_far_region_and_several_blocks():
 def test_attention_with_kv_cache_agrees_with_eager(method, causal, backend, monkeypatch):
     """Whole Attention layers: a full pass (encoders) or prefill + cached steps (decoders), outputs
     and gradients of every parameter, backend vs eager. Small blocks so 70 tokens span several."""
-    monkeypatch.setattr(blocked, "BAND_BLOCK", 16)
-    monkeypatch.setattr(blocked, "TERM_SPAN", 16 * float(alibi_slopes(H).max()))  # far blocks of 16 queries
+    monkeypatch.setattr(tails, "BAND_BLOCK", 16)
+    monkeypatch.setattr(tails, "TERM_SPAN", 16 * float(alibi_slopes(H).max()))  # far blocks of 16 queries
     monkeypatch.setattr(band, "BAND_GROUP", 2)
     torch.manual_seed(2)
     enc = make(method, causal)
@@ -395,19 +395,19 @@ def test_flex_keeps_no_encoding_alive():
 def test_alibi_heads_are_grouped_by_slope():
     """Steep heads walk small far blocks, gentle ones large blocks; every group has >= 2 heads."""
     slopes = alibi_slopes(8)  # 1/2 .. 1/256
-    groups = blocked.head_groups(slopes, torch.float32, 4096, None, spread=10.0, past=0)
+    groups = tails.head_groups(slopes, torch.float32, 4096, None, spread=10.0, past=0)
     covered = [h for heads, _, _ in groups for h in range(*heads.indices(8)[:2])]
     assert covered == list(range(8))
-    assert all(heads.stop - heads.start >= blocked.MIN_GROUP_HEADS for heads, _, _ in groups)
+    assert all(heads.stop - heads.start >= tails.MIN_GROUP_HEADS for heads, _, _ in groups)
     rows = [r for _, r, _ in groups]
-    assert rows[0] is not None and rows[0] * float(slopes[0]) <= blocked.TERM_SPAN  # precision bound
+    assert rows[0] is not None and rows[0] * float(slopes[0]) <= tails.TERM_SPAN  # precision bound
     assert rows[-1] is None or rows[-1] > rows[0]  # gentle heads: larger blocks (or one)
     for heads, _, window in groups:  # a key past the window weighs below 2^-150 of the diagonal's
         s = float(slopes[heads].min())
-        assert window is not None and s * window >= blocked.ZERO_LOGIT + 2 * 10.0
+        assert window is not None and s * window >= tails.ZERO_LOGIT + 2 * 10.0
     # float64, a constant tail or a forced block: one group of every head, no window.
-    assert blocked.head_groups(slopes, torch.float64, 4096, None, 10.0, 0) == [(slice(None), None, None)]
-    assert blocked.head_groups(None, torch.float32, 4096, None, 10.0, 0) == [(slice(None), None, None)]
+    assert tails.head_groups(slopes, torch.float64, 4096, None, 10.0, 0) == [(slice(None), None, None)]
+    assert tails.head_groups(None, torch.float32, 4096, None, 10.0, 0) == [(slice(None), None, None)]
 
 
 @pytest.mark.parametrize("as_band", [True, False])
@@ -416,19 +416,19 @@ def test_alibi_windows_leave_out_only_keys_that_weigh_nothing(as_band, monkeypat
     precision (and no worse than a dense float32 bias). Steep heads run as a written-out band of
     their window (as_band) or as windowed far calls with the per-key feature."""
     if not as_band:
-        monkeypatch.setattr(blocked, "BAND_WINDOW", 0)
+        monkeypatch.setattr(tails, "BAND_WINDOW", 0)
     torch.manual_seed(8)
     h, n = 8, 2048
     enc = build("alibi", num_heads=h, head_dim=D)
     q, k, v = (torch.randn(1, h, n, D) for _ in range(3))
     pos = torch.arange(n)
     spec = ScoreSpec(enc, pos, pos, True, 1 / math.sqrt(D))
-    plan = blocked.make_plan(spec, n, n, torch.float32, None, blocked._spread(q, k, spec.scale))
+    plan = tails.make_plan(spec, n, n, torch.float32, None, tails.spread(q, k, spec.scale))
     steep_band = [g for g in plan.bands if g.heads.start == 0]
     steep_far = [c for c in plan.far if c.heads.start == 0]
     if as_band:  # every key that weighs anything is within the window: a band of that many distances
         assert steep_band and not steep_far
-        assert all(g.past <= blocked.BAND_WINDOW + 1 and g.length < n // 2 for g in steep_band)
+        assert all(g.past <= tails.BAND_WINDOW + 1 and g.length < n // 2 for g in steep_band)
     else:
         assert steep_far and not steep_band
         rectangles = [c for c in steep_far if not c.causal]

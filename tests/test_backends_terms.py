@@ -8,6 +8,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from posenc.backends import eager
+from posenc.backends import distance
 from posenc.backends import terms as terms
 from posenc.backends.base import ScoreSpec
 from posenc.encodings.shaw import Shaw
@@ -65,7 +66,7 @@ def assert_agree(ref: dict, got: dict, tol: float = 1e-5):
     ],
 )
 def test_agrees_with_eager(method, causal, tq, tk, monkeypatch):
-    monkeypatch.setattr(terms, "XL_BLOCK", 16)
+    monkeypatch.setattr(distance, "XL_BLOCK", 16)
     monkeypatch.setattr(terms, "SHAW_CHUNK", 8)
     enc = make(method, causal)
     spec = spec_for(enc, tq, tk, causal)
@@ -78,8 +79,8 @@ def test_agrees_with_eager(method, causal, tq, tk, monkeypatch):
 @pytest.mark.parametrize("block, heads, chunk", [(1, 2, 8), (7, 2, 8), (64, 1, 40), (128, 2, 1)])
 def test_block_sizes_do_not_matter(block, heads, chunk, monkeypatch):
     """Tiles of one query, odd tiles, tiles of some of the heads (batch of 2), band chunks."""
-    monkeypatch.setattr(terms, "XL_BLOCK", block)
-    monkeypatch.setattr(terms, "XL_HEADS", heads)
+    monkeypatch.setattr(distance, "XL_BLOCK", block)
+    monkeypatch.setattr(distance, "XL_HEADS", heads)
     monkeypatch.setattr(terms, "SHAW_CHUNK", chunk)
     for method in ("shaw", "transformer_xl"):
         for causal in (True, False):
@@ -105,7 +106,7 @@ class Call(torch.nn.Module):
 @pytest.mark.parametrize("causal", [True, False])
 def test_gradcheck_float64(method, causal, monkeypatch):
     """The custom autograd functions' gradients against finite differences, parameters included."""
-    monkeypatch.setattr(terms, "XL_BLOCK", 5)
+    monkeypatch.setattr(distance, "XL_BLOCK", 5)
     monkeypatch.setattr(terms, "SHAW_CHUNK", 4)
     enc = make(method, causal, torch.float64, clip=2)
     tq, tk = 9, 12
@@ -155,8 +156,8 @@ class LargestTensor(TorchDispatchMode):
 @pytest.mark.parametrize("causal", [True, False])
 def test_no_quadratic_tensor(method, causal, monkeypatch):
     """Forward and backward at N=512: no tensor near B*H*N*N elements (eager makes several)."""
-    monkeypatch.setattr(terms, "XL_BLOCK", 32)
-    monkeypatch.setattr(terms, "XL_HEADS", 2)
+    monkeypatch.setattr(distance, "XL_BLOCK", 32)
+    monkeypatch.setattr(distance, "XL_HEADS", 2)
     n = 512
     enc = make(method, causal)
     spec = spec_for(enc, n, n, causal)

@@ -45,24 +45,14 @@ the fused kernel's mask (``backends/single.py``). Left-padded rows are split int
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 
 from ..encodings.protocol import RelativeBias, offers
 from ..errors import UsageError
-from . import band, explicit, padding, sdpa, single
+from . import band, explicit, padding, sdpa, single, tails
 from .base import ScoreSpec, accumulation_dtype
-from .regions import (
-    FLASH_OPS, Merge, Region, call_order, flushed, kernel_backward, kernel_forward, keys_of, lower, region_backward, rows_of,
-    up, upper,
-)
+from .regions import FLASH_OPS, Merge, Region, call_order, flushed, kernel_backward, kernel_forward, keys_of, region_backward, rows_of, up
 
-BAND_BLOCK = 64  # query rows per explicit band block: the band is BAND_BLOCK + P - 1 keys wide
-TERM_SPAN = 64.0  # a sloped far block is at most TERM_SPAN / max|slope| queries (see Precision)
-MIN_GROUP_HEADS = 2  # heads per far call at least (the kernel's backward runs one head per thread)
-ZERO_LOGIT = 110.0  # exp(-ZERO_LOGIT) is below 2^-150: a probability that rounds to 0 in float32
-BAND_WINDOW = 1024  # heads whose window is at most this run as a written-out band (few batched calls)
 
 
 def supports(spec: ScoreSpec, q: torch.Tensor) -> bool:
@@ -97,135 +87,10 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec, b
         return sdpa.attend(q, k, v, spec)
     tq, tk = q.shape[-2], k.shape[-2]
     if fast_path(spec, tq, tk):
-        plan = make_plan(spec, tq, tk, q.dtype, block, _spread(q, k, spec.scale))
+        plan = tails.make_plan(spec, tq, tk, q.dtype, block, tails.spread(q, k, spec.scale))
         rel = spec.memo.relative_values(spec.encoding, plan.r_lo, plan.r_hi, q.device)  # (H, R)
         return _TailedBias.apply(q, k, v, rel, plan)
     return explicit.attend(q, k, v, spec, block)
-
-
-def _spread(q: torch.Tensor, k: torch.Tensor, scale: float) -> float:
-    """A bound on |q_i . k_j| x scale over all pairs (Cauchy-Schwarz): what content can add to a
-    logit, so far keys whose bias is lower by more than this (and then some) weigh nothing."""
-    with torch.no_grad():
-        return float(q.detach().float().norm(dim=-1).max() * k.detach().float().norm(dim=-1).max()) * scale
-
-
-# ---------------------------------------------------------------------------------------------
-# Plan: which kernel calls and which band blocks cover every (query, key) pair exactly once
-
-
-@dataclass
-class FarCall:
-    region: Region
-    side: int  # 0: past (r <= -past), 1: future (r >= future)
-    ref: int  # key position the per-key term s (j - ref) is measured from
-    heads: slice = field(default_factory=lambda: slice(None))  # the heads it covers (similar slopes)
-
-    @property
-    def causal(self) -> bool:
-        return self.region.causal
-
-    @property
-    def flip(self) -> bool:
-        return self.region.flip
-
-
-@dataclass
-class Plan:
-    far: list[FarCall]
-    bands: list[band.BandGroup]
-    q_start: int  # absolute position of query 0 and of key 0
-    k_start: int
-    scale: float
-    causal: bool
-    past: int  # far past: r <= -past
-    future: int  # far future: r >= future (encoders)
-    slopes: tuple[torch.Tensor | None, torch.Tensor | None]  # past, future
-    r_lo: int  # the rel vector holds f(r) for r = r_lo .. r_hi
-    r_hi: int
-    cache: dict = field(default_factory=dict, repr=False)  # band bias per block geometry
-
-
-def head_groups(slope: torch.Tensor | None, dtype: torch.dtype, tq: int, block: int | None, spread: float | None, past: int):
-    """(heads, rows per far block, window) per group of heads.
-
-    Rows: all of them for a constant tail or float64, else the largest power of two with |s| x rows
-    <= TERM_SPAN (at least 16), so steep heads walk small blocks and gentle ones large blocks.
-    Window (a tail that starts at the diagonal, past == 0, when ``spread`` bounds |q.k| x scale):
-    keys more than (ZERO_LOGIT + 2 spread) / |s| before the query weigh less than 2^-150 of the
-    diagonal key, exactly zero in float32, and are left out. Contiguous heads with the same block
-    form a group; groups keep at least MIN_GROUP_HEADS heads, since the CPU kernel's backward runs
-    one head per thread.
-    """
-    if block is not None or slope is None or dtype == torch.float64:
-        return [(slice(None), block, None)]
-    runs: list[list] = []  # [first head, last head + 1, rows, smallest |s|]
-    for h, s in enumerate(slope.abs().tolist()):
-        rows = 16
-        while rows * 2 * s <= TERM_SPAN and rows < tq:
-            rows *= 2
-        if runs and (runs[-1][2] == rows or runs[-1][1] - runs[-1][0] < MIN_GROUP_HEADS):
-            runs[-1][1], runs[-1][2], runs[-1][3] = h + 1, min(runs[-1][2], rows), min(runs[-1][3], s)
-        else:
-            runs.append([h, h + 1, rows, s])
-    if len(runs) > 1 and runs[-1][1] - runs[-1][0] < MIN_GROUP_HEADS:  # a lone last head joins the one before
-        last = runs.pop()
-        runs[-1][1], runs[-1][2], runs[-1][3] = last[1], min(runs[-1][2], last[2]), min(runs[-1][3], last[3])
-    groups = []
-    for h0, h1, rows, s in runs:
-        window = None
-        if past == 0 and spread is not None and s > 0:
-            window = int((ZERO_LOGIT + 2 * spread) / s) + 1
-        groups.append((slice(h0, h1), None if rows >= tq else rows, window))
-    return groups
-
-
-def make_plan(spec: ScoreSpec, tq: int, tk: int, dtype: torch.dtype = torch.float32, block: int | None = None,
-              spread: float | None = None) -> Plan:
-    tails = spec.encoding.bias_tails()
-    slopes = (tails.past_slope, tails.future_slope)
-    past = tails.past
-    future = max(tails.future, 1 - past)  # r = 0 belongs to one side only
-    qs, ks = int(spec.q_positions[0]), int(spec.k_positions[0])
-    rows = BAND_BLOCK if block is None else block
-    far, bands = [], []
-    # Far past: query a sees key b when b <= a + qs - ks - past. ref: the boundary key of the middle row.
-    for heads, far_rows, window in head_groups(slopes[0], dtype, tq, block, spread, past):
-        if window is not None and window <= BAND_WINDOW and spec.causal:
-            # Steep heads: every key that weighs anything is within the window, so their whole
-            # attention is a band of window + 1 distances, written out exactly and batched.
-            bands += band.plan_band(tq, tk, qs, ks, window + 1, 0, rows, heads)
-            continue
-        for region in lower(tq, tk, qs - ks - past, far_rows, window):
-            far.append(FarCall(region, 0, qs + sum(region.rows) // 2 - past, heads))
-    if not spec.causal:  # far future: b >= a + qs - ks + future
-        for heads, far_rows, window in head_groups(slopes[1], dtype, tq, block, spread, 1 - future):
-            for region in upper(tq, tk, qs - ks + future, far_rows, window):
-                far.append(FarCall(region, 1, qs + sum(region.rows) // 2 + future, heads))
-    bands += band.plan_band(tq, tk, qs, ks, past, 0 if spec.causal else future - 1, rows)
-    reach = max([past, *(g.past for g in bands)])
-    width = rows if bands else 1
-    return Plan(
-        far, bands, qs, ks, spec.scale, spec.causal, past, future, slopes,
-        r_lo=-(reach + width), r_hi=future + width, cache=spec.memo.table(spec.encoding, "band_bias", (), dict),
-    )
-
-
-def _far_terms(plan: Plan, rel: torch.Tensor, call: FarCall):
-    """A far call's per-key term s (j - ref) (h, L), original key order (None for a constant tail),
-    its per-query constant (h, C), original row order, and the rel index of its intercept f(r0)."""
-    slope = plan.slopes[call.side]
-    r0 = -plan.past if call.side == 0 else plan.future
-    i = plan.q_start + torch.arange(*call.region.rows, device=rel.device)  # (C,) query positions
-    # f(r) = f(r0) + s (j - i - r0) = [s (j - ref)] + [f(r0) + s (ref - r0 - i)]
-    shift = up(rel[call.heads, r0 - plan.r_lo])[:, None].expand(-1, i.numel())  # (h, C)
-    term = None
-    if slope is not None:
-        s = up(slope[call.heads])[:, None]  # (h, 1)
-        shift = shift + s * (call.ref - r0 - i)[None, :]
-        j = plan.k_start + torch.arange(*call.region.keys, device=rel.device)  # (L,) key positions
-        term = s * (j - call.ref)[None, :]  # (h, L)
-    return term, shift, r0 - plan.r_lo
 
 
 # ---------------------------------------------------------------------------------------------
@@ -234,7 +99,7 @@ def _far_terms(plan: Plan, rel: torch.Tensor, call: FarCall):
 
 class _TailedBias(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, rel, plan: Plan):
+    def forward(ctx, q, k, v, rel, plan: tails.Plan):
         out, lse, far_lse = flushed(_forward, q, k, v, rel, plan)
         ctx.plan = plan
         ctx.far_lse = far_lse if ctx.needs_input_grad[3] else None
@@ -249,13 +114,13 @@ class _TailedBias(torch.autograd.Function):
         return dq, dk, dv, drel, None
 
 
-def _forward(q, k, v, rel, plan: Plan):
+def _forward(q, k, v, rel, plan: tails.Plan):
     """Output (B, H, Tq, Dv), its log-sum-exp (B, H, Tq) and each far call's log-sum-exp."""
     b, h, tq, d = q.shape
     merged = Merge(b, h, tq, v.shape[-1], q.dtype, q.device)
     far_lse = []  # each far call's shifted log-sum-exp: the gradient of its constant needs it
     for call in plan.far:
-        term, shift, _ = _far_terms(plan, rel, call)
+        term, shift, _ = tails.far_terms(plan, rel, call)
         r, hs = call.region, call.heads
         o, l = kernel_forward(*_cut(r, q[:, hs], k[:, hs], v[:, hs]), r.causal, plan.scale, _key_mask(term, r))
         l = call_order(l, r, -1) + shift  # (B, h, C): back to the true bias
@@ -270,13 +135,13 @@ def _forward(q, k, v, rel, plan: Plan):
     return merged.out.to(q.dtype), merged.lse, far_lse
 
 
-def _backward(plan: Plan, far_lse, need_rel: bool, dout, q, k, v, rel, out, lse):
+def _backward(plan: tails.Plan, far_lse, need_rel: bool, dout, q, k, v, rel, out, lse):
     dout = dout.contiguous()
     grads = _Grads(q, k, v)
     drel = torch.zeros(rel.shape, dtype=accumulation_dtype(rel.dtype), device=rel.device) if need_rel else None
     dsum = (up(dout) * up(out)).sum(-1)  # (B, H, Tq): D_i = dO_i . O_i
     for n, call in enumerate(plan.far):
-        term, shift, r0 = _far_terms(plan, rel, call)
+        term, shift, r0 = tails.far_terms(plan, rel, call)
         r, hs = call.region, call.heads
         g = list(region_backward(r, dout[:, hs], q[:, hs], k[:, hs], v[:, hs], out[:, hs], lse[:, hs], plan.scale,
                                  lse_shift=shift, mask=_key_mask(term, r)))
@@ -304,7 +169,7 @@ def _cut(region: Region, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
     return rows_of(q, region), keys_of(k, region), keys_of(v, region)
 
 
-def _band_bias(plan: Plan, rel: torch.Tensor, group: band.BandGroup):
+def _band_bias(plan: tails.Plan, rel: torch.Tensor, group: band.BandGroup):
     """The band block's bias and rel index, built once per forward for each block geometry."""
     offset = (plan.k_start + group.k0) - (plan.q_start + group.t0)  # r of the block's top-left pair
     key = (group.rows, group.length, offset, group.heads.start, group.heads.stop, group.past, group.top, plan.r_lo, rel.dtype)
