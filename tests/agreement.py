@@ -83,7 +83,8 @@ def check_backends(enc: nn.Module, causal: bool, shapes=None, expect: tuple[str,
 
 
 class MaxTensor(TorchDispatchMode):
-    """Records the largest tensor any op returns (in this thread: run with the flushing thread off)."""
+    """Records the largest tensor (elements) any op returns. A dispatch mode sees this thread only;
+    the kernel loops stay in it while one is active (posenc.backends.regions.flushed)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -126,3 +127,16 @@ def check_flex_inference(enc: nn.Module) -> None:
     with torch.no_grad():
         assert flex.supports(spec, q)
         torch.testing.assert_close(flex.attend(q, k, v, spec), eager.attend(q, k, v, spec), rtol=1e-5, atol=1e-5)
+
+
+CHUNKINGS = ([1] * 20, [7, 1, 5, 7])  # token by token, and in uneven chunks, over 20 tokens
+
+
+def decoded(model, tokens: torch.Tensor, chunks: list[int]) -> torch.Tensor:
+    """Logits of ``tokens`` (B, T) fed through a fresh KV cache ``chunks`` tokens at a time: what a
+    cached decode gives, to compare with the full pass (B, T, vocab)."""
+    cache, parts, at = model.new_cache(tokens.shape[0]), [], 0
+    for n in chunks:
+        parts.append(model(tokens[:, at : at + n], cache=cache))
+        at += n
+    return torch.cat(parts, 1)

@@ -14,17 +14,17 @@ import math
 import pytest
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 from posenc import backends
 from posenc.attention import Attention, LayerCache
 from posenc.backends import band, blocked, eager, flex, sdpa, tails
 from posenc.backends.base import ScoreSpec
 from posenc.encodings import alibi_slopes, build
-from posenc.memo import ForwardMemo
 from posenc.encodings.t5 import T5Bias
+from posenc.memo import ForwardMemo
 from posenc.model import LM, LMConfig
+
+from agreement import MaxTensor  # tests/agreement.py: one definition for every memory check
 
 H, D = 4, 16
 TOL = dict(rtol=1e-5, atol=1e-5)
@@ -216,21 +216,6 @@ def test_blocked_bfloat16_close_to_float32():
         got = blocked.attend(q.bfloat16(), k.bfloat16(), v.bfloat16(), spec, block=64)
         assert got.dtype == torch.bfloat16
         torch.testing.assert_close(got.float(), want, rtol=0, atol=5e-2)
-
-
-class MaxTensor(TorchDispatchMode):
-    """Records the largest tensor any op returns."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.largest = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor):
-                self.largest = max(self.largest, t.numel())
-        return out
 
 
 @pytest.mark.parametrize("method", ["alibi", "t5"])

@@ -16,7 +16,7 @@ from posenc.backends import contextual
 from posenc.backends.base import ScoreSpec
 from posenc.errors import UsageError
 
-from agreement import H, D, check_backends, largest_tensor, reference, run
+from agreement import CHUNKINGS, D, H, check_backends, decoded, largest_tensor, reference, run
 
 
 def make(max_pos: int = 8, std: float = 0.3, **options) -> torch.nn.Module:
@@ -166,12 +166,9 @@ def test_cached_decoding_equals_full_pass(options):
     with torch.no_grad():
         full = model(tokens)
         assert model.blocks[0].attn.last_backend == "contextual"
-        for chunks in ([1] * 20, [7, 1, 5, 7]):
-            cache, parts, at = model.new_cache(2), [], 0
-            for n in chunks:
-                parts.append(model(tokens[:, at : at + n], cache=cache))
-                at += n
-            torch.testing.assert_close(torch.cat(parts, 1), full, rtol=0, atol=1e-5)
+        for chunks in CHUNKINGS:
+            got = decoded(model, tokens, chunks)
+            torch.testing.assert_close(got, full, rtol=0, atol=1e-5)
 
 
 def test_zero_initialised_table_shared_by_heads():

@@ -13,7 +13,7 @@ from posenc.backends import flex
 from posenc.encodings import alibi_slopes
 from posenc.errors import UsageError
 
-from agreement import H, D, check_backends, check_flex_inference, largest_tensor
+from agreement import CHUNKINGS, D, H, check_backends, check_flex_inference, decoded, largest_tensor
 
 
 def formula(variant: str, r1: list[float], r2: list[float], q_positions, k_positions, causal: bool) -> torch.Tensor:
@@ -142,12 +142,9 @@ def test_cached_decoding_equals_full_pass(variant):
     tokens = torch.randint(0, 256, (2, 20))
     with torch.no_grad():
         full = model(tokens)
-        for chunks in ([1] * 20, [7, 1, 5, 7]):
-            cache, parts, at = model.new_cache(2), [], 0
-            for n in chunks:
-                parts.append(model(tokens[:, at : at + n], cache=cache))
-                at += n
-            torch.testing.assert_close(torch.cat(parts, 1), full, rtol=0, atol=1e-5)
+        for chunks in CHUNKINGS:
+            got = decoded(model, tokens, chunks)
+            torch.testing.assert_close(got, full, rtol=0, atol=1e-5)
 
 
 def test_bad_variant_is_a_usage_error():

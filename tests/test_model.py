@@ -23,13 +23,7 @@ def refuses_bidirectional(method: str) -> bool:
     return True
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors: one thread is faster, and intra-op threads spin badly on a shared machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: tiny tensors run on one thread
 
 
 def tiny(method: str, causal: bool = True, backend: str = "auto", std: float | None = None, **options) -> posenc.LM:

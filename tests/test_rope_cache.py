@@ -20,13 +20,7 @@ import posenc
 from posenc.encodings.rope import RoPE
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors: one thread is faster, and intra-op threads spin badly on a shared machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: tiny tensors run on one thread
 
 
 L = 8  # original length of the cases below; sequences run to 2L + 4

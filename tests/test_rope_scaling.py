@@ -27,13 +27,7 @@ from transformers import LlamaConfig  # noqa: E402
 transformers.logging.set_verbosity_error()  # HF warns about test-sized configs (factor vs lengths)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors: one thread is faster, and intra-op threads spin badly on a shared machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: tiny tensors run on one thread
 
 
 H = 2

@@ -14,7 +14,7 @@ from posenc.backends import features, flex
 from posenc.backends.base import ScoreSpec
 from posenc.errors import UsageError
 
-from agreement import H, D, check_backends, check_flex_inference, largest_tensor, reference, run
+from agreement import CHUNKINGS, D, H, check_backends, check_flex_inference, decoded, largest_tensor, reference, run
 
 
 def sinusoid(position: int, dim: int) -> list[float]:
@@ -112,13 +112,10 @@ def test_cached_decoding_equals_full_pass():
     tokens = torch.randint(0, 256, (2, 20))
     with torch.no_grad():
         full = model(tokens)
-        for chunks in ([1] * 20, [7, 1, 5, 7]):
-            cache, parts, at = model.new_cache(2), [], 0
-            for n in chunks:
-                parts.append(model(tokens[:, at : at + n], cache=cache))
-                at += n
+        for chunks in CHUNKINGS:
+            got = decoded(model, tokens, chunks)
             assert model.blocks[0].attn.last_backend == "features"
-            torch.testing.assert_close(torch.cat(parts, 1), full, rtol=0, atol=1e-5)
+            torch.testing.assert_close(got, full, rtol=0, atol=1e-5)
     eager_model = posenc.LM(posenc.LMConfig(encoding="sandwich", dim=32, depth=2, num_heads=4, attention_backend="eager")).eval()
     eager_model.load_state_dict(model.state_dict())
     with torch.no_grad():

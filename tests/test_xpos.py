@@ -22,13 +22,7 @@ x_transformers = pytest.importorskip("x_transformers.x_transformers")
 rotary_embedding_torch = pytest.importorskip("rotary_embedding_torch")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors: one thread is faster, and intra-op threads spin badly on a shared machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: tiny tensors run on one thread
 
 
 H = 2

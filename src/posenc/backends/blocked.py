@@ -75,14 +75,11 @@ def fast_path(spec: ScoreSpec, tq: int, tk: int) -> bool:
     return ks <= qs and qs + tq <= ks + tk
 
 
+@single.steps_and_padding  # a decode step and left-padded rows first (backends/single.py)
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec, block: int | None = None) -> torch.Tensor:
     """``block`` (tests) sets the band block and, for sloped tails, the far block to one size."""
     if block is not None and block < 1:
         raise UsageError(f"block must be a positive integer, got {block}")
-    if single.applies(spec, q, k, v):  # a decode step: the bias is one vector
-        return single.attend(q, k, v, spec)
-    if spec.starts is not None:
-        return padding.by_rows(lambda *a: attend(*a, block=block), q, k, v, spec)
     if not spec.has_bias:
         return sdpa.attend(q, k, v, spec)
     tq, tk = q.shape[-2], k.shape[-2]

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from ..encodings.protocol import BiasFeatures, offers
-from . import padding, single
+from . import single
 from .base import ScoreSpec
 
 MULTIPLE = 8  # q, k and v are padded to a multiple of this many features
@@ -58,11 +58,8 @@ def widen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec) ->
     return q2, k2, v2
 
 
+@single.steps_and_padding  # a decode step and left-padded rows first (backends/single.py)
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec) -> torch.Tensor:
-    if single.applies(spec, q, k, v):  # a decode step: the bias of r = j - i is one kept vector
-        return single.attend(q, k, v, spec)
-    if spec.starts is not None:  # left-padded rows: split into unpadded calls
-        return padding.by_rows(attend, q, k, v, spec)
     q2, k2, v2 = widen(q, k, v, spec)
     tq, tk = q.shape[-2], k.shape[-2]
     if not spec.causal or (tq == 1 and spec.aligned):  # an encoder, or one decoded token: every key

@@ -134,11 +134,8 @@ def _block_mask(tq: int, tk: int, padded: int, shift: int | None, device: torch.
     return mask
 
 
+@single.steps_and_padding  # a decode step and left-padded rows first (backends/single.py)
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec) -> torch.Tensor:
-    if single.applies(spec, q, k, v):
-        return single.attend(q, k, v, spec)
-    if spec.starts is not None:
-        return padding.by_rows(attend, q, k, v, spec)
     tq, tk = q.shape[-2], k.shape[-2]
     qs = int(spec.q_positions[0]) if tq else 0
     ks = int(spec.k_positions[0]) if tk else 0

@@ -30,11 +30,8 @@ def preferred(spec: ScoreSpec, q: torch.Tensor) -> bool:
     return spec.plain or (spec.has_bias and supports(spec, q) and fallback)
 
 
+@single.steps_and_padding  # a decode step and left-padded rows first (backends/single.py)
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec) -> torch.Tensor:
-    if single.applies(spec, q, k, v):
-        return single.attend(q, k, v, spec)
-    if spec.starts is not None:
-        return padding.by_rows(attend, q, k, v, spec)
     tq, tk = q.shape[-2], k.shape[-2]
     if not spec.has_bias:
         if not spec.causal or tq == 1 and spec.aligned:
