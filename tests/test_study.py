@@ -275,3 +275,21 @@ def test_command_line_options_come_from_the_config_fields(capsys):
     # per-preset defaults are named in the help, read from PRESETS (not a hand-kept string)
     assert "validation tokens scored at every length (per preset: " + ", ".join(
         f"{name} {PRESETS[name]['valid_bytes']}" for name in PRESETS) + ")" in text
+
+
+@pytest.mark.parametrize("argv, expected", [
+    ([], "runs/default"),
+    (["--preset", "modern"], "runs/modern"),
+    (["--task", "recall"], "runs/recall"),  # --task recall without a preset takes the recall preset
+    (["--task", "recall", "--preset", "default"], "runs/default"),
+    (["--out", "x/y"], "x/y"),
+])
+def test_the_default_out_folder_is_named_after_the_preset_the_run_takes(argv, expected):
+    from pathlib import Path
+
+    from posenc.study.cli import config_from_args, default_out
+
+    args = cli.build_parser().parse_args(["study", *argv])
+    assert default_out(args) == Path(expected)
+    if "--out" not in argv:
+        assert default_out(args).name == config_from_args(args).preset

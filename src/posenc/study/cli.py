@@ -83,8 +83,15 @@ def config_from_args(args: argparse.Namespace, saved: dict | None = None) -> Stu
     return StudyConfig.from_preset(preset, **base)
 
 
+def default_out(args: argparse.Namespace) -> Path:
+    """``--out``, or ``runs/PRESET`` with the preset :func:`config_from_args` takes when none is given."""
+    if args.out:
+        return Path(args.out)
+    return Path("runs") / (args.preset or ("recall" if getattr(args, "task", None) == "recall" else "default"))
+
+
 def run_study(args: argparse.Namespace, on_step: StepCallback | None = None) -> int:
-    out = Path(args.out or f"runs/{args.preset or 'default'}")
+    out = default_out(args)
     saved = None
     if args.resume and (out / "results.json").exists():
         saved = (load_results(out) or {}).get("config")
