@@ -140,3 +140,15 @@ def decoded(model, tokens: torch.Tensor, chunks: list[int]) -> torch.Tensor:
         parts.append(model(tokens[:, at : at + n], cache=cache))
         at += n
     return torch.cat(parts, 1)
+
+
+def assert_decoding_equals_full(model, backend: str | None = None, length: int = 20) -> None:
+    """Cached decoding (every chunking of :data:`CHUNKINGS`) gives the full pass's logits to 1e-5,
+    on random tokens of two rows; ``backend``: the one the first layer's full pass must have used."""
+    tokens = torch.randint(0, model.config.vocab_size, (2, length))
+    with torch.no_grad():
+        full = model(tokens)
+        if backend is not None:
+            assert model.blocks[0].attn.last_backend == backend
+        for chunks in CHUNKINGS:
+            torch.testing.assert_close(decoded(model, tokens, chunks), full, rtol=0, atol=1e-5)

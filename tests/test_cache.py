@@ -28,12 +28,8 @@ ALL = METHODS + ["toy_scaled_rope", "toy_absolute_key"]
 
 
 @pytest.fixture(autouse=True)
-def _toys_and_one_thread(monkeypatch):
+def _toys_and_one_thread(monkeypatch, one_thread):  # one_thread: conftest.py
     registered(monkeypatch)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def tiny(method: str, backend: str = "auto", depth: int = 2) -> posenc.LM:

@@ -16,7 +16,7 @@ from posenc.backends import contextual
 from posenc.backends.base import ScoreSpec
 from posenc.errors import UsageError
 
-from agreement import CHUNKINGS, D, H, check_backends, decoded, largest_tensor, reference, run
+from agreement import D, H, assert_decoding_equals_full, check_backends, largest_tensor, reference, run
 
 
 def make(max_pos: int = 8, std: float = 0.3, **options) -> torch.nn.Module:
@@ -162,13 +162,7 @@ def test_cached_decoding_equals_full_pass(options):
         for p in model.parameters():
             p.normal_(std=0.3)
     assert model.blocks[0].attn.encoding is not model.blocks[1].attn.encoding  # one table per layer
-    tokens = torch.randint(0, 256, (2, 20))
-    with torch.no_grad():
-        full = model(tokens)
-        assert model.blocks[0].attn.last_backend == "contextual"
-        for chunks in CHUNKINGS:
-            got = decoded(model, tokens, chunks)
-            torch.testing.assert_close(got, full, rtol=0, atol=1e-5)
+    assert_decoding_equals_full(model, backend="contextual")
 
 
 def test_zero_initialised_table_shared_by_heads():

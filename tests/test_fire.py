@@ -13,7 +13,7 @@ import posenc
 from posenc.backends import flex
 from posenc.errors import UsageError
 
-from agreement import CHUNKINGS, D, H, check_backends, check_flex_inference, decoded, largest_tensor
+from agreement import D, H, assert_decoding_equals_full, check_backends, check_flex_inference, largest_tensor
 
 
 def formula(enc, q_positions, k_positions) -> torch.Tensor:
@@ -117,12 +117,7 @@ def test_auto_runs_blocked_without_a_quadratic_tensor():
 def test_cached_decoding_equals_full_pass_across_the_threshold():
     model = posenc.LM(posenc.LMConfig(encoding="fire", dim=32, depth=2, num_heads=4, encoding_options={"threshold": 8.0})).eval()
     assert model.blocks[0].attn.encoding is not model.blocks[1].attn.encoding  # one FIRE per layer
-    tokens = torch.randint(0, 256, (2, 20))
-    with torch.no_grad():
-        full = model(tokens)
-        for chunks in CHUNKINGS:
-            got = decoded(model, tokens, chunks)
-            torch.testing.assert_close(got, full, rtol=0, atol=1e-5)
+    assert_decoding_equals_full(model)
 
 
 def test_threshold_and_scale_learn():

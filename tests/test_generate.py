@@ -24,12 +24,8 @@ METHODS = posenc.available()
 
 
 @pytest.fixture(autouse=True)
-def _toys_and_one_thread(monkeypatch):
+def _toys_and_one_thread(monkeypatch, one_thread):  # one_thread: conftest.py
     registered(monkeypatch)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def tiny(method: str, vocab: int = 64, max_positions: int | None = None) -> posenc.LM:

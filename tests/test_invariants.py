@@ -45,6 +45,21 @@ def scores(enc: torch.nn.Module, q: torch.Tensor, k: torch.Tensor, q_positions: 
     return s
 
 
+def shifted_scores(enc, tq: int, past: int, start: int, offset: int, seed: int):
+    """Random q (tq queries, the last of tq + past keys, as after a KV cache) and k from ``seed``;
+    the scores at positions from ``start``, then all moved by ``offset``; and the positions."""
+    gen = torch.Generator().manual_seed(seed)
+    tk = tq + past
+    q = torch.randn(1, H, tq, D, generator=gen)
+    k = torch.randn(1, H, tk, D, generator=gen)
+    k_positions = torch.arange(start, start + tk)
+    q_positions = k_positions[past:]
+    with torch.no_grad():
+        before = scores(enc, q, k, q_positions, k_positions)
+        after = scores(enc, q, k, q_positions + offset, k_positions + offset)
+    return before, after, q_positions, k_positions
+
+
 @settings(max_examples=40, deadline=None, derandomize=True)
 @given(
     name=st.sampled_from(RELATIVE),
@@ -57,15 +72,7 @@ def scores(enc: torch.nn.Module, q: torch.Tensor, k: torch.Tensor, q_positions: 
 )
 def test_shifting_all_positions_leaves_scores_unchanged(name, causal, tq, past, start, offset, seed) -> None:
     enc = encoding(name, causal)
-    gen = torch.Generator().manual_seed(seed)
-    tk = tq + past  # queries are the last tq keys, as after a KV cache
-    q = torch.randn(1, H, tq, D, generator=gen)
-    k = torch.randn(1, H, tk, D, generator=gen)
-    k_positions = torch.arange(start, start + tk)
-    q_positions = k_positions[past:]
-    with torch.no_grad():
-        before = scores(enc, q, k, q_positions, k_positions)
-        after = scores(enc, q, k, q_positions + offset, k_positions + offset)
+    before, after, q_positions, k_positions = shifted_scores(enc, tq, past, start, offset, seed)
     # rope: cos/sin are float32 roundings of different angles, so not bit-identical.
     torch.testing.assert_close(after, before, rtol=0, atol=1e-5)
     v_terms = has_hook(enc, "value_terms")
@@ -138,16 +145,7 @@ def rotary(name: str) -> torch.nn.Module:
     seed=st.integers(0, 2**16),
 )
 def test_scaled_rope_and_xpos_scores_are_shift_invariant(name, tq, past, start, offset, seed) -> None:
-    enc = rotary(name)
-    gen = torch.Generator().manual_seed(seed)
-    tk = tq + past
-    q = torch.randn(1, H, tq, D, generator=gen)
-    k = torch.randn(1, H, tk, D, generator=gen)
-    k_positions = torch.arange(start, start + tk)
-    q_positions = k_positions[past:]
-    with torch.no_grad():
-        before = scores(enc, q, k, q_positions, k_positions)
-        after = scores(enc, q, k, q_positions + offset, k_positions + offset)
+    before, after, _, _ = shifted_scores(rotary(name), tq, past, start, offset, seed)
     torch.testing.assert_close(after, before, rtol=0, atol=1e-5)
 
 

@@ -13,7 +13,7 @@ from posenc.backends import flex
 from posenc.encodings import alibi_slopes
 from posenc.errors import UsageError
 
-from agreement import CHUNKINGS, D, H, check_backends, check_flex_inference, decoded, largest_tensor
+from agreement import D, H, assert_decoding_equals_full, check_backends, check_flex_inference, largest_tensor
 
 
 def formula(variant: str, r1: list[float], r2: list[float], q_positions, k_positions, causal: bool) -> torch.Tensor:
@@ -139,12 +139,7 @@ def test_auto_runs_blocked_without_a_quadratic_tensor():
 @pytest.mark.parametrize("variant", ["log", "power"])
 def test_cached_decoding_equals_full_pass(variant):
     model = posenc.LM(posenc.LMConfig(encoding="kerple", dim=32, depth=2, num_heads=4, encoding_options={"variant": variant})).eval()
-    tokens = torch.randint(0, 256, (2, 20))
-    with torch.no_grad():
-        full = model(tokens)
-        for chunks in CHUNKINGS:
-            got = decoded(model, tokens, chunks)
-            torch.testing.assert_close(got, full, rtol=0, atol=1e-5)
+    assert_decoding_equals_full(model)
 
 
 def test_bad_variant_is_a_usage_error():

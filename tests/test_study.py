@@ -81,7 +81,7 @@ def test_csv_and_markdown_match_json(smoke_run):
             assert (cell == "") if r["perplexity"] is None else float(cell) == pytest.approx(r["perplexity"])
     md = (out / "results.md").read_text()
     assert md.count("\n") == len(results["methods"]) + 2
-    assert re.search(r"\| learned \| [\d.]+ \| n/a", md)
+    assert re.search(r"\| learned \| [\d.]+ \[[\d.]+, [\d.]+\] \| n/a", md)  # with its 95% interval
     # "train s": three significant digits, so a run of a fraction of a second does not read 0
     for line in md.splitlines()[2:]:
         method, *_, cell = [c.strip() for c in line.strip("|").split("|")]

@@ -221,4 +221,4 @@ def write_outputs(results: dict, out: Path, table: bool = False) -> None:
     figure = plots.recall_figure if metric_of(results) == "accuracy" else plots.extrapolation_figure
     plots.save(figure(results), out / "extrapolation.png")
     if table:
-        write_text(out / "results.md", markdown_table(results) + "\n")
+        write_text(out / "results.md", markdown_table(results, intervals=True) + "\n")
