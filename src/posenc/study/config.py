@@ -30,7 +30,7 @@ MODERN = ["xpos", "xpos+blockwise", "kerple", "sandwich", "fire", "cope", "rope+
 # Model and training sizes per preset, and the rows each one studies (named here, not "every
 # registered method": a new method must not change what a preset costs). smoke: CI, seconds per
 # method, every registered method (so CI trains each new one). default: the README's main job
-# (about 20 minutes on 2 CPU cores). modern: the methods after ALiBi at the default sizes, with
+# (about 13 minutes on 2 CPU cores). modern: the methods after ALiBi at the default sizes, with
 # alibi and nope as anchors. recall: the associative-recall task at a size every method learns in
 # a minute or two. paper: the ALiBi paper's setup (train at 512, evaluate to 16x) at a size for one
 # GPU.
@@ -63,9 +63,9 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 PRESET_DESCRIPTIONS = {
     "smoke": "CI, seconds",
-    "default": "the main job, ~20 min on 2 CPU cores",
-    "modern": "the newer methods, ~22 min on 2 CPU cores (estimated)",
-    "recall": "associative recall, ~14 min on 2 CPU cores",
+    "default": "the main job, ~13 min on 2 CPU cores",
+    "modern": "the newer methods, ~15 min on 2 CPU cores",
+    "recall": "associative recall, ~12 min on 2 CPU cores",
     "paper": "train at 512, test to 16x, a GPU",
 }
 TASKS = ("lm", "recall")
