@@ -34,7 +34,6 @@ Shape legend: B batch, H heads, C workspace capacity, Tk keys, D head dim.
 from __future__ import annotations
 
 import functools
-
 from typing import Callable
 
 import torch
@@ -43,6 +42,7 @@ from torch import nn
 
 from ..encodings.protocol import DistanceBias, offers
 from .base import ScoreSpec, accumulation_dtype, needs_grad
+from .padding import by_rows
 from .regions import kernel_forward
 
 
@@ -205,22 +205,22 @@ def distance_keys(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: Score
     return F.scaled_dot_product_attention(content, k, v, attn_mask=terms, scale=1.0)
 
 
-__all__ = ["Workspace", "applies", "attend", "distance_keys", "mask", "padding", "relative_vector", "shaw", "versions"]
-
-
 def steps_and_padding(inner: Callable) -> Callable:
     """Wrap a backend's ``attend(q, k, v, spec, **options)`` so that a decode step takes the
     single-query path (:func:`attend` here) and a left-padded call is split into unpadded calls
     (:func:`posenc.backends.padding.by_rows`); everything else reaches ``inner`` unchanged. One
     place for what sdpa, features, flex and blocked all do first."""
-    from . import padding  # imported here: padding.py is a sibling module that reads top to bottom
 
     @functools.wraps(inner)
     def wrapped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec, **options) -> torch.Tensor:
         if applies(spec, q, k, v):  # one query against the cache: the bias is one kept vector
             return attend(q, k, v, spec)
         if spec.starts is not None:  # left-padded rows: two unpadded calls per row
-            return padding.by_rows(lambda *a: wrapped(*a, **options), q, k, v, spec)
+            return by_rows(lambda *a: wrapped(*a, **options), q, k, v, spec)
         return inner(q, k, v, spec, **options)
 
     return wrapped
+
+
+__all__ = ["Workspace", "applies", "attend", "distance_keys", "mask", "padding", "relative_vector", "shaw", "steps_and_padding", "versions"]
+
