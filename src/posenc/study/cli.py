@@ -68,12 +68,18 @@ def add_study_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quiet", action="store_true", help="no progress output")
 
 
+def preset_of(args: argparse.Namespace, saved: dict | None = None) -> str:
+    """The preset a run takes: ``--preset``, else the resumed run's, else the task's own (recall),
+    else default."""
+    task_preset = "recall" if getattr(args, "task", None) == "recall" else None  # the task's own sizes
+    return args.preset or (saved or {}).get("preset") or task_preset or "default"
+
+
 def config_from_args(args: argparse.Namespace, saved: dict | None = None) -> StudyConfig:
     """Preset defaults, then (when resuming) the saved run's config, then the options given."""
     names = [f.name for f in fields(StudyConfig) if f.name not in _SPECIAL]
     given = {k: getattr(args, k) for k in names if getattr(args, k, None) is not None}
-    task_preset = "recall" if getattr(args, "task", None) == "recall" else None  # the task's own sizes
-    preset = args.preset or (saved or {}).get("preset") or task_preset or "default"
+    preset = preset_of(args, saved)
     base = dict(PRESETS.get(preset, {}))
     if saved is not None:
         base.update({k: v for k, v in saved.items() if k in names})
@@ -84,10 +90,8 @@ def config_from_args(args: argparse.Namespace, saved: dict | None = None) -> Stu
 
 
 def default_out(args: argparse.Namespace) -> Path:
-    """``--out``, or ``runs/PRESET`` with the preset :func:`config_from_args` takes when none is given."""
-    if args.out:
-        return Path(args.out)
-    return Path("runs") / (args.preset or ("recall" if getattr(args, "task", None) == "recall" else "default"))
+    """``--out``, or ``runs/PRESET`` with the preset the run takes (:func:`preset_of`)."""
+    return Path(args.out) if args.out else Path("runs") / preset_of(args)
 
 
 def run_study(args: argparse.Namespace, on_step: StepCallback | None = None) -> int:
