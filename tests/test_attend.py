@@ -300,3 +300,15 @@ def test_lm_random_positions_within_documents():
     p = seen["p"][0]
     assert torch.all(p[1:10] > p[:9]) and torch.all(p[11:] > p[10:-1])  # increasing inside each document
     assert torch.equal(p[10:20], p[:10])  # the same draw, indexed by in-document position
+
+
+@pytest.mark.parametrize("method", ["nope", "alibi", "t5", "kerple", "fire", "rope", "xpos", "shaw", "transformer_xl", "cope"])
+def test_lm_grouped_heads_decoding_equals_the_full_pass(method):
+    cfg = posenc.LMConfig(encoding=method, dim=32, depth=2, num_heads=4, num_kv_heads=2)
+    model = posenc.LM(cfg).eval()
+    tokens = torch.randint(0, 256, (2, 24))
+    cache = model.new_cache(2)
+    with torch.no_grad():
+        full = model(tokens)
+        steps = [model(tokens[:, :16], cache=cache)] + [model(tokens[:, t : t + 1], cache=cache) for t in range(16, 24)]
+    close(torch.cat(steps, dim=1), full, 1e-5)

@@ -26,6 +26,7 @@ import math
 import torch
 
 from . import backends
+from .backends import single
 from .encodings.protocol import Rotates, offers
 from .errors import UsageError
 from .geometry import Geometry, ScoreSpec
@@ -117,6 +118,8 @@ def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec, back
     if group > 1:
         if name == "sdpa" and spec.plain and spec.starts is None:
             return _plain_gqa(q, k, v, spec), name
+        if name != "eager" and not (spec.has_query_terms or spec.has_value_terms) and single.applies(spec, q, k, v):
+            return single.attend(q, k, v, spec), name  # a decode step: the query heads of a group as its queries
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # (B, H, Tk, D)
     return chosen.attend(q, k, v, spec), name
 
