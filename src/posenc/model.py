@@ -213,7 +213,8 @@ class LM(nn.Module):
             raise UsageError(f"tokens must be (batch, length), got shape {tuple(tokens.shape)}")
         if tokens.is_floating_point() or tokens.is_complex() or tokens.dtype == torch.bool:
             raise UsageError(f"tokens must be integer token ids, got {str(tokens.dtype).removeprefix('torch.')}")
-        if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= self.config.vocab_size):
+        # (not while compiling: the check reads the tokens, a graph break; the embedding's own bounds check stays)
+        if tokens.numel() and not torch.compiler.is_compiling() and (int(tokens.min()) < 0 or int(tokens.max()) >= self.config.vocab_size):
             raise UsageError(
                 f"tokens must be ids in [0, vocab_size={self.config.vocab_size}), got values in "
                 f"[{int(tokens.min())}, {int(tokens.max())}]"
@@ -230,14 +231,17 @@ class LM(nn.Module):
             embed = geometry.embed_positions
             x = self.encoding.embed(x, embed if cache is None else cache.embed_positions(embed))
         memo = ForwardMemo()  # T5's bias and the like: computed once for all layers
-        past = 0 if cache is None else cache.length
+        if cache is None:
+            for block in self.blocks:
+                x = block(x, None, None, memo, geometry)
+            return self.head(self.ln_f(x))  # (B, T, vocab)
+        past = cache.length
         try:
             for i, block in enumerate(self.blocks):
-                x = block(x, None, None if cache is None else cache.layers[i], memo, geometry)
-        except BaseException:
-            if cache is not None:  # no layer keeps a half-done step
-                for layer in cache.layers:
-                    layer.length = min(layer.length, past)
+                x = block(x, None, cache.layers[i], memo, geometry)
+        except BaseException:  # no layer keeps a half-done step
+            for layer in cache.layers:
+                layer.length = min(layer.length, past)
             raise
         return self.head(self.ln_f(x))  # (B, T, vocab)
 
