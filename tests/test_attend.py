@@ -312,3 +312,11 @@ def test_lm_grouped_heads_decoding_equals_the_full_pass(method):
         full = model(tokens)
         steps = [model(tokens[:, :16], cache=cache)] + [model(tokens[:, t : t + 1], cache=cache) for t in range(16, 24)]
     close(torch.cat(steps, dim=1), full, 1e-5)
+
+
+@pytest.mark.parametrize("method", ["alibi", "t5", "kerple", "sandwich", "fire"])
+def test_bias_hooks_refuse_per_row_positions_with_a_pointer_to_attend(method):
+    enc = encoding(method)
+    pos = torch.arange(6).expand(2, 6)
+    with pytest.raises(UsageError, match=r"bias: q_positions must be 1-D \(T,\), got \(2, 6\); for positions per row \(B, T\) call posenc.attend"):
+        enc.bias(pos, pos)
