@@ -54,7 +54,7 @@ def save_checkpoint(model: LM, path: str | Path) -> None:
     kept, alias = _unique(model.state_dict())
     # One metadata entry: safetensors keeps metadata in a hash map whose order changes from one
     # save to the next, and the same weights must give the same bytes (and sha256).
-    header = json.dumps({"format": FORMAT, "lm_config": config}, sort_keys=True)
+    header = json.dumps({"format": FORMAT, "lm_config": config}, sort_keys=True, allow_nan=False)
     data = save({k: v.detach().contiguous().cpu() for k, v in kept.items()}, metadata={"posenc": header})
     write_bytes(path, data)
     write_json(path.with_suffix(".json"), {

@@ -88,7 +88,7 @@ def write_outputs(results: Results, out: Path) -> dict[str, Path]:
 def _json(results: Results) -> str:
     import json
 
-    return json.dumps(json_object(results), indent=1) + "\n"
+    return json.dumps(json_object(results), indent=1, allow_nan=False) + "\n"
 
 
 def save_fallback(results: Results) -> Path:

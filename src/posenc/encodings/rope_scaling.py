@@ -268,8 +268,9 @@ def parse_scaling(scaling: Mapping | RopeScaling | None) -> RopeScaling:
 
 
 def default_frequencies(base: float, dim: int) -> torch.Tensor:
-    """theta_k = base^(-2k/dim), k = 0 .. dim/2 - 1: (dim/2,) float64."""
-    return base ** -(torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+    """theta_k = base^(-2k/dim), k = 0 .. dim/2 - 1: (dim/2,) float64, on the CPU (also inside a
+    ``torch.device("meta")`` block: the schedule is checked, and moved where the positions are)."""
+    return base ** -(torch.arange(0, dim, 2, dtype=torch.float64, device="cpu") / dim)
 
 
 def _default(cfg: RopeScaling, base: float, dim: int, length: int | None) -> tuple[torch.Tensor, float]:
@@ -315,7 +316,7 @@ def _yarn(cfg: RopeScaling, base: float, dim: int, length: int | None) -> tuple[
     low, high = max(low, 0), min(high, dim - 1)  # HF clamps to dim - 1 (not dim/2 - 1); kept for equality
     if low == high:
         high += 0.001  # a step instead of a ramp
-    ramp = ((torch.arange(dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)  # 0: keep, 1: interpolate
+    ramp = ((torch.arange(dim // 2, dtype=torch.float64, device="cpu") - low) / (high - low)).clamp(0, 1)  # 0: keep, 1: interpolate
     theta = default_frequencies(base, dim)
     return theta * (1 - ramp) + (theta / s) * ramp, attention
 
@@ -339,7 +340,7 @@ def _longrope(cfg: RopeScaling, base: float, dim: int, length: int | None) -> tu
     else:
         s = cfg.scale
         attention = 1.0 if s <= 1 else math.sqrt(1 + math.log(s) / math.log(original))
-    return default_frequencies(base, dim) / torch.tensor(factors, dtype=torch.float64), attention
+    return default_frequencies(base, dim) / torch.tensor(factors, dtype=torch.float64, device="cpu"), attention
 
 
 def _proportional(cfg: RopeScaling, base: float, dim: int, length: int | None) -> tuple[torch.Tensor, float]:
