@@ -121,7 +121,10 @@ class Attention(nn.Module):
             k_positions = cache.positions(x.device)  # 0..past+T-1, a view (nothing per step grows with N)
             starts, workspace = cache.starts(x.device), cache.workspace
         if late:
-            q, k = self.encoding.rotate(q, k, positions, k_positions)
+            # An encoding that keeps cached keys in a frame of its own (xPos's centre) rotates only the new ones.
+            framed = cache is not None and callable(getattr(self.encoding, "rotate_in_frame", None))
+            rotate = (lambda *a: self.encoding.rotate_in_frame(*a, cache)) if framed else self.encoding.rotate
+            q, k = rotate(q, k, positions, k_positions)
         memo = ForwardMemo() if memo is None else memo
         spec = ScoreSpec(
             self.encoding, positions, k_positions, self.causal, 1.0 / math.sqrt(self.head_dim), memo, consecutive,
