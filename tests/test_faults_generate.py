@@ -265,3 +265,17 @@ def test_checkpoint_dtypes_are_checked(tmp_path) -> None:
     path.with_suffix(".json").write_text(json.dumps(meta))
     with raises(f"path: {path}'s tensors have other dtypes than its config's model (tok.weight: model float32, file int32)"):
         posenc.load_checkpoint(path)
+
+
+def test_the_documented_import_of_stream_works() -> None:
+    # docs/decoding.md once wrote posenc.generate.stream(...), an AttributeError after `import posenc`
+    import subprocess as sp
+
+    code = "from posenc.generate import stream, generate; import posenc; print(callable(stream), callable(posenc.LM.generate))"
+    out = sp.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                 env={**__import__("os").environ, "PYTHONPATH": str(Path(posenc.__file__).parents[1])})
+    assert out.stdout == "True True\n"
+    from pathlib import Path as P
+    docs = (P(posenc.__file__).parents[2] / "docs" / "decoding.md")
+    if docs.exists():
+        assert "posenc.generate.stream(" not in docs.read_text()
