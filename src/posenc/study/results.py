@@ -19,7 +19,11 @@ with the same keys a one-seed study always had (status, model, parameters, check
 plus ``row`` (what the row is), ``seeds`` (the runs of the other seeds, each {seed, status,
 checkpoint, train, eval}) and, once two or more seeds are done, ``across_seeds`` ({seeds, train,
 eval}: the mean over seeds with its bootstrap interval and the spread between seeds). Tables and
-figures show ``across_seeds`` when present, else the first seed's rows (:func:`shown`).
+figures show ``across_seeds`` when present, else the first seed's rows (:func:`shown`). A run's
+status is ``trained``, ``done`` or ``diverged`` (training met a non-finite loss, gradient or
+activation: ``train`` holds ``diverged_at_step`` and ``reason``, ``eval`` is empty). results.json is
+strict JSON, and :func:`load_results` refuses one whose numbers have the wrong type; file names made
+from its row names and seeds stay inside the run directory (:class:`Paths`).
 
 An evaluation row (language model): length, perplexity, ppl_low and ppl_high (the 95% bootstrap
 interval over windows), bits_per_byte, loss, tokens, windows, status, time_s, and where they apply
