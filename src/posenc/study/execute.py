@@ -7,6 +7,10 @@ same seed; an evaluated row (``+yarn``, ``+blockwise``, ...) scores its base row
 variant (:mod:`.variants`), without training. Each length's row gets its 95% bootstrap interval
 (:mod:`.bootstrap`), its per-window numbers are saved beside results.json, and a model with position
 parameters is checked for parameters it uses there but never trained (:mod:`.fairness`).
+
+A run whose training diverges (:class:`.train.Diverged`), or a model with non-finite parameters, is
+recorded as ``diverged`` (with its step) without a checkpoint or evaluation, and so are the rows
+evaluated or fine-tuned from it; the study goes on with the other rows.
 """
 
 from __future__ import annotations

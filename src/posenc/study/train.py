@@ -7,6 +7,10 @@ The batch of step s is a pure function of (seed, s) (see :func:`posenc.data.trai
 continued from the state of step s computes the same numbers as one that never stopped. A ``+drop``
 run removes the model's positions at a fixed step (:meth:`posenc.LM.drop_positions`); its states
 from then on hold the model without them.
+
+Divergence: a step whose loss or gradient norm is not finite, or whose forward fails on non-finite
+activations once the weights have blown up (above ``DIVERGED_WEIGHT``), raises :class:`Diverged`
+before the optimizer applies it; the study records the run as diverged and goes on.
 """
 
 from __future__ import annotations
