@@ -265,3 +265,79 @@ def test_auto_picks_the_usual_backend_for_plain_blocks():
     layer(torch.randn(1, 100, H * D))
     assert layer.last_backend == "sdpa"
     assert "sdpa" in backends.BACKENDS
+
+
+# ---- the KV cache of a windowed layer ------------------------------------------------------------
+
+
+def _windowed_model():
+    from posenc.model import LM, LMConfig
+
+    cfg = LMConfig(dim=32, num_heads=4, depth=3, num_kv_heads=2, schedule="[rope window=6] [alibi window=4 sinks] [t5]")
+    model = LM(cfg).double().eval()
+    torch.nn.init.normal_(model.blocks[1].attn.sinks)
+    return model
+
+
+def test_a_windowed_cache_keeps_o_w_keys_and_decodes_exactly():
+    """Prompt of 40 (> 2W) then 160 steps, and uneven chunks: logits equal the full pass; the
+    windowed layers hold buffers of max(2W, 16) slots, a longer chunk's size only until the next
+    compaction (the full layer holds every key)."""
+    model = _windowed_model()
+    tokens = torch.randint(0, 256, (2, 200))
+    with torch.no_grad():
+        full = model(tokens)
+        for chunks in ([40] + [1] * 160, [7, 1, 5, 30, 2] * 3 + [1] * 65):
+            cache = model.new_cache(2, capacity=200)
+            parts, at = [], 0
+            for n in chunks:
+                parts.append(model(tokens[:, at : at + n], cache))
+                at += n
+                for layer, w in zip(cache.layers, (6, 4)):
+                    assert layer.held <= layer.capacity <= max(2 * w, 16, w - 1 + n), (layer.held, layer.capacity, n)
+            torch.testing.assert_close(torch.cat(parts, 1), full[:, :at], rtol=0, atol=1e-12)
+            assert [layer.capacity for layer in cache.layers[:2]] == [16, 16]  # back from the prompt's 40
+            assert cache.layers[0].start > 150 and cache.layers[2].start == 0 and cache.layers[2].held == at
+
+
+def test_a_windowed_cache_with_left_padding_equals_each_row_alone():
+    model = _windowed_model()
+    tokens = torch.randint(0, 256, (2, 30))
+    with torch.no_grad():
+        cache = model.new_cache(2, padding=[0, 4])
+        padded = tokens.clone()
+        padded[1, :4] = 0
+        steps = [model(padded[:, :10], cache)] + [model(padded[:, t : t + 1], cache) for t in range(10, 30)]
+        got = torch.cat(steps, 1)
+        alone = model(tokens[1:, 4:])
+        # RoPE rotates in float32 at shifted positions: equal to float32 rounding, not to 1e-12
+        torch.testing.assert_close(got[1:, 4:], alone, rtol=0, atol=1e-6)
+        unpadded = model(tokens[:1])
+        torch.testing.assert_close(got[:1], unpadded, rtol=0, atol=1e-12)
+
+
+def test_crop_keeps_only_what_a_windowed_cache_still_has():
+    model = _windowed_model()
+    tokens = torch.randint(0, 256, (1, 60))
+    with torch.no_grad():
+        cache = model.new_cache(1)
+        for t in range(60):
+            model(tokens[:, t : t + 1], cache)
+        start = max(layer.start + layer.window - 1 for layer in cache.layers[:2])
+        with pytest.raises(UsageError, match="crop length"):
+            cache.crop(start - 1)
+        assert cache.length == 60  # nothing cropped by the refused call
+        cache.crop(start)
+        out = model(tokens[:, start : start + 1], cache)
+        torch.testing.assert_close(out, model(tokens[:, : start + 1])[:, -1:], rtol=0, atol=1e-12)
+
+
+def test_a_windowed_cache_under_autograd_trims_too():
+    from posenc.cache import LayerCache
+
+    cache = LayerCache(window=4)
+    for t in range(10):
+        k = torch.full((1, 1, 1, 2), float(t), requires_grad=True)
+        ks, _ = cache.append(k, k)
+    assert ks[0, 0, :, 0].tolist() == [6.0, 7.0, 8.0, 9.0] and cache.start == 6
+    assert [int(p) for p in cache.positions(torch.device("cpu"))] == [6, 7, 8, 9]

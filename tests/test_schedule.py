@@ -151,3 +151,18 @@ def test_drop_positions_keeps_the_attention_kinds():
     assert model.config.schedule == [{"encoding": "nope", "window": 8}, {"encoding": "nope"}]
     assert model.blocks[0].attn.window == 8
     assert LMConfig(**model.config.to_dict()) == model.config
+
+
+def test_the_schedule_figure_marks_what_each_layer_sees():
+    pytest.importorskip("matplotlib")
+    from posenc.schedule_plot import schedule_figure, seen
+
+    s = Schedule.parse("[rope window=4] [rope chunk=8] [nope]")
+    m = seen(s, 20, 13)
+    assert m[0].nonzero().flatten().tolist() == [10, 11, 12, 13]
+    assert m[1].nonzero().flatten().tolist() == [8, 9, 10, 11, 12, 13]
+    assert m[2].nonzero().flatten().tolist() == list(range(14))
+    both = seen(Schedule.parse("[rope window=4]"), 20, 13, causal=False)
+    assert both[0].nonzero().flatten().tolist() == [11, 12, 13, 14, 15]
+    fig = schedule_figure("3x[rope:base=1e4 window=16] 1x[nope]", depth=8, length=64)
+    assert len(fig.axes) == 1 and len(fig.axes[0].get_yticklabels()) == 8

@@ -149,7 +149,7 @@ class Attention(nn.Module):
         if rotates and not late:
             q, k = self.encoding.rotate(q, k, positions, positions)
         k, v = cache.append(k, v)  # (B, Hkv, past + T, D): views of the cache's buffers
-        k_positions = cache.positions(q.device)  # 0..past+T-1, a view (nothing per step grows with N)
+        k_positions = cache.positions(q.device)  # start..past+T-1, a view (nothing per step grows with N)
         if late:
             # An encoding that keeps cached keys in a frame of its own (xPos's centre) rotates only the new ones.
             if callable(getattr(self.encoding, "rotate_in_frame", None)):
@@ -157,7 +157,7 @@ class Attention(nn.Module):
             else:
                 q, k = self.encoding.rotate(q, k, positions, k_positions)
         spec = ScoreSpec(self.encoding, positions, k_positions, self.causal, scale, memo, consecutive,
-                         cache.starts(q.device), cache.workspace, q_start=past, k_start=0, aligned=True)
+                         cache.starts(q.device), cache.workspace, q_start=past, k_start=cache.start, aligned=True)
         return run(q, k, v, spec, self.backend, rotate=False, extras=self.extras)
 
 

@@ -213,7 +213,8 @@ class LM(nn.Module):
         if self.config.schedule is not None and check_padding(padding, batch_size) is not None and not self.config.layers.shift_invariant:
             raise UsageError("padding: this schedule reads absolute positions (chunks, a query scale or an encoding that is not "
                              "shift-invariant), so left-padded rows cannot share one cache; decode rows of one prompt length together")
-        return Cache(self, self.config.depth, check_positive("batch_size", batch_size), capacity, padding)
+        windows = [block.attn.window for block in self.blocks]  # windowed layers keep O(W) keys
+        return Cache(self, self.config.depth, check_positive("batch_size", batch_size), capacity, padding, windows)
 
     def generate(self, prompt, max_new_tokens: int, *, do_sample: bool = False, temperature: float = 1.0,
                  top_k: int | None = None, top_p: float | None = None, seed: int | None = None, eos_token_id=None,
