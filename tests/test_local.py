@@ -341,3 +341,23 @@ def test_a_windowed_cache_under_autograd_trims_too():
         ks, _ = cache.append(k, k)
     assert ks[0, 0, :, 0].tolist() == [6.0, 7.0, 8.0, 9.0] and cache.start == 6
     assert [int(p) for p in cache.positions(torch.device("cpu"))] == [6, 7, 8, 9]
+
+
+@pytest.mark.parametrize("method", ["t5", "alibi", "rope"])
+def test_float32_fused_path_with_bias_and_sinks_matches_float64(method):
+    """The fused path (a bias as SDPA's additive mask, each sink one more zero key) in float32:
+    output and gradients of q, k, v, the encoding's parameters and the sinks to 1e-5 of float64."""
+    enc64 = posenc.build(method, num_heads=H, head_dim=D).double()
+    enc32 = posenc.build(method, num_heads=H, head_dim=D)
+    enc32.load_state_dict({k: v.float() for k, v in enc64.state_dict().items()})
+    q, k, v = inputs(2, 130, 130, hkv=2)
+    sinks = torch.randn(H, dtype=torch.float64, requires_grad=True)
+    g = torch.randn(2, H, 130, D, dtype=torch.float64)
+    want = posenc.attend(q, k, v, enc64, window=40, sinks=sinks)
+    wants = grads(want, [q, k, v, sinks, *enc64.parameters()], g)
+    x32 = [t.detach().float().requires_grad_() for t in (q, k, v, sinks)]
+    got = posenc.attend(*x32[:3], enc32, window=40, sinks=x32[3])
+    gots = grads(got, [*x32, *enc32.parameters()], g.float())
+    torch.testing.assert_close(got.double(), want, rtol=0, atol=1e-5)
+    for a, b in zip(gots, wants):
+        torch.testing.assert_close(a.double(), b, rtol=0, atol=1e-5 * max(1.0, b.abs().max().item()))

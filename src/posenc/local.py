@@ -24,8 +24,10 @@ How one call runs (shape legend: B batch, H heads, Tq queries, Tk keys, D head d
   apply, decode steps included, at O(L x range).
 - Any other block (a window that cuts, and every block when there are sinks) runs the block formula
   written out: ``softmax(q k^T * scale + bias + query_terms + mask [, sink]) v + value_terms`` with
-  the window as one more mask, through SDPA with a bool mask when the encoding has no score terms
-  and no sinks, else through the eager formula. A window block is max(W, 64) queries against at most
+  the window as one more mask: through SDPA with a bool mask when there are no score terms and no
+  sinks; through SDPA with the block's bias as an additive mask, and each sink as one more key of
+  zeros whose mask entry is s_h, when there are no query or value terms (float32 and float64);
+  else (query or value terms, half precision) through the eager formula. A window block is max(W, 64) queries against at most
   max(W, 64) + W - 1 keys, so the whole call costs O(Tq x W) time and memory; no (Tq, Tk) tensor
   is made unless a block is the whole call.
 
@@ -185,6 +187,23 @@ def formula(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec, 
         mask = allowed if hidden is None else allowed & ~hidden
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=spec.scale), "sdpa"
     enc, qp, kp = spec.encoding, spec.q_positions, spec.k_positions
+    if not (spec.has_query_terms or spec.has_value_terms) and q.dtype in (torch.float32, torch.float64):
+        # A bias and/or sinks only: the fused kernel with an additive mask (its gradient reaches the
+        # bias and the sinks). A sink is one more key of zeros whose mask entry is s_h and whose
+        # value is zero: exactly the term the softmax needs. Half precision keeps the eager formula,
+        # whose scores are accumulated in float32.
+        b, h, lq, _ = q.shape
+        mask = enc.bias(qp, kp).to(q.dtype) if spec.has_bias else q.new_zeros(1, lq, kp.numel())  # (H or 1, Lq, Lk)
+        mask = mask.masked_fill(~allowed, float("-inf"))[None]  # (1, H or 1, Lq, Lk)
+        if hidden is not None:
+            mask = mask.masked_fill(hidden, float("-inf"))  # (B, H or 1, Lq, Lk)
+        if sinks is not None:
+            mask = mask.expand(mask.shape[0], h, lq, kp.numel())
+            sink = sinks.to(q.dtype).view(1, h, 1, 1).expand(mask.shape[0], h, lq, 1)
+            mask = torch.cat((mask, sink), dim=-1)  # (B or 1, H, Lq, Lk + 1)
+            k = torch.cat((k, k.new_zeros(b, h, 1, k.shape[-1])), dim=-2)
+            v = torch.cat((v, v.new_zeros(b, h, 1, v.shape[-1])), dim=-2)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=spec.scale), "sdpa"
     acc = accumulation_dtype(q.dtype)
     scores = torch.matmul(q, k.transpose(-1, -2)).to(acc) * spec.scale  # (B, H, Lq, Lk)
     if spec.has_bias:
