@@ -28,6 +28,13 @@ What each family needs (``transformers`` 5.24 ``configuration_*.py`` and ``model
 - ModernBERT (``modernbert``): an encoder (build the model with ``causal=False``); its local layers
   see ``|i - j| <= local_attention // 2``, which is ``window=local_attention`` here; a base per
   layer type (160k global, 10k local).
+- Ministral 3 (``ministral3``): no ``layer_types``: every layer alike, windowed when
+  ``sliding_window`` is set; YaRN, and the query scale
+  ``1 + beta ln(1 + floor(pos / original))`` on every layer from the block's
+  ``llama_4_scaling_beta`` and ``original_max_position_embeddings``
+  (:class:`~posenc.query_scale.LogFloorScale`), a key taken out of the RoPE block.
+
+The multimodal wrappers (``gemma3``, ``llama4``) are read through their ``text_config``.
 
 Not positional, hence not in the schedule (the caller's projections keep them): Gemma's
 ``query_pre_attn_scalar`` (the scale of q . k, give ``scale=`` to :func:`posenc.attend`) and
@@ -40,10 +47,11 @@ from collections.abc import Mapping
 
 from .encodings.rope_scaling import options_from_hf
 from .errors import UsageError
-from .query_scale import Temperature
+from .query_scale import LogFloorScale, Temperature
 from .schedule import Layer, Schedule
 
-FAMILIES = ("gemma2", "gemma3_text", "gemma3", "cohere2", "llama4_text", "llama4", "smollm3", "olmo3", "gpt_oss", "modernbert")
+FAMILIES = ("gemma2", "gemma3_text", "gemma3", "cohere2", "llama4_text", "llama4", "smollm3", "olmo3", "gpt_oss", "modernbert",
+            "ministral3")
 LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
 INTERLEAVED = ("cohere2", "llama4_text")
 PER_TYPE_BLOCKS = ("gemma3_text", "olmo3", "modernbert")
@@ -102,7 +110,7 @@ def schedule_from_hf(config) -> Schedule:
     """
     get = _getter(config)
     family = get("model_type")
-    if family == "llama4" and get("text_config") is not None:
+    if family in ("llama4", "gemma3") and get("text_config") is not None:
         return schedule_from_hf(get("text_config"))
     if family not in FAMILIES:
         raise UsageError(f"schedule_from_hf: model_type {family!r} is not one of {list(FAMILIES)}")
@@ -110,13 +118,25 @@ def schedule_from_hf(config) -> Schedule:
     if get("use_bidirectional_attention"):
         raise UsageError(f"schedule_from_hf: {family} with use_bidirectional_attention=True is not read here")
     depth = int(_need(get, "num_hidden_layers", family))
-    types = list(_need(get, "layer_types", family))
+    beta = None
+    params = _need(get, "rope_parameters", family)
+    if family == "ministral3":  # one kind of layer; the beta scale sits in the RoPE block
+        types = ["sliding_attention" if get("sliding_window") is not None else "full_attention"] * depth
+        params = dict(params)
+        if "llama_4_scaling_beta" in params:
+            beta = float(params.pop("llama_4_scaling_beta"))
+            original = params.get("original_max_position_embeddings")
+            if original is None:
+                raise UsageError("schedule_from_hf: ministral3 rope_parameters has llama_4_scaling_beta but no "
+                                 "'original_max_position_embeddings' (the length its floor divides by)")
+            beta = LogFloorScale(beta, int(original))
+    else:
+        types = list(_need(get, "layer_types", family))
     if len(types) != depth:
         raise UsageError(f"schedule_from_hf: layer_types has {len(types)} entries, num_hidden_layers is {depth}")
     unknown = sorted(set(types) - set(LAYER_TYPES))
     if unknown:
         raise UsageError(f"schedule_from_hf: layer_types holds {unknown}; known: {list(LAYER_TYPES)}")
-    params = _need(get, "rope_parameters", family)
     layout = "interleaved" if family in INTERLEAVED else "half"
 
     def block_for(kind: str):
@@ -163,6 +183,8 @@ def schedule_from_hf(config) -> Schedule:
             layer["sinks"] = True
         if temperature is not None and not uses_rope:
             layer["query_scale"] = temperature
+        if beta is not None:
+            layer["query_scale"] = beta
         layers.append(Layer.from_dict(layer))
     return Schedule(tuple(layers))
 
