@@ -361,3 +361,20 @@ def test_float32_fused_path_with_bias_and_sinks_matches_float64(method):
     torch.testing.assert_close(got.double(), want, rtol=0, atol=1e-5)
     for a, b in zip(gots, wants):
         torch.testing.assert_close(a.double(), b, rtol=0, atol=1e-5 * max(1.0, b.abs().max().item()))
+
+
+def test_xpos_in_a_windowed_cache_rotates_its_kept_keys_afresh():
+    """xPos (centred: its rotation depends on the length) keeps its own cache frame in a full layer;
+    a windowed layer forgets rows, so its kept keys are rotated afresh each step: both decode as the
+    full pass (xPos rotates in float32)."""
+    from posenc.model import LM, LMConfig
+
+    model = LM(LMConfig(dim=32, num_heads=4, depth=2, schedule="[xpos window=5] [xpos]")).double().eval()
+    assert model.blocks[0].attn.encoding.rotation_depends_on_length
+    tokens = torch.randint(0, 256, (2, 60))
+    with torch.no_grad():
+        full = model(tokens)
+        cache = model.new_cache(2)
+        parts = [model(tokens[:, :10], cache)] + [model(tokens[:, t : t + 1], cache) for t in range(10, 60)]
+    assert cache.layers[0].start > 0
+    torch.testing.assert_close(torch.cat(parts, 1), full, rtol=0, atol=1e-8)

@@ -152,7 +152,9 @@ class Attention(nn.Module):
         k_positions = cache.positions(q.device)  # start..past+T-1, a view (nothing per step grows with N)
         if late:
             # An encoding that keeps cached keys in a frame of its own (xPos's centre) rotates only the new ones.
-            if callable(getattr(self.encoding, "rotate_in_frame", None)):
+            # (Not for a windowed cache: it forgets its oldest rows, so rows are no longer positions;
+            # its at most 2W keys are rotated afresh each step.)
+            if callable(getattr(self.encoding, "rotate_in_frame", None)) and cache.window is None:
                 q, k = self.encoding.rotate_in_frame(q, k, positions, k_positions, cache)
             else:
                 q, k = self.encoding.rotate(q, k, positions, k_positions)
