@@ -16,13 +16,13 @@ padding*. With left padding, row b's first ``padding[b]`` slots hold padding tok
 start at position ``starts[b] = padding[b]`` of the positions the batch shares. Padding keys are
 hidden from every real query (see :class:`posenc.backends.base.ScoreSpec` ``starts``).
 
-A windowed layer (sliding window W, :mod:`posenc.local`) keeps only what a later query can see:
-``LayerCache(window=W)`` holds at most the last W - 1 keys before each append plus the appended
-ones. Its buffers are max(2W, 16) slots (more after a longer chunk of tokens is appended at once,
-until the next compaction); when an append would overflow them, the last W - 1 keys move to the front (one copy of W - 1 keys every
-about W steps, O(D) per step amortised) and the older ones are forgotten. The kept keys are thus
-always one contiguous, ordered view: ``start`` is the position of the first kept key, ``length``
-still counts every token seen, and memory is O(W) whatever the length.
+A windowed layer (sliding window W, :mod:`posenc.local`) keeps O(W) keys, never fewer than a
+later query can see: ``LayerCache(window=W)`` has buffers of max(2W, 16) slots (more after a longer
+chunk of tokens is appended at once, until the next compaction). When an append would overflow
+them, the last W - 1 keys (all a later query can see) move to the front and the older ones are
+forgotten: one copy of W - 1 keys about every W steps, O(D) per step amortised. The kept keys are
+thus always one contiguous, ordered view: ``start`` is the position of the first kept key,
+``length`` still counts every token seen, and memory is O(W) whatever the length.
 
 Shape legend: B batch, H heads, C capacity, T tokens, D head dim, W window.
 """
@@ -67,8 +67,8 @@ class LayerCache:
         padding: left padding of each row (B integers), or None.
         workspace: buffers the single-query attention paths keep between steps (shared by the
             layers of one model's cache); a new one when None.
-        window: the layer's sliding window W: keep only the keys a later query can see (see the
-            module docstring); None keeps every key.
+        window: the layer's sliding window W: keep O(W) keys, forgetting those no later query can
+            see (see the module docstring); None keeps every key.
     """
 
     def __init__(self, capacity: int | None = None, padding: Sequence[int] | None = None, workspace: Workspace | None = None,
@@ -104,7 +104,8 @@ class LayerCache:
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Add k, v (B, H, T, D) after the cached tokens; returns the kept keys and values
-        (B, H, length - start, D): every one, or for a windowed cache the last W - 1 and the new."""
+        (B, H, length - start, D): every key, or those a windowed cache still holds (at least the
+        last W - 1 before the new ones, and the new ones)."""
         self._check(k, v)
         t = k.shape[-2]
         if torch.is_grad_enabled() and (k.requires_grad or v.requires_grad):
