@@ -18,6 +18,8 @@ from .errors import UsageError
 from .functional import attend
 from .geometry import Geometry
 from .model import LM, LMConfig
+from .schedule import Layer, Schedule
+from .schedule_hf import schedule_from_hf
 from .version import __version__
 
 
@@ -27,6 +29,8 @@ __all__ = [
     "Attention",
     "LM",
     "LMConfig",
+    "Layer",
+    "Schedule",
     "PositionalEncoding",
     "UsageError",
     "alibi_slopes",
@@ -36,5 +40,6 @@ __all__ = [
     "relative_position_bucket",
     "rope_from_hf",
     "save_checkpoint",
+    "schedule_from_hf",
     "__version__",
 ]

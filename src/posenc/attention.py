@@ -21,7 +21,9 @@ from .encodings.protocol import Rotates, offers
 from .errors import UsageError
 from .functional import _attend, run
 from .geometry import Geometry, ScoreSpec, check_positions
+from .local import Extras
 from .memo import ForwardMemo
+from .query_scale import QueryScale
 
 
 class Attention(nn.Module):
@@ -35,13 +37,17 @@ class Attention(nn.Module):
         causal: mask keys after the query (decoder) or not (encoder).
         backend: "auto" or one of :func:`posenc.backends.names`.
         num_kv_heads: key/value heads Hkv (grouped-query attention; 1 is multi-query); None: H.
+        window: sliding window W, or chunk: chunk size C (:mod:`posenc.local`); None: full.
+        sinks: one learned sink logit per head (``self.sinks`` (H,), zeros at first; gpt-oss).
+        query_scale: a per-query factor of the positions (:mod:`posenc.query_scale`).
 
     Raises:
         UsageError: sizes that do not divide, or an encoding built for other sizes.
     """
 
     def __init__(self, dim: int, num_heads: int, encoding: nn.Module, causal: bool = True, backend: str = "auto",
-                 num_kv_heads: int | None = None) -> None:
+                 num_kv_heads: int | None = None, *, window: int | None = None, chunk: int | None = None,
+                 sinks: bool = False, query_scale: QueryScale | None = None) -> None:
         super().__init__()
         check_positive("dim", dim)
         check_positive("num_heads", num_heads)
@@ -67,6 +73,16 @@ class Attention(nn.Module):
         kv = num_kv_heads * self.head_dim
         self.qkv = nn.Linear(dim, dim + 2 * kv, bias=False)  # q (H*D), k (Hkv*D), v (Hkv*D)
         self.proj = nn.Linear(dim, dim, bias=False)
+        Extras(window, chunk, None, query_scale)  # checks them
+        self.window, self.chunk, self.query_scale = window, chunk, query_scale
+        self.sinks = nn.Parameter(torch.zeros(num_heads)) if sinks else None  # (H,) logits
+
+    @property
+    def extras(self) -> Extras | None:
+        """The window, chunk, sinks and query scale of this layer's calls (None: none of them)."""
+        if self.window is None and self.chunk is None and self.sinks is None and self.query_scale is None:
+            return None
+        return Extras(self.window, self.chunk, self.sinks, self.query_scale)
 
     def forward(
         self,
@@ -105,7 +121,7 @@ class Attention(nn.Module):
                 mask = None if attention_mask is None else _padding_mask(attention_mask)
                 geometry = Geometry.of(b, t, t, x.device, positions=positions, causal=self.causal,
                                        document_ids=document_ids, key_padding_mask=mask)
-            out, name = _attend(q, k, v, self.encoding, geometry, scale, memo, self.backend, True)
+            out, name = _attend(q, k, v, self.encoding, geometry, scale, memo, self.backend, True, self.extras)
         else:
             if document_ids is not None or attention_mask is not None:
                 raise UsageError("document_ids and attention_mask take no KV cache (a cache's padding comes from new_cache(padding=...))")
@@ -133,16 +149,18 @@ class Attention(nn.Module):
         if rotates and not late:
             q, k = self.encoding.rotate(q, k, positions, positions)
         k, v = cache.append(k, v)  # (B, Hkv, past + T, D): views of the cache's buffers
-        k_positions = cache.positions(q.device)  # 0..past+T-1, a view (nothing per step grows with N)
+        k_positions = cache.positions(q.device)  # start..past+T-1, a view (nothing per step grows with N)
         if late:
             # An encoding that keeps cached keys in a frame of its own (xPos's centre) rotates only the new ones.
-            if callable(getattr(self.encoding, "rotate_in_frame", None)):
+            # (Not for a windowed cache: it forgets its oldest rows, so rows are no longer positions;
+            # its at most 2W keys are rotated afresh each step.)
+            if callable(getattr(self.encoding, "rotate_in_frame", None)) and cache.window is None:
                 q, k = self.encoding.rotate_in_frame(q, k, positions, k_positions, cache)
             else:
                 q, k = self.encoding.rotate(q, k, positions, k_positions)
         spec = ScoreSpec(self.encoding, positions, k_positions, self.causal, scale, memo, consecutive,
-                         cache.starts(q.device), cache.workspace, q_start=past, k_start=0, aligned=True)
-        return run(q, k, v, spec, self.backend, rotate=False)
+                         cache.starts(q.device), cache.workspace, q_start=past, k_start=cache.start, aligned=True)
+        return run(q, k, v, spec, self.backend, rotate=False, extras=self.extras)
 
 
 def _padding_mask(attention_mask: torch.Tensor) -> torch.Tensor:

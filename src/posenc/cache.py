@@ -16,7 +16,15 @@ padding*. With left padding, row b's first ``padding[b]`` slots hold padding tok
 start at position ``starts[b] = padding[b]`` of the positions the batch shares. Padding keys are
 hidden from every real query (see :class:`posenc.backends.base.ScoreSpec` ``starts``).
 
-Shape legend: B batch, H heads, C capacity, T tokens, D head dim.
+A windowed layer (sliding window W, :mod:`posenc.local`) keeps O(W) keys, never fewer than a
+later query can see: ``LayerCache(window=W)`` has buffers of max(2W, 16) slots (more after a longer
+chunk of tokens is appended at once, until the next compaction). When an append would overflow
+them, the last W - 1 keys (all a later query can see) move to the front and the older ones are
+forgotten: one copy of W - 1 keys about every W steps, O(D) per step amortised. The kept keys are
+thus always one contiguous, ordered view: ``start`` is the position of the first kept key,
+``length`` still counts every token seen, and memory is O(W) whatever the length.
+
+Shape legend: B batch, H heads, C capacity, T tokens, D head dim, W window.
 """
 
 from __future__ import annotations
@@ -59,13 +67,18 @@ class LayerCache:
         padding: left padding of each row (B integers), or None.
         workspace: buffers the single-query attention paths keep between steps (shared by the
             layers of one model's cache); a new one when None.
+        window: the layer's sliding window W: keep O(W) keys, forgetting those no later query can
+            see (see the module docstring); None keeps every key.
     """
 
-    def __init__(self, capacity: int | None = None, padding: Sequence[int] | None = None, workspace: Workspace | None = None) -> None:
+    def __init__(self, capacity: int | None = None, padding: Sequence[int] | None = None, workspace: Workspace | None = None,
+                 window: int | None = None) -> None:
         self.k: torch.Tensor | None = None  # (B, H, C, D) buffer
         self.v: torch.Tensor | None = None
-        self.length = 0
-        self.reserve = capacity
+        self.length = 0  # tokens seen (padding included)
+        self.start = 0  # position of the first kept key (> 0 once a windowed cache forgets)
+        self.window = window
+        self.reserve = capacity if window is None else 2 * window
         self.padding = None if padding is None else check_padding(padding, len(padding))
         self.workspace = Workspace() if workspace is None else workspace
         self.capacities: list[int] = []  # every capacity allocated, in order (tests read the growth)
@@ -84,23 +97,56 @@ class LayerCache:
         elif self._owner() is not owner:
             raise UsageError("this cache belongs to another attention layer (make one cache per layer, or model.new_cache())")
 
+    @property
+    def held(self) -> int:
+        """Keys in the buffers: positions start..length-1."""
+        return self.length - self.start
+
     def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Add k, v (B, H, T, D) after the cached tokens; returns every key and value (B, H, length, D)."""
+        """Add k, v (B, H, T, D) after the cached tokens; returns the kept keys and values
+        (B, H, length - start, D): every key, or those a windowed cache still holds (at least the
+        last W - 1 before the new ones, and the new ones)."""
         self._check(k, v)
-        end = self.length + k.shape[-2]
+        t = k.shape[-2]
         if torch.is_grad_enabled() and (k.requires_grad or v.requires_grad):
             # Autograd keeps earlier views for the backward: new tensors, never a write into them.
-            old_k, old_v = (None, None) if self.k is None else (self.k[:, :, : self.length], self.v[:, :, : self.length])
+            drop = self._forgettable()
+            old_k, old_v = (None, None) if self.k is None else (self.k[:, :, drop : self.held], self.v[:, :, drop : self.held])
+            self.start += drop
             self.k = k if old_k is None else torch.cat((old_k, k), dim=-2)
             self.v = v if old_v is None else torch.cat((old_v, v), dim=-2)
         else:
+            if self.held + t > self.capacity and self._forgettable():
+                self._compact(t)
+            end = self.held + t
             if end > self.capacity or not self._writable():
                 self._grow(end, k, v)
             with torch.no_grad():
-                self.k[:, :, self.length : end] = k
-                self.v[:, :, self.length : end] = v
-        self.length = end
-        return self.k[:, :, :end], self.v[:, :, :end]
+                self.k[:, :, self.held : end] = k
+                self.v[:, :, self.held : end] = v
+        self.length += t
+        return self.k[:, :, : self.held], self.v[:, :, : self.held]
+
+    def _forgettable(self) -> int:
+        """Kept keys no later query can see: all but the last W - 1 (0 without a window)."""
+        if self.window is None or self.k is None:
+            return 0
+        return max(0, self.held - (self.window - 1))
+
+    def _compact(self, coming: int) -> None:
+        """Move the last W - 1 keys to the front of the buffers and forget the older ones; buffers
+        grown past 2W by a long chunk go back to 2W slots when the ``coming`` tokens fit."""
+        drop = self._forgettable()
+        keep = self.held - drop
+        with torch.no_grad():
+            if keep:
+                self.k[:, :, :keep] = self.k[:, :, drop : drop + keep].clone()
+                self.v[:, :, :keep] = self.v[:, :, drop : drop + keep].clone()
+        self.start += drop
+        limit = max(self.reserve, MIN_CAPACITY)
+        if self.capacity > limit and keep + coming <= limit:
+            self.k, self.v = self.k[:, :, :limit].clone(), self.v[:, :, :limit].clone()
+            self.capacities.append(limit)
 
     def _check(self, k: torch.Tensor, v: torch.Tensor) -> None:
         if self.k is None or self.length == 0:
@@ -127,20 +173,24 @@ class LayerCache:
     def _grow(self, needed: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """New buffers of max(needed, twice the capacity, the reserve), the cached tokens copied."""
         first = self.k is None
-        capacity = max(needed, 2 * self.capacity, self.reserve or 0, MIN_CAPACITY if first else 0)
+        doubled = 2 * self.capacity if self.window is None else 0  # a window's buffers need only what is held
+        capacity = max(needed, doubled, self.reserve or 0, MIN_CAPACITY if first else 0)
         b, h, _, d = k.shape
         new_k = k.new_empty(b, h, capacity, d)  # (B, H, C, D)
         new_v = v.new_empty(b, h, capacity, v.shape[-1])
-        if not first and self.length:
+        if not first and self.held:
             with torch.no_grad():
-                new_k[:, :, : self.length] = self.k[:, :, : self.length]
-                new_v[:, :, : self.length] = self.v[:, :, : self.length]
+                new_k[:, :, : self.held] = self.k[:, :, : self.held]
+                new_v[:, :, : self.held] = self.v[:, :, : self.held]
         self.k, self.v = new_k, new_v
         self.capacities.append(capacity)
         self.workspace.capacity = max(self.workspace.capacity, capacity)
 
     def positions(self, device: torch.device) -> torch.Tensor:
-        """Positions of the cached keys, 0..length-1 (a view of a buffer that grows with the cache)."""
+        """Positions of the kept keys, start..length-1 (a view of a buffer that grows with the
+        cache; a windowed cache's, O(W), made per step)."""
+        if self.window is not None:
+            return torch.arange(self.start, self.length, device=device)
         size = max(self.capacity, self.length)
         if self._positions is None or self._positions.numel() < size or self._positions.device != device:
             self._positions = torch.arange(max(size, MIN_CAPACITY), device=device)
@@ -156,13 +206,20 @@ class LayerCache:
 
     def crop(self, length: int) -> None:
         """Keep the first ``length`` tokens (0 <= length <= the cached length)."""
+        self.check_crop(length)
+        self.length = length
+
+    def check_crop(self, length: int) -> None:
+        """UsageError unless ``crop(length)`` can keep what a query at ``length`` sees."""
         if isinstance(length, bool) or not isinstance(length, int) or not 0 <= length <= self.length:
             raise UsageError(f"crop length must be an integer in [0, {self.length}] (the cached length), got {length!r}")
-        self.length = length
+        if self.start and length < self.length and length - (self.window - 1) < self.start:
+            raise UsageError(f"crop length must be >= {self.start + self.window - 1} here: this windowed cache has forgotten "
+                             f"the keys before position {self.start}, which a query at {length} would see")
 
     def reset(self, padding: Sequence[int] | None = None) -> None:
         """Forget every token (the memory stays for the next sequence); ``padding`` for the new rows."""
-        self.length = 0
+        self.length = self.start = 0
         self.padding = None if padding is None else check_padding(padding, len(padding))
         self._starts = None
 
@@ -176,14 +233,17 @@ class Cache:
         batch_size: rows B.
         capacity: tokens to reserve per row (prompt + new tokens); None grows by doubling.
         padding: left padding of each row (B integers >= 0), for prompts of different lengths.
+        windows: per layer, its sliding window (a windowed :class:`LayerCache`) or None.
     """
 
-    def __init__(self, model: nn.Module, depth: int, batch_size: int, capacity: int | None = None, padding=None) -> None:
+    def __init__(self, model: nn.Module, depth: int, batch_size: int, capacity: int | None = None, padding=None,
+                 windows: Sequence[int | None] | None = None) -> None:
         self._owner = weakref.ref(model)
         self.batch_size = batch_size
         self.padding = check_padding(padding, batch_size)
         self.workspace = Workspace()
-        self.layers = [LayerCache(capacity, self.padding, self.workspace) for _ in range(depth)]
+        windows = [None] * depth if windows is None else list(windows)
+        self.layers = [LayerCache(capacity, self.padding, self.workspace, w) for w in windows]
 
     @property
     def length(self) -> int:
@@ -201,6 +261,8 @@ class Cache:
         """Keep the first ``length`` tokens of every row, in every layer."""
         if isinstance(length, bool) or not isinstance(length, int) or not 0 <= length <= self.length:
             raise UsageError(f"crop length must be an integer in [0, {self.length}] (the cached length), got {length!r}")
+        for layer in self.layers:  # every layer checked before any is cropped
+            layer.check_crop(length)
         for layer in self.layers:
             layer.crop(length)
 

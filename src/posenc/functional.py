@@ -9,6 +9,7 @@ backend for it, for shared or per-row positions, packed documents and padded row
     out = posenc.attend(q, k, v, rope)                                     # (B, H, T, D)
     out = posenc.attend(q, k, v, alibi, document_ids=doc)                  # packed rows
     out = posenc.attend(q, k, v, t5, key_padding_mask=mask)                # padded rows
+    out = posenc.attend(q, k, v, rope, window=128)                         # sliding window
 
 Shape legend: B batch, H query heads, Hkv key/value heads (H a multiple of Hkv), Tq queries,
 Tk keys, D head dim.
@@ -25,12 +26,14 @@ import math
 
 import torch
 
-from . import backends
+from . import backends, local
 from .backends import single
 from .encodings.protocol import Rotates, offers
 from .errors import UsageError
 from .geometry import Geometry, ScoreSpec
+from .local import Extras
 from .memo import ForwardMemo
+from .query_scale import QueryScale, scaled_queries
 
 
 def attend(
@@ -49,6 +52,10 @@ def attend(
     backend: str = "auto",
     geometry: Geometry | None = None,
     memo: ForwardMemo | None = None,
+    window: int | None = None,
+    chunk: int | None = None,
+    sinks: torch.Tensor | None = None,
+    query_scale: QueryScale | None = None,
 ) -> torch.Tensor:
     """Scaled dot-product attention with ``encoding``'s positions: (B, H, Tq, D).
 
@@ -75,6 +82,14 @@ def attend(
             layers); replaces ``positions``, ``k_positions``, ``document_ids`` and
             ``key_padding_mask``.
         memo: a :class:`~posenc.memo.ForwardMemo` shared by the layers of one model forward.
+        window: sliding window W: a causal query at i sees keys i-W < j <= i, a bidirectional one
+            |i - j| <= W // 2 (:mod:`posenc.local`); None: every key.
+        chunk: chunked attention of size C: a query sees the keys of its chunk [cC, (c+1)C) of
+            positions, which stay global (Llama 4); None: no chunks. Not with ``window``.
+        sinks: (H,) attention-sink logits, one per query head, in every softmax row with no value
+            (gpt-oss); None: no sinks.
+        query_scale: a per-query factor of the positions (:mod:`posenc.query_scale`: Llama 4's
+            temperature, Ministral 3's beta form, Scalable-Softmax), applied after the rotation.
 
     Returns:
         (B, H, Tq, D) in q's dtype.
@@ -97,22 +112,38 @@ def attend(
                                document_ids=document_ids, key_padding_mask=key_padding_mask)
     elif (geometry.batch, geometry.tq, geometry.tk) != (b, tq, tk):
         raise UsageError(f"geometry was built for (batch, queries, keys) = {(geometry.batch, geometry.tq, geometry.tk)}, got {(b, tq, tk)}")
-    return _attend(q, k, v, encoding, geometry, scale, ForwardMemo() if memo is None else memo, backend, rotate)[0]
+    extras = None
+    if window is not None or chunk is not None or sinks is not None or query_scale is not None:
+        extras = Extras(window, chunk, sinks, query_scale)
+    return _attend(q, k, v, encoding, geometry, scale, ForwardMemo() if memo is None else memo, backend, rotate, extras)[0]
 
 
-def _attend(q, k, v, encoding, geometry: Geometry, scale: float, memo: ForwardMemo, backend: str, rotate: bool) -> tuple[torch.Tensor, str]:
+def _attend(q, k, v, encoding, geometry: Geometry, scale: float, memo: ForwardMemo, backend: str, rotate: bool,
+            extras: Extras | None = None) -> tuple[torch.Tensor, str]:
     """(out, the registered name of the backend that ran): a uniform call, or its runs of segments."""
     if geometry.uniform:
-        return run(q, k, v, geometry.spec(encoding, scale, memo), backend, rotate)
-    return _segments(q, k, v, encoding, geometry, scale, memo, backend, rotate)
+        return run(q, k, v, geometry.spec(encoding, scale, memo), backend, rotate, extras)
+    return _segments(q, k, v, encoding, geometry, scale, memo, backend, rotate, extras)
 
 
 def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec, backend: str = "auto",
-        rotate: bool = True) -> tuple[torch.Tensor, str]:
-    """One backend call on 1-D positions: rotation, grouped heads, the backend; (out, backend name)."""
+        rotate: bool = True, extras: Extras | None = None) -> tuple[torch.Tensor, str]:
+    """One backend call on 1-D positions: rotation, grouped heads, the backend; (out, backend name).
+    ``extras`` (:class:`posenc.local.Extras`): a query scale after the rotation, then a window,
+    chunks or sinks through :func:`posenc.local.attend`."""
     enc = spec.encoding
     if rotate and offers(enc, Rotates):
         q, k = enc.rotate(q, k, spec.q_positions, spec.k_positions)
+    if extras is not None:
+        if extras.query_scale is not None:
+            q = scaled_queries(q, extras.query_scale, spec.q_positions)
+        if extras.restricts:
+            return local.attend(q, k, v, spec, extras, backend, _call)
+    return _call(q, k, v, spec, backend)
+
+
+def _call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec, backend: str) -> tuple[torch.Tensor, str]:
+    """The backend call itself on rotated q and k, grouped key/value heads broadcast or repeated."""
     name, chosen = backends.choose(backend, spec, q)
     group = q.shape[1] // k.shape[1]
     if group > 1:
@@ -136,7 +167,8 @@ def _plain_gqa(q, k, v, spec: ScoreSpec) -> torch.Tensor:
     return F.scaled_dot_product_attention(q, k, v, attn_mask=spec.allowed(), scale=spec.scale, enable_gqa=True)
 
 
-def _segments(q, k, v, encoding, geometry: Geometry, scale: float, memo: ForwardMemo, backend: str, rotate: bool) -> tuple[torch.Tensor, str]:
+def _segments(q, k, v, encoding, geometry: Geometry, scale: float, memo: ForwardMemo, backend: str, rotate: bool,
+              extras: Extras | None = None) -> tuple[torch.Tensor, str]:
     """Each run of identical segments as one stacked backend call, scattered back into place."""
     b, h, tq, d = q.shape
     hkv, tk = k.shape[1], k.shape[2]
@@ -152,7 +184,7 @@ def _segments(q, k, v, encoding, geometry: Geometry, scale: float, memo: Forward
         vs = vf[seg.k_index.reshape(-1)].view(n, lk, hkv, -1).transpose(1, 2)
         spec = ScoreSpec(encoding, seg.q_positions, seg.k_positions, geometry.causal, scale, memo, seg.consecutive,
                          q_start=seg.q_start, k_start=seg.k_start, aligned=seg.aligned)
-        o, name = run(qs, ks, vs, spec, backend, rotate)  # (n, H, Lq, D)
+        o, name = run(qs, ks, vs, spec, backend, rotate, extras)  # (n, H, Lq, D)
         outs.append(o.transpose(1, 2).reshape(n * lq, h, -1))
         where.append(seg.q_index.reshape(-1))
     out = q.new_zeros(b * tq, h, v.shape[-1])  # padding queries stay 0

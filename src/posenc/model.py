@@ -23,13 +23,14 @@ from torch import nn
 
 from . import backends
 from .attention import Attention, _padding_mask
-from .cache import Cache
+from .cache import Cache, check_padding
 from .geometry import Geometry, check_positions
 from .memo import ForwardMemo
 from .encodings import build, get_class, options_of
 from .errors import UsageError
 from .encodings.base import check_positive
 from .encodings.protocol import Embeds, offers
+from .schedule import Layer, Schedule
 
 
 @dataclass
@@ -46,8 +47,20 @@ class LMConfig:
     mlp_ratio: int = 4
     random_positions: int | None = None  # training draws positions from [0, random_positions); None = off
     num_kv_heads: int | None = None  # key/value heads (grouped-query attention); None = num_heads
+    # Per layer encoding and attention kind (posenc.schedule): a text such as
+    # "3x[rope:base=1e4 window=64] 1x[nope]" or the json list; kept as the json list. None: every
+    # layer takes ``encoding`` with full attention. With a schedule, ``encoding`` is set to the
+    # first layer's method (for code that reads one name) and ``encoding_options`` must be empty.
+    schedule: str | list | None = None
 
     def __post_init__(self) -> None:
+        if self.schedule is not None:
+            check_positive("depth", self.depth)
+            if self.encoding_options:
+                raise UsageError("encoding_options do not apply with a schedule: give each layer's options in the schedule")
+            layers = Schedule.of(self.schedule, self.depth)
+            self.schedule = layers.to_list()
+            self.encoding = layers.layers[0].encoding
         get_class(self.encoding)  # unknown name -> ValueError listing the choices
         for name in ("vocab_size", "dim", "depth", "num_heads", "mlp_ratio"):
             check_positive(name, getattr(self, name))
@@ -67,8 +80,34 @@ class LMConfig:
     def head_dim(self) -> int:
         return self.dim // self.num_heads
 
+    @property
+    def layers(self) -> Schedule | None:
+        """The parsed :class:`~posenc.schedule.Schedule`, or None without one."""
+        return None if self.schedule is None else Schedule.of(self.schedule, self.depth)
+
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def _scheduled_encodings(config: LMConfig, layers) -> list[nn.Module]:
+    """One encoding per layer; layers with the same method and options share one instance when the
+    method shares across layers (T5's table, RoPE's cos/sin tables)."""
+    shared: dict[str, nn.Module] = {}
+    out = []
+    for layer in layers:
+        cls = get_class(layer.encoding)
+        options = dict(layer.options)
+        if config.max_positions is not None and "max_positions" in options_of(cls):
+            options.setdefault("max_positions", config.max_positions)
+        key = layer.sharing_key
+        if cls.shares_across_layers and key in shared:
+            out.append(shared[key])
+            continue
+        enc = build(layer.encoding, num_heads=config.num_heads, head_dim=config.head_dim, causal=config.causal, **options)
+        if cls.shares_across_layers:
+            shared[key] = enc
+        out.append(enc)
+    return out
 
 
 class MLP(nn.Module):
@@ -82,10 +121,11 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, config: LMConfig, encoding: nn.Module) -> None:
+    def __init__(self, config: LMConfig, encoding: nn.Module, layer: Layer | None = None) -> None:
         super().__init__()
         self.ln1 = nn.LayerNorm(config.dim)
-        self.attn = Attention(config.dim, config.num_heads, encoding, config.causal, config.attention_backend, config.num_kv_heads)
+        kind = {} if layer is None else dict(window=layer.window, chunk=layer.chunk, sinks=layer.sinks, query_scale=layer.query_scale)
+        self.attn = Attention(config.dim, config.num_heads, encoding, config.causal, config.attention_backend, config.num_kv_heads, **kind)
         self.ln2 = nn.LayerNorm(config.dim)
         self.mlp = MLP(config.dim, config.mlp_ratio)
 
@@ -100,19 +140,24 @@ class LM(nn.Module):
     def __init__(self, config: LMConfig) -> None:
         super().__init__()
         self.config = config
-        options = dict(config.encoding_options)
-        cls = get_class(config.encoding)
-        if config.max_positions is not None and "max_positions" in options_of(cls):
-            options.setdefault("max_positions", config.max_positions)
+        if config.schedule is not None:
+            layers = config.layers.layers
+            encodings = _scheduled_encodings(config, layers)
+        else:
+            layers = (None,) * config.depth
+            options = dict(config.encoding_options)
+            cls = get_class(config.encoding)
+            if config.max_positions is not None and "max_positions" in options_of(cls):
+                options.setdefault("max_positions", config.max_positions)
 
-        def make():
-            return build(config.encoding, num_heads=config.num_heads, head_dim=config.head_dim, causal=config.causal, **options)
+            def make():
+                return build(config.encoding, num_heads=config.num_heads, head_dim=config.head_dim, causal=config.causal, **options)
 
-        first = make()
-        encodings = [first] + [first if cls.shares_across_layers else make() for _ in range(config.depth - 1)]
-        self.encoding = first  # the one whose embed() is applied to the input
+            first = make()
+            encodings = [first] + [first if cls.shares_across_layers else make() for _ in range(config.depth - 1)]
+        self.encoding = encodings[0]  # the one whose embed() is applied to the input (none in a schedule)
         self.tok = nn.Embedding(config.vocab_size, config.dim)
-        self.blocks = nn.ModuleList(Block(config, enc) for enc in encodings)
+        self.blocks = nn.ModuleList(Block(config, enc, layer) for enc, layer in zip(encodings, layers))
         self.ln_f = nn.LayerNorm(config.dim)
         self.head = nn.Linear(config.dim, config.vocab_size, bias=False)
         self.head.weight = self.tok.weight  # tied
@@ -147,7 +192,10 @@ class LM(nn.Module):
         self.encoding = nope
         for block in self.blocks:
             block.attn.encoding = nope
-        self.config = replace(self.config, encoding="nope", encoding_options={}, max_positions=None)
+        schedule = self.config.schedule
+        if schedule is not None:  # windows, chunks, sinks and query scales stay: they are not encodings
+            schedule = [{**layer, "encoding": "nope", "options": {}} for layer in schedule]
+        self.config = replace(self.config, encoding="nope", encoding_options={}, max_positions=None, schedule=schedule)
 
     def new_cache(self, batch_size: int, capacity: int | None = None, padding=None) -> Cache:
         """A KV cache for ``batch_size`` rows (:class:`posenc.cache.Cache`).
@@ -162,7 +210,11 @@ class LM(nn.Module):
             raise UsageError("incremental decoding needs a causal model (causal=True)")
         if capacity is not None:
             check_positive("capacity", capacity)
-        return Cache(self, self.config.depth, check_positive("batch_size", batch_size), capacity, padding)
+        if self.config.schedule is not None and check_padding(padding, batch_size) is not None and not self.config.layers.shift_invariant:
+            raise UsageError("padding: this schedule reads absolute positions (chunks, a query scale or an encoding that is not "
+                             "shift-invariant), so left-padded rows cannot share one cache; decode rows of one prompt length together")
+        windows = [block.attn.window for block in self.blocks]  # windowed layers keep O(W) keys
+        return Cache(self, self.config.depth, check_positive("batch_size", batch_size), capacity, padding, windows)
 
     def generate(self, prompt, max_new_tokens: int, *, do_sample: bool = False, temperature: float = 1.0,
                  top_k: int | None = None, top_p: float | None = None, seed: int | None = None, eos_token_id=None,
