@@ -283,7 +283,7 @@ def _steps(model: nn.Module, setup: _Setup, max_new_tokens: int) -> Iterator[Ste
     prompts = setup.prompts
     b, vocab = len(prompts), model.config.vocab_size
     device = prompts[0].device
-    if shares_positions(model.encoding):
+    if shares_positions(model.encoding) and (model.config.layers is None or model.config.layers.shift_invariant):
         groups = [_Group(model, list(range(b)), prompts)]
     else:  # one batch per prompt length: no padding, no shared position frame
         lengths = sorted({p.numel() for p in prompts})

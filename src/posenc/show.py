@@ -178,7 +178,7 @@ def show(
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("method", help=f"one of: {', '.join(available())}")
+    parser.add_argument("method", nargs="?", default=None, help=f"one of: {', '.join(available())} (not with --schedule)")
     parser.add_argument("--length", type=int, default=64, help=f"positions on each axis (default 64, at most {MAX_LENGTH})")
     parser.add_argument("--num-heads", type=int, default=8, help="heads (default 8)")
     parser.add_argument("--head-dim", type=int, default=None, help="head dim (default 64; with --scaling, a config's own)")
@@ -192,6 +192,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="encoding option, e.g. --option num_buckets=16 (repeatable)")
     parser.add_argument("--out", type=Path, default=None,
                         help="PNG to write (default posenc-show-METHOD.png); an existing file is replaced only if posenc show wrote it")
+    parser.add_argument("--schedule", default=None, metavar="TEXT",
+                        help="draw a layer schedule instead of one method, e.g. '3x[rope:base=1e4 window=64] 1x[nope]' "
+                             "(docs/schedules.md): which keys each layer sees")
+    parser.add_argument("--depth", type=int, default=None, help="with --schedule: layers (the pattern repeats to it)")
     parser.add_argument("--scaling", default=None, metavar="JSON|FILE",
                         help="rope only: draw the wavelength of every pair, original vs this Hugging Face style scaling block "
                              "(JSON text, or a model's config.json), instead of the score map")
@@ -229,7 +233,24 @@ def show_scaling(method: str, scaling_text: str, head_dim: int | None, options: 
     return out, source.note
 
 
+def show_schedule(text: str, depth: int | None, length: int, causal: bool, out: Path | None) -> Path:
+    """``posenc show --schedule TEXT``: which keys each layer of a layer schedule sees from the last query."""
+    from .schedule_plot import schedule_figure
+
+    out = check_out(Path(out) if out is not None else Path("posenc-show-schedule.png"))
+    write_png(schedule_figure(text, depth=depth, length=length, causal=causal), out)
+    return out
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.schedule is not None:
+        if args.method is not None:
+            raise UsageError(f"method: --schedule draws a whole layer schedule; give no method (got {args.method!r})")
+        out = show_schedule(args.schedule, args.depth, args.length, args.causal, args.out)
+        print(f"schedule {args.schedule!r}: which keys each layer sees from the last of {args.length} positions -> {out}")
+        return 0
+    if args.method is None:
+        raise UsageError(f"method: give one of {', '.join(available())}, or --schedule TEXT")
     options = parse_options(args.option, args.method)
     if args.scaling is not None:
         out, note = show_scaling(args.method, args.scaling, args.head_dim, options, args.out)
