@@ -110,8 +110,12 @@ def mrope_axes(half: int, mrope_section: Sequence[int], interleaved: bool) -> to
     return axis
 
 
-def default_section(half: int) -> list[int]:
-    """Qwen2-VL's proportions (16, 24, 24 of 64) for any F: (F // 4, then the rest split in two)."""
+def default_section(half: int, interleaved: bool) -> list[int]:
+    """The Qwen proportions for any F: contiguous as Qwen2-VL's (16, 24, 24) of 64 (F // 4, the rest
+    split in two), interleaved as Qwen3-VL's (24, 20, 20) (5F // 16 each for height and width)."""
+    if interleaved:
+        hw = 5 * half // 16
+        return [half - 2 * hw, hw, hw]
     t = half // 4
     h = (half - t) // 2
     return [t, h, half - t - h]
@@ -128,7 +132,8 @@ class MRoPE(PositionalEncoding):
     Args:
         base: theta base (Qwen2-VL: 1e6, Qwen3-VL: 5e6; default 10000).
         mrope_section: frequencies per axis (temporal, height, width), three non-negative integers
-            summing to head_dim / 2; None: Qwen2-VL's proportions, (16, 24, 24) for head_dim 128.
+            summing to head_dim / 2; None: Qwen2-VL's proportions, (16, 24, 24) for head_dim 128, or
+            with ``mrope_interleaved`` Qwen3-VL's, (24, 20, 20).
         mrope_interleaved: Qwen3-VL's interleaved assignment instead of contiguous sections.
         layout: "half" (Qwen, feature f pairs with f + D/2) or "interleaved" (2f with 2f + 1).
         cache_length: initial rows of the cos/sin table (grows as needed).
@@ -160,7 +165,7 @@ class MRoPE(PositionalEncoding):
         if not isinstance(mrope_interleaved, bool):
             raise UsageError(f"mrope_interleaved must be True or False, got {mrope_interleaved!r}")
         half = head_dim // 2
-        section = default_section(half) if mrope_section is None else mrope_section
+        section = default_section(half, mrope_interleaved) if mrope_section is None else mrope_section
         if (
             isinstance(section, (str, bytes)) or not isinstance(section, Sequence) or len(section) != 3
             or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in section)
