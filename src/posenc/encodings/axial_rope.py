@@ -1,5 +1,5 @@
 """2-D RoPE for patch grids: axial RoPE and RoPE-Mixed (Heo et al. 2024, "Rotary Position
-Embedding for Vision Transformer", ECCV 2024, arXiv 2403.13298, §3.2-3.3).
+Embedding for Vision Transformer", ECCV 2024, arXiv 2403.13298, §3).
 
 A patch n of an image has two positions (x_n, y_n) (column, row). Feature pair f of q and k is
 rotated by an angle linear in both:

@@ -1,5 +1,8 @@
-"""Multimodal RoPE, M-RoPE (Wang et al. 2024, "Qwen2-VL", arXiv 2409.12191, §2.1), with Qwen3-VL's
-interleaved assignment, and the positions with an axis dimension it takes.
+"""Multimodal RoPE, M-RoPE (Wang et al. 2024, "Qwen2-VL: Enhancing Vision-Language Model's
+Perception of the World at Any Resolution", arXiv 2409.12191, §2.1), with Qwen2.5-VL's absolute-time
+temporal ids (Bai et al. 2025, arXiv 2502.13923) and Qwen3-VL's interleaved assignment (Qwen Team
+2025; the rule as transformers' Qwen3-VL text rotary embedding applies it), and the positions with
+an axis dimension it takes.
 
 RoPE (Su et al. 2021, :mod:`.rope`) rotates feature pair f of q and k by ``p * theta_f``,
 ``theta_f = base^(-2f/D)``, f = 0 .. D/2 - 1. M-RoPE gives every token three position ids,
@@ -130,7 +133,7 @@ class MRoPE(PositionalEncoding):
     frequencies (no long-context scaling).
 
     Args:
-        base: theta base (Qwen2-VL: 1e6, Qwen3-VL: 5e6; default 10000).
+        base: theta base (default 10000; transformers' config defaults: Qwen2-VL 1e6, Qwen3-VL 5e5).
         mrope_section: frequencies per axis (temporal, height, width), three non-negative integers
             summing to head_dim / 2; None: Qwen2-VL's proportions, (16, 24, 24) for head_dim 128, or
             with ``mrope_interleaved`` Qwen3-VL's, (24, 20, 20).
@@ -142,7 +145,7 @@ class MRoPE(PositionalEncoding):
     name = "mrope"
     description = "RoPE with frequencies split over (temporal, height, width) ids (Wang et al. 2024, Qwen2-VL; Qwen3-VL interleaved)"
     extrapolates = True
-    shift_invariant = True  # shifting every id of a row by the same amount leaves each difference
+    shift_invariant = True  # shifting every id of a row by one amount leaves every id difference unchanged
 
     def __init__(
         self,
