@@ -40,6 +40,9 @@ def test_run_is_what_show_calls(tmp_path, capsys) -> None:
     assert grid_plot.run(args, {"base": 50.0}) == 0
     assert "axial_rope: 2 of 2 heads, 8 x 8 grid from its centre" in capsys.readouterr().out
     assert (tmp_path / "a.png").read_bytes().startswith(PNG_SIGNATURE)
+    args.length = 300
+    with pytest.raises(posenc.UsageError, match=r"length must be an integer in \[1, 256\] \(patches on each side of the grid\), got 300"):
+        grid_plot.run(args, {})
 
 
 def test_errors(tmp_path) -> None:
