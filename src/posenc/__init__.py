@@ -17,11 +17,15 @@ from .encodings.axial_rope import patch_positions
 from .encodings.mrope import continue_positions, mrope_from_hf, vision_text_positions
 from .encodings.rope import rope_from_hf
 from .errors import UsageError
+from .functional import attend
+from .geometry import Geometry
 from .model import LM, LMConfig
 from .version import __version__
 
 
 __all__ = [
+    "attend",
+    "Geometry",
     "Attention",
     "LM",
     "LMConfig",

@@ -59,11 +59,7 @@ _WIDTHS: "weakref.WeakKeyDictionary[torch.nn.Module, int]" = weakref.WeakKeyDict
 def _fast(spec: ScoreSpec, q: torch.Tensor) -> bool:
     """The band + far path runs this call (otherwise the eager formula): a decoder, consecutive
     positions, every query among the keys (a full pass, or decoding after a KV cache)."""
-    qp, kp = spec.q_positions, spec.k_positions
-    return (
-        spec.causal and spec.consecutive and q.dtype in FAST_DTYPES and qp.numel() > 0 and kp.numel() > 0
-        and bool(qp[0] >= kp[0]) and bool(qp[-1] <= kp[-1])
-    )
+    return spec.causal and spec.consecutive and q.dtype in FAST_DTYPES and spec.contained
 
 
 def supports(spec: ScoreSpec, q: torch.Tensor) -> bool:
@@ -78,7 +74,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec) -
     if not _fast(spec, q):
         return eager.attend(q, k, v, spec)
     table, gate_scale, logit_scale = spec.encoding.contextual_positions()
-    call = _Call(int(spec.q_positions[0]) - int(spec.k_positions[0]), spec.scale, gate_scale, logit_scale, table.shape[0])
+    call = _Call(spec.offset, spec.scale, gate_scale, logit_scale, table.shape[0])
     call.width = _WIDTHS.get(spec.encoding, 0)
     out = _Contextual.apply(q, k, v, table.to(q.dtype), call)
     _WIDTHS[spec.encoding] = call.hint

@@ -50,19 +50,13 @@ def _path(spec: ScoreSpec, q: torch.Tensor):
             return single.distance_keys
     if spec.starts is not None:
         return None
-    if not FLASH_OPS or not spec.consecutive or q.device.type != "cpu" or q.dtype not in FAST_DTYPES or spec.has_bias or not _contained(spec):
+    if not FLASH_OPS or not spec.consecutive or q.device.type != "cpu" or q.dtype not in FAST_DTYPES or spec.has_bias or not spec.contained:
         return None
     if offers(enc, ClippedTables):
         return shaw_attention
     if offers(enc, DistanceKeys):
         return distance.distance_key_attention
     return None
-
-
-def _contained(spec: ScoreSpec) -> bool:
-    """Every query position is also a key position (so every causal row sees itself)."""
-    qp, kp = spec.q_positions, spec.k_positions
-    return qp.numel() > 0 and kp.numel() > 0 and bool(qp[0] >= kp[0]) and bool(qp[-1] <= kp[-1])
 
 
 def supports(spec: ScoreSpec, q: torch.Tensor) -> bool:
@@ -200,7 +194,7 @@ def shaw_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: Scor
     """Shaw et al. (2018) relative attention with clipped distance: band + far regions."""
     clip, key_table, value_table, term_scale = spec.encoding.clipped_tables()
     tq, tk = q.shape[-2], k.shape[-2]
-    offset = int(spec.q_positions[0] - spec.k_positions[0])  # query a is key a + offset
+    offset = spec.offset  # query a is key a + offset
     per_distance = torch.matmul(q, (key_table.to(q.dtype) * term_scale).t())  # (B, H, Tq, 2k+1) logits
     value_table = value_table.to(q.dtype)
     o_b, lse_b = _shaw_band(q, k, v, per_distance, value_table, clip, offset, spec.causal, spec.scale)

@@ -258,6 +258,15 @@ class RoPE(PositionalEncoding):
     def rotate(
         self, q: torch.Tensor, k: torch.Tensor, q_positions: torch.Tensor, k_positions: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        if torch.compiler.is_compiling() and not self.scaling.depends_on_length:
+            # Compiled: the positions are not read on the host (that would break the graph); they
+            # index the precomputed table (``cache_length`` positions, litgpt-style), whose bounds the
+            # compiled indexing checks. Build a longer one first with ``build_cache`` if needed.
+            table = self._main
+            if table.cos.device != q.device:
+                table.build(table.length, q.device)
+            factor = None if self.attention_factor == 1.0 else self.attention_factor
+            return tuple(apply_rotation(x, table.cos[p], table.sin[p], self.layout, factor) for x, p in ((q, q_positions), (k, k_positions)))
         _, length = check_rotation_inputs(self, q, k, q_positions, k_positions)  # largest key position + 1
         return self.rotate_one(q, q_positions, length), self.rotate_one(k, k_positions, length)
 
