@@ -126,6 +126,35 @@ def test_position_forms() -> None:
     torch.testing.assert_close(got.view(2, 2, 6, 2, 8)[..., 0, :], rope.rotate_one(x[..., 0, :], torch.arange(6)), atol=0, rtol=0)
 
 
+def test_mixed_grouped_query_keys_turn_with_their_query_heads() -> None:
+    """num_kv_heads=2 of 4: keys (B, 2, T, D) rotated once score as the same keys repeated per
+    query head; keys of another head count are a UsageError naming the option."""
+    torch.manual_seed(0)
+    enc = RoPEMixed(4, 16, num_kv_heads=2)
+    assert enc.frequencies.shape == (2, 2, 8)
+    q, k = rand(1, 4, 15, 16), rand(1, 2, 15, 16)
+    pos = patch_positions(*GRID)
+    qr, kr = enc.rotate(q, k, pos, pos)
+    qr2, kr2 = enc.rotate(q, k.repeat_interleave(2, 1), pos, pos)
+    assert torch.equal(qr, qr2) and torch.equal(kr.repeat_interleave(2, 1), kr2)
+    with pytest.raises(posenc.UsageError, match=r"rope_mixed: k has 2 heads, but the encoding was built for num_heads=4 "
+                                                r"and num_kv_heads=4 \(build it with num_kv_heads=2 for grouped-query keys\)"):
+        RoPEMixed(4, 16).rotate(q, k, pos, pos)
+    with pytest.raises(posenc.UsageError, match="num_kv_heads must divide num_heads=4, got 3"):
+        RoPEMixed(4, 16, num_kv_heads=3)
+
+
+def test_compiled_rotation_equals_eager() -> None:
+    """Under torch.compile the ids index the table as built (no host read, no graph break)."""
+    torch.manual_seed(0)
+    q = rand(2, 2, 15, 16)
+    pos = patch_positions(*GRID)
+    for enc in (AxialRoPE(2, 16), RoPEMixed(2, 16), posenc.build("mrope", num_heads=2, head_dim=16)):
+        ids = posenc.vision_text_positions([(1, 3, 5)]) if enc.name == "mrope" else pos
+        fn = torch.compile(lambda a, p: enc.rotate(a, a, p, p)[0], backend="eager", fullgraph=True)
+        torch.testing.assert_close(fn(q, ids), enc.rotate(q, q, ids, ids)[0], atol=0, rtol=0)
+
+
 @pytest.mark.parametrize("cls", [AxialRoPE, RoPEMixed])
 def test_scores_depend_on_offsets_only(cls) -> None:
     torch.manual_seed(0)

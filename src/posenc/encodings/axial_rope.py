@@ -40,7 +40,9 @@ What they match (tests/test_axial_rope.py, against ``timm.layers.pos_embed_sinco
   ``frequencies = freqs[:, l]``, applied with ``apply_rot_embed_cat``.
 
 Precision: the angles in float64 (integer positions times float32 frequencies: exact products,
-rounded once to float32 cos/sin), the rotation in float32, cast back once, as :mod:`.rope`.
+rounded once to float32 cos/sin), the rotation in float32, cast back once, as :mod:`.rope`. Under
+``torch.compile`` nothing is read on the host (no graph break): axial RoPE's ids index its table as
+built (``cache_length`` rows), RoPE-Mixed computes its angles from them directly.
 
 Shape legend: B batch, H heads, T patches (tokens), D head dim, F = D/2 frequencies.
 """
@@ -92,7 +94,7 @@ class AxialRoPE(PositionalEncoding):
 
     def __init__(
         self, num_heads: int, head_dim: int, causal: bool = True, base: float = 100.0, layout: str = "interleaved",
-        cache_length: int = 256,
+        cache_length: int = 2048,
     ) -> None:
         super().__init__(num_heads, head_dim, causal)
         _check_common(self, base, layout)
@@ -139,8 +141,13 @@ class RoPEMixed(PositionalEncoding):
     Args:
         base: base of the initial magnitudes m_k = base^(-4k/D) (the paper's 10).
         layout: "interleaved" (the authors' code, timm) or "half".
+        num_kv_heads: key heads of grouped-query attention (default num_heads). A query and the key
+            it scores must turn with the same frequencies, so the frequencies are learned per key
+            head and the query heads of a group share their key head's; keys with num_heads heads
+            (repeated) are rotated as their group. Keys with another head count are a UsageError.
 
-    ``frequencies`` (2, H, D/2), a parameter: ``[0]`` multiplies x (positions[..., 0]), ``[1]`` y.
+    ``frequencies`` (2, num_kv_heads, D/2), a parameter: ``[0]`` multiplies x (positions[..., 0]),
+    ``[1]`` y.
     """
 
     name = "rope_mixed"
@@ -150,17 +157,30 @@ class RoPEMixed(PositionalEncoding):
     shift_invariant = True  # angles are linear in the positions: a common shift cancels in every score
 
     def __init__(
-        self, num_heads: int, head_dim: int, causal: bool = True, base: float = 10.0, layout: str = "interleaved"
+        self, num_heads: int, head_dim: int, causal: bool = True, base: float = 10.0, layout: str = "interleaved",
+        num_kv_heads: int | None = None,
     ) -> None:
         super().__init__(num_heads, head_dim, causal)
         _check_common(self, base, layout)
-        self.base, self.layout = float(base), layout
-        self.frequencies = nn.Parameter(mixed_init(num_heads, head_dim, self.base))  # (2, H, F)
+        kv = num_heads if num_kv_heads is None else check_positive("num_kv_heads", num_kv_heads)
+        if num_heads % kv:
+            raise UsageError(f"num_kv_heads must divide num_heads={num_heads}, got {kv}")
+        self.base, self.layout, self.num_kv_heads = float(base), layout, kv
+        self.frequencies = nn.Parameter(mixed_init(kv, head_dim, self.base))  # (2, Hkv, F)
 
     def cos_sin(self, positions: torch.Tensor, x: torch.Tensor, label: str = "q") -> tuple[torch.Tensor, torch.Tensor]:
-        """float32 cos and sin (B', H, T, F) of ``x`` (B, H, T, D) at ``positions``."""
+        """float32 cos and sin (B', H', T, F) of ``x`` (B, H', T, D) at ``positions``; H' is
+        num_kv_heads, or num_heads (each head at its key head's frequencies)."""
         pos, _ = axis_positions(self, label, positions, x, 2, axis_first=False)  # (2, B', T)
-        freqs = self.frequencies.to(torch.float64)  # (2, H, F)
+        heads = x.shape[1]
+        if heads not in (self.num_heads, self.num_kv_heads):
+            raise UsageError(
+                f"rope_mixed: {label} has {heads} heads, but the encoding was built for num_heads={self.num_heads} "
+                f"and num_kv_heads={self.num_kv_heads} (build it with num_kv_heads={heads} for grouped-query keys)"
+            )
+        freqs = self.frequencies.to(torch.float64)  # (2, Hkv, F)
+        if heads != self.num_kv_heads:
+            freqs = freqs.repeat_interleave(heads // self.num_kv_heads, dim=1)  # (2, H, F): a group shares its key head's
         p = pos.to(device=freqs.device, dtype=torch.float64)
         angle = p[0, :, None, :, None] * freqs[0, None, :, None, :] + p[1, :, None, :, None] * freqs[1, None, :, None, :]  # (B', H, T, F)
         return angle.cos().to(torch.float32), angle.sin().to(torch.float32)
@@ -173,7 +193,8 @@ class RoPEMixed(PositionalEncoding):
         return apply_rotation(q, cq, sq, self.layout), apply_rotation(k, ck, sk, self.layout)
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, base={self.base}, layout={self.layout!r}"
+        kv = "" if self.num_kv_heads == self.num_heads else f", num_kv_heads={self.num_kv_heads}"
+        return f"{super().extra_repr()}, base={self.base}, layout={self.layout!r}{kv}"
 
 
 __all__ = ["AxialRoPE", "RoPEMixed", "mixed_init", "patch_positions"]

@@ -35,7 +35,9 @@ axis first, as Qwen2-VL passes them; the patch-grid rotations of :mod:`.axial_ro
 They are non-negative integers; they need not increase, nor be distinct, along T.
 
 Precision: as :mod:`.rope`: float32 cos/sin tables of float64 angles (``RotaryTable``), the rotation
-in float32, cast back once.
+in float32, cast back once. Under ``torch.compile`` the ids are not read on the host (no graph
+break): they index the table as built (``cache_length`` rows, 2048 by default), as RoPE's compiled
+path does.
 
 Shape legend: B batch, H heads, T length, D head dim, F = D/2 frequencies, A axes (3 here).
 """
@@ -58,7 +60,8 @@ def axis_positions(
     encoding: PositionalEncoding, label: str, positions: torch.Tensor, x: torch.Tensor, num_axes: int, axis_first: bool
 ) -> tuple[torch.Tensor, int]:
     """Positions of ``x`` (B, H, T, D) as an (A, B', T) LongTensor, B' = 1 or B, and the largest id
-    + 1 (one device sync); UsageError otherwise.
+    + 1 (one device sync; None while ``torch.compile`` traces, which reads nothing on the host);
+    UsageError otherwise.
 
     Accepted: (T,) (the same id on every axis), one set for all rows, (A, T) axis-first or (T, A)
     axis-last, and per row (A, B, T) or (B, T, A). ``label`` names the argument in messages.
@@ -84,6 +87,8 @@ def axis_positions(
         out = p
     else:
         raise UsageError(f"{name}: {label}_positions must have shape {forms} with B = {batch}; got shape {shape}")
+    if torch.compiler.is_compiling():  # no host read in a compiled graph: the table's indexing checks the bounds
+        return out.long(), None
     needed = position_range(f"{name}: {label}_positions", out)[1]  # and a UsageError for a negative id
     return out.long(), needed
 
@@ -92,9 +97,16 @@ def select_axes(
     table: RotaryTable, positions: torch.Tensor, needed: int, axis_of: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """float32 cos and sin (B', 1, T, F) with entry f at ``positions[axis_of[f]]`` (positions
-    (A, B', T), all < ``needed``): the angles of one set of frequencies, each at its own axis."""
+    (A, B', T), all < ``needed``): the angles of one set of frequencies, each at its own axis.
+    ``needed`` None (compiling): the table as it is, ``cache_length`` rows, as RoPE's compiled path."""
     a, b, t = positions.shape
-    cos, sin = table.lookup(positions.reshape(-1), max(needed, 1))  # (A * B' * T, F)
+    flat = positions.reshape(-1)
+    if needed is None:
+        if table.cos.device != positions.device:
+            table.build(table.length, positions.device)
+        cos, sin = table.cos[flat], table.sin[flat]  # (A * B' * T, F)
+    else:
+        cos, sin = table.lookup(flat, max(needed, 1))  # (A * B' * T, F)
     index = axis_of.to(positions.device).view(1, 1, 1, -1).expand(1, b, t, -1)  # (1, B', T, F)
     pick = lambda c: c.view(a, b, t, -1).gather(0, index).view(b, 1, t, -1)  # noqa: E731
     return pick(cos), pick(sin)
