@@ -124,11 +124,12 @@ class AxialRoPE(PositionalEncoding):
 
 
 def mixed_init(num_heads: int, head_dim: int, base: float, generator: torch.Generator | None = None) -> torch.Tensor:
-    """The paper's initial RoPE-Mixed frequencies, (2, H, F) float32: [0] multiplies x, [1] y
+    """The paper's initial RoPE-Mixed frequencies, (2, H, F) float32 on the CPU (as
+    ``default_frequencies``, also inside a ``torch.device("meta")`` block): [0] multiplies x, [1] y
     (the module docstring's formula; one angle per head from ``generator``, torch's global one by
     default)."""
     mag = default_frequencies(base, head_dim // 2)  # (D/4,) float64
-    angle = torch.rand(num_heads, 1, generator=generator, dtype=torch.float64) * (2 * math.pi)  # (H, 1)
+    angle = torch.rand(num_heads, 1, generator=generator, dtype=torch.float64, device="cpu") * (2 * math.pi)  # (H, 1), beside mag
     quarter = angle + math.pi / 2
     fx = torch.cat((mag * angle.cos(), mag * quarter.cos()), dim=-1)  # (H, F)
     fy = torch.cat((mag * angle.sin(), mag * quarter.sin()), dim=-1)
