@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Set up posenc in ./.venv. `bash setup.sh` for the library and CLI; `bash setup.sh test` adds the
 # test-only reference packages (transformers, x-transformers, rotary-embedding-torch, torchscale,
-# pytest, hypothesis).
+# timm, pytest, hypothesis).
 #
 # torch is pinned here, on the setup path, to the CPU build this machine carries (an open range
 # pulls a multi-GB CUDA build); the library itself only asks for torch>=2.5. The same pin is a
@@ -35,6 +35,10 @@ if [ -n "$extra" ]; then
   # The xPos authors' code, a test reference: its package pins an old torch and pulls fairseq-era
   # dependencies it does not need (its module imports only torch and numpy), hence --no-deps.
   pip_install -c "$constraints" --no-deps "torchscale==0.3.0"
+  # timm's 2-D rotary embeddings (axial RoPE, RoPE-Mixed), a test reference: timm requires
+  # torchvision, whose PyPI build does not load beside a CPU torch (and would break any import of
+  # it); the module the tests load imports only torch, hence --no-deps (tests/test_axial_rope.py).
+  pip_install -c "$constraints" --no-deps "timm==1.0.31"
 fi
 .venv/bin/python - "$TORCH" <<'EOF'
 import sys

@@ -13,6 +13,8 @@ from __future__ import annotations
 from .attention import Attention
 from .checkpoint import load_checkpoint, save_checkpoint
 from .encodings import PositionalEncoding, alibi_slopes, available, build, relative_position_bucket
+from .encodings.axial_rope import patch_positions
+from .encodings.mrope import continue_positions, mrope_from_hf, vision_text_positions
 from .encodings.rope import rope_from_hf
 from .errors import UsageError
 from .functional import attend
@@ -36,10 +38,14 @@ __all__ = [
     "alibi_slopes",
     "available",
     "build",
+    "continue_positions",
     "load_checkpoint",
+    "mrope_from_hf",
+    "patch_positions",
     "relative_position_bucket",
     "rope_from_hf",
     "save_checkpoint",
     "schedule_from_hf",
+    "vision_text_positions",
     "__version__",
 ]

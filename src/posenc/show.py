@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from . import grid_plot
 from .encodings import available, get_class
 from .encodings.base import has_hook
 from .errors import UsageError
@@ -252,6 +253,8 @@ def run(args: argparse.Namespace) -> int:
     if args.method is None:
         raise UsageError(f"method: give one of {', '.join(available())}, or --schedule TEXT")
     options = parse_options(args.option, args.method)
+    if args.scaling is None and grid_plot.draws(args.method):  # a rotation over a 2-D patch grid
+        return grid_plot.run(args, options)
     if args.scaling is not None:
         out, note = show_scaling(args.method, args.scaling, args.head_dim, options, args.out)
         print(f"{args.method}: wavelength per pair, original vs scaled, from {note} -> {out}")

@@ -7,6 +7,7 @@ import inspect
 from torch import nn
 
 from .alibi import ALiBi, alibi_slopes
+from .axial_rope import AxialRoPE, RoPEMixed
 from ..errors import UsageError
 from .base import PositionalEncoding, has_hook
 from .cope import CoPE
@@ -14,6 +15,7 @@ from .fire import FIRE
 from .kerple import KERPLE
 from .protocol import offers
 from .learned import Learned
+from .mrope import MRoPE
 from .nope import NoPE
 from .rope import RoPE
 from .sandwich import Sandwich
@@ -28,6 +30,9 @@ REGISTRY: dict[str, type[PositionalEncoding]] = {
     for cls in (NoPE, Sinusoidal, Learned, Shaw, TransformerXL, T5Bias, RoPE, ALiBi, KERPLE, Sandwich, FIRE, CoPE)
 }
 REGISTRY[XPos.name] = XPos
+REGISTRY[MRoPE.name] = MRoPE  # multi-axis RoPE: positions with an axis dimension (or 1-D, as RoPE)
+REGISTRY[AxialRoPE.name] = AxialRoPE
+REGISTRY[RoPEMixed.name] = RoPEMixed
 
 
 def available() -> list[str]:
