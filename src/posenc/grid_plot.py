@@ -116,7 +116,7 @@ def draws(method: str) -> bool:
 def run(args: argparse.Namespace, options: dict) -> int:
     """``posenc show METHOD`` for a grid method: ``length`` patches on each side, the centre patch."""
     get_class_checked(args.method)
-    num_heads, head_dim = check_sizes(args.num_heads, args.head_dim)
+    num_heads, head_dim = check_sizes(args.num_heads, 64 if args.head_dim is None else args.head_dim)
     side = check_int("length", args.length, 1, MAX_SIDE, " (patches on each side of the grid)")
     seed = check_seed(args.seed)
     out = Path(args.out) if args.out is not None else Path(f"posenc-show-{args.method}.png")
