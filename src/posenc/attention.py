@@ -9,14 +9,12 @@ The KV cache (:class:`~posenc.cache.LayerCache`) lives in :mod:`posenc.cache`; i
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import nn
 
 from . import backends
 from .cache import LayerCache
-from .encodings.base import check_positive
+from .encodings.base import check_positive, content_scale
 from .encodings.protocol import Rotates, offers
 from .errors import UsageError
 from .functional import _attend, run
@@ -99,7 +97,7 @@ class Attention(nn.Module):
         k = k.view(b, t, hkv, d).transpose(1, 2)  # (B, Hkv, T, D)
         v = v.view(b, t, hkv, d).transpose(1, 2)
         memo = ForwardMemo() if memo is None else memo
-        scale = 1.0 / math.sqrt(d)
+        scale = content_scale(self.encoding, d)  # 1/sqrt(D) unless the encoding says otherwise
         if cache is None:
             if geometry is None:
                 mask = None if attention_mask is None else _padding_mask(attention_mask)

@@ -21,11 +21,10 @@ heads inside the fused kernel (``enable_gqa``); the score-term backends get them
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from . import backends
+from .encodings.base import content_scale
 from .encodings.protocol import Rotates, offers
 from .errors import UsageError
 from .geometry import Geometry, ScoreSpec
@@ -63,7 +62,7 @@ def attend(
         k_positions: the keys' positions, (Tk,) or (B, Tk); None: the queries' when Tq == Tk,
             else consecutive, ending at each row's last query (the queries are the last keys).
         causal: a query sees only keys at or before it.
-        scale: the factor of q . k; None: 1 / sqrt(D).
+        scale: the factor of q . k; None: the encoding's ``content_scale``, else 1 / sqrt(D).
         document_ids: (B, T) integers (Tq == Tk): packed rows, no attention across documents
             (a document is a run of equal ids); positions restart at each document by default.
         key_padding_mask: (B, Tk) bool, True on real tokens, one contiguous run per row (left or
@@ -90,7 +89,7 @@ def attend(
     if getattr(encoding, "causal", causal) != causal:
         raise UsageError(f"encoding was built with causal={encoding.causal}; attend got causal={causal}")
     backends.check_name(backend)
-    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    scale = content_scale(encoding, d) if scale is None else float(scale)
     if geometry is None:
         geometry = Geometry.of(b, tq, tk, q.device, positions=positions, k_positions=k_positions, causal=causal,
                                document_ids=document_ids, key_padding_mask=key_padding_mask)
