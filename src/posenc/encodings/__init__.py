@@ -10,6 +10,7 @@ from .alibi import ALiBi, alibi_slopes
 from ..errors import UsageError
 from .base import PositionalEncoding, has_hook
 from .cope import CoPE
+from .deberta import DeBERTa
 from .fire import FIRE
 from .kerple import KERPLE
 from .protocol import offers
@@ -28,6 +29,7 @@ REGISTRY: dict[str, type[PositionalEncoding]] = {
     for cls in (NoPE, Sinusoidal, Learned, Shaw, TransformerXL, T5Bias, RoPE, ALiBi, KERPLE, Sandwich, FIRE, CoPE)
 }
 REGISTRY[XPos.name] = XPos
+REGISTRY[DeBERTa.name] = DeBERTa
 
 
 def available() -> list[str]:
