@@ -15,7 +15,7 @@ from torch import nn
 from . import backends
 from .cache import LayerCache
 from .encodings.base import check_positive, content_scale
-from .encodings.protocol import Rotates, offers
+from .encodings.protocol import Gates, Rotates, offers
 from .errors import UsageError
 from .functional import _attend, run
 from .geometry import Geometry, ScoreSpec, check_positions
@@ -97,22 +97,24 @@ class Attention(nn.Module):
         k = k.view(b, t, hkv, d).transpose(1, 2)  # (B, Hkv, T, D)
         v = v.view(b, t, hkv, d).transpose(1, 2)
         memo = ForwardMemo() if memo is None else memo
+        # Data-dependent forget gates (the Forgetting Transformer): one per token and head, from x.
+        gates = self.encoding.log_gates(x) if offers(self.encoding, Gates) else None  # (B, H, T)
         scale = content_scale(self.encoding, d)  # 1/sqrt(D) unless the encoding says otherwise
         if cache is None:
             if geometry is None:
                 mask = None if attention_mask is None else _padding_mask(attention_mask)
                 geometry = Geometry.of(b, t, t, x.device, positions=positions, causal=self.causal,
                                        document_ids=document_ids, key_padding_mask=mask)
-            out, name = _attend(q, k, v, self.encoding, geometry, scale, memo, self.backend, True)
+            out, name = _attend(q, k, v, self.encoding, geometry, scale, memo, self.backend, True, gates)
         else:
             if document_ids is not None or attention_mask is not None:
                 raise UsageError("document_ids and attention_mask take no KV cache (a cache's padding comes from new_cache(padding=...))")
-            out, name = self._cached(q, k, v, positions, cache, memo, scale, geometry)
+            out, name = self._cached(q, k, v, positions, cache, memo, scale, geometry, gates)
         if not torch.compiler.is_compiling():
             self.last_backend = name
         return self.proj(out.transpose(1, 2).reshape(b, t, self.dim))
 
-    def _cached(self, q, k, v, positions, cache: LayerCache, memo, scale, geometry) -> tuple[torch.Tensor, str]:
+    def _cached(self, q, k, v, positions, cache: LayerCache, memo, scale, geometry, gates=None) -> tuple[torch.Tensor, str]:
         """A step after the KV cache: rotate (unless the rotation depends on the length), append, attend."""
         t = q.shape[-2]
         past = cache.length
@@ -131,9 +133,11 @@ class Attention(nn.Module):
         if rotates and not late:
             q, k = self.encoding.rotate(q, k, positions, positions)
         k, v = cache.append(k, v)  # (B, Hkv, past + T, D): views of the cache's buffers
+        if gates is not None:
+            gates = cache.append_gates(gates)  # (B, H, past + T): every cached key's log gate
         k_positions = cache.positions(q.device)  # 0..past+T-1, a view (nothing per step grows with N)
         spec = ScoreSpec(self.encoding, positions, k_positions, self.causal, scale, memo, consecutive,
-                         cache.starts(q.device), cache.workspace, q_start=past, k_start=0, aligned=True)
+                         cache.starts(q.device), cache.workspace, q_start=past, k_start=0, aligned=True, log_gates=gates)
         return run(q, k, v, spec, self.backend, rotate=late)
 
 

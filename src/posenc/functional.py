@@ -25,7 +25,7 @@ import torch
 
 from . import backends
 from .encodings.base import content_scale
-from .encodings.protocol import Rotates, offers
+from .encodings.protocol import Gates, Rotates, offers
 from .errors import UsageError
 from .geometry import Geometry, ScoreSpec
 from .memo import ForwardMemo
@@ -47,6 +47,7 @@ def attend(
     backend: str = "auto",
     geometry: Geometry | None = None,
     memo: ForwardMemo | None = None,
+    log_gates: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Scaled dot-product attention with ``encoding``'s positions: (B, H, Tq, D).
 
@@ -73,6 +74,10 @@ def attend(
             layers); replaces ``positions``, ``k_positions``, ``document_ids`` and
             ``key_padding_mask``.
         memo: a :class:`~posenc.memo.ForwardMemo` shared by the layers of one model forward.
+        log_gates: (B, H, Tk) per-key log forget gates (<= 0), the keys' ``encoding.log_gates(x)``
+            for an encoding with the ``Gates`` hook (the Forgetting Transformer): query i and key j
+            gain the sum of the gates of the keys after j up to i (restarting at each document).
+            Required for such an encoding; None otherwise.
 
     Returns:
         (B, H, Tq, D) in q's dtype.
@@ -82,6 +87,7 @@ def attend(
             sizes, or a forced backend that cannot run the call.
     """
     b, h, hkv, tq, tk, d = _check(q, k, v, encoding)
+    _check_gates(log_gates, encoding, b, h, tk)
     if encoding is None:
         from .encodings import build
 
@@ -95,14 +101,15 @@ def attend(
                                document_ids=document_ids, key_padding_mask=key_padding_mask)
     elif (geometry.batch, geometry.tq, geometry.tk) != (b, tq, tk):
         raise UsageError(f"geometry was built for (batch, queries, keys) = {(geometry.batch, geometry.tq, geometry.tk)}, got {(b, tq, tk)}")
-    return _attend(q, k, v, encoding, geometry, scale, ForwardMemo() if memo is None else memo, backend, rotate)[0]
+    return _attend(q, k, v, encoding, geometry, scale, ForwardMemo() if memo is None else memo, backend, rotate, log_gates)[0]
 
 
-def _attend(q, k, v, encoding, geometry: Geometry, scale: float, memo: ForwardMemo, backend: str, rotate: bool) -> tuple[torch.Tensor, str]:
+def _attend(q, k, v, encoding, geometry: Geometry, scale: float, memo: ForwardMemo, backend: str, rotate: bool,
+            log_gates: torch.Tensor | None = None) -> tuple[torch.Tensor, str]:
     """(out, the registered name of the backend that ran): a uniform call, or its runs of segments."""
     if geometry.uniform:
-        return run(q, k, v, geometry.spec(encoding, scale, memo), backend, rotate)
-    return _segments(q, k, v, encoding, geometry, scale, memo, backend, rotate)
+        return run(q, k, v, geometry.spec(encoding, scale, memo, log_gates), backend, rotate)
+    return _segments(q, k, v, encoding, geometry, scale, memo, backend, rotate, log_gates)
 
 
 def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec, backend: str = "auto",
@@ -132,13 +139,16 @@ def _plain_gqa(q, k, v, spec: ScoreSpec) -> torch.Tensor:
     return F.scaled_dot_product_attention(q, k, v, attn_mask=spec.allowed(), scale=spec.scale, enable_gqa=True)
 
 
-def _segments(q, k, v, encoding, geometry: Geometry, scale: float, memo: ForwardMemo, backend: str, rotate: bool) -> tuple[torch.Tensor, str]:
-    """Each run of identical segments as one stacked backend call, scattered back into place."""
+def _segments(q, k, v, encoding, geometry: Geometry, scale: float, memo: ForwardMemo, backend: str, rotate: bool,
+              log_gates: torch.Tensor | None = None) -> tuple[torch.Tensor, str]:
+    """Each run of identical segments as one stacked backend call, scattered back into place
+    (per-key log gates travel with their keys, so their sums restart at each segment)."""
     b, h, tq, d = q.shape
     hkv, tk = k.shape[1], k.shape[2]
     qf = q.transpose(1, 2).reshape(b * tq, h, d)  # (B*Tq, H, D)
     kf = k.transpose(1, 2).reshape(b * tk, hkv, d)
     vf = v.transpose(1, 2).reshape(b * tk, hkv, v.shape[-1])
+    gf = None if log_gates is None else log_gates.transpose(1, 2).reshape(b * tk, h)  # (B*Tk, H)
     out = q.new_zeros(b * tq, h, v.shape[-1])  # padding queries stay 0
     name = backend
     for seg in geometry.runs:
@@ -147,11 +157,21 @@ def _segments(q, k, v, encoding, geometry: Geometry, scale: float, memo: Forward
         qs = qf[seg.q_index.reshape(-1)].view(n, lq, h, d).transpose(1, 2)  # (n, H, Lq, D)
         ks = kf[seg.k_index.reshape(-1)].view(n, lk, hkv, d).transpose(1, 2)  # (n, Hkv, Lk, D)
         vs = vf[seg.k_index.reshape(-1)].view(n, lk, hkv, -1).transpose(1, 2)
+        gs = None if gf is None else gf[seg.k_index.reshape(-1)].view(n, lk, h).transpose(1, 2)  # (n, H, Lk)
         spec = ScoreSpec(encoding, seg.q_positions, seg.k_positions, geometry.causal, scale, memo, seg.consecutive,
-                         q_start=seg.q_start, k_start=seg.k_start, aligned=seg.aligned)
+                         q_start=seg.q_start, k_start=seg.k_start, aligned=seg.aligned, log_gates=gs)
         o, name = run(qs, ks, vs, spec, backend, rotate)  # (n, H, Lq, D)
         out = out.index_copy(0, seg.q_index.reshape(-1), o.transpose(1, 2).reshape(n * lq, h, -1))
     return out.view(b, tq, h, -1).transpose(1, 2), name  # (B, H, Tq, D)
+
+
+def _check_gates(log_gates, encoding, b: int, h: int, tk: int) -> None:
+    if log_gates is None:
+        if encoding is not None and offers(encoding, Gates):
+            raise UsageError(f"encoding {type(encoding).__name__} has forget gates: pass log_gates=encoding.log_gates(x) (batch, heads, keys)")
+        return
+    if not isinstance(log_gates, torch.Tensor) or not log_gates.is_floating_point() or tuple(log_gates.shape) != (b, h, tk):
+        raise UsageError(f"log_gates must be a float tensor of shape (batch, heads, keys) = {(b, h, tk)}, got {getattr(log_gates, 'shape', type(log_gates).__name__)}")
 
 
 def _check(q, k, v, encoding):

@@ -21,11 +21,11 @@ import torch
 from torch import nn
 
 from ..errors import UsageError
-from .protocol import BiasTails, Biases, Embeds, QueryTerms, Rotates, Scores, ValueTerms, offers
+from .protocol import BiasTails, Biases, Embeds, Gates, QueryTerms, Rotates, Scores, ValueTerms, offers
 
 # Hook names, for has_hook: each maps to its Protocol.
 _HOOK_PROTOCOLS = {"embed": Embeds, "rotate": Rotates, "bias": Biases, "score": Scores,
-                   "query_terms": QueryTerms, "value_terms": ValueTerms}
+                   "query_terms": QueryTerms, "value_terms": ValueTerms, "log_gates": Gates}
 HOOKS = tuple(_HOOK_PROTOCOLS)
 
 
