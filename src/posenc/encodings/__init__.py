@@ -12,6 +12,7 @@ from .base import PositionalEncoding, has_hook
 from .cope import CoPE
 from .deberta import DeBERTa
 from .fire import FIRE
+from .fox import ForgettingTransformer
 from .kerple import KERPLE
 from .protocol import offers
 from .learned import Learned
@@ -30,6 +31,7 @@ REGISTRY: dict[str, type[PositionalEncoding]] = {
 }
 REGISTRY[XPos.name] = XPos
 REGISTRY[DeBERTa.name] = DeBERTa
+REGISTRY[ForgettingTransformer.name] = ForgettingTransformer
 
 
 def available() -> list[str]:
