@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import posenc
+from posenc.cache import LayerCache
 from posenc.errors import UsageError
 
 from agreement import assert_decoding_equals_full
@@ -139,3 +140,21 @@ def test_attend_takes_the_gates_and_refuses_to_run_without_them():
 def test_fox_has_no_bidirectional_form():
     with pytest.raises(UsageError, match="no bidirectional form"):
         posenc.build("fox", num_heads=H, head_dim=D, causal=False)
+
+
+def test_grouped_query_heads_equal_repeated_heads():
+    """The gates stay per query head; keys and values grouped (Hkv = 1) equal them repeated."""
+    torch.manual_seed(5)
+    enc = posenc.build("fox", num_heads=H, head_dim=D).double()
+    gqa = posenc.Attention(H * D, H, enc, num_kv_heads=1).double()
+    full = posenc.Attention(H * D, H, enc).double()
+    q_w, k_w, v_w = gqa.qkv.weight.split((H * D, D, D))
+    with torch.no_grad():
+        full.qkv.weight.copy_(torch.cat([q_w, k_w.repeat(H, 1), v_w.repeat(H, 1)]))
+        full.proj.weight.copy_(gqa.proj.weight)
+    x = torch.randn(2, 11, H * D, dtype=torch.float64)
+    torch.testing.assert_close(gqa(x), full(x), rtol=1e-12, atol=1e-12)
+    cache = LayerCache()
+    with torch.no_grad():
+        steps = torch.cat([gqa(x[:, :6], cache=cache)] + [gqa(x[:, t : t + 1], cache=cache) for t in range(6, 11)], 1)
+    torch.testing.assert_close(steps, full(x), rtol=1e-12, atol=1e-12)
