@@ -158,3 +158,65 @@ def test_grouped_query_heads_equal_repeated_heads():
     with torch.no_grad():
         steps = torch.cat([gqa(x[:, :6], cache=cache)] + [gqa(x[:, t : t + 1], cache=cache) for t in range(6, 11)], 1)
     torch.testing.assert_close(steps, full(x), rtol=1e-12, atol=1e-12)
+
+
+# --------------------------------------------------------------------------------------------
+# The gated backend (the gates as one key feature on the fused kernel) against eager.
+
+
+@pytest.mark.parametrize("tq, tk", [(300, 300), (37, 300), (1, 300), (65, 65), (513, 513)])
+def test_the_gated_backend_equals_eager(tq, tk):
+    from posenc.backends import eager, gated
+    from posenc.geometry import ScoreSpec
+
+    torch.manual_seed(tq + tk)
+    enc = posenc.build("nope", num_heads=H, head_dim=D)
+    q, k, v = torch.randn(2, H, tq, D), torch.randn(2, H, tk, D), torch.randn(2, H, tk, D)
+    g = torch.nn.functional.logsigmoid(torch.randn(2, H, tk) * 2 + 1)  # (B, H, Tk) log gates
+    grad_out = torch.randn(2, H, tq, D)
+    kp = torch.arange(5, 5 + tk)
+    results = {}
+    for name, backend, dtype in (("eager", eager, torch.float64), ("gated", gated, torch.float64), ("gated32", gated, torch.float32)):
+        xs = [x.to(dtype).requires_grad_() for x in (q, k, v, g)]
+        spec = ScoreSpec(enc, kp[tk - tq :], kp, True, D ** -0.5, log_gates=xs[3])
+        assert name == "eager" or gated.supports(spec, xs[0])
+        out = backend.attend(*xs[:3], spec)
+        results[name] = [out] + list(torch.autograd.grad(out, xs, grad_out.to(dtype)))
+    for n, (a, b) in enumerate(zip(results["gated"], results["eager"])):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9, msg=lambda m: f"tensor {n}: {m}")
+    for n, (a, b) in enumerate(zip(results["gated32"], results["eager"])):
+        # as agreement.py: 1e-5 of the scale on outputs and q, k, v gradients, 1e-4 on the gates'
+        # (sums over every query after the key); float32 eager is as far off
+        tol = (1e-5 if n < 4 else 1e-4) * max(1.0, b.abs().max().item())
+        torch.testing.assert_close(a.double(), b, rtol=0, atol=tol, msg=lambda m: f"float32 tensor {n}: {m}")
+
+
+def test_auto_picks_gated_and_eager_takes_what_it_cannot():
+    attn = layer(dtype=torch.float32)
+    x = torch.randn(2, 40, H * D)
+    attn(x)
+    assert attn.last_backend == "gated"
+    mask = torch.ones(2, 40, dtype=torch.long)
+    mask[1, :9] = 0
+    attn(x, attention_mask=mask)  # segments: each row alone, unpadded
+    assert attn.last_backend == "gated"
+    cache = LayerCache(padding=[3, 0])
+    with torch.no_grad():
+        attn(x[:, :10], cache=cache)  # left padding in the cache: eager
+    assert attn.last_backend == "eager"
+
+
+def test_the_gated_backend_writes_no_quadratic_tensor():
+    from agreement import MaxTensor
+
+    n = 1024
+    attn = posenc.Attention(H * D, H, posenc.build("fox", num_heads=H, head_dim=D))
+    x = torch.randn(1, n, H * D, requires_grad=True)
+    with MaxTensor() as seen:
+        attn(x).sum().backward()
+    assert attn.last_backend == "gated"
+    assert seen.largest <= H * n * 128, seen.largest  # one block's (H, 128, N) at most, not (H, N, N)
+    attn.backend = "eager"
+    with MaxTensor() as eager_seen:
+        attn(x).sum().backward()
+    assert eager_seen.largest >= H * n * 256  # the check sees a block of scores
