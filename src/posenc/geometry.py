@@ -124,8 +124,8 @@ class ScoreSpec:
     aligned: bool | None = None
     # Per-key log forget gates (B, H, Tk) of the keys, in key order (:class:`Gates`, the Forgetting
     # Transformer): the score of query i and key j gains sum of log f_l over the keys l after j up
-    # to i. None: no gates. Only backends that know them run such a call (``eager``): they make
-    # ``has_query_terms`` true, so every fast path without them steps aside.
+    # to i. None: no gates. Only backends that know them run such a call (``gated``, ``eager``):
+    # they make ``has_query_terms`` true, so every fast path without them steps aside.
     log_gates: torch.Tensor | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
@@ -205,7 +205,8 @@ class ScoreSpec:
         return g.cumsum(-1, dtype=torch.float64 if g.dtype == torch.float64 else torch.float32)
 
     def part(self, q_positions: torch.Tensor, k_positions: torch.Tensor) -> ScoreSpec:
-        """The same call for a sub-range of its queries and keys, without padding or workspace."""
+        """The same call for a sub-range of its queries and keys, without padding, workspace or log
+        gates (the backends that split calls by rows take no gated call)."""
         return ScoreSpec(self.encoding, q_positions, k_positions, self.causal, self.scale, self.memo, self.consecutive)
 
 
