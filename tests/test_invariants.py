@@ -17,7 +17,7 @@ import posenc
 from posenc.encodings import has_hook
 
 # FIRE (normalised by the query's position) and CoPE (positions counted by the content) are not.
-RELATIVE = ["shaw", "transformer_xl", "t5", "rope", "alibi", "kerple", "sandwich"]
+RELATIVE = ["shaw", "transformer_xl", "t5", "rope", "alibi", "kerple", "sandwich", "deberta"]
 H, D = 3, 8
 
 

@@ -45,7 +45,7 @@ def tiny(method: str, causal: bool = True, backend: str = "auto", std: float | N
 
 def test_every_registered_method_is_tested() -> None:
     assert set(METHODS) >= {"nope", "sinusoidal", "learned", "shaw", "transformer_xl", "t5", "rope", "alibi",
-                            "kerple", "sandwich", "fire", "cope"}
+                            "kerple", "sandwich", "fire", "cope", "deberta", "fox"}
 
 
 @pytest.mark.parametrize("backend", ["auto", "eager"])
@@ -79,7 +79,7 @@ def test_gradients_reach_every_parameter(method: str, causal: bool) -> None:
     assert not missing, f"no gradient: {missing}"
     # The encoding's own parameters are among them (for the methods that have any).
     enc_params = [n for n, _ in model.blocks[0].attn.encoding.named_parameters()]
-    if method in ("learned", "shaw", "transformer_xl", "t5", "kerple", "fire", "cope"):
+    if method in ("learned", "shaw", "transformer_xl", "t5", "kerple", "fire", "cope", "deberta", "fox"):
         assert enc_params, f"{method} should have learnable parameters"
     if method == "t5":  # every bucket some visible (query, key) pair falls in gets a gradient
         enc = model.blocks[0].attn.encoding

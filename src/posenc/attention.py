@@ -9,15 +9,13 @@ The KV cache (:class:`~posenc.cache.LayerCache`) lives in :mod:`posenc.cache`; i
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import nn
 
 from . import backends
 from .cache import LayerCache
-from .encodings.base import check_positive
-from .encodings.protocol import Rotates, offers
+from .encodings.base import check_positive, content_scale
+from .encodings.protocol import Gates, Rotates, offers
 from .errors import UsageError
 from .functional import _attend, run
 from .geometry import Geometry, ScoreSpec, check_positions
@@ -115,22 +113,24 @@ class Attention(nn.Module):
         k = k.view(b, t, hkv, d).transpose(1, 2)  # (B, Hkv, T, D)
         v = v.view(b, t, hkv, d).transpose(1, 2)
         memo = ForwardMemo() if memo is None else memo
-        scale = 1.0 / math.sqrt(d)
+        # Data-dependent forget gates (the Forgetting Transformer): one per token and head, from x.
+        gates = self.encoding.log_gates(x) if offers(self.encoding, Gates) else None  # (B, H, T)
+        scale = content_scale(self.encoding, d)  # 1/sqrt(D) unless the encoding says otherwise
         if cache is None:
             if geometry is None:
                 mask = None if attention_mask is None else _padding_mask(attention_mask)
                 geometry = Geometry.of(b, t, t, x.device, positions=positions, causal=self.causal,
                                        document_ids=document_ids, key_padding_mask=mask)
-            out, name = _attend(q, k, v, self.encoding, geometry, scale, memo, self.backend, True, self.extras)
+            out, name = _attend(q, k, v, self.encoding, geometry, scale, memo, self.backend, True, self.extras, gates)
         else:
             if document_ids is not None or attention_mask is not None:
                 raise UsageError("document_ids and attention_mask take no KV cache (a cache's padding comes from new_cache(padding=...))")
-            out, name = self._cached(q, k, v, positions, cache, memo, scale, geometry)
+            out, name = self._cached(q, k, v, positions, cache, memo, scale, geometry, gates)
         if not torch.compiler.is_compiling():
             self.last_backend = name
         return self.proj(out.transpose(1, 2).reshape(b, t, self.dim))
 
-    def _cached(self, q, k, v, positions, cache: LayerCache, memo, scale, geometry) -> tuple[torch.Tensor, str]:
+    def _cached(self, q, k, v, positions, cache: LayerCache, memo, scale, geometry, gates=None) -> tuple[torch.Tensor, str]:
         """A step after the KV cache: rotate (unless the rotation depends on the length), append, attend."""
         t = q.shape[-2]
         past = cache.length
@@ -149,6 +149,10 @@ class Attention(nn.Module):
         if rotates and not late:
             q, k = self.encoding.rotate(q, k, positions, positions)
         k, v = cache.append(k, v)  # (B, Hkv, past + T, D): views of the cache's buffers
+        if gates is not None:
+            if cache.window is not None:
+                raise UsageError("an encoding with forget gates (log_gates) cannot decode with a windowed cache (window=...)")
+            gates = cache.append_gates(gates)  # (B, H, past + T): every cached key's log gate
         k_positions = cache.positions(q.device)  # start..past+T-1, a view (nothing per step grows with N)
         if late:
             # An encoding that keeps cached keys in a frame of its own (xPos's centre) rotates only the new ones.
@@ -159,7 +163,8 @@ class Attention(nn.Module):
             else:
                 q, k = self.encoding.rotate(q, k, positions, k_positions)
         spec = ScoreSpec(self.encoding, positions, k_positions, self.causal, scale, memo, consecutive,
-                         cache.starts(q.device), cache.workspace, q_start=past, k_start=cache.start, aligned=True)
+                         cache.starts(q.device), cache.workspace, q_start=past, k_start=cache.start, aligned=True,
+                         log_gates=gates)
         return run(q, k, v, spec, self.backend, rotate=False, extras=self.extras)
 
 

@@ -75,6 +75,7 @@ class LayerCache:
                  window: int | None = None) -> None:
         self.k: torch.Tensor | None = None  # (B, H, C, D) buffer
         self.v: torch.Tensor | None = None
+        self.g: torch.Tensor | None = None  # (B, H, C) per-key log forget gates, when the encoding has them
         self.length = 0  # tokens seen (padding included)
         self.start = 0  # position of the first kept key (> 0 once a windowed cache forgets)
         self.window = window
@@ -147,6 +148,25 @@ class LayerCache:
         if self.capacity > limit and keep + coming <= limit:
             self.k, self.v = self.k[:, :, :limit].clone(), self.v[:, :, :limit].clone()
             self.capacities.append(limit)
+
+    def append_gates(self, g: torch.Tensor) -> torch.Tensor:
+        """Keep the log forget gates g (B, H, T) of the keys just appended (call right after
+        :meth:`append`); returns every cached key's gate (B, H, length). Grown and written as the
+        keys are (concatenated while autograd records)."""
+        end, t = self.length, g.shape[-1]
+        start = end - t
+        if torch.is_grad_enabled() and g.requires_grad or (self.g is not None and self.g.requires_grad):
+            self.g = g if start == 0 or self.g is None else torch.cat((self.g[..., :start], g), dim=-1)
+            return self.g[..., :end]
+        capacity = max(self.capacity, end)
+        if self.g is None or self.g.shape[-1] < capacity or self.g.shape[:2] != g.shape[:2] or self.g.is_inference() and not torch.is_inference_mode_enabled():
+            new = g.new_empty(*g.shape[:2], capacity)
+            if self.g is not None and start and self.g.shape[:2] == g.shape[:2]:
+                new[..., :start] = self.g[..., :start]
+            self.g = new
+        with torch.no_grad():
+            self.g[..., start:end] = g
+        return self.g[..., :end]
 
     def _check(self, k: torch.Tensor, v: torch.Tensor) -> None:
         if self.k is None or self.length == 0:

@@ -22,13 +22,12 @@ heads inside the fused kernel (``enable_gqa``); the score-term backends get them
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from . import backends, local
 from .backends import single
-from .encodings.protocol import Rotates, offers
+from .encodings.base import content_scale
+from .encodings.protocol import Gates, Rotates, offers
 from .errors import UsageError
 from .geometry import Geometry, ScoreSpec
 from .local import Extras
@@ -56,6 +55,7 @@ def attend(
     chunk: int | None = None,
     sinks: torch.Tensor | None = None,
     query_scale: QueryScale | None = None,
+    log_gates: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Scaled dot-product attention with ``encoding``'s positions: (B, H, Tq, D).
 
@@ -71,7 +71,7 @@ def attend(
         k_positions: the keys' positions, (Tk,) or (B, Tk); None: the queries' when Tq == Tk,
             else consecutive, ending at each row's last query (the queries are the last keys).
         causal: a query sees only keys at or before it.
-        scale: the factor of q . k; None: 1 / sqrt(D).
+        scale: the factor of q . k; None: the encoding's ``content_scale``, else 1 / sqrt(D).
         document_ids: (B, T) integers (Tq == Tk): packed rows, no attention across documents
             (a document is a run of equal ids); positions restart at each document by default.
         key_padding_mask: (B, Tk) bool, True on real tokens, one contiguous run per row (left or
@@ -90,6 +90,10 @@ def attend(
             (gpt-oss); None: no sinks.
         query_scale: a per-query factor of the positions (:mod:`posenc.query_scale`: Llama 4's
             temperature, Ministral 3's beta form, Scalable-Softmax), applied after the rotation.
+        log_gates: (B, H, Tk) per-key log forget gates (<= 0), the keys' ``encoding.log_gates(x)``
+            for an encoding with the ``Gates`` hook (the Forgetting Transformer): query i and key j
+            gain the sum of the gates of the keys after j up to i (restarting at each document).
+            Required for such an encoding; None otherwise.
 
     Returns:
         (B, H, Tq, D) in q's dtype.
@@ -99,6 +103,7 @@ def attend(
             sizes, or a forced backend that cannot run the call.
     """
     b, h, hkv, tq, tk, d = _check(q, k, v, encoding)
+    _check_gates(log_gates, encoding, b, h, tk)
     if encoding is None:
         from .encodings import build
 
@@ -106,7 +111,7 @@ def attend(
     if getattr(encoding, "causal", causal) != causal:
         raise UsageError(f"encoding was built with causal={encoding.causal}; attend got causal={causal}")
     backends.check_name(backend)
-    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    scale = content_scale(encoding, d) if scale is None else float(scale)
     if geometry is None:
         geometry = Geometry.of(b, tq, tk, q.device, positions=positions, k_positions=k_positions, causal=causal,
                                document_ids=document_ids, key_padding_mask=key_padding_mask)
@@ -115,15 +120,16 @@ def attend(
     extras = None
     if window is not None or chunk is not None or sinks is not None or query_scale is not None:
         extras = Extras(window, chunk, sinks, query_scale)
-    return _attend(q, k, v, encoding, geometry, scale, ForwardMemo() if memo is None else memo, backend, rotate, extras)[0]
+    return _attend(q, k, v, encoding, geometry, scale, ForwardMemo() if memo is None else memo, backend, rotate, extras,
+                   log_gates)[0]
 
 
 def _attend(q, k, v, encoding, geometry: Geometry, scale: float, memo: ForwardMemo, backend: str, rotate: bool,
-            extras: Extras | None = None) -> tuple[torch.Tensor, str]:
+            extras: Extras | None = None, log_gates: torch.Tensor | None = None) -> tuple[torch.Tensor, str]:
     """(out, the registered name of the backend that ran): a uniform call, or its runs of segments."""
     if geometry.uniform:
-        return run(q, k, v, geometry.spec(encoding, scale, memo), backend, rotate, extras)
-    return _segments(q, k, v, encoding, geometry, scale, memo, backend, rotate, extras)
+        return run(q, k, v, geometry.spec(encoding, scale, memo, log_gates), backend, rotate, extras)
+    return _segments(q, k, v, encoding, geometry, scale, memo, backend, rotate, extras, log_gates)
 
 
 def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec, backend: str = "auto",
@@ -168,13 +174,15 @@ def _plain_gqa(q, k, v, spec: ScoreSpec) -> torch.Tensor:
 
 
 def _segments(q, k, v, encoding, geometry: Geometry, scale: float, memo: ForwardMemo, backend: str, rotate: bool,
-              extras: Extras | None = None) -> tuple[torch.Tensor, str]:
-    """Each run of identical segments as one stacked backend call, scattered back into place."""
+              extras: Extras | None = None, log_gates: torch.Tensor | None = None) -> tuple[torch.Tensor, str]:
+    """Each run of identical segments as one stacked backend call, scattered back into place
+    (per-key log gates travel with their keys, so their sums restart at each segment)."""
     b, h, tq, d = q.shape
     hkv, tk = k.shape[1], k.shape[2]
     qf = q.transpose(1, 2).reshape(b * tq, h, d)  # (B*Tq, H, D)
     kf = k.transpose(1, 2).reshape(b * tk, hkv, d)
     vf = v.transpose(1, 2).reshape(b * tk, hkv, v.shape[-1])
+    gf = None if log_gates is None else log_gates.transpose(1, 2).reshape(b * tk, h)  # (B*Tk, H)
     name, outs, where = backend, [], []
     for seg in geometry.runs:
         n, lq = seg.q_index.shape
@@ -182,8 +190,9 @@ def _segments(q, k, v, encoding, geometry: Geometry, scale: float, memo: Forward
         qs = qf[seg.q_index.reshape(-1)].view(n, lq, h, d).transpose(1, 2)  # (n, H, Lq, D)
         ks = kf[seg.k_index.reshape(-1)].view(n, lk, hkv, d).transpose(1, 2)  # (n, Hkv, Lk, D)
         vs = vf[seg.k_index.reshape(-1)].view(n, lk, hkv, -1).transpose(1, 2)
+        gs = None if gf is None else gf[seg.k_index.reshape(-1)].view(n, lk, h).transpose(1, 2)  # (n, H, Lk)
         spec = ScoreSpec(encoding, seg.q_positions, seg.k_positions, geometry.causal, scale, memo, seg.consecutive,
-                         q_start=seg.q_start, k_start=seg.k_start, aligned=seg.aligned)
+                         q_start=seg.q_start, k_start=seg.k_start, aligned=seg.aligned, log_gates=gs)
         o, name = run(qs, ks, vs, spec, backend, rotate, extras)  # (n, H, Lq, D)
         outs.append(o.transpose(1, 2).reshape(n * lq, h, -1))
         where.append(seg.q_index.reshape(-1))
@@ -191,6 +200,15 @@ def _segments(q, k, v, encoding, geometry: Geometry, scale: float, memo: Forward
     if outs:  # one scatter for every run
         out = out.index_copy(0, torch.cat(where), torch.cat(outs))
     return out.view(b, tq, h, -1).transpose(1, 2), name  # (B, H, Tq, D)
+
+
+def _check_gates(log_gates, encoding, b: int, h: int, tk: int) -> None:
+    if log_gates is None:
+        if encoding is not None and offers(encoding, Gates):
+            raise UsageError(f"encoding {type(encoding).__name__} has forget gates: pass log_gates=encoding.log_gates(x) (batch, heads, keys)")
+        return
+    if not isinstance(log_gates, torch.Tensor) or not log_gates.is_floating_point() or tuple(log_gates.shape) != (b, h, tk):
+        raise UsageError(f"log_gates must be a float tensor of shape (batch, heads, keys) = {(b, h, tk)}, got {getattr(log_gates, 'shape', type(log_gates).__name__)}")
 
 
 def _check(q, k, v, encoding):

@@ -121,6 +121,11 @@ class ScoreSpec:
     k_start: int | None = None
     # Queries are the last Tq keys, position for position (a full pass, or a cached step).
     aligned: bool | None = None
+    # Per-key log forget gates (B, H, Tk) of the keys, in key order (:class:`Gates`, the Forgetting
+    # Transformer): the score of query i and key j gains sum of log f_l over the keys l after j up
+    # to i. None: no gates. Only backends that know them run such a call (``gated``, ``eager``):
+    # they make ``has_query_terms`` true, so every fast path without them steps aside.
+    log_gates: torch.Tensor | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         tq, tk = self.q_positions.numel(), self.k_positions.numel()
@@ -135,7 +140,7 @@ class ScoreSpec:
                 self.aligned = bool(self.q_positions[0] == self.k_positions[tk - tq]) and bool(self.q_positions[-1] == self.k_positions[-1])
         # What the encoding offers, asked once per spec (plain attributes: nothing for a compiler to trace).
         self.has_bias = offers(self.encoding, Biases)
-        self.has_query_terms = offers(self.encoding, QueryTerms)
+        self.has_query_terms = offers(self.encoding, QueryTerms) or self.log_gates is not None
         self.has_value_terms = offers(self.encoding, ValueTerms)
         self.has_score_mod = offers(self.encoding, Scores)
 
@@ -179,9 +184,39 @@ class ScoreSpec:
         starts = self.starts[:, None, None, None]  # (B, 1, 1, 1)
         return (self.k_positions[None, None, None, :] < starts) & (q_positions[None, None, :, None] >= starts)
 
+    def query_terms(self, q: torch.Tensor, k: torch.Tensor, q_positions: torch.Tensor, cumulative: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Every query-dependent score term of these queries, (B, H, C, Tk) in logits, or None: the
+        encoding's ``query_terms`` and the gates' decay (``cumulative``: :meth:`cumulative_gates`)."""
+        terms = self.encoding.query_terms(q, k, q_positions, self.k_positions) if offers(self.encoding, QueryTerms) else None
+        if self.log_gates is not None:
+            decay = gate_decay(self.cumulative_gates() if cumulative is None else cumulative, q_positions, self.k_positions)
+            terms = decay if terms is None else terms.to(decay.dtype) + decay
+        return terms
+
+    def cumulative_gates(self) -> torch.Tensor:
+        """c = cumsum of the log gates over the keys, (B, H, Tk), in float32 (float64 for float64)."""
+        g = self.log_gates
+        return g.cumsum(-1, dtype=torch.float64 if g.dtype == torch.float64 else torch.float32)
+
     def part(self, q_positions: torch.Tensor, k_positions: torch.Tensor) -> ScoreSpec:
-        """The same call for a sub-range of its queries and keys, without padding or workspace."""
+        """The same call for a sub-range of its queries and keys, without padding, workspace or log
+        gates (the backends that split calls by rows take no gated call)."""
         return ScoreSpec(self.encoding, q_positions, k_positions, self.causal, self.scale, self.memo, self.consecutive)
+
+
+def gate_decay(cumulative: torch.Tensor, q_positions: torch.Tensor, k_positions: torch.Tensor) -> torch.Tensor:
+    """The gates' score term (Lin et al. 2025, "Forgetting Transformer", eq. 4), (B, H, C, Tk).
+
+    ``cumulative`` (B, H, Tk): c = cumsum of the keys' log gates. Query i (its own key, the last
+    key at or before its position) and key j get sum_{l=j+1..i} log f_l = c_i - c_j; a key after
+    the query (bidirectional calls) gets c_j - c_i, the gates between them. The difference is
+    taken here, for these C queries only, in c's dtype.
+    """
+    own = (torch.searchsorted(k_positions, q_positions, right=True) - 1).clamp(min=0)  # (C,) key index
+    ci = cumulative[..., own, None]  # (B, H, C, 1)
+    cj = cumulative[..., None, :]  # (B, H, 1, Tk)
+    later = (k_positions[None, :] > q_positions[:, None])  # (C, Tk)
+    return torch.where(later, cj - ci, ci - cj)
 
 
 @dataclass(frozen=True)
@@ -228,11 +263,11 @@ class Geometry:
     def embed_positions(self) -> torch.Tensor:
         return self.q_positions
 
-    def spec(self, encoding: nn.Module, scale: float, memo: ForwardMemo | None = None) -> ScoreSpec:
-        """The one backend call of a uniform geometry."""
+    def spec(self, encoding: nn.Module, scale: float, memo: ForwardMemo | None = None, log_gates: torch.Tensor | None = None) -> ScoreSpec:
+        """The one backend call of a uniform geometry (``log_gates`` (B, H, Tk): see :class:`ScoreSpec`)."""
         return ScoreSpec(
             encoding, self.q_positions, self.k_positions, self.causal, scale, ForwardMemo() if memo is None else memo,
-            self.consecutive, q_start=self._q_start, k_start=self._k_start, aligned=self._aligned,
+            self.consecutive, q_start=self._q_start, k_start=self._k_start, aligned=self._aligned, log_gates=log_gates,
         )
 
     # Filled by ``of`` for a uniform geometry (ints known without reading the device).
@@ -404,4 +439,4 @@ def _documents(positions: list[int] | None, docs: list | None, start: int, end: 
     return out
 
 
-__all__ = ["Geometry", "Run", "ScoreSpec", "check_positions"]
+__all__ = ["Geometry", "Run", "ScoreSpec", "check_positions", "gate_decay"]

@@ -23,7 +23,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from ..errors import UsageError
-from . import blocked, contextual, eager, features, flex, sdpa, terms
+from . import blocked, contextual, eager, features, flex, gated, sdpa, terms
 from .base import ScoreSpec
 
 
@@ -45,8 +45,9 @@ class Backend(Protocol):
 # blocked  score biases elsewhere (CPU training and inference): no (H, N, N) tensor;
 # terms    query/value terms (Shaw, Transformer-XL) on CPU: no (H, N, N) tensor;
 # contextual CoPE's contextual positions: a band written out, far keys fused; no (H, N, N) tensor;
+# gated    per-key log forget gates (FoX) as one extra key feature on the fused kernel, per query block;
 # eager    everything else: the textbook formula, the reference for tests.
-BACKENDS: dict[str, Backend] = {m.__name__.rsplit(".", 1)[-1]: m for m in (sdpa, features, flex, blocked, terms, contextual, eager)}
+BACKENDS: dict[str, Backend] = {m.__name__.rsplit(".", 1)[-1]: m for m in (sdpa, features, flex, blocked, terms, contextual, gated, eager)}
 AUTO = "auto"
 
 for _name, _backend in BACKENDS.items():  # the contract, checked once at import

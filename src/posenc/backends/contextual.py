@@ -63,7 +63,7 @@ def _fast(spec: ScoreSpec, q: torch.Tensor) -> bool:
 
 
 def supports(spec: ScoreSpec, q: torch.Tensor) -> bool:
-    return offers(spec.encoding, ContextualPositions) and spec.has_query_terms and not (spec.has_bias or spec.has_value_terms)
+    return offers(spec.encoding, ContextualPositions) and spec.has_query_terms and not (spec.has_bias or spec.has_value_terms) and spec.log_gates is None
 
 
 def preferred(spec: ScoreSpec, q: torch.Tensor) -> bool:

@@ -6,7 +6,9 @@ gets its bias slice and its score terms from the encoding for those queries only
 is needed, every block is checkpointed (recomputed in the backward), otherwise autograd would
 keep every block's probabilities and the saving would be lost. A softmax row only ever sees its
 own query, so blocking changes nothing in the result. Left padding (``spec.starts``) is one more
-mask: a real query never sees a padding key. Eager is the reference: it has no single-query path.
+mask: a real query never sees a padding key. Per-key log gates (``spec.log_gates``, the Forgetting
+Transformer) are summed once per call (float32, or float64) and each block takes its differences
+c_i - c_j. Eager is the reference: it has no single-query path.
 """
 
 from __future__ import annotations
@@ -28,8 +30,10 @@ def preferred(spec: ScoreSpec, q: torch.Tensor) -> bool:
     return True  # the last resort: runs everything
 
 
-def _block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_positions: torch.Tensor, spec: ScoreSpec) -> torch.Tensor:
-    """The formula for queries ``q`` (B, H, C, D) at ``q_positions`` (C,) against every key."""
+def _block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_positions: torch.Tensor, spec: ScoreSpec,
+           cumulative: torch.Tensor | None = None) -> torch.Tensor:
+    """The formula for queries ``q`` (B, H, C, D) at ``q_positions`` (C,) against every key
+    (``cumulative``: the summed log gates of a gated call, :meth:`ScoreSpec.cumulative_gates`)."""
     enc, k_positions = spec.encoding, spec.k_positions
     acc = accumulation_dtype(q.dtype)
     scores = torch.matmul(q, k.transpose(-1, -2)).to(acc) * spec.scale  # (B, H, C, Tk)
@@ -38,7 +42,7 @@ def _block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_positions: torch
         bias = spec.bias() if q_positions is spec.q_positions else enc.bias(q_positions, k_positions)  # (H, C, Tk)
         scores = scores + bias.to(acc)
     if spec.has_query_terms:
-        scores = scores + enc.query_terms(q, k, q_positions, k_positions).to(acc)  # (B, H, C, Tk)
+        scores = scores + spec.query_terms(q, k, q_positions, cumulative).to(acc)  # (B, H, C, Tk)
     if spec.causal:
         scores = scores.masked_fill(k_positions[None, :] > q_positions[:, None], float("-inf"))
     if spec.starts is not None:  # left padding: a real query never sees a padding key
@@ -55,11 +59,12 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec, b
     if block < 1:
         raise UsageError(f"block must be a positive integer, got {block}")
     tq = q.shape[-2]
+    cumulative = None if spec.log_gates is None else spec.cumulative_gates()  # (B, H, Tk), once for all blocks
     if tq <= block:
-        return _block(q, k, v, spec.q_positions, spec)
-    grad = needs_grad(spec, q, k, v)
+        return _block(q, k, v, spec.q_positions, spec, cumulative)
+    grad = needs_grad(spec, q, k, v) or (cumulative is not None and cumulative.requires_grad)
     outs = []
     for t0 in range(0, tq, block):
-        args = (q[:, :, t0 : t0 + block], k, v, spec.q_positions[t0 : t0 + block], spec)
+        args = (q[:, :, t0 : t0 + block], k, v, spec.q_positions[t0 : t0 + block], spec, cumulative)
         outs.append(checkpoint(_block, *args, use_reentrant=False) if grad else _block(*args))
     return torch.cat(outs, dim=-2)  # (B, H, Tq, D)

@@ -60,7 +60,8 @@ def _path(spec: ScoreSpec, q: torch.Tensor):
 
 
 def supports(spec: ScoreSpec, q: torch.Tensor) -> bool:
-    return (spec.has_query_terms or spec.has_value_terms) and (spec.starts is None or padding.splittable(spec))
+    # Per-key log gates are eager's alone (this backend's row split would drop them).
+    return (spec.has_query_terms or spec.has_value_terms) and spec.log_gates is None and (spec.starts is None or padding.splittable(spec))
 
 
 def preferred(spec: ScoreSpec, q: torch.Tensor) -> bool:

@@ -11,7 +11,9 @@ from .axial_rope import AxialRoPE, RoPEMixed
 from ..errors import UsageError
 from .base import PositionalEncoding, has_hook
 from .cope import CoPE
+from .deberta import DeBERTa
 from .fire import FIRE
+from .fox import ForgettingTransformer
 from .kerple import KERPLE
 from .protocol import offers
 from .learned import Learned
@@ -33,6 +35,8 @@ REGISTRY[XPos.name] = XPos
 REGISTRY[MRoPE.name] = MRoPE  # multi-axis RoPE: positions with an axis dimension (or 1-D, as RoPE)
 REGISTRY[AxialRoPE.name] = AxialRoPE
 REGISTRY[RoPEMixed.name] = RoPEMixed
+REGISTRY[DeBERTa.name] = DeBERTa
+REGISTRY[ForgettingTransformer.name] = ForgettingTransformer
 
 
 def available() -> list[str]:

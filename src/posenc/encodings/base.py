@@ -14,17 +14,18 @@ Shape legend: B batch, H heads, T / Tq / Tk sequence lengths, D head dim.
 
 from __future__ import annotations
 
+import math
 from typing import ClassVar
 
 import torch
 from torch import nn
 
 from ..errors import UsageError
-from .protocol import BiasTails, Biases, Embeds, QueryTerms, Rotates, Scores, ValueTerms, offers
+from .protocol import BiasTails, Biases, Embeds, Gates, QueryTerms, Rotates, Scores, ValueTerms, offers
 
 # Hook names, for has_hook: each maps to its Protocol.
 _HOOK_PROTOCOLS = {"embed": Embeds, "rotate": Rotates, "bias": Biases, "score": Scores,
-                   "query_terms": QueryTerms, "value_terms": ValueTerms}
+                   "query_terms": QueryTerms, "value_terms": ValueTerms, "log_gates": Gates}
 HOOKS = tuple(_HOOK_PROTOCOLS)
 
 
@@ -55,6 +56,8 @@ class PositionalEncoding(nn.Module):
     - ``rotation_depends_on_length``: ``rotate`` uses the current length (largest key position + 1),
       as dynamic NTK scaling does; the attention then keeps keys un-rotated in its KV cache and
       rotates all of them at every step, so cached decoding equals the full pass.
+    - ``content_scale``: the factor of the content product q . k the attention uses (None:
+      1 / sqrt(head_dim)); DeBERTa's is 1 / sqrt(D * (1 + number of position terms)).
     - ``shift_invariant``: the model's output does not change when every position of a row is
       shifted by the same amount (attention depends on i - j only, and nothing is absolute):
       NoPE, ALiBi, T5, RoPE (without length-dependent scaling), Shaw, Transformer-XL. Generation
@@ -78,6 +81,9 @@ class PositionalEncoding(nn.Module):
     rotation_depends_on_length: bool = False
     # True when positions enter only as differences i - j (see the class docstring).
     shift_invariant: ClassVar[bool] = False
+    # The factor of the content product q . k; None: 1 / sqrt(head_dim). DeBERTa scales it by
+    # 1 / sqrt(D * (1 + its number of position terms)); read through :func:`content_scale`.
+    content_scale: float | None = None
 
     def __init__(self, num_heads: int, head_dim: int, causal: bool = True) -> None:
         super().__init__()
@@ -110,6 +116,12 @@ def check_bias_positions(encoding: nn.Module, q_positions: torch.Tensor, k_posit
                 f"{getattr(encoding, 'name', type(encoding).__name__)}.bias: {label} must be 1-D (T,), got {shape}; "
                 "for positions per row (B, T) call posenc.attend(q, k, v, encoding, positions=...)"
             )
+
+
+def content_scale(encoding: nn.Module | None, head_dim: int) -> float:
+    """The factor of q . k for ``encoding``: its ``content_scale`` attribute, or 1 / sqrt(head_dim)."""
+    scale = getattr(encoding, "content_scale", None)
+    return 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
 
 
 def relative_positions(q_positions: torch.Tensor, k_positions: torch.Tensor) -> torch.Tensor:

@@ -19,6 +19,10 @@ randomized positions skip values, and fast backends that assume steps of one the
   terms that depend on the queries or keys (Shaw, Transformer-XL).
 - :class:`ValueTerms` ``value_terms(probs, q_positions, k_positions) -> (B, H, Tq, D)``: added
   to the output, for methods that also move values (Shaw).
+- :class:`Gates` ``log_gates(x) -> (B, H, T)``: data-dependent forget gates, log f_t <= 0, of every
+  token from the attention layer's input x (B, T, dim); called by ``posenc.Attention`` on its input
+  (``posenc.attend`` takes them as ``log_gates``), kept in the KV cache beside the keys. The score
+  of query i and key j gains sum_{l=j+1..i} log f_l (the Forgetting Transformer).
 
 Every score term is in *logit units*: the attention computes ``softmax(q k^T * scale + bias +
 query_terms) v + value_terms`` with ``scale = 1/sqrt(D)``; a paper that scales its own terms has the
@@ -92,6 +96,11 @@ class ValueTerms(Protocol):
     def value_terms(self, probs: torch.Tensor, q_positions: torch.Tensor, k_positions: torch.Tensor) -> torch.Tensor: ...
 
 
+@runtime_checkable
+class Gates(Protocol):
+    def log_gates(self, x: torch.Tensor) -> torch.Tensor: ...
+
+
 @dataclass(frozen=True)
 class BiasTails:
     """Where a relative bias ``f_h(r)`` (r = j - i) is affine in r, one description per side.
@@ -149,7 +158,7 @@ class ContextualPositions(Protocol):
     def contextual_positions(self) -> tuple[torch.Tensor, float, float]: ...
 
 
-HOOKS: tuple[type, ...] = (Embeds, Rotates, Biases, QueryTerms, ValueTerms)
+HOOKS: tuple[type, ...] = (Embeds, Rotates, Biases, QueryTerms, ValueTerms, Gates)
 CAPABILITIES: tuple[type, ...] = (
     Scores, DistanceBias, RelativeBias, ClippedTables, DistanceKeys, BiasFeatures, ContextualPositions,
 )
@@ -174,6 +183,6 @@ def offers(encoding: object, capability: type) -> bool:
 
 __all__ = [
     "CAPABILITIES", "HOOKS", "BiasFeatures", "BiasTails", "Biases", "ClippedTables", "ContextualPositions", "DistanceBias", "DistanceKeys",
-    "Embeds",
+    "Embeds", "Gates",
     "QueryTerms", "RelativeBias", "Rotates", "Scores", "ValueTerms", "members", "offers",
 ]

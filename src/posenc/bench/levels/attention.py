@@ -20,6 +20,7 @@ from .base import Level, Workload
 
 def build(job: Job, device: torch.device, dtype: torch.dtype) -> Workload:
     import posenc
+    from posenc.encodings import has_hook
 
     dim, heads, b, n = job.dim, job.heads, job.batch, job.length
     encoding = posenc.build(job.method, num_heads=heads, head_dim=dim // heads, causal=True)
@@ -27,6 +28,9 @@ def build(job: Job, device: torch.device, dtype: torch.dtype) -> Workload:
     # Identity projections: the input already holds q, k, v side by side, so the timed work is the
     # encoding's hooks plus the backend, exactly as Attention.forward runs them.
     attn.qkv, attn.proj = nn.Identity(), nn.Identity()
+    if has_hook(encoding, "log_gates"):  # FoX's gates read the layer input (dim wide): here its q part
+        gates = encoding.log_gates
+        encoding.log_gates = lambda x: gates(x[..., :dim])
     attn = attn.to(device=device, dtype=dtype)
     train = job.mode == "train"
     attn.train(train)

@@ -1,0 +1,1 @@
+from .deberta import deberta_from_hf
