@@ -10,8 +10,9 @@ import pytest
 import torch
 
 import posenc
+from posenc.encodings.base import content_scale
 from posenc import backends
-from posenc.encodings.protocol import Biases, Embeds, QueryTerms, Rotates, ValueTerms, offers
+from posenc.encodings.protocol import Gates, Biases, Embeds, QueryTerms, Rotates, ValueTerms, offers
 from posenc.errors import UsageError
 from posenc.geometry import ScoreSpec
 from posenc.local import Extras, plan
@@ -21,7 +22,8 @@ from agreement import MaxTensor
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 H, D = 4, 16
-ATTENTION_METHODS = [m for m in posenc.available() if not offers(posenc.build(m, num_heads=H, head_dim=D), Embeds)]
+ATTENTION_METHODS = [m for m in posenc.available()  # gated encodings (FoX) take no window: a UsageError
+                     if not any(offers(posenc.build(m, num_heads=H, head_dim=D), c) for c in (Embeds, Gates))]
 
 
 def allowed(qp: torch.Tensor, kp: torch.Tensor, causal: bool, window=None, chunk=None) -> torch.Tensor:
@@ -46,7 +48,7 @@ def reference(enc, q, k, v, qp, kp, causal, window=None, chunk=None, sinks=None,
         q = q * factor[:, None]
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
-    s = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    s = q @ k.transpose(-1, -2) * content_scale(enc, q.shape[-1])  # 1/sqrt(D) unless the encoding says otherwise
     if offers(enc, Biases):
         s = s + enc.bias(qp, kp)
     if offers(enc, QueryTerms):

@@ -120,6 +120,8 @@ def attend(
     extras = None
     if window is not None or chunk is not None or sinks is not None or query_scale is not None:
         extras = Extras(window, chunk, sinks, query_scale)
+        if log_gates is not None and (window is not None or chunk is not None or sinks is not None):
+            raise UsageError("log_gates (forget gates) take no window, chunk or sinks: give the full causal attention")
     return _attend(q, k, v, encoding, geometry, scale, ForwardMemo() if memo is None else memo, backend, rotate, extras,
                    log_gates)[0]
 
