@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+from .adapter import NAME, SUPPORTED, from_pretrained, register, use
 from .importers import alibi_from_bloom, t5_attention, t5_from_hf, t5_to_hf
 
-__all__ = ["alibi_from_bloom", "t5_attention", "t5_from_hf", "t5_to_hf"]
+__all__ = ["NAME", "SUPPORTED", "alibi_from_bloom", "from_pretrained", "register", "t5_attention", "t5_from_hf", "t5_to_hf", "use"]

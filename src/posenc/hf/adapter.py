@@ -1,0 +1,342 @@
+"""posenc's attention inside Hugging Face ``transformers`` decoder models: :func:`use`.
+
+How it plugs in (``transformers`` 5.x):
+
+- An attention function and a mask function are registered under one name, ``"posenc"``, with
+  ``AttentionInterface`` and ``AttentionMaskInterface``; the model's ``config._attn_implementation``
+  is set to it. Without the mask function every mask the attention receives would be None; ours
+  hands the attention the 2-D padding mask (B, Tk), True = real token, or None when nothing is
+  padded.
+- The model's rotary module is replaced by one that returns cos = 1, sin = 0, so the model's own
+  rotation is the identity (q * 1 + rotate_half(q) * 0 = q exactly); the attention function
+  applies the encoding's rotation itself (``posenc.attend(..., rotate=True)``). The KV cache
+  therefore holds un-rotated keys, and every key is rotated at its position at every step.
+- HF passes the queries' ``position_ids`` but no key positions. Without a cache past (Tq == Tk),
+  the keys are the queries. With one (Tq < Tk), the keys are taken as consecutive and ending at each
+  row's last query position, and a key whose position would be negative is not attended: that is
+  left padding in ``generate``, and, after a packed prefill, the earlier documents.
+- Packed batches (several documents in one row, ``position_ids`` restarting): a document starts
+  wherever a real token's position is not its predecessor's plus one, and attention never crosses
+  documents, with or without a cache (HF itself detects packing only without a cache and without
+  a mask). A cached call whose queries restart is a UsageError (their keys' documents are unknown).
+
+Encodings with parameters (T5's table, FIRE's MLP, ...) are modules of the model
+(``<base>.posenc_encodings``: one shared by all layers, or one per layer when the method learns per
+layer), so they train with the model, follow ``.to()``, and are saved by ``save_pretrained``; the
+config records the encoding (``config.posenc``), and :func:`from_pretrained` rebuilds it.
+
+Supported families: the ones in :data:`SUPPORTED` (Llama, Mistral, Qwen2, Qwen3 in transformers
+5.24): decoder-only models whose attention modules have ``q_proj``/``k_proj``/``v_proj``, whose base
+model has one ``rotary_emb`` and whose layers call the registered attention function.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..encodings import build, get_class, options_of
+from ..encodings.base import PositionalEncoding
+from ..encodings.protocol import Embeds, offers
+from ..errors import UsageError
+
+import transformers
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface
+
+NAME = "posenc"
+
+#: model_type -> family name, for the families :func:`use` supports.
+SUPPORTED = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}
+
+
+# -- the registered functions --------------------------------------------------------------------
+
+
+def padding_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
+                 attention_mask: torch.Tensor | None = None, **_: Any) -> torch.Tensor | None:
+    """The mask function registered as ``"posenc"``: the 2-D key padding mask (B, kv_length), bool,
+    True = real token, for the keys ``kv_offset .. kv_offset + kv_length - 1``; None when no key is
+    padding. Causality, documents and positions are the attention function's business."""
+    if attention_mask is None:
+        return None
+    if attention_mask.dim() != 2:
+        raise UsageError(f"attention_mask: posenc.hf takes a 2-D padding mask (B, T), got shape {tuple(attention_mask.shape)}")
+    mask = attention_mask.to(torch.bool)
+    short = kv_offset + kv_length - mask.shape[-1]
+    if short > 0:  # keys past the mask (a static cache's empty slots) are not real
+        mask = torch.nn.functional.pad(mask, (0, short), value=False)
+    mask = mask[:, kv_offset: kv_offset + kv_length]
+    if mask.shape[0] != batch_size:
+        mask = mask.expand(batch_size, -1)
+    return None if bool(mask.all()) else mask
+
+
+def _restarts(positions: torch.Tensor, real: torch.Tensor | None) -> torch.Tensor:
+    """(B, T) bool: a token whose position is not its predecessor's + 1, both real."""
+    step = positions[:, 1:] != positions[:, :-1] + 1  # (B, T-1)
+    if real is not None:
+        step = step & real[:, 1:] & real[:, :-1]
+    return torch.nn.functional.pad(step, (1, 0), value=False)
+
+
+def posenc_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     attention_mask: torch.Tensor | None, *, scaling: float | None = None, dropout: float = 0.0,
+                     **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """The attention function registered as ``"posenc"``: ``posenc.attend`` with the layer's
+    encoding. query (B, H, Tq, D), key/value (B, Hkv, Tk, D) un-rotated (cache included); returns
+    (out (B, Tq, H, D), None)."""
+    from ..functional import attend  # the functional call; imported here so the module loads without it
+
+    encoding = module.__dict__.get("_posenc_encoding")
+    if encoding is None:
+        raise UsageError(f"{type(module).__name__} {getattr(module, 'layer_idx', '')}: attn_implementation='posenc' "
+                         "needs posenc.hf.use(model, encoding) first")
+    if dropout and module.training:
+        raise UsageError(f"attention_dropout must be 0 with posenc.hf (got {dropout})")
+    batch, _, tq, _ = query.shape
+    tk = key.shape[2]
+    window = kwargs.get("sliding_window")
+    if window is not None and tk > window:
+        raise UsageError(f"sliding_window={window}: posenc.hf runs full attention only; {tk} keys exceed the window "
+                         "(set config.sliding_window=None, or keep sequences within it)")
+    if attention_mask is not None and (attention_mask.dim() != 2 or attention_mask.dtype != torch.bool):
+        raise UsageError("attention_mask: posenc.hf takes a 2-D padding mask; a prepared 4-D mask is not supported")
+    real = attention_mask  # (B, Tk) or None
+    device = query.device
+
+    position_ids = kwargs.get("position_ids")
+    if position_ids is None:
+        q_pos = torch.arange(tk - tq, tk, device=device).expand(batch, tq)
+    else:
+        q_pos = position_ids.to(device=device, dtype=torch.long).expand(batch, tq)
+    document_ids = None
+    if tq == tk:
+        k_pos = q_pos
+        restarts = _restarts(q_pos, real) if tq > 1 else None
+        if restarts is not None and bool(restarts.any()):
+            document_ids = restarts.long().cumsum(-1)  # (B, T)
+    else:
+        if tq > 1 and bool(_restarts(q_pos, None).any()):
+            raise UsageError("position_ids: queries that restart (packed documents) after a cache past are not "
+                             "supported: their keys' documents are unknown; run each document's chunks with its own cache")
+        k_pos = q_pos[:, -1:] - torch.arange(tk - 1, -1, -1, device=device)  # (B, Tk): consecutive, ending at the last query
+        before = k_pos < 0  # left padding, or an earlier document of a packed prefill
+        if bool(before.any()):
+            real = ~before if real is None else real & ~before
+            k_pos = k_pos.clamp(min=0)
+    if real is not None:  # positions at padding slots do not matter; keep them in range
+        q_pos = q_pos.clamp(min=0)
+        k_pos = k_pos.clamp(min=0)
+    same_rows = position_ids is None or position_ids.shape[0] == 1
+    if same_rows and real is None:
+        q_pos, k_pos = q_pos[0], k_pos[0]
+    out = attend(query, key, value, encoding, positions=q_pos, k_positions=k_pos, causal=bool(getattr(module, "is_causal", True)),
+                 scale=scaling, document_ids=document_ids, key_padding_mask=real, rotate=True)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def register() -> None:
+    """Register posenc's attention and mask functions under the name ``"posenc"`` (idempotent)."""
+    AttentionInterface.register(NAME, posenc_attention)
+    AttentionMaskInterface.register(NAME, padding_mask)
+
+
+# -- the rotary replacement ----------------------------------------------------------------------
+
+
+class IdentityRotary(nn.Module):
+    """Stands in for a model's rotary module: cos = 1, sin = 0 of shape (*position_ids.shape,
+    head_dim), so the model's own rotation leaves q and k as they are. No parameters, no buffers."""
+
+    def __init__(self, head_dim: int) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        shape = (*position_ids.shape, self.head_dim)
+        return x.new_ones(shape), x.new_zeros(shape)
+
+
+# -- use ------------------------------------------------------------------------------------------
+
+
+def _base_model(model: nn.Module) -> nn.Module:
+    """The decoder stack (``LlamaModel`` & co.) of ``model``, after checking its family."""
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    if model_type not in SUPPORTED:
+        raise UsageError(f"model: posenc.hf supports the {', '.join(SUPPORTED.values())} families "
+                         f"(model_type {', '.join(repr(k) for k in SUPPORTED)}), got {type(model).__name__} "
+                         f"with model_type {model_type!r}")
+    base = model
+    for _ in range(3):
+        if isinstance(getattr(base, "layers", None), nn.ModuleList) and hasattr(base, "rotary_emb"):
+            return base
+        base = getattr(base, getattr(base, "base_model_prefix", "model"), None) or getattr(base, "model", None)
+        if base is None:
+            break
+    raise UsageError(f"model: found no decoder stack with layers and rotary_emb in {type(model).__name__}")
+
+
+def _jsonable(value: Any) -> bool:
+    try:
+        json.dumps(value)
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
+def _build_encodings(config, encoding: str | nn.Module, options: dict, layers: int) -> tuple[list[nn.Module], dict]:
+    """The encoding modules (one, or one per layer) and the record kept in ``config.posenc``."""
+    heads = int(config.num_attention_heads)
+    head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
+    if isinstance(encoding, nn.Module):
+        if options:
+            raise UsageError("options: give them to posenc.build, not with an encoding module")
+        if not isinstance(encoding, PositionalEncoding) or encoding.num_heads != heads or encoding.head_dim != head_dim:
+            raise UsageError(f"encoding: needs a posenc encoding for num_heads={heads}, head_dim={head_dim}, "
+                             f"got {encoding!r}")
+        cls = type(encoding)
+        recorded = {k: getattr(encoding, k) for k in options_of(cls) if hasattr(encoding, k) and _jsonable(getattr(encoding, k))}
+        unrecorded = [k for k in options_of(cls) if hasattr(encoding, k) and k not in recorded]
+        record = {"encoding": cls.name, "options": recorded, "causal": encoding.causal}
+        if unrecorded:
+            record["unrecorded"] = unrecorded
+        first = encoding
+    else:
+        if not isinstance(encoding, str):
+            raise UsageError(f"encoding must be a posenc encoding name or module, got {type(encoding).__name__}")
+        cls = get_class(encoding)
+        if not _jsonable(options):
+            raise UsageError("options: posenc.hf records them in the model's config, so they must be JSON values")
+        record = {"encoding": encoding, "options": dict(options), "causal": True}
+        if encoding == "rope" and not options:
+            from ..encodings.rope import rope_from_hf
+            first = rope_from_hf(config)
+            record["from_config"] = True
+        else:
+            first = build(encoding, num_heads=heads, head_dim=head_dim, causal=True, **options)
+    if cls.shares_across_layers:
+        return [first], record
+    rest = [copy.deepcopy(first) for _ in range(layers - 1)]
+    if isinstance(encoding, str):  # fresh initialisation per layer, as posenc's own model builds them
+        rest = [build(encoding, num_heads=heads, head_dim=head_dim, causal=True, **options) for _ in range(layers - 1)]
+    return [first, *rest], record
+
+
+def _embed_hook(encoding: nn.Module):
+    """A forward pre-hook for the first decoder layer that adds an absolute encoding's ``embed`` to
+    its input, at each row's own positions."""
+
+    def hook(layer: nn.Module, args: tuple, kwargs: dict):
+        hidden = args[0] if args else kwargs["hidden_states"]
+        position_ids = kwargs.get("position_ids")
+        if position_ids is None:
+            raise UsageError("position_ids: an absolute encoding needs them (the model passes them to its layers)")
+        position_ids = position_ids.to(hidden.device, torch.long).clamp(min=0)
+        if position_ids.shape[0] == 1:
+            hidden = encoding.embed(hidden, position_ids[0])
+        else:
+            hidden = torch.cat([encoding.embed(hidden[b: b + 1], position_ids[b]) for b in range(hidden.shape[0])])
+        if args:
+            return (hidden, *args[1:]), kwargs
+        return args, {**kwargs, "hidden_states": hidden}
+
+    return hook
+
+
+def use(model: nn.Module, encoding: str | nn.Module, **options: Any) -> nn.Module:
+    """Turn ``model``'s attention into posenc's attention with ``encoding``; returns ``model``.
+
+    ``encoding``: a registry name (``posenc.available()``) built with ``options`` for the model's
+    heads and head dim, or a built posenc encoding (e.g. from :func:`posenc.hf.t5_from_hf`).
+    ``use(model, "rope")`` without options takes the model's own RoPE parameters (base, scaling,
+    partial rotary: :func:`posenc.rope_from_hf`); ``use(model, "nope")`` drops positions (DroPE).
+    The model's rotary module becomes the identity, and posenc's rotation (if the method rotates)
+    is applied inside the attention; biases and score terms too. Calling it again replaces the
+    encoding. See the module docstring for the positions, masks and documents it derives.
+    """
+    base = _base_model(model)
+    config = model.config
+    layers = list(base.layers)
+    attentions = [getattr(layer, "self_attn", None) for layer in layers]
+    if any(a is None or not hasattr(a, "q_proj") for a in attentions):
+        raise UsageError(f"model: every decoder layer of a {SUPPORTED[config.model_type]} model needs self_attn with q_proj")
+    encodings, record = _build_encodings(config, encoding, options, len(layers))
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    base.posenc_encodings = nn.ModuleList(encodings).to(device=device, dtype=dtype)
+    for i, attention in enumerate(attentions):
+        attention.__dict__["_posenc_encoding"] = base.posenc_encodings[i if len(encodings) > 1 else 0]
+    if not isinstance(base.rotary_emb, IdentityRotary):
+        base.__dict__["_posenc_model_rotary"] = base.rotary_emb  # kept, not a submodule
+        base.rotary_emb = IdentityRotary(int(getattr(attentions[0], "head_dim")))
+    old_hook = base.__dict__.pop("_posenc_embed_hook", None)
+    if old_hook is not None:
+        old_hook.remove()
+    if offers(encodings[0], Embeds):
+        base.__dict__["_posenc_embed_hook"] = layers[0].register_forward_pre_hook(_embed_hook(encodings[0]), with_kwargs=True)
+    register()
+    model.set_attn_implementation(NAME)
+    config.posenc = record
+    return model
+
+
+def from_pretrained(model_class, path, *, encoding: nn.Module | None = None, **kwargs: Any) -> nn.Module:
+    """``model_class.from_pretrained(path, **kwargs)`` for a model saved after :func:`use`: the
+    encoding recorded in its config (``config.posenc``) is rebuilt when the model is constructed,
+    before the weights load, so learned position parameters come back from the checkpoint.
+
+    ``model_class``: a concrete model class (``LlamaForCausalLM``) or an Auto class
+    (``AutoModelForCausalLM``). ``encoding``: a built encoding to install instead of the recorded
+    one; needed when :func:`use` was given a module with options the config could not record (its
+    ``config.posenc["unrecorded"]``), e.g. a RoPE module's scaling object.
+    """
+    config = kwargs.pop("config", None)
+    if config is None:
+        config = transformers.AutoConfig.from_pretrained(path)
+    record = getattr(config, "posenc", None)
+    if not isinstance(record, dict) or "encoding" not in record:
+        raise UsageError(f"path: the config at {path!r} records no posenc encoding (save a model after posenc.hf.use)")
+    if encoding is None and record.get("unrecorded"):
+        raise UsageError(f"encoding: the saved encoding's options {record['unrecorded']} are not in the config; "
+                         "pass encoding=<the same posenc encoding> to rebuild it")
+    mapping = getattr(model_class, "_model_mapping", None)
+    if mapping is not None:  # an Auto class: its concrete class for this config
+        model_class = mapping[type(config)]
+
+    def post_init(self) -> None:
+        model_class.post_init(self)
+        use(self, encoding if encoding is not None else recorded_encoding(self.config, record))
+
+    loading = type(model_class.__name__, (model_class,), {"post_init": post_init})
+    loading.__module__, loading.__qualname__ = model_class.__module__, model_class.__qualname__
+    model = loading.from_pretrained(path, config=config, **kwargs)
+    model.__class__ = model_class  # the subclass only hooked construction
+    # The encodings were built on HF's meta device; their parameters and persistent buffers now hold
+    # the checkpoint's values, but buffers not saved (ALiBi's slopes) hold nothing: build them again
+    # on the model's device and keep the loaded state.
+    state = _base_model(model).posenc_encodings.state_dict()
+    use(model, encoding if encoding is not None else recorded_encoding(model.config, record))
+    _base_model(model).posenc_encodings.load_state_dict(state)
+    return model
+
+
+def recorded_encoding(config, record: dict) -> nn.Module | str:
+    """The encoding a ``config.posenc`` record describes: a built module, or "rope" for the model's
+    own RoPE parameters (then :func:`use` reads them from the config)."""
+    if record.get("from_config"):
+        return "rope"
+    heads = int(config.num_attention_heads)
+    head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
+    return build(record["encoding"], num_heads=heads, head_dim=head_dim, causal=bool(record.get("causal", True)),
+                 **dict(record.get("options") or {}))
+
+
+__all__ = ["IdentityRotary", "NAME", "SUPPORTED", "from_pretrained", "padding_mask", "posenc_attention",
+           "recorded_encoding", "register", "use"]

@@ -1,0 +1,236 @@
+"""posenc.hf.use inside Hugging Face models built from configs (random weights, nothing downloaded).
+
+References: the untouched HF model (RoPE: default, Llama 3, YaRN), and, for posenc's own methods,
+the same model run on each document or row alone and the full forward of the generated tokens.
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+import hf_attend_standin  # noqa: E402
+
+hf_attend_standin.install()  # TEMPORARY: until posenc.attend is on main
+
+import posenc  # noqa: E402
+
+transformers = pytest.importorskip("transformers")
+import posenc.hf as phf  # noqa: E402
+from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+VOCAB = 64
+ROPES = {
+    "default": {"rope_type": "default", "rope_theta": 10000.0},
+    "llama3": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 16},
+    "yarn": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16},
+}
+
+
+def llama(rope: str = "default", kv_heads: int = 2, **extra) -> LlamaForCausalLM:
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=kv_heads, max_position_embeddings=64,
+                         rope_parameters=dict(ROPES[rope]), pad_token_id=0, **extra)
+    return LlamaForCausalLM(config).eval()
+
+
+def tokens(batch: int, length: int, seed: int = 1) -> torch.Tensor:
+    return torch.randint(1, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def logits(model, ids, **kwargs) -> torch.Tensor:
+    with torch.no_grad():
+        return model(ids, **kwargs).logits
+
+
+def max_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max())
+
+
+# -- RoPE: the adapter is exact -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("rope", list(ROPES))
+def test_rope_equals_untouched_model(rope: str) -> None:
+    ref = llama(rope)
+    model = phf.use(copy.deepcopy(ref), "rope")
+    assert model.config._attn_implementation == "posenc"
+    enc = model.model.posenc_encodings[0]
+    assert enc.scaling.rope_type == rope and enc.base == ROPES[rope]["rope_theta"]
+    ids = tokens(2, 40)  # past the original 16 positions of llama3 / yarn
+    assert max_err(logits(model, ids), logits(ref, ids)) < 1e-5
+
+    # left-padded batch: real tokens equal, with and without position_ids from the mask
+    mask = torch.ones(2, 40, dtype=torch.long)
+    mask[0, :9] = 0
+    assert max_err(logits(model, ids, attention_mask=mask)[mask.bool()], logits(ref, ids, attention_mask=mask)[mask.bool()]) < 1e-5
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    assert max_err(logits(model, ids, attention_mask=mask, position_ids=pos)[mask.bool()],
+                   logits(ref, ids, attention_mask=mask, position_ids=pos)[mask.bool()]) < 1e-5
+
+    # greedy generate from the padded batch: identical tokens
+    out_ref = ref.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
+    assert torch.equal(out, out_ref)
+
+
+@pytest.mark.parametrize("rope", ["default", "yarn"])
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_rope_packed_equals_documents_alone(rope: str, use_cache: bool) -> None:
+    ref = llama(rope)
+    model = phf.use(copy.deepcopy(ref), "rope")
+    lengths = [7, 12, 5]
+    ids = tokens(1, sum(lengths))
+    pos = torch.cat([torch.arange(n) for n in lengths])[None]
+    packed = logits(model, ids, position_ids=pos, use_cache=use_cache)[0]
+    alone = torch.cat([logits(ref, part[None])[0] for part in ids[0].split(lengths)])
+    assert max_err(packed, alone) < 1e-5
+    if use_cache:  # what HF itself does here: no document mask, attention leaks
+        leaked = logits(ref, ids, position_ids=pos)[0]
+        assert max_err(leaked, alone) > 1e-2
+
+
+# -- bias methods --------------------------------------------------------------------------------
+
+
+def setup_model(method: str, kv_heads: int = 2) -> LlamaForCausalLM:
+    model = llama(kv_heads=kv_heads)
+    phf.use(model, method)
+    if method == "t5":
+        with torch.no_grad():  # a table far from 0, so positions matter
+            model.model.posenc_encodings[0].relative_attention_bias.weight.normal_()
+    return model
+
+
+BIASES = ["alibi", "t5"]
+
+
+@pytest.mark.parametrize("method", BIASES)
+def test_cached_generate_equals_full_forward(method: str) -> None:
+    model = setup_model(method)
+    ids = tokens(2, 9)
+    mask = torch.ones(2, 9, dtype=torch.long)
+    mask[1, :3] = 0  # left padding in row 1
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, output_logits=True,
+                         return_dict_in_generate=True)
+    seqs = out.sequences
+    full_mask = torch.cat([mask, torch.ones(2, 6, dtype=torch.long)], dim=1)
+    for row in range(2):  # each row alone, without padding, in one full forward
+        real = full_mask[row].bool()
+        full = logits(model, seqs[row][real][None], use_cache=False)[0]  # (T, V)
+        n = int(mask[row].sum())
+        for step, step_logits in enumerate(out.logits):
+            assert max_err(step_logits[row], full[n - 1 + step]) < 1e-4, (method, row, step)
+
+
+@pytest.mark.parametrize("method", BIASES)
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_packed_equals_documents_alone(method: str, use_cache: bool) -> None:
+    model = setup_model(method)
+    lengths = [6, 11, 4]
+    ids = tokens(2, sum(lengths))
+    pos = torch.cat([torch.arange(n) for n in lengths])[None].expand(2, -1)
+    packed = logits(model, ids, position_ids=pos, use_cache=use_cache)
+    for row in range(2):
+        alone = torch.cat([logits(model, part[None])[0] for part in ids[row].split(lengths)])
+        assert max_err(packed[row], alone) < 1e-5
+
+
+@pytest.mark.parametrize("method", BIASES)
+def test_decode_after_packed_prefill_sees_last_document_only(method: str) -> None:
+    model = setup_model(method)
+    lengths = [6, 5]
+    ids = tokens(1, sum(lengths) + 1)
+    pos = torch.cat([torch.arange(n) for n in lengths])[None]
+    with torch.no_grad():
+        out = model(ids[:, :-1], position_ids=pos, use_cache=True)
+        step = model(ids[:, -1:], position_ids=torch.tensor([[lengths[-1]]]), cache=out.cache).logits[0, -1]
+    alone = logits(model, ids[:, lengths[0]:])[0, -1]
+    assert max_err(step, alone) < 1e-5
+
+
+@pytest.mark.parametrize("method", BIASES)
+def test_padded_equals_rows_alone(method: str) -> None:
+    model = setup_model(method)
+    ids = tokens(3, 12)
+    mask = torch.ones(3, 12, dtype=torch.long)
+    mask[0, :5] = 0  # left padding
+    mask[2, 8:] = 0  # right padding
+    batch = logits(model, ids, attention_mask=mask)
+    for row in range(3):
+        real = mask[row].bool()
+        alone = logits(model, ids[row][real][None])[0]
+        assert max_err(batch[row][real], alone) < 1e-5
+
+
+@pytest.mark.parametrize("method", BIASES)
+def test_gqa_equals_repeated_kv(method: str) -> None:
+    """2 kv heads for 4 query heads against the same weights with every kv head repeated (HF's
+    repeat_kv order: query head h reads kv head h // 2)."""
+    gqa = setup_model(method, kv_heads=2)
+    mha = llama(kv_heads=4)
+    state = gqa.state_dict()
+    for key in list(state):
+        if key.endswith(("k_proj.weight", "v_proj.weight")):
+            w = state[key].view(2, 16, 64)  # (Hkv, D, dim)
+            state[key] = w.repeat_interleave(2, dim=0).reshape(64, 64)
+    phf.use(mha, method)
+    mha.load_state_dict(state)
+    ids = tokens(2, 15)
+    assert max_err(logits(gqa, ids), logits(mha, ids)) < 1e-5
+
+
+def test_training_gradients_reach_the_t5_table() -> None:
+    model = setup_model("t5")
+    model.train()
+    table = model.model.posenc_encodings[0].relative_attention_bias.weight
+    assert any(p is table for p in model.parameters())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ids = tokens(2, 16)
+    before = table.detach().clone()
+    loss = model(ids, labels=ids).loss
+    loss.backward()
+    assert table.grad is not None and float(table.grad.abs().sum()) > 0
+    opt.step()
+    assert not torch.equal(before, table.detach())
+
+
+@pytest.mark.parametrize("method", ["t5", "alibi", "rope"])
+def test_save_and_from_pretrained_restore_the_encoding(tmp_path, method: str) -> None:
+    model = setup_model(method)
+    ids = tokens(1, 20)
+    expected = logits(model, ids)
+    model.save_pretrained(tmp_path)
+    loaded = phf.from_pretrained(LlamaForCausalLM, tmp_path).eval()
+    assert type(loaded) is LlamaForCausalLM and loaded.config.posenc["encoding"] == method
+    assert max_err(logits(loaded, ids), expected) < 1e-6
+    auto = phf.from_pretrained(transformers.AutoModelForCausalLM, tmp_path).eval()
+    assert max_err(logits(auto, ids), expected) < 1e-6
+
+
+def test_families_and_errors() -> None:
+    for name in ("MistralConfig", "Qwen2Config", "Qwen3Config"):
+        cls = getattr(transformers, name)
+        config = cls(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2, max_position_embeddings=64, head_dim=16)
+        ref = transformers.AutoModelForCausalLM.from_config(config).eval()
+        model = phf.use(copy.deepcopy(ref), "rope")
+        ids = tokens(2, 20)
+        assert max_err(logits(model, ids), logits(ref, ids)) < 1e-5, name
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=VOCAB))
+    with pytest.raises(posenc.UsageError, match="Llama, Mistral, Qwen2, Qwen3"):
+        phf.use(gpt2, "alibi")
+    with pytest.raises(posenc.UsageError, match="unknown encoding"):
+        phf.use(llama(), "nonsense")
+    with pytest.raises(posenc.UsageError, match="unknown option"):
+        phf.use(llama(), "t5", buckets=3)
+    with pytest.raises(posenc.UsageError, match="num_heads=4, head_dim=16"):
+        phf.use(llama(), posenc.build("alibi", num_heads=8, head_dim=8))
