@@ -234,3 +234,71 @@ def test_families_and_errors() -> None:
         phf.use(llama(), "t5", buckets=3)
     with pytest.raises(posenc.UsageError, match="num_heads=4, head_dim=16"):
         phf.use(llama(), posenc.build("alibi", num_heads=8, head_dim=8))
+
+
+@pytest.mark.parametrize("method", posenc.available())
+def test_every_encoding_generates_as_its_full_forward_and_packs(method: str) -> None:
+    """Every posenc method in a Llama model: cached greedy decoding of a left-padded batch equals a
+    full forward of each row alone; a packed row equals its documents alone."""
+    model = llama()
+    phf.use(model, method)
+    ids = tokens(2, 9)
+    mask = torch.ones(2, 9, dtype=torch.long)
+    mask[1, :3] = 0
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False, output_logits=True,
+                         return_dict_in_generate=True)
+    for row in range(2):
+        real = torch.cat([mask[row], torch.ones(5, dtype=torch.long)]).bool()
+        full = logits(model, out.sequences[row][real][None], use_cache=False)[0]
+        n = int(mask[row].sum())
+        for step, step_logits in enumerate(out.logits):
+            assert max_err(step_logits[row], full[n - 1 + step]) < 1e-4, (method, row, step)
+    lengths = [5, 7]
+    ids = tokens(1, sum(lengths), seed=3)
+    pos = torch.cat([torch.arange(n) for n in lengths])[None]
+    alone = torch.cat([logits(model, part[None])[0] for part in ids[0].split(lengths)])
+    assert max_err(logits(model, ids, position_ids=pos)[0], alone) < 1e-5
+
+
+@pytest.mark.parametrize("method", ["rope", "alibi"])
+def test_static_cache_generate_equals_dynamic(method: str) -> None:
+    model = setup_model(method)
+    ids = tokens(2, 10)
+    mask = torch.ones(2, 10, dtype=torch.long)
+    mask[0, :4] = 0
+    for kwargs in ({"attention_mask": mask}, {}):
+        dynamic = model.generate(ids, max_new_tokens=5, do_sample=False, **kwargs)
+        static = model.generate(ids, max_new_tokens=5, do_sample=False, cache_implementation="static", **kwargs)
+        assert torch.equal(dynamic, static)
+
+
+def test_masks_are_never_none_for_padding() -> None:
+    """The registered mask function hands the attention the padding mask (HF would pass None)."""
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+    phf.register()
+    fn = ALL_MASK_ATTENTION_FUNCTIONS["posenc"]
+    mask = torch.tensor([[0, 1, 1], [1, 1, 1]])
+    got = fn(batch_size=2, q_length=3, kv_length=3, attention_mask=mask)
+    assert torch.equal(got, mask.bool())
+    assert fn(batch_size=2, q_length=3, kv_length=3, attention_mask=torch.ones(2, 3)) is None
+    assert fn(batch_size=2, q_length=3, kv_length=3) is None
+    # a static cache of 6 slots after 3 tokens: the unwritten slots are not real
+    assert torch.equal(fn(batch_size=1, q_length=1, kv_length=6, q_offset=3), torch.tensor([[True] * 4 + [False] * 2]))
+
+
+def test_unsupported_inputs_are_usage_errors() -> None:
+    model = setup_model("alibi")
+    ids = tokens(1, 6)
+    with pytest.raises(posenc.UsageError, match="4-D mask"):
+        model(ids, attention_mask=torch.ones(1, 1, 6, 6, dtype=torch.bool))
+    with torch.no_grad():
+        out = model(ids[:, :4], use_cache=True)
+        with pytest.raises(posenc.UsageError, match="position_ids"):
+            model(ids[:, 4:], position_ids=torch.tensor([[0, 0]]), cache=out.cache)
+    mistral = transformers.MistralForCausalLM(transformers.MistralConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, sliding_window=8))
+    phf.use(mistral, "alibi")
+    logits(mistral, ids)  # within the window: fine
+    with pytest.raises(posenc.UsageError, match="sliding_window=8"):
+        logits(mistral, tokens(1, 12))

@@ -58,22 +58,27 @@ SUPPORTED = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": 
 
 
 def padding_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
-                 attention_mask: torch.Tensor | None = None, **_: Any) -> torch.Tensor | None:
-    """The mask function registered as ``"posenc"``: the 2-D key padding mask (B, kv_length), bool,
-    True = real token, for the keys ``kv_offset .. kv_offset + kv_length - 1``; None when no key is
-    padding. Causality, documents and positions are the attention function's business."""
-    if attention_mask is None:
-        return None
-    if attention_mask.dim() != 2:
-        raise UsageError(f"attention_mask: posenc.hf takes a 2-D padding mask (B, T), got shape {tuple(attention_mask.shape)}")
-    mask = attention_mask.to(torch.bool)
-    short = kv_offset + kv_length - mask.shape[-1]
-    if short > 0:  # keys past the mask (a static cache's empty slots) are not real
-        mask = torch.nn.functional.pad(mask, (0, short), value=False)
-    mask = mask[:, kv_offset: kv_offset + kv_length]
-    if mask.shape[0] != batch_size:
-        mask = mask.expand(batch_size, -1)
-    return None if bool(mask.all()) else mask
+                 attention_mask: torch.Tensor | None = None, device: torch.device | str = "cpu", **_: Any) -> torch.Tensor | None:
+    """The mask function registered as ``"posenc"``: the 2-D key mask (B, kv_length), bool, True =
+    a real token, for the keys ``kv_offset .. kv_offset + kv_length - 1``; None when every key is
+    real. A key slot past the last query (a static cache's unwritten slots) is not real.
+    Causality, documents and positions are the attention function's business."""
+    slots = torch.arange(kv_offset, kv_offset + kv_length, device=device)
+    written = slots < q_offset + q_length  # (Tk,); q_offset may be a tensor (static caches)
+    mask = None
+    if attention_mask is not None:
+        if attention_mask.dim() != 2:
+            raise UsageError(f"attention_mask: posenc.hf takes a 2-D padding mask (B, T), got shape {tuple(attention_mask.shape)}")
+        mask = attention_mask.to(device=device, dtype=torch.bool)
+        short = kv_offset + kv_length - mask.shape[-1]
+        if short > 0:  # keys past the mask are not real
+            mask = torch.nn.functional.pad(mask, (0, short), value=False)
+        mask = mask[:, kv_offset: kv_offset + kv_length] & written
+        if mask.shape[0] != batch_size:
+            mask = mask.expand(batch_size, -1)
+    elif not bool(written.all()):
+        mask = written.expand(batch_size, -1)
+    return None if mask is None or bool(mask.all()) else mask
 
 
 def _restarts(positions: torch.Tensor, real: torch.Tensor | None) -> torch.Tensor:
@@ -108,6 +113,12 @@ def posenc_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
         raise UsageError("attention_mask: posenc.hf takes a 2-D padding mask; a prepared 4-D mask is not supported")
     real = attention_mask  # (B, Tk) or None
     device = query.device
+    if real is not None and tq < tk:  # a static cache's unwritten slots end every row: drop them
+        written = real.any(dim=0)  # (Tk,)
+        end = int(torch.nonzero(written).max()) + 1 if bool(written.any()) else tk
+        end = max(end, tq)
+        if end < tk:
+            key, value, real, tk = key[:, :, :end], value[:, :, :end], real[:, :end], end
 
     position_ids = kwargs.get("position_ids")
     if position_ids is None:
