@@ -302,3 +302,17 @@ def test_unsupported_inputs_are_usage_errors() -> None:
     logits(mistral, ids)  # within the window: fine
     with pytest.raises(posenc.UsageError, match="sliding_window=8"):
         logits(mistral, tokens(1, 12))
+
+
+def test_imported_t5_decoder_table_inside_llama() -> None:
+    """A T5 decoder's table (HF T5, random init) drives a Llama model's attention: the bias the
+    model adds is HF's compute_bias for that table."""
+    t5 = transformers.T5Model(transformers.T5Config(vocab_size=VOCAB, d_model=64, d_kv=16, d_ff=64, num_layers=1,
+                                                    num_decoder_layers=1, num_heads=4))
+    encoding = phf.t5_from_hf(t5, stack="decoder")
+    model = phf.use(llama(), encoding)
+    assert model.model.posenc_encodings[0] is encoding
+    owner = phf.t5_attention(t5, stack="decoder")
+    assert torch.equal(encoding.bias(torch.arange(30), torch.arange(30)), owner.compute_bias(30, 30)[0])
+    with pytest.raises(posenc.UsageError, match="stack='decoder'"):
+        phf.use(llama(), phf.t5_from_hf(t5, stack="encoder"))

@@ -212,6 +212,9 @@ def _build_encodings(config, encoding: str | nn.Module, options: dict, layers: i
         if not isinstance(encoding, PositionalEncoding) or encoding.num_heads != heads or encoding.head_dim != head_dim:
             raise UsageError(f"encoding: needs a posenc encoding for num_heads={heads}, head_dim={head_dim}, "
                              f"got {encoding!r}")
+        if not encoding.causal:
+            raise UsageError("encoding: a decoder needs a causal encoding (causal=True), got a bidirectional one "
+                             "(for T5, import the decoder's table: t5_from_hf(model, stack='decoder'))")
         cls = type(encoding)
         recorded = {k: getattr(encoding, k) for k in options_of(cls) if hasattr(encoding, k) and _jsonable(getattr(encoding, k))}
         unrecorded = [k for k in options_of(cls) if hasattr(encoding, k) and k not in recorded]
