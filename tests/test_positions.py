@@ -68,13 +68,12 @@ def test_gapped_positions_differ_from_consecutive_ones(method):
 @pytest.mark.parametrize(
     "positions, message",
     [
-        (torch.arange(5), "positions must hold one position per token (6), got 5"),
-        (torch.arange(7), "positions must hold one position per token (6), got 7"),
-        (torch.arange(6).float(), "positions must be a 1-D integer tensor, got a 1-D float32 tensor of shape (6,)"),
-        (torch.arange(6)[None], "positions must be a 1-D integer tensor, got a 2-D int64 tensor of shape (1, 6)"),
+        (torch.arange(5), "positions must have shape (6,) or (batch, 6) = (1, 6), got (5,)"),
+        (torch.arange(7), "positions must have shape (6,) or (batch, 6) = (1, 6), got (7,)"),
+        (torch.arange(6).float(), "positions must be an integer tensor of shape (6,) or (1, 6), got a 1-D float32 tensor of shape (6,)"),
+        (torch.arange(12).view(2, 6), "positions must have shape (6,) or (batch, 6) = (1, 6), got (2, 6)"),
         (torch.arange(-1, 5), "positions must be >= 0, got -1"),
-        (torch.tensor([0, 1, 2, 2, 3, 4]), "positions must be strictly increasing"),
-        (torch.tensor([5, 4, 3, 2, 1, 0]), "positions must be strictly increasing"),
+        (torch.tensor([[0, 1, -2, 3, 4, 5]]), "positions must be >= 0, got -2"),
     ],
 )
 @pytest.mark.parametrize("method", ["alibi", "t5", "shaw", "transformer_xl", "rope", "learned"])
@@ -83,6 +82,16 @@ def test_bad_positions_are_refused(method, positions, message):
     with pytest.raises(UsageError) as error:
         fast(torch.randn(1, 6, H * D), positions)
     assert message in str(error.value)
+
+
+@pytest.mark.parametrize("method", ["alibi", "t5", "shaw", "transformer_xl", "rope", "learned", "fire", "cope"])
+def test_restarting_positions_are_documents(method):
+    """Positions that do not increase start a new document: never attended across (packing)."""
+    fast, _ = layers(method)
+    x = torch.randn(1, 6, H * D)
+    packed = fast(x, torch.tensor([0, 1, 2, 0, 1, 2]))
+    alone = torch.cat([fast(x[:, :3], torch.arange(3)), fast(x[:, 3:], torch.arange(3))], dim=1)
+    torch.testing.assert_close(packed, alone, rtol=1e-5, atol=1e-6)
 
 
 def test_positions_with_a_cache_must_continue_it():

@@ -15,11 +15,15 @@ from .checkpoint import load_checkpoint, save_checkpoint
 from .encodings import PositionalEncoding, alibi_slopes, available, build, relative_position_bucket
 from .encodings.rope import rope_from_hf
 from .errors import UsageError
+from .functional import attend
+from .geometry import Geometry
 from .model import LM, LMConfig
 from .version import __version__
 
 
 __all__ = [
+    "attend",
+    "Geometry",
     "Attention",
     "LM",
     "LMConfig",

@@ -1,9 +1,10 @@
-"""Multi-head self-attention that calls the encoding's hooks and hands the rest to a backend.
+"""Multi-head self-attention: projections, the KV cache, and :func:`posenc.attend`.
 
 The attention never tests an encoding's name: it calls ``rotate`` when the encoding has it, and the
-backend asks the :class:`~posenc.backends.base.ScoreSpec` for bias and query/value terms.
+backend asks the :class:`~posenc.geometry.ScoreSpec` for bias and query/value terms.
 ``embed`` (absolute methods) is applied once by the model to the token embeddings, not here.
-The KV cache (:class:`~posenc.cache.LayerCache`) lives in :mod:`posenc.cache`.
+The KV cache (:class:`~posenc.cache.LayerCache`) lives in :mod:`posenc.cache`; it holds the
+``num_kv_heads`` key/value heads, so its memory is proportional to them.
 """
 
 from __future__ import annotations
@@ -14,46 +15,13 @@ import torch
 from torch import nn
 
 from . import backends
-from .backends.base import ScoreSpec
 from .cache import LayerCache
 from .encodings.base import check_positive
-from .errors import UsageError
 from .encodings.protocol import Rotates, offers
+from .errors import UsageError
+from .functional import _attend, run
+from .geometry import Geometry, ScoreSpec, check_positions
 from .memo import ForwardMemo
-
-
-def check_positions(positions: torch.Tensor, length: int, past: int | None = None) -> bool:
-    """Validate ``positions`` for a sequence of ``length`` tokens; True when they are consecutive.
-
-    Positions are a 1-D integer tensor of ``length`` distinct, increasing, non-negative values (a
-    randomized-positions scheme may skip values; a KV cache needs them consecutive, continuing at
-    ``past``). Anything else is a UsageError: a wrong length or order would otherwise silently give
-    another attention than the one asked for.
-    """
-    if not isinstance(positions, torch.Tensor) or positions.dim() != 1 or positions.is_floating_point() or positions.is_complex():
-        raise UsageError(f"positions must be a 1-D integer tensor, got {_describe(positions)}")
-    if positions.numel() != length:
-        raise UsageError(f"positions must hold one position per token ({length}), got {positions.numel()}")
-    if length == 0:
-        return True
-    if int(positions[0]) < 0:
-        raise UsageError(f"positions must be >= 0, got {int(positions.min())}")
-    steps = positions[1:] - positions[:-1]
-    if length > 1 and int(steps.min()) < 1:
-        raise UsageError("positions must be strictly increasing (each token after the one before)")
-    consecutive = int(positions[-1]) - int(positions[0]) == length - 1
-    if past is not None and (not consecutive or int(positions[0]) != past):
-        raise UsageError(
-            f"with a KV cache, positions must continue the cache: {past}..{past + length - 1}, "
-            f"got {int(positions[0])}..{int(positions[-1])}"
-        )
-    return consecutive
-
-
-def _describe(x) -> str:
-    if isinstance(x, torch.Tensor):
-        return f"a {x.dim()}-D {str(x.dtype).removeprefix('torch.')} tensor of shape {tuple(x.shape)}"
-    return type(x).__name__
 
 
 class Attention(nn.Module):
@@ -61,20 +29,28 @@ class Attention(nn.Module):
 
     Args:
         dim: model width; must be divisible by ``num_heads``.
-        num_heads: number of heads H; head dim D = dim // H.
+        num_heads: number of query heads H; head dim D = dim // H.
         encoding: a positional encoding built for (num_heads, dim // num_heads), e.g.
             ``posenc.build("alibi", num_heads=8, head_dim=64)``.
         causal: mask keys after the query (decoder) or not (encoder).
         backend: "auto" or one of :func:`posenc.backends.names`.
+        num_kv_heads: key/value heads Hkv (grouped-query attention; 1 is multi-query); None: H.
+
+    Raises:
+        UsageError: sizes that do not divide, or an encoding built for other sizes.
     """
 
-    def __init__(self, dim: int, num_heads: int, encoding: nn.Module, causal: bool = True, backend: str = "auto") -> None:
+    def __init__(self, dim: int, num_heads: int, encoding: nn.Module, causal: bool = True, backend: str = "auto",
+                 num_kv_heads: int | None = None) -> None:
         super().__init__()
         check_positive("dim", dim)
         check_positive("num_heads", num_heads)
         if dim % num_heads:
             raise UsageError(f"dim ({dim}) must be divisible by num_heads ({num_heads})")
-        self.dim, self.num_heads, self.head_dim = dim, num_heads, dim // num_heads
+        num_kv_heads = num_heads if num_kv_heads is None else check_positive("num_kv_heads", num_kv_heads)
+        if num_heads % num_kv_heads:
+            raise UsageError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+        self.dim, self.num_heads, self.head_dim, self.num_kv_heads = dim, num_heads, dim // num_heads, num_kv_heads
         if getattr(encoding, "num_heads", num_heads) != num_heads or getattr(encoding, "head_dim", self.head_dim) != self.head_dim:
             raise UsageError(
                 f"encoding was built for num_heads={encoding.num_heads}, head_dim={encoding.head_dim}; "
@@ -84,11 +60,12 @@ class Attention(nn.Module):
             raise UsageError(f"encoding was built with causal={encoding.causal}, attention has causal={causal}")
         self.causal = causal
         self.backend = backends.check_name(backend)
-        # The registered name of the backend that ran the last forward ("auto" resolved): what
-        # benchmarks and users read to know which path ran, without patching anything.
+        # The registered name of the backend that ran the last eager forward ("auto" resolved):
+        # what benchmarks and users read to know which path ran (not written while compiling).
         self.last_backend: str | None = None
         self.encoding = encoding
-        self.qkv = nn.Linear(dim, 3 * dim, bias=False)
+        kv = num_kv_heads * self.head_dim
+        self.qkv = nn.Linear(dim, dim + 2 * kv, bias=False)  # q (H*D), k (Hkv*D), v (Hkv*D)
         self.proj = nn.Linear(dim, dim, bias=False)
 
     def forward(
@@ -97,36 +74,80 @@ class Attention(nn.Module):
         positions: torch.Tensor | None = None,
         cache: LayerCache | None = None,
         memo: ForwardMemo | None = None,
+        *,
+        document_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        geometry: Geometry | None = None,
     ) -> torch.Tensor:
+        """x (B, T, dim) -> (B, T, dim).
+
+        Args:
+            positions: (T,) or (B, T) token positions (see :func:`posenc.attend`); with a cache,
+                (T,) continuing it.
+            cache: this layer's KV cache (decoding).
+            memo: shared by the layers of one model forward.
+            document_ids: (B, T) packed documents (no cache).
+            attention_mask: (B, T) 1/True on real tokens, 0/False on padding (no cache; a cache
+                takes its padding from ``new_cache(padding=...)``).
+            geometry: the call's :class:`~posenc.geometry.Geometry`, built once by the model for
+                all its layers; replaces ``positions``, ``document_ids`` and ``attention_mask``.
+        """
         b, t, _ = x.shape
-        past = 0 if cache is None else cache.length
-        if cache is not None:
-            cache.claim(self)
-        if positions is None:
-            positions = torch.arange(past, past + t, device=x.device)  # (T,)
-            consecutive = True
+        h, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        q, k, v = self.qkv(x).split((h * d, hkv * d, hkv * d), dim=-1)
+        q = q.view(b, t, h, d).transpose(1, 2)  # (B, H, T, D)
+        k = k.view(b, t, hkv, d).transpose(1, 2)  # (B, Hkv, T, D)
+        v = v.view(b, t, hkv, d).transpose(1, 2)
+        memo = ForwardMemo() if memo is None else memo
+        scale = 1.0 / math.sqrt(d)
+        if cache is None:
+            if geometry is None:
+                mask = None if attention_mask is None else _padding_mask(attention_mask)
+                geometry = Geometry.of(b, t, t, x.device, positions=positions, causal=self.causal,
+                                       document_ids=document_ids, key_padding_mask=mask)
+            out, name = _attend(q, k, v, self.encoding, geometry, scale, memo, self.backend, True)
         else:
-            consecutive = check_positions(positions, t, past if cache is not None else None)
-        q, k, v = self.qkv(x).view(b, t, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)  # 3 x (B, H, T, D)
+            if document_ids is not None or attention_mask is not None:
+                raise UsageError("document_ids and attention_mask take no KV cache (a cache's padding comes from new_cache(padding=...))")
+            out, name = self._cached(q, k, v, positions, cache, memo, scale, geometry)
+        if not torch.compiler.is_compiling():
+            self.last_backend = name
+        return self.proj(out.transpose(1, 2).reshape(b, t, self.dim))
+
+    def _cached(self, q, k, v, positions, cache: LayerCache, memo, scale, geometry) -> tuple[torch.Tensor, str]:
+        """A step after the KV cache: rotate (unless the rotation depends on the length), append, attend."""
+        t = q.shape[-2]
+        past = cache.length
+        cache.claim(self)
+        if geometry is not None:
+            positions, consecutive = geometry.q_positions, geometry.consecutive
+        elif positions is None:
+            positions, consecutive = torch.arange(past, past + t, device=q.device), True  # (T,)
+        else:
+            consecutive = check_positions(positions, t, past)
         rotates = offers(self.encoding, Rotates)
         # A rotation that depends on the current length (dynamic NTK, LongRoPE's short/long switch)
         # must rotate every key with the current length: the cache keeps such keys un-rotated and
-        # they are rotated here at each step (O(T x D) per step), so decoding equals the full pass.
+        # they are rotated at each step (O(T x D) per step), so decoding equals the full pass.
         late = rotates and getattr(self.encoding, "rotation_depends_on_length", False)
         if rotates and not late:
             q, k = self.encoding.rotate(q, k, positions, positions)
-        k_positions, starts, workspace = positions, None, None
-        if cache is not None:
-            k, v = cache.append(k, v)  # (B, H, past + T, D): views of the cache's buffers
-            k_positions = cache.positions(x.device)  # 0..past+T-1, a view (nothing per step grows with N)
-            starts, workspace = cache.starts(x.device), cache.workspace
-        if late:
-            q, k = self.encoding.rotate(q, k, positions, k_positions)
-        memo = ForwardMemo() if memo is None else memo
-        spec = ScoreSpec(
-            self.encoding, positions, k_positions, self.causal, 1.0 / math.sqrt(self.head_dim), memo, consecutive,
-            starts, workspace,
-        )
-        self.last_backend, backend = backends.choose(self.backend, spec, q)
-        out = backend.attend(q, k, v, spec)  # (B, H, T, D)
-        return self.proj(out.transpose(1, 2).reshape(b, t, self.dim))
+        k, v = cache.append(k, v)  # (B, Hkv, past + T, D): views of the cache's buffers
+        k_positions = cache.positions(q.device)  # 0..past+T-1, a view (nothing per step grows with N)
+        spec = ScoreSpec(self.encoding, positions, k_positions, self.causal, scale, memo, consecutive,
+                         cache.starts(q.device), cache.workspace, q_start=past, k_start=0, aligned=True)
+        return run(q, k, v, spec, self.backend, rotate=late)
+
+
+def _padding_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """HF's (B, T) attention mask (1 = real token) as a bool key padding mask."""
+    if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2:
+        raise UsageError(f"attention_mask must be a (batch, length) tensor of 0/1 or bool, got {getattr(attention_mask, 'shape', attention_mask)}")
+    if attention_mask.dtype == torch.bool:
+        return attention_mask
+    if attention_mask.is_floating_point() or attention_mask.is_complex() or bool(((attention_mask != 0) & (attention_mask != 1)).any()):
+        raise UsageError("attention_mask must hold 0 (padding) and 1 (real token) only")
+    return attention_mask == 1
+
+
+__all__ = ["Attention", "check_positions"]

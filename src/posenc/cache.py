@@ -27,7 +27,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from .backends.single import Workspace
+from .memo import Workspace
 from .errors import UsageError
 
 MIN_CAPACITY = 16  # the first allocation holds at least this many tokens

@@ -1,4 +1,7 @@
-"""What one model forward computes once and every layer reuses.
+"""What is kept between attention calls: per model forward (:class:`ForwardMemo`), and between
+decode steps (:class:`Workspace`, owned by a KV cache).
+
+ForwardMemo: what one model forward computes once and every layer reuses.
 
 T5's bias table is one set of parameters shared by all layers, and ALiBi's slopes are fixed: their
 (H, Tq, Tk) bias, their per-distance values and the band biases the blocked backend builds are the
@@ -64,4 +67,42 @@ def _geometry(q_positions: torch.Tensor, k_positions: torch.Tensor) -> tuple:
     return key
 
 
-__all__ = ["ForwardMemo"]
+class Workspace:
+    """Buffers the single-query paths keep between decode steps, each rebuilt when its key changes.
+
+    ``capacity`` follows the KV cache that owns the workspace (the largest number of keys a step
+    can have until the cache grows); a call with more keys raises it to the next power of two.
+    """
+
+    def __init__(self, capacity: int = 0) -> None:
+        self.capacity = capacity
+        self._entries: dict[tuple, tuple[tuple, object]] = {}
+        self._held: dict[int, nn.Module] = {}  # encodings whose id keys an entry (ids stay unique)
+
+    def fit(self, keys: int) -> int:
+        """The capacity, raised to hold ``keys`` keys if needed."""
+        if keys > self.capacity:
+            self.capacity = 1 << max(keys - 1, 1).bit_length()
+        return self.capacity
+
+    def get(self, name: tuple, key: tuple, make: Callable[[], object]):
+        """The entry ``name``, made again when ``key`` differs from the one it was made with."""
+        hit = self._entries.get(name)
+        if hit is None or hit[0] != key:
+            with torch.no_grad():
+                hit = self._entries[name] = (key, make())
+        return hit[1]
+
+    def hold(self, encoding: nn.Module) -> int:
+        self._held[id(encoding)] = encoding
+        return id(encoding)
+
+    def scratch(self, b: int, h: int, tk: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A (B, H, 1, Tk) view, to be written in place, of a contiguous (H, B, Tk) prefix of a flat
+        buffer of H x B x C (a kernel writing into a strided output may take a slow path)."""
+        c = self.fit(tk)
+        buf = self.get(("scratch",), (b, h, c, dtype, device), lambda: torch.empty(h * b * c, dtype=dtype, device=device))
+        return buf[: h * b * tk].view(h, b, tk).permute(1, 0, 2)[:, :, None, :]  # (B, H, 1, Tk)
+
+
+__all__ = ["ForwardMemo", "Workspace"]

@@ -22,8 +22,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import backends
-from .attention import Attention, check_positions
+from .attention import Attention, _padding_mask
 from .cache import Cache
+from .geometry import Geometry, check_positions
 from .memo import ForwardMemo
 from .encodings import build, get_class, options_of
 from .errors import UsageError
@@ -44,6 +45,7 @@ class LMConfig:
     attention_backend: str = "auto"
     mlp_ratio: int = 4
     random_positions: int | None = None  # training draws positions from [0, random_positions); None = off
+    num_kv_heads: int | None = None  # key/value heads (grouped-query attention); None = num_heads
 
     def __post_init__(self) -> None:
         get_class(self.encoding)  # unknown name -> ValueError listing the choices
@@ -55,6 +57,10 @@ class LMConfig:
             check_positive("max_positions", self.max_positions)
         if self.random_positions is not None:
             check_positive("random_positions", self.random_positions)
+        if self.num_kv_heads is not None:
+            check_positive("num_kv_heads", self.num_kv_heads)
+            if self.num_heads % self.num_kv_heads:
+                raise UsageError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
         backends.check_name(self.attention_backend)
 
     @property
@@ -79,12 +85,12 @@ class Block(nn.Module):
     def __init__(self, config: LMConfig, encoding: nn.Module) -> None:
         super().__init__()
         self.ln1 = nn.LayerNorm(config.dim)
-        self.attn = Attention(config.dim, config.num_heads, encoding, config.causal, config.attention_backend)
+        self.attn = Attention(config.dim, config.num_heads, encoding, config.causal, config.attention_backend, config.num_kv_heads)
         self.ln2 = nn.LayerNorm(config.dim)
         self.mlp = MLP(config.dim, config.mlp_ratio)
 
-    def forward(self, x, positions, cache=None, memo=None):
-        x = x + self.attn(self.ln1(x), positions, cache, memo)
+    def forward(self, x, positions, cache=None, memo=None, geometry=None):
+        x = x + self.attn(self.ln1(x), positions, cache, memo, geometry=geometry)
         return x + self.mlp(self.ln2(x))
 
 
@@ -177,12 +183,31 @@ class LM(nn.Module):
             raise UsageError(f"random_positions ({limit}) must be >= the sequence length ({length}) to draw distinct positions")
         return torch.randperm(limit)[:length].sort().values.to(device)  # (T,)
 
-    def forward(self, tokens: torch.Tensor, cache: Cache | None = None, positions: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        cache: Cache | None = None,
+        positions: torch.Tensor | None = None,
+        *,
+        document_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """tokens (B, T) -> logits (B, T, vocab).
 
-        ``positions`` (T,): the tokens' positions (sorted, distinct, >= 0; with a cache, continuing
-        it); default 0..T-1 after the cache, or randomized positions in a training forward when
-        ``random_positions`` is set.
+        Args:
+            cache: a KV cache from :meth:`new_cache` (decoding; positions then continue it).
+            positions: (T,) or (B, T) token positions (distinct and increasing within a document,
+                >= 0; with a cache, (T,) continuing it); default 0..T-1 after the cache (per
+                document, per row's first real token), or randomized positions in a training
+                forward when ``random_positions`` is set.
+            document_ids: (B, T) packed documents: no attention across documents, positions
+                restarting at each (see :mod:`posenc.geometry`); no cache.
+            attention_mask: (B, T) 1 on real tokens, 0 on padding (left or right, one contiguous
+                run of real tokens per row); logits at padding are computed from nothing and
+                should be ignored; no cache.
+
+        Raises:
+            UsageError: tokens outside the vocabulary, shapes that do not fit, a foreign cache.
         """
         if tokens.dim() != 2:
             raise UsageError(f"tokens must be (batch, length), got shape {tuple(tokens.shape)}")
@@ -196,27 +221,51 @@ class LM(nn.Module):
         b, t = tokens.shape
         if cache is not None:
             self._check_cache(cache, b, t)
-        past = 0 if cache is None else cache.length
-        if positions is not None:
-            check_positions(positions, t, past if cache is not None else None)
-        elif self.training and cache is None and self.config.random_positions is not None:
-            positions = self.draw_positions(t, tokens.device)  # (T,) shared by the batch, queries and keys
-        else:
-            positions = torch.arange(past, past + t, device=tokens.device)  # (T,)
+            if document_ids is not None or attention_mask is not None:
+                raise UsageError("document_ids and attention_mask take no cache (a cache's padding comes from new_cache(padding=...))")
+        geometry = self._geometry(tokens, cache, positions, document_ids, attention_mask)
         x = self.tok(tokens)  # (B, T, dim)
         if offers(self.encoding, Embeds):
             # With a left-padded cache, each row's own positions (B, T): see Cache.embed_positions.
-            x = self.encoding.embed(x, positions if cache is None else cache.embed_positions(positions))
+            embed = geometry.embed_positions
+            x = self.encoding.embed(x, embed if cache is None else cache.embed_positions(embed))
         memo = ForwardMemo()  # T5's bias and the like: computed once for all layers
+        past = 0 if cache is None else cache.length
         try:
             for i, block in enumerate(self.blocks):
-                x = block(x, positions, None if cache is None else cache.layers[i], memo)
+                x = block(x, None, None if cache is None else cache.layers[i], memo, geometry)
         except BaseException:
             if cache is not None:  # no layer keeps a half-done step
                 for layer in cache.layers:
                     layer.length = min(layer.length, past)
             raise
         return self.head(self.ln_f(x))  # (B, T, vocab)
+
+    def _geometry(self, tokens, cache, positions, document_ids, attention_mask) -> Geometry:
+        """The forward's geometry, validated once for every layer."""
+        b, t = tokens.shape
+        device = tokens.device
+        if cache is not None:  # the queries continue the cache; each layer's cache gives the key positions
+            past = cache.length
+            if positions is None:
+                positions, consecutive = torch.arange(past, past + t, device=device), True  # (T,)
+            else:
+                consecutive = check_positions(positions, t, past)
+            return Geometry(b, t, past + t, True, positions, positions, consecutive, None, past, 0, True)
+        mask = None if attention_mask is None else _padding_mask(attention_mask)
+        if positions is None and self.training and self.config.random_positions is not None:
+            positions = self._random_positions(b, t, device, document_ids, mask)
+        return Geometry.of(b, t, t, device, positions=positions, causal=self.config.causal, document_ids=document_ids,
+                           key_padding_mask=mask)
+
+    def _random_positions(self, b, t, device, document_ids, mask) -> torch.Tensor:
+        """Randomized positions: one sorted draw, indexed by each token's in-document position."""
+        if document_ids is None and mask is None:
+            return self.draw_positions(t, device)  # (T,) shared by the batch, queries and keys
+        plain = Geometry.of(b, t, t, device, causal=self.config.causal, document_ids=document_ids, key_padding_mask=mask)
+        index = plain.q_positions  # (B, T): in-document positions
+        table = self.draw_positions(int(index.max()) + 1, device)  # (L,) sorted
+        return table[index]  # (B, T): increasing within each document
 
     def _check_cache(self, cache: Cache, b: int, t: int) -> None:
         if not isinstance(cache, Cache):

@@ -71,7 +71,7 @@ def fast_path(spec: ScoreSpec, tq: int, tk: int) -> bool:
     positions (a full pass, or decoding after a KV cache)."""
     if not offers(spec.encoding, RelativeBias) or tq == 0 or tk == 0:
         return False
-    qs, ks = int(spec.q_positions[0]), int(spec.k_positions[0])
+    qs, ks = spec.q_start, spec.k_start
     return ks <= qs and qs + tq <= ks + tk
 
 

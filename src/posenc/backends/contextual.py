@@ -78,7 +78,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec) -
     if not _fast(spec, q):
         return eager.attend(q, k, v, spec)
     table, gate_scale, logit_scale = spec.encoding.contextual_positions()
-    call = _Call(int(spec.q_positions[0]) - int(spec.k_positions[0]), spec.scale, gate_scale, logit_scale, table.shape[0])
+    call = _Call(spec.offset, spec.scale, gate_scale, logit_scale, table.shape[0])
     call.width = _WIDTHS.get(spec.encoding, 0)
     out = _Contextual.apply(q, k, v, table.to(q.dtype), call)
     _WIDTHS[spec.encoding] = call.hint

@@ -159,7 +159,7 @@ def distance_key_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sp
     enc = spec.encoding
     u, v_bias, term_scale = enc.distance_key_form()
     tq, tk = q.shape[-2], k.shape[-2]
-    offset = int(spec.q_positions[0] - spec.k_positions[0])
+    offset = spec.offset
     # (a) + (c): q.k*scale + u.k*s = (q*scale + u*s).k ; (b) + (d): (q + v).W_R R_{i-j} * s.
     qc = q * spec.scale + (u.to(q.dtype) * term_scale)[:, None, :]  # (B, H, Tq, D)
     qp = (q + v_bias.to(q.dtype)[:, None, :]) * term_scale  # (B, H, Tq, D)

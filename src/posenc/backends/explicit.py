@@ -39,7 +39,7 @@ BLOCK = 64  # query rows per block: temporaries are (B, H, BLOCK, keys)
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec, block: int | None = None) -> torch.Tensor:
     """Bias attention for consecutive positions (query a is key a + offset)."""
     block = BLOCK if block is None else block
-    offset = int(spec.q_positions[0]) - int(spec.k_positions[0])  # query a is key a + offset
+    offset = spec.offset  # query a is key a + offset
     geometry = _Geometry(q.shape[-2], k.shape[-2], offset, spec.causal, spec.scale, block)
     enc = spec.encoding
     if offers(enc, DistanceBias):

@@ -137,8 +137,7 @@ def _block_mask(tq: int, tk: int, padded: int, shift: int | None, device: torch.
 @single.steps_and_padding  # a decode step and left-padded rows first (backends/single.py)
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec) -> torch.Tensor:
     tq, tk = q.shape[-2], k.shape[-2]
-    qs = int(spec.q_positions[0]) if tq else 0
-    ks = int(spec.k_positions[0]) if tk else 0
+    qs, ks = spec.q_start, spec.k_start
     score_mod = None
     if spec.has_bias:
         offsets, score_mod = _score_mod(spec.encoding, q.device)

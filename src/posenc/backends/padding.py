@@ -12,7 +12,6 @@ the single-query path, where padding is one additive mask per row (``backends/si
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Callable
 
 import torch
@@ -37,7 +36,7 @@ def by_rows(attend: Callable, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             q_row = q[b : b + 1, :, q_part]
             if q_row.shape[-2] == 0:
                 continue
-            part = dataclasses.replace(spec, q_positions=qp[q_part], k_positions=kp[k_part], starts=None, workspace=None)
+            part = spec.part(qp[q_part], kp[k_part])
             parts.append(attend(q_row, k[b : b + 1, :, k_part], v[b : b + 1, :, k_part], part))
         rows.append(parts[0] if len(parts) == 1 else torch.cat(parts, dim=-2))
     return torch.cat(rows, dim=0)  # (B, H, Tq, D)

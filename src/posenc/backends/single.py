@@ -41,47 +41,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..encodings.protocol import DistanceBias, offers
+from ..memo import Workspace
 from .base import ScoreSpec, accumulation_dtype, needs_grad
 from .padding import by_rows
 from .regions import kernel_forward
-
-
-class Workspace:
-    """Buffers the single-query paths keep between decode steps, each rebuilt when its key changes.
-
-    ``capacity`` follows the KV cache that owns the workspace (the largest number of keys a step
-    can have until the cache grows); a call with more keys raises it to the next power of two.
-    """
-
-    def __init__(self, capacity: int = 0) -> None:
-        self.capacity = capacity
-        self._entries: dict[tuple, tuple[tuple, object]] = {}
-        self._held: dict[int, nn.Module] = {}  # encodings whose id keys an entry (ids stay unique)
-
-    def fit(self, keys: int) -> int:
-        """The capacity, raised to hold ``keys`` keys if needed."""
-        if keys > self.capacity:
-            self.capacity = 1 << max(keys - 1, 1).bit_length()
-        return self.capacity
-
-    def get(self, name: tuple, key: tuple, make: Callable[[], object]):
-        """The entry ``name``, made again when ``key`` differs from the one it was made with."""
-        hit = self._entries.get(name)
-        if hit is None or hit[0] != key:
-            with torch.no_grad():
-                hit = self._entries[name] = (key, make())
-        return hit[1]
-
-    def hold(self, encoding: nn.Module) -> int:
-        self._held[id(encoding)] = encoding
-        return id(encoding)
-
-    def scratch(self, b: int, h: int, tk: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """A (B, H, 1, Tk) view, to be written in place, of a contiguous (H, B, Tk) prefix of a flat
-        buffer of H x B x C (a kernel writing into a strided output may take a slow path)."""
-        c = self.fit(tk)
-        buf = self.get(("scratch",), (b, h, c, dtype, device), lambda: torch.empty(h * b * c, dtype=dtype, device=device))
-        return buf[: h * b * tk].view(h, b, tk).permute(1, 0, 2)[:, :, None, :]  # (B, H, 1, Tk)
 
 
 def versions(module: nn.Module) -> tuple:
@@ -94,9 +57,9 @@ def applies(spec: ScoreSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) 
     gradient to compute (the workspace's buffers are made without autograd)."""
     if q.dim() != 4 or q.shape[-2] != 1 or k.dim() != 4 or k.shape[-2] == 0 or not spec.consecutive or spec.q_positions.numel() != 1:
         return False
-    if int(spec.q_positions[0]) != int(spec.k_positions[-1]) or needs_grad(spec, q, k, v):
+    if not spec.aligned or needs_grad(spec, q, k, v):
         return False
-    return spec.starts is None or int(spec.q_positions[0]) >= padding(spec, k.shape[-2], q.dtype, q.device)[1]
+    return spec.starts is None or spec.q_start >= padding(spec, k.shape[-2], q.dtype, q.device)[1]
 
 
 def workspace(spec: ScoreSpec) -> Workspace:
@@ -107,7 +70,7 @@ def padding(spec: ScoreSpec, tk: int, dtype: torch.dtype, device: torch.device) 
     """(additive key mask (B, 1, 1, Tk): -inf on each row's padding keys, or None; the last start)."""
     if spec.starts is None:
         return None, 0
-    ws, ks = workspace(spec), int(spec.k_positions[0])
+    ws, ks = workspace(spec), spec.k_start
     c = ws.fit(ks + tk)
 
     def make():
@@ -174,7 +137,7 @@ def shaw(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec) -> 
     o_far, l_far = kernel_forward(q, k[:, :, :far], v[:, :, :far], False, spec.scale, None if pad is None else pad[..., :far])
     l_far = l_far.to(acc) + per_distance[..., 0].to(acc)  # (B, H, 1): every far key's term is q . a^K_0
     if spec.starts is not None:  # a row whose far keys are all padding has no far part
-        empty = spec.starts.to(q.device) > int(spec.k_positions[far - 1])  # (B,)
+        empty = spec.starts.to(q.device) > spec.k_start + far - 1  # (B,)
         l_far = l_far.masked_fill(empty[:, None, None], float("-inf"))
     total = torch.logaddexp(lse, l_far)
     out = out * torch.exp(lse - total)[..., None] + (o_far + values[0]).to(acc) * torch.exp(l_far - total)[..., None]

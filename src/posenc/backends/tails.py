@@ -106,7 +106,7 @@ def make_plan(spec: ScoreSpec, tq: int, tk: int, dtype: torch.dtype = torch.floa
     slopes = (tails.past_slope, tails.future_slope)
     past = tails.past
     future = max(tails.future, 1 - past)  # r = 0 belongs to one side only
-    qs, ks = int(spec.q_positions[0]), int(spec.k_positions[0])
+    qs, ks = spec.q_start, spec.k_start
     rows = BAND_BLOCK if block is None else block
     far, bands = [], []
     # Far past: query a sees key b when b <= a + qs - ks - past. ref: the boundary key of the middle row.

@@ -200,7 +200,7 @@ def shaw_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: Scor
     """Shaw et al. (2018) relative attention with clipped distance: band + far regions."""
     clip, key_table, value_table, term_scale = spec.encoding.clipped_tables()
     tq, tk = q.shape[-2], k.shape[-2]
-    offset = int(spec.q_positions[0] - spec.k_positions[0])  # query a is key a + offset
+    offset = spec.offset  # query a is key a + offset
     per_distance = torch.matmul(q, (key_table.to(q.dtype) * term_scale).t())  # (B, H, Tq, 2k+1) logits
     value_table = value_table.to(q.dtype)
     o_b, lse_b = _shaw_band(q, k, v, per_distance, value_table, clip, offset, spec.causal, spec.scale)

@@ -1,0 +1,181 @@
+"""``posenc.attend``: attention with a positional encoding, as one function call.
+
+The drop-in for ``torch.nn.functional.scaled_dot_product_attention`` when the attention has a
+positional encoding: the caller brings q, k, v from their own projections (grouped-query heads
+allowed), posenc applies the encoding's rotation and score terms and runs the fastest exact
+backend for it, for shared or per-row positions, packed documents and padded rows
+(:mod:`posenc.geometry`).
+
+    out = posenc.attend(q, k, v, rope)                                     # (B, H, T, D)
+    out = posenc.attend(q, k, v, alibi, document_ids=doc)                  # packed rows
+    out = posenc.attend(q, k, v, t5, key_padding_mask=mask)                # padded rows
+
+Shape legend: B batch, H query heads, Hkv key/value heads (H a multiple of Hkv), Tq queries,
+Tk keys, D head dim.
+
+Grouped-query attention (Ainslie et al. 2023, "GQA"): query head h uses key/value head
+h // (H // Hkv), the order of Hugging Face's ``repeat_kv``. Encodings stay per query head (a bias
+per query head, Shaw's tables, T5's table). Plain attention (NoPE, RoPE) broadcasts the key/value
+heads inside the fused kernel (``enable_gqa``); the score-term backends get them repeated.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from . import backends
+from .encodings.protocol import Rotates, offers
+from .errors import UsageError
+from .geometry import Geometry, ScoreSpec
+from .memo import ForwardMemo
+
+
+def attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    encoding: torch.nn.Module | None = None,
+    *,
+    positions: torch.Tensor | None = None,
+    k_positions: torch.Tensor | None = None,
+    causal: bool = True,
+    scale: float | None = None,
+    document_ids: torch.Tensor | None = None,
+    key_padding_mask: torch.Tensor | None = None,
+    rotate: bool = True,
+    backend: str = "auto",
+    geometry: Geometry | None = None,
+    memo: ForwardMemo | None = None,
+) -> torch.Tensor:
+    """Scaled dot-product attention with ``encoding``'s positions: (B, H, Tq, D).
+
+    Args:
+        q: queries (B, H, Tq, D).
+        k: keys (B, Hkv, Tk, D); H must be a multiple of Hkv (grouped-query or multi-query heads).
+        v: values (B, Hkv, Tk, D).
+        encoding: a posenc encoding built for H heads and head dim D (``posenc.build(...)``); None
+            is NoPE. Its ``embed`` hook (absolute methods) is not applied here: it acts on token
+            embeddings, before the projections.
+        positions: the queries' positions, (Tq,) or (B, Tq) integers; None: 0..T-1 (restarting at
+            each document, counted from each row's first real token).
+        k_positions: the keys' positions, (Tk,) or (B, Tk); None: the queries' when Tq == Tk,
+            else consecutive, ending at each row's last query (the queries are the last keys).
+        causal: a query sees only keys at or before it.
+        scale: the factor of q . k; None: 1 / sqrt(D).
+        document_ids: (B, T) integers (Tq == Tk): packed rows, no attention across documents
+            (a document is a run of equal ids); positions restart at each document by default.
+        key_padding_mask: (B, Tk) bool, True on real tokens, one contiguous run per row (left or
+            right padding); outputs at padding queries are 0.
+        rotate: apply the encoding's rotation (RoPE family); False when q and k come rotated.
+        backend: "auto" or one of :func:`posenc.backends.names`.
+        geometry: a :class:`~posenc.geometry.Geometry` built once for several calls (a model's
+            layers); replaces ``positions``, ``k_positions``, ``document_ids`` and
+            ``key_padding_mask``.
+        memo: a :class:`~posenc.memo.ForwardMemo` shared by the layers of one model forward.
+
+    Returns:
+        (B, H, Tq, D) in q's dtype.
+
+    Raises:
+        UsageError: shapes that do not fit (naming the argument), an encoding built for other
+            sizes, or a forced backend that cannot run the call.
+    """
+    b, h, hkv, tq, tk, d = _check(q, k, v, encoding)
+    if encoding is None:
+        from .encodings import build
+
+        encoding = build("nope", num_heads=h, head_dim=d, causal=causal)
+    if getattr(encoding, "causal", causal) != causal:
+        raise UsageError(f"encoding was built with causal={encoding.causal}; attend got causal={causal}")
+    backends.check_name(backend)
+    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    if geometry is None:
+        geometry = Geometry.of(b, tq, tk, q.device, positions=positions, k_positions=k_positions, causal=causal,
+                               document_ids=document_ids, key_padding_mask=key_padding_mask)
+    elif (geometry.batch, geometry.tq, geometry.tk) != (b, tq, tk):
+        raise UsageError(f"geometry was built for (batch, queries, keys) = {(geometry.batch, geometry.tq, geometry.tk)}, got {(b, tq, tk)}")
+    return _attend(q, k, v, encoding, geometry, scale, ForwardMemo() if memo is None else memo, backend, rotate)[0]
+
+
+def _attend(q, k, v, encoding, geometry: Geometry, scale: float, memo: ForwardMemo, backend: str, rotate: bool) -> tuple[torch.Tensor, str]:
+    """(out, the registered name of the backend that ran): a uniform call, or its runs of segments."""
+    if geometry.uniform:
+        return run(q, k, v, geometry.spec(encoding, scale, memo), backend, rotate)
+    return _segments(q, k, v, encoding, geometry, scale, memo, backend, rotate)
+
+
+def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec, backend: str = "auto",
+        rotate: bool = True) -> tuple[torch.Tensor, str]:
+    """One backend call on 1-D positions: rotation, grouped heads, the backend; (out, backend name)."""
+    enc = spec.encoding
+    if rotate and offers(enc, Rotates):
+        q, k = enc.rotate(q, k, spec.q_positions, spec.k_positions)
+    name, chosen = backends.choose(backend, spec, q)
+    group = q.shape[1] // k.shape[1]
+    if group > 1:
+        if name == "sdpa" and spec.plain and spec.starts is None:
+            return _plain_gqa(q, k, v, spec), name
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # (B, H, Tk, D)
+    return chosen.attend(q, k, v, spec), name
+
+
+def _plain_gqa(q, k, v, spec: ScoreSpec) -> torch.Tensor:
+    """No score terms: the fused kernel broadcasts the key/value heads itself."""
+    import torch.nn.functional as F
+
+    tq, tk = q.shape[-2], k.shape[-2]
+    if not spec.causal or (tq == 1 and spec.aligned):
+        return F.scaled_dot_product_attention(q, k, v, scale=spec.scale, enable_gqa=True)
+    if tq == tk and spec.aligned:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=spec.scale, enable_gqa=True)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=spec.allowed(), scale=spec.scale, enable_gqa=True)
+
+
+def _segments(q, k, v, encoding, geometry: Geometry, scale: float, memo: ForwardMemo, backend: str, rotate: bool) -> tuple[torch.Tensor, str]:
+    """Each run of identical segments as one stacked backend call, scattered back into place."""
+    b, h, tq, d = q.shape
+    hkv, tk = k.shape[1], k.shape[2]
+    qf = q.transpose(1, 2).reshape(b * tq, h, d)  # (B*Tq, H, D)
+    kf = k.transpose(1, 2).reshape(b * tk, hkv, d)
+    vf = v.transpose(1, 2).reshape(b * tk, hkv, v.shape[-1])
+    out = q.new_zeros(b * tq, h, v.shape[-1])  # padding queries stay 0
+    name = backend
+    for seg in geometry.runs:
+        n, lq = seg.q_index.shape
+        lk = seg.k_index.shape[1]
+        qs = qf[seg.q_index.reshape(-1)].view(n, lq, h, d).transpose(1, 2)  # (n, H, Lq, D)
+        ks = kf[seg.k_index.reshape(-1)].view(n, lk, hkv, d).transpose(1, 2)  # (n, Hkv, Lk, D)
+        vs = vf[seg.k_index.reshape(-1)].view(n, lk, hkv, -1).transpose(1, 2)
+        spec = ScoreSpec(encoding, seg.q_positions, seg.k_positions, geometry.causal, scale, memo, seg.consecutive,
+                         q_start=seg.q_start, k_start=seg.k_start, aligned=seg.aligned)
+        o, name = run(qs, ks, vs, spec, backend, rotate)  # (n, H, Lq, D)
+        out = out.index_copy(0, seg.q_index.reshape(-1), o.transpose(1, 2).reshape(n * lq, h, -1))
+    return out.view(b, tq, h, -1).transpose(1, 2), name  # (B, H, Tq, D)
+
+
+def _check(q, k, v, encoding):
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(x, torch.Tensor) or x.dim() != 4:
+            raise UsageError(f"{name} must be a 4-D tensor (batch, heads, length, head_dim), got {getattr(x, 'shape', type(x).__name__)}")
+    b, h, tq, d = q.shape
+    _, hkv, tk, dk = k.shape
+    if k.shape[0] != b or v.shape[0] != b:
+        raise UsageError(f"q, k and v must have the same batch size, got {b}, {k.shape[0]}, {v.shape[0]}")
+    if dk != d:
+        raise UsageError(f"k must have q's head_dim ({d}), got {dk}")
+    if tuple(v.shape[1:3]) != (hkv, tk):
+        raise UsageError(f"v must have k's heads and length {(hkv, tk)}, got {tuple(v.shape[1:3])}")
+    if hkv < 1 or h % hkv:
+        raise UsageError(f"the query heads ({h}) must be a multiple of the key/value heads ({hkv})")
+    if encoding is not None:
+        if getattr(encoding, "num_heads", h) != h or getattr(encoding, "head_dim", d) != d:
+            raise UsageError(
+                f"encoding was built for num_heads={encoding.num_heads}, head_dim={encoding.head_dim}; "
+                f"q has {h} heads of head_dim {d}"
+            )
+    return b, h, hkv, tq, tk, d
+
+
+__all__ = ["attend", "run"]

@@ -1,0 +1,413 @@
+"""The geometry of one attention call: which query sees which key, and at which positions.
+
+Everything a backend needs to know about positions is decided here, once per call (or once per
+model forward, for all layers), and carried as plain fields; no backend re-derives it.
+
+Two levels:
+
+- :class:`Geometry` is what a caller describes: a batch of B rows, Tq queries and Tk keys, their
+  positions as (T,) (shared by every row) or (B, T) (per row), optional ``document_ids`` (B, T) for
+  packed rows, an optional ``key_padding_mask`` (B, Tk) for padded rows, and ``causal``. When every
+  row has the same positions, no documents and no padding, the geometry is *uniform*: one backend
+  call runs the whole batch. Otherwise it is split into *segments* -- one per (row, document), the
+  padding left out -- and segments with identical positions are stacked into one :class:`Run`, so
+  a packed row of eight documents of 512 tokens runs as a batch of eight 512-token calls: the cost
+  grows with the sum of the squared document lengths, never with Tq x Tk, and no (N, N) mask exists.
+- :class:`ScoreSpec` is what one backend call receives besides q, k, v: 1-D positions, the encoding,
+  ``causal``, ``scale``, and the derived facts (``consecutive``, ``q_start``/``k_start``,
+  ``aligned``) that the backends' fast paths rely on.
+
+Definitions (shape legend: B batch, T tokens, Tq queries, Tk keys):
+
+- A *document* is a maximal run of equal ``document_ids`` in a row. Without ``document_ids``,
+  positions that do not increase (a restart, as a packed row written with per-document positions
+  has) also start a new document: a query never sees a key of another document, so packing can
+  never leak attention across documents.
+- ``key_padding_mask`` is True on real tokens; a row's real tokens are one contiguous run (left or
+  right padding). Padding queries get output 0 and padding keys are seen by no query.
+- Without ``positions``: 0..T-1 after the first real token of each row, restarting at every
+  document (with a padding mask, HF's ``cumsum(mask) - 1``). Queries of a call with Tq < Tk (a
+  cached step) are the last Tq keys; default key positions then end at each row's last query.
+- Segments of a causal call are *aligned*: their queries are the last keys of the segment.
+
+Invariants the tests check: a packed row equals each document run alone; a padded batch equals
+each row run alone; a uniform batch gives the same segments as the same positions given (B, T).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from .encodings.protocol import Biases, QueryTerms, Scores, ValueTerms, offers
+from .errors import UsageError
+from .memo import ForwardMemo, Workspace
+
+
+def _describe(x) -> str:
+    if isinstance(x, torch.Tensor):
+        return f"a {x.dim()}-D {str(x.dtype).removeprefix('torch.')} tensor of shape {tuple(x.shape)}"
+    return type(x).__name__
+
+
+def _integer(name: str, x, shapes: str) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor) or x.is_floating_point() or x.is_complex() or x.dtype == torch.bool:
+        raise UsageError(f"{name} must be an integer tensor of shape {shapes}, got {_describe(x)}")
+    return x
+
+
+def check_positions(positions: torch.Tensor, length: int, past: int | None = None) -> bool:
+    """Validate 1-D ``positions`` for a sequence of ``length`` tokens; True when they are consecutive.
+
+    Positions are ``length`` distinct, increasing, non-negative integers (a randomized-positions
+    scheme may skip values; a KV cache needs them consecutive, continuing at ``past``).
+
+    Raises:
+        UsageError: not a 1-D integer tensor, a wrong length, a negative value, values that do not
+            increase, or (with ``past``) positions that do not continue the cache.
+    """
+    if not isinstance(positions, torch.Tensor) or positions.dim() != 1 or positions.is_floating_point() or positions.is_complex():
+        raise UsageError(f"positions must be a 1-D integer tensor, got {_describe(positions)}")
+    if positions.numel() != length:
+        raise UsageError(f"positions must hold one position per token ({length}), got {positions.numel()}")
+    if length == 0:
+        return True
+    values = positions.tolist()
+    return _check_run(values, past)
+
+
+def _check_run(values: list[int], past: int | None = None, name: str = "positions") -> bool:
+    if values[0] < 0:
+        raise UsageError(f"{name} must be >= 0, got {min(values)}")
+    if any(b <= a for a, b in zip(values, values[1:])):
+        raise UsageError(f"{name} must be strictly increasing within a document (each token after the one before)")
+    consecutive = values[-1] - values[0] == len(values) - 1
+    if past is not None and (not consecutive or values[0] != past):
+        raise UsageError(
+            f"with a KV cache, positions must continue the cache: {past}..{past + len(values) - 1}, "
+            f"got {values[0]}..{values[-1]}"
+        )
+    return consecutive
+
+
+@dataclass
+class ScoreSpec:
+    """Everything besides q, k, v that defines the scores of one backend call (1-D positions).
+
+    ``consecutive``, ``q_start``, ``k_start`` and ``aligned`` are derived from the positions when
+    not given (one host read); :class:`Geometry` gives them, so a model forward reads positions once.
+    """
+
+    encoding: nn.Module
+    q_positions: torch.Tensor  # (Tq,) absolute positions of the queries
+    k_positions: torch.Tensor  # (Tk,) absolute positions of the keys
+    causal: bool
+    scale: float
+    # What this model forward computes once for all its layers (a fresh one for a lone call).
+    memo: ForwardMemo = field(default_factory=ForwardMemo, repr=False)
+    # Positions step by one (the usual case). Randomized positions skip values: then only backends
+    # that read every position (eager, sdpa with a dense bias) may run the call.
+    consecutive: bool = True
+    # Left padding (generation in batches): row b's real tokens start at position starts[b] (B,);
+    # keys before it are hidden from the row's real queries. A padding query sees the padding
+    # before it (so no softmax row is empty); its output is never used. None: no padding.
+    starts: torch.Tensor | None = None
+    # Buffers kept between decode steps by the KV cache; None for a lone call.
+    workspace: Workspace | None = field(default=None, repr=False)
+    # First query / key position (consecutive positions: query a is key a + q_start - k_start).
+    q_start: int | None = None
+    k_start: int | None = None
+    # Queries are the last Tq keys, position for position (a full pass, or a cached step).
+    aligned: bool | None = None
+
+    def __post_init__(self) -> None:
+        tq, tk = self.q_positions.numel(), self.k_positions.numel()
+        if self.q_start is None:
+            self.q_start = int(self.q_positions[0]) if tq else 0
+        if self.k_start is None:
+            self.k_start = int(self.k_positions[0]) if tk else 0
+        if self.aligned is None:
+            if tq == 0 or tq > tk:
+                self.aligned = tq == 0
+            else:
+                self.aligned = bool(self.q_positions[0] == self.k_positions[tk - tq]) and bool(self.q_positions[-1] == self.k_positions[-1])
+
+    @property
+    def offset(self) -> int:
+        """Query a is key a + offset (consecutive positions)."""
+        return self.q_start - self.k_start
+
+    # What the encoding offers, asked once per spec (a decode step asks each several times).
+    @functools.cached_property
+    def has_bias(self) -> bool:
+        return offers(self.encoding, Biases)
+
+    @functools.cached_property
+    def has_query_terms(self) -> bool:
+        return offers(self.encoding, QueryTerms)
+
+    @functools.cached_property
+    def has_value_terms(self) -> bool:
+        return offers(self.encoding, ValueTerms)
+
+    @functools.cached_property
+    def has_score_mod(self) -> bool:
+        return offers(self.encoding, Scores)
+
+    @property
+    def plain(self) -> bool:
+        """No score terms at all: content attention plus (maybe) the causal mask."""
+        return not (self.has_bias or self.has_query_terms or self.has_value_terms)
+
+    def bias(self, q_positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Dense (H, Tq, Tk) bias for these (or the given) queries; the whole call's is memoised
+        per forward for encodings shared across layers."""
+        if q_positions is None or q_positions is self.q_positions:
+            return self.memo.dense_bias(self.encoding, self.q_positions, self.k_positions)
+        return self.encoding.bias(q_positions, self.k_positions)
+
+    def allowed(self, q_positions: torch.Tensor | None = None) -> torch.Tensor | None:
+        """(Tq, Tk) bool, True where a query may see a key; None when every pair is allowed."""
+        if not self.causal:
+            return None
+        q_positions = self.q_positions if q_positions is None else q_positions
+        return self.k_positions[None, :] <= q_positions[:, None]
+
+    def hidden(self, q_positions: torch.Tensor | None = None) -> torch.Tensor | None:
+        """(B, 1, Tq, Tk) bool, True where left padding hides a key from a query (a padding key,
+        a real query); None without padding."""
+        if self.starts is None:
+            return None
+        q_positions = self.q_positions if q_positions is None else q_positions
+        starts = self.starts[:, None, None, None]  # (B, 1, 1, 1)
+        return (self.k_positions[None, None, None, :] < starts) & (q_positions[None, None, :, None] >= starts)
+
+    def part(self, q_positions: torch.Tensor, k_positions: torch.Tensor) -> ScoreSpec:
+        """The same call for a sub-range of its queries and keys, without padding or workspace."""
+        return ScoreSpec(self.encoding, q_positions, k_positions, self.causal, self.scale, self.memo, self.consecutive)
+
+
+@dataclass(frozen=True)
+class Run:
+    """Segments of identical positions, stacked: n segments of Lq queries and Lk keys.
+
+    ``q_index`` (n, Lq) and ``k_index`` (n, Lk) index the flattened (B * Tq) queries and (B * Tk)
+    keys; ``q_positions`` (Lq,) and ``k_positions`` (Lk,) are every segment's positions.
+    """
+
+    q_index: torch.Tensor
+    k_index: torch.Tensor
+    q_positions: torch.Tensor
+    k_positions: torch.Tensor
+    consecutive: bool
+    aligned: bool
+    q_start: int
+    k_start: int
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """Where every query and key of one call sits (see the module docstring); build with :meth:`of`.
+
+    ``q_positions`` / ``k_positions`` are (T,) when shared by every row, else (B, T); ``runs`` is
+    None for a uniform call (one backend call for the whole batch), else the stacked segments.
+    ``embed_positions`` are the positions an absolute encoding adds to the token embeddings.
+    """
+
+    batch: int
+    tq: int
+    tk: int
+    causal: bool
+    q_positions: torch.Tensor
+    k_positions: torch.Tensor
+    consecutive: bool = True
+    runs: tuple[Run, ...] | None = None
+
+    @property
+    def uniform(self) -> bool:
+        return self.runs is None
+
+    @property
+    def embed_positions(self) -> torch.Tensor:
+        return self.q_positions
+
+    def spec(self, encoding: nn.Module, scale: float, memo: ForwardMemo | None = None) -> ScoreSpec:
+        """The one backend call of a uniform geometry."""
+        return ScoreSpec(
+            encoding, self.q_positions, self.k_positions, self.causal, scale, ForwardMemo() if memo is None else memo,
+            self.consecutive, q_start=self._q_start, k_start=self._k_start, aligned=self._aligned,
+        )
+
+    # Filled by ``of`` for a uniform geometry (ints known without reading the device).
+    _q_start: int = 0
+    _k_start: int = 0
+    _aligned: bool = True
+
+    @classmethod
+    def of(
+        cls,
+        batch: int,
+        tq: int,
+        tk: int,
+        device: torch.device | str = "cpu",
+        *,
+        positions: torch.Tensor | None = None,
+        k_positions: torch.Tensor | None = None,
+        causal: bool = True,
+        document_ids: torch.Tensor | None = None,
+        key_padding_mask: torch.Tensor | None = None,
+    ) -> Geometry:
+        """Validate a call's positions, documents and padding, and plan its backend calls.
+
+        Args:
+            batch, tq, tk: rows B, queries Tq and keys Tk (queries are the last Tq keys when Tq < Tk).
+            positions: the queries' positions, (Tq,) or (B, Tq); None: see the module docstring.
+            k_positions: the keys' positions, (Tk,) or (B, Tk); None: the queries' when Tq == Tk,
+                else consecutive, ending at each row's last query.
+            causal: a query sees only keys at or before its own position.
+            document_ids: (B, T) integers, documents of packed rows (only when Tq == Tk).
+            key_padding_mask: (B, Tk) bool, True on real tokens (one contiguous run per row).
+
+        Raises:
+            UsageError: a shape, dtype or value outside what is described above, naming the argument.
+        """
+        if tq > tk:
+            raise UsageError(f"queries ({tq}) must not outnumber keys ({tk}): the queries are the last keys")
+        if positions is None and k_positions is not None:
+            raise UsageError("k_positions needs positions (the queries' positions) as well")
+        if document_ids is not None:
+            document_ids = _integer("document_ids", document_ids, f"(batch, length) = ({batch}, {tk})")
+            if tq != tk:
+                raise UsageError(f"document_ids needs as many queries as keys (self-attention without a cache), got {tq} and {tk}")
+            if tuple(document_ids.shape) != (batch, tk):
+                raise UsageError(f"document_ids must have shape (batch, length) = ({batch}, {tk}), got {tuple(document_ids.shape)}")
+        if key_padding_mask is not None:
+            if not isinstance(key_padding_mask, torch.Tensor) or key_padding_mask.dtype != torch.bool:
+                raise UsageError(f"key_padding_mask must be a bool tensor (True = real token), got {_describe(key_padding_mask)}")
+            if tuple(key_padding_mask.shape) != (batch, tk):
+                raise UsageError(f"key_padding_mask must have shape (batch, keys) = ({batch}, {tk}), got {tuple(key_padding_mask.shape)}")
+        shared = positions is None or positions.dim() == 1
+        if positions is not None:
+            _integer("positions", positions, f"({tq},) or ({batch}, {tq})")
+            if positions.shape not in ((tq,), (batch, tq)):
+                raise UsageError(f"positions must have shape ({tq},) or (batch, {tq}) = ({batch}, {tq}), got {tuple(positions.shape)}")
+        if k_positions is not None:
+            _integer("k_positions", k_positions, f"({tk},) or ({batch}, {tk})")
+            if k_positions.shape not in ((tk,), (batch, tk)):
+                raise UsageError(f"k_positions must have shape ({tk},) or (batch, {tk}) = ({batch}, {tk}), got {tuple(k_positions.shape)}")
+            shared = shared and k_positions.dim() == 1
+        if document_ids is None and key_padding_mask is None and shared:
+            return cls._uniform(batch, tq, tk, device, positions, k_positions, causal)
+        return cls._segmented(batch, tq, tk, device, positions, k_positions, causal, document_ids, key_padding_mask)
+
+    @classmethod
+    def _uniform(cls, batch, tq, tk, device, positions, k_positions, causal) -> Geometry:
+        if positions is None:  # the usual call: nothing to read from the device
+            kp = torch.arange(tk, device=device)  # (Tk,)
+            return cls(batch, tq, tk, causal, kp[tk - tq :], kp, True, None, tk - tq, 0, True)
+        qv = positions.tolist()
+        if k_positions is None:
+            if tq == tk:
+                k_positions, kv = positions, qv
+            else:
+                last = qv[-1] if qv else tk - 1
+                kv = list(range(last - tk + 1, last + 1))
+                k_positions = torch.tensor(kv, device=positions.device, dtype=positions.dtype)
+        else:
+            kv = k_positions.tolist()
+        if tq == tk and qv and any(b <= a for a, b in zip(qv, qv[1:])):
+            # Restarting positions: documents, packed in one row (never attended across).
+            return cls._segmented(batch, tq, tk, device, positions, k_positions, causal, None, None)
+        consecutive = True
+        if qv:
+            consecutive = _check_run(qv) and consecutive
+        if kv:
+            consecutive = _check_run(kv, name="k_positions") and consecutive
+        aligned = (not qv) or (len(qv) <= len(kv) and qv == kv[len(kv) - len(qv) :])
+        return cls(batch, tq, tk, causal, positions, k_positions, consecutive, None,
+                   qv[0] if qv else 0, kv[0] if kv else 0, aligned)
+
+    @classmethod
+    def _segmented(cls, batch, tq, tk, device, positions, k_positions, causal, document_ids, key_padding_mask) -> Geometry:
+        shift = tk - tq  # query t is key t + shift
+        real = key_padding_mask.tolist() if key_padding_mask is not None else None
+        docs = document_ids.tolist() if document_ids is not None else None
+        spans = []  # per row: (first real key, end)
+        for b in range(batch):
+            if real is None:
+                spans.append((0, tk))
+                continue
+            row = real[b]
+            idx = [j for j, r in enumerate(row) if r]
+            if idx and idx[-1] - idx[0] + 1 != len(idx):
+                raise UsageError(f"key_padding_mask row {b} must mark one contiguous run of real tokens (left or right padding)")
+            spans.append((idx[0], idx[-1] + 1) if idx else (0, 0))
+        # Positions (B, T) on the host: given, or counted from each row's first real token / document.
+        if positions is None:
+            kv_rows = []
+            for b in range(batch):
+                s, e = spans[b]
+                row = [0] * tk
+                count, prev = 0, None
+                for j in range(s, e):
+                    if docs is not None and prev is not None and docs[b][j] != prev:
+                        count = 0
+                    row[j] = count
+                    count += 1
+                    prev = None if docs is None else docs[b][j]
+                kv_rows.append(row)
+            qv_rows = [row[shift:] for row in kv_rows]
+        else:
+            qv_rows = positions.tolist()
+            if positions.dim() == 1:
+                qv_rows = [qv_rows] * batch
+            if k_positions is not None:
+                kv_rows = k_positions.tolist()
+                if k_positions.dim() == 1:
+                    kv_rows = [kv_rows] * batch
+            elif tq == tk:
+                kv_rows = qv_rows
+            else:
+                kv_rows = [list(range(r[-1] - tk + 1, r[-1] + 1)) if r else list(range(tk)) for r in qv_rows]
+        groups: dict[tuple, list] = {}
+        for b in range(batch):
+            s, e = spans[b]
+            for a0, a1 in _documents(qv_rows[b] if tq == tk else None, docs[b] if docs is not None else None, max(s, shift), e, tq == tk):
+                # queries a0..a1-1 (key indices); their keys: the document (causal: up to the last query)
+                k0 = a0 if tq == tk else s
+                q_pos = qv_rows[b][a0 - shift : a1 - shift]
+                k_pos = kv_rows[b][k0:a1]
+                groups.setdefault((tuple(q_pos), tuple(k_pos)), []).append((b, a0, a1, k0))
+        runs = []
+        for (q_pos, k_pos), members in groups.items():
+            consecutive = _check_run(list(q_pos)) and _check_run(list(k_pos), name="k_positions")
+            q_index = torch.tensor([[b * tq + a - shift for a in range(a0, a1)] for b, a0, a1, _ in members], device=device)
+            k_index = torch.tensor([[b * tk + j for j in range(k0, a1)] for b, _, a1, k0 in members], device=device)
+            runs.append(Run(q_index, k_index, torch.tensor(q_pos, device=device), torch.tensor(k_pos, device=device), consecutive,
+                            q_pos == k_pos[len(k_pos) - len(q_pos) :], q_pos[0], k_pos[0]))
+        q_rows = torch.tensor(qv_rows, device=device).clamp(min=0)  # (B, Tq): for embed (padding reads 0)
+        k_rows = torch.tensor(kv_rows, device=device).clamp(min=0)
+        return cls(batch, tq, tk, causal, q_rows, k_rows, all(r.consecutive for r in runs), tuple(runs))
+
+
+def _documents(positions: list[int] | None, docs: list | None, start: int, end: int, self_attention: bool):
+    """(a0, a1) key-index ranges of the documents in [start, end): split where the document id
+    changes or (self-attention) where the positions do not increase."""
+    if start >= end:
+        return []
+    if not self_attention:
+        return [(start, end)]
+    out, a0 = [], start
+    for j in range(start + 1, end):
+        new = (docs is not None and docs[j] != docs[j - 1]) or (positions is not None and positions[j] <= positions[j - 1])
+        if new:
+            out.append((a0, j))
+            a0 = j
+    out.append((a0, end))
+    return out
+
+
+__all__ = ["Geometry", "Run", "ScoreSpec", "check_positions"]
