@@ -7,18 +7,11 @@ the same model run on each document or row alone and the full forward of the gen
 from __future__ import annotations
 
 import copy
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-import hf_attend_standin  # noqa: E402
-
-hf_attend_standin.install()  # TEMPORARY: until posenc.attend is on main
-
-import posenc  # noqa: E402
+import posenc
 
 transformers = pytest.importorskip("transformers")
 import posenc.hf as phf  # noqa: E402

@@ -5,16 +5,9 @@ longer lengths with the study's evaluation. The same recipe, longer, is the one 
 from __future__ import annotations
 
 import math
-import sys
-from pathlib import Path
 
 import pytest
 import torch
-
-sys.path.insert(0, str(Path(__file__).parent))
-import hf_attend_standin  # noqa: E402
-
-hf_attend_standin.install()  # TEMPORARY: until posenc.attend is on main
 
 transformers = pytest.importorskip("transformers")
 import posenc.hf as phf  # noqa: E402
