@@ -120,7 +120,9 @@ def main() -> None:
         return
     if "hf-rope" not in args.methods:
         raise SystemExit("--methods must include hf-rope (the reference of every ratio)")
-    passthrough = [a for a in sys.argv[1:] if not a.startswith("--out")]
+    passthrough = [f"--{k}={v}" for k, v in (("length", args.length), ("batch", args.batch), ("hidden", args.hidden),
+                   ("layers", args.layers), ("heads", args.heads), ("kv-heads", args.kv_heads), ("repeats", args.repeats),
+                   ("warmup", args.warmup), ("tokens", args.tokens), ("threads", args.threads))]
     records: dict[str, dict[str, list[float]]] = {mode: {m: [] for m in args.methods} for mode in args.modes}
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")}
     for r in range(args.rounds):

@@ -309,3 +309,43 @@ def test_imported_t5_decoder_table_inside_llama() -> None:
     assert torch.equal(encoding.bias(torch.arange(30), torch.arange(30)), owner.compute_bias(30, 30)[0])
     with pytest.raises(posenc.UsageError, match="stack='decoder'"):
         phf.use(llama(), phf.t5_from_hf(t5, stack="encoder"))
+
+
+def test_one_geometry_per_forward(monkeypatch) -> None:
+    """The layers of one forward share one geometry (positions and documents read once)."""
+    from posenc.hf import adapter
+
+    calls = []
+    real_of = adapter.Geometry.of
+    monkeypatch.setattr(adapter.Geometry, "of", lambda *a, **k: calls.append(1) or real_of(*a, **k))
+    model = setup_model("t5")
+    ids = tokens(2, 10)
+    mask = torch.ones(2, 10, dtype=torch.long)
+    mask[0, :2] = 0
+    logits(model, ids, attention_mask=mask)
+    assert len(calls) == 1
+    model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False)
+    assert len(calls) == 1 + 3  # prefill and two decode steps
+
+
+def test_gradient_checkpointing_gives_the_same_gradients() -> None:
+    model = setup_model("t5")
+    model.train()
+    ids = tokens(2, 12)
+    table = model.model.posenc_encodings[0].relative_attention_bias.weight
+    model(ids, labels=ids, use_cache=False).loss.backward()
+    plain = table.grad.clone()
+    model.zero_grad()
+    (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()
+    model(ids, labels=ids, use_cache=False).loss.backward()
+    torch.testing.assert_close(table.grad, plain, rtol=1e-5, atol=1e-7)
+
+
+def test_rope_options_and_replacing_the_encoding() -> None:
+    ref = llama()
+    model = phf.use(copy.deepcopy(ref), "rope", base=10000.0)  # the same parameters, given
+    ids = tokens(1, 20)
+    assert max_err(logits(model, ids), logits(ref, ids)) < 1e-5
+    phf.use(model, "rope", base=500.0)  # use again: the encoding is replaced
+    assert model.config.posenc == {"encoding": "rope", "options": {"base": 500.0}, "causal": True}
+    assert max_err(logits(model, ids), logits(ref, ids)) > 1e-3

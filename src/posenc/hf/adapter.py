@@ -43,6 +43,9 @@ from ..encodings import build, get_class, options_of
 from ..encodings.base import PositionalEncoding
 from ..encodings.protocol import Embeds, offers
 from ..errors import UsageError
+from ..functional import attend
+from ..geometry import Geometry
+from ..memo import ForwardMemo
 
 import transformers
 from transformers import AttentionInterface
@@ -89,38 +92,23 @@ def _restarts(positions: torch.Tensor, real: torch.Tensor | None) -> torch.Tenso
     return torch.nn.functional.pad(step, (1, 0), value=False)
 
 
-def posenc_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                     attention_mask: torch.Tensor | None, *, scaling: float | None = None, dropout: float = 0.0,
-                     **kwargs: Any) -> tuple[torch.Tensor, None]:
-    """The attention function registered as ``"posenc"``: ``posenc.attend`` with the layer's
-    encoding. query (B, H, Tq, D), key/value (B, Hkv, Tk, D) un-rotated (cache included); returns
-    (out (B, Tq, H, D), None)."""
-    from ..functional import attend  # the functional call; imported here so the module loads without it
+def _key_end(tq: int, tk: int, real: torch.Tensor | None) -> int:
+    """How many key slots hold keys: a static cache's unwritten slots end every row (their mask is
+    False in every row) and are dropped; Tk otherwise."""
+    if real is None or tq == tk:
+        return tk
+    written = real.any(dim=0)  # (Tk,)
+    end = int(torch.nonzero(written).max()) + 1 if bool(written.any()) else tk
+    return max(end, tq)
 
-    encoding = module.__dict__.get("_posenc_encoding")
-    if encoding is None:
-        raise UsageError(f"{type(module).__name__} {getattr(module, 'layer_idx', '')}: attn_implementation='posenc' "
-                         "needs posenc.hf.use(model, encoding) first")
-    if dropout and module.training:
-        raise UsageError(f"attention_dropout must be 0 with posenc.hf (got {dropout})")
+
+def _geometry(query: torch.Tensor, tk: int, attention_mask: torch.Tensor | None,
+              position_ids: torch.Tensor | None, causal: bool) -> Geometry:
+    """The call's geometry from what HF passes: the queries' ``position_ids`` and the padding mask
+    (see the module docstring for the key positions and documents derived from them)."""
     batch, _, tq, _ = query.shape
-    tk = key.shape[2]
-    window = kwargs.get("sliding_window")
-    if window is not None and tk > window:
-        raise UsageError(f"sliding_window={window}: posenc.hf runs full attention only; {tk} keys exceed the window "
-                         "(set config.sliding_window=None, or keep sequences within it)")
-    if attention_mask is not None and (attention_mask.dim() != 2 or attention_mask.dtype != torch.bool):
-        raise UsageError("attention_mask: posenc.hf takes a 2-D padding mask; a prepared 4-D mask is not supported")
-    real = attention_mask  # (B, Tk) or None
+    real = None if attention_mask is None else attention_mask[:, :tk]  # (B, Tk) or None
     device = query.device
-    if real is not None and tq < tk:  # a static cache's unwritten slots end every row: drop them
-        written = real.any(dim=0)  # (Tk,)
-        end = int(torch.nonzero(written).max()) + 1 if bool(written.any()) else tk
-        end = max(end, tq)
-        if end < tk:
-            key, value, real, tk = key[:, :, :end], value[:, :, :end], real[:, :end], end
-
-    position_ids = kwargs.get("position_ids")
     if position_ids is None:
         q_pos = torch.arange(tk - tq, tk, device=device).expand(batch, tq)
     else:
@@ -146,8 +134,49 @@ def posenc_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
     same_rows = position_ids is None or position_ids.shape[0] == 1
     if same_rows and real is None:
         q_pos, k_pos = q_pos[0], k_pos[0]
-    out = attend(query, key, value, encoding, positions=q_pos, k_positions=k_pos, causal=bool(getattr(module, "is_causal", True)),
-                 scale=scaling, document_ids=document_ids, key_padding_mask=real, rotate=True)
+    return Geometry.of(batch, tq, tk, device, positions=q_pos, k_positions=k_pos, causal=causal,
+                       document_ids=document_ids, key_padding_mask=real)
+
+
+def posenc_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     attention_mask: torch.Tensor | None, *, scaling: float | None = None, dropout: float = 0.0,
+                     **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """The attention function registered as ``"posenc"``: ``posenc.attend`` with the layer's
+    encoding. query (B, H, Tq, D), key/value (B, Hkv, Tk, D) un-rotated (cache included); returns
+    (out (B, Tq, H, D), None).
+
+    The geometry (positions, documents, padding) is derived once per model forward and shared by
+    its layers, with one :class:`~posenc.memo.ForwardMemo` (T5's bias is then computed once): the
+    identity rotary module, which the model calls once per forward, starts a new forward. Under
+    gradient checkpointing each layer gets its own memo (a recomputed layer must redo its work)."""
+    encoding = module.__dict__.get("_posenc_encoding")
+    forward = module.__dict__.get("_posenc_forward")
+    if encoding is None or forward is None:
+        raise UsageError(f"{type(module).__name__} {getattr(module, 'layer_idx', '')}: attn_implementation='posenc' "
+                         "needs posenc.hf.use(model, encoding) first")
+    if dropout and module.training:
+        raise UsageError(f"attention_dropout must be 0 with posenc.hf (got {dropout})")
+    window = kwargs.get("sliding_window")
+    if window is not None and key.shape[2] > window:
+        raise UsageError(f"sliding_window={window}: posenc.hf runs full attention only; {key.shape[2]} keys exceed the window "
+                         "(set config.sliding_window=None, or keep sequences within it)")
+    if attention_mask is not None and (attention_mask.dim() != 2 or attention_mask.dtype != torch.bool):
+        raise UsageError("attention_mask: posenc.hf takes a 2-D padding mask; a prepared 4-D mask is not supported")
+    position_ids = kwargs.get("position_ids")
+    state = (forward.serial, query.shape[2], key.shape[2], attention_mask, position_ids)
+    if forward.key is None or not all(a is b for a, b in zip(forward.key, state)):
+        key_end = _key_end(query.shape[2], key.shape[2], attention_mask)
+        forward.key, forward.key_end, forward.memo = state, key_end, ForwardMemo()
+        forward.geometry = _geometry(query, key_end, attention_mask, position_ids, bool(getattr(module, "is_causal", True)))
+    if forward.key_end < key.shape[2]:  # a static cache's unwritten slots
+        key, value = key[:, :, : forward.key_end], value[:, :, : forward.key_end]
+    memo = forward.memo
+    if module.training and getattr(forward.base, "gradient_checkpointing", False):
+        # A checkpointed layer is run again in backward and must save the same tensors as in its
+        # first run: nothing shared with the other layers (each computes its own bias).
+        memo = ForwardMemo()
+    out = attend(query, key, value, encoding, scale=scaling, geometry=forward.geometry, memo=memo,
+                 causal=forward.geometry.causal, rotate=True)
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -160,15 +189,33 @@ def register() -> None:
 # -- the rotary replacement ----------------------------------------------------------------------
 
 
+class _Forward:
+    """What the layers of one model forward share: the geometry, its memo, and what it was built from."""
+
+    def __init__(self) -> None:
+        self.base: nn.Module | None = None  # the decoder stack (its gradient_checkpointing flag)
+        self.serial = 0
+        self.key: tuple | None = None
+        self.key_end = 0
+        self.geometry: Geometry | None = None
+        self.memo: ForwardMemo | None = None
+
+
 class IdentityRotary(nn.Module):
     """Stands in for a model's rotary module: cos = 1, sin = 0 of shape (*position_ids.shape,
-    head_dim), so the model's own rotation leaves q and k as they are. No parameters, no buffers."""
+    head_dim), so the model's own rotation leaves q and k as they are. No parameters, no buffers.
+    The model calls it once per forward: that call starts a new forward for the attention layers
+    (a fresh geometry and memo)."""
 
     def __init__(self, head_dim: int) -> None:
         super().__init__()
         self.head_dim = head_dim
+        self.forward_state = _Forward()
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        state = self.forward_state
+        state.serial += 1
+        state.key = state.geometry = state.memo = None  # nothing is kept across forwards
         shape = (*position_ids.shape, self.head_dim)
         return x.new_ones(shape), x.new_zeros(shape)
 
@@ -285,11 +332,13 @@ def use(model: nn.Module, encoding: str | nn.Module, **options: Any) -> nn.Modul
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
     base.posenc_encodings = nn.ModuleList(encodings).to(device=device, dtype=dtype)
-    for i, attention in enumerate(attentions):
-        attention.__dict__["_posenc_encoding"] = base.posenc_encodings[i if len(encodings) > 1 else 0]
     if not isinstance(base.rotary_emb, IdentityRotary):
         base.__dict__["_posenc_model_rotary"] = base.rotary_emb  # kept, not a submodule
         base.rotary_emb = IdentityRotary(int(getattr(attentions[0], "head_dim")))
+    for i, attention in enumerate(attentions):
+        attention.__dict__["_posenc_encoding"] = base.posenc_encodings[i if len(encodings) > 1 else 0]
+        attention.__dict__["_posenc_forward"] = base.rotary_emb.forward_state
+    base.rotary_emb.forward_state.base = base
     old_hook = base.__dict__.pop("_posenc_embed_hook", None)
     if old_hook is not None:
         old_hook.remove()
