@@ -4,10 +4,17 @@
 - :mod:`posenc.hf.importers`: trained position parameters of HF checkpoints (T5's relative bias
   table, BLOOM's ALiBi) into posenc encodings, and back where there is something to export.
 
-``transformers`` is imported by :mod:`posenc.hf.adapter` only; the importers read module attributes.
+Importing ``posenc`` never imports ``transformers``; importing ``posenc.hf`` does (the importers
+themselves only read module attributes). :func:`posenc.hf.evaluation.evaluate` scores an HF causal LM
+with the study's evaluation (used by the DroPE recipe in docs/hf.md).
 """
 
 from __future__ import annotations
+
+try:
+    import transformers  # noqa: F401
+except ImportError as error:  # an optional extra
+    raise ImportError("posenc.hf needs Hugging Face transformers >= 5: pip install 'posenc[hf]'") from error
 
 from .adapter import NAME, SUPPORTED, from_pretrained, register, use
 from .importers import alibi_from_bloom, t5_attention, t5_from_hf, t5_to_hf

@@ -19,6 +19,10 @@ How it plugs in (``transformers`` 5.x):
   wherever a real token's position is not its predecessor's plus one, and attention never crosses
   documents, with or without a cache (HF itself detects packing only without a cache and without
   a mask). A cached call whose queries restart is a UsageError (their keys' documents are unknown).
+- A static cache's unwritten slots (False in every row of the mask) are dropped from the keys.
+- The layers of one model forward share one :class:`~posenc.geometry.Geometry` (positions,
+  documents and padding, read once) and one :class:`~posenc.memo.ForwardMemo`; the identity rotary
+  module, which the model calls once per forward, marks where a forward starts.
 
 Encodings with parameters (T5's table, FIRE's MLP, ...) are modules of the model
 (``<base>.posenc_encodings``: one shared by all layers, or one per layer when the method learns per
@@ -284,9 +288,10 @@ def _build_encodings(config, encoding: str | nn.Module, options: dict, layers: i
             first = build(encoding, num_heads=heads, head_dim=head_dim, causal=True, **options)
     if cls.shares_across_layers:
         return [first], record
-    rest = [copy.deepcopy(first) for _ in range(layers - 1)]
-    if isinstance(encoding, str):  # fresh initialisation per layer, as posenc's own model builds them
+    if isinstance(encoding, str):  # a fresh initialisation per layer, as posenc's own model builds them
         rest = [build(encoding, num_heads=heads, head_dim=head_dim, causal=True, **options) for _ in range(layers - 1)]
+    else:  # a given module: every layer starts from its values
+        rest = [copy.deepcopy(first) for _ in range(layers - 1)]
     return [first, *rest], record
 
 
