@@ -326,6 +326,8 @@ def test_one_geometry_per_forward(monkeypatch) -> None:
     assert len(calls) == 1
     model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False)
     assert len(calls) == 1 + 3  # prefill and two decode steps
+    logits(model, tokens(1, 300))  # lengths past Python's small-int cache compare by value
+    assert len(calls) == 5
 
 
 def test_gradient_checkpointing_gives_the_same_gradients() -> None:

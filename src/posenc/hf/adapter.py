@@ -167,8 +167,10 @@ def posenc_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
     if attention_mask is not None and (attention_mask.dim() != 2 or attention_mask.dtype != torch.bool):
         raise UsageError("attention_mask: posenc.hf takes a 2-D padding mask; a prepared 4-D mask is not supported")
     position_ids = kwargs.get("position_ids")
-    state = (forward.serial, query.shape[2], key.shape[2], attention_mask, position_ids)
-    if forward.key is None or not all(a is b for a, b in zip(forward.key, state)):
+    sizes = (forward.serial, query.shape[2], key.shape[2])
+    if (forward.key is None or forward.key[0] != sizes or forward.key[1] is not attention_mask
+            or forward.key[2] is not position_ids):
+        state = (sizes, attention_mask, position_ids)
         key_end = _key_end(query.shape[2], key.shape[2], attention_mask)
         forward.key, forward.key_end, forward.memo = state, key_end, ForwardMemo()
         forward.geometry = _geometry(query, key_end, attention_mask, position_ids, bool(getattr(module, "is_causal", True)))
