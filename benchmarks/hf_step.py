@@ -12,20 +12,20 @@ for m in rope (the model's own parameters), alibi, t5 and nope.
 - decode: one greedy token after a cache of N tokens (a prefill, untimed), per token over ``--tokens``
   tokens.
 
-Every (round, method, mode) runs in a fresh interpreter: warm-up steps untimed, then ``--repeats``
-timed steps, their median is the job's time. Rounds alternate the methods (the order rotates every
-round); a method's ratio in a round is its time over ``hf-rope``'s time of the same round and mode.
-The table gives the median ratio over rounds and its min-max, and the median time.
+All models live in one process and are warmed up first; then every round times one step of each
+method, the methods in an order that rotates from round to round, so the steps a ratio compares
+ran seconds apart (on a shared machine whose load moves by several times within a minute, separate
+processes per job gave ratios that were noise). A method's ratio in a round is its time over
+``hf-rope``'s time in that round and mode; the table gives the median ratio over rounds and its
+min-max, and the median time.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -60,40 +60,40 @@ def build(method: str, args):
     return model
 
 
-def job(method: str, mode: str, args) -> dict:
-    """One fresh-process measurement: {"times": [...], "median": s}."""
-    import torch
+class Runner:
+    """One method's model and inputs; ``step()`` runs one timed unit of the mode, returns seconds."""
 
-    torch.set_num_threads(args.threads)
-    model = build(method, args)
-    g = torch.Generator().manual_seed(1)
-    times = []
-    if mode == "train":
-        ids = torch.randint(0, 256, (args.batch, args.length), generator=g)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        model.train()
-        for step in range(args.warmup + args.repeats):
+    def __init__(self, method: str, mode: str, args) -> None:
+        import torch
+
+        self.model, self.mode, self.args = build(method, args), mode, args
+        g = torch.Generator().manual_seed(1)
+        if mode == "train":
+            self.ids = torch.randint(0, 256, (args.batch, args.length), generator=g)
+            self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
+            self.model.train()
+        else:
+            self.ids = torch.randint(0, 256, (1, args.length), generator=g)
+            self.model.eval()
+
+    def step(self) -> float:
+        import torch
+
+        if self.mode == "train":
             start = time.perf_counter()
-            loss = model(ids, labels=ids, use_cache=False).loss
-            opt.zero_grad(set_to_none=True)
+            loss = self.model(self.ids, labels=self.ids, use_cache=False).loss
+            self.opt.zero_grad(set_to_none=True)
             loss.backward()
-            opt.step()
-            if step >= args.warmup:
-                times.append(time.perf_counter() - start)
-    else:
-        model.eval()
-        ids = torch.randint(0, 256, (1, args.length), generator=g)
-        with torch.no_grad():
-            for step in range(args.warmup + args.repeats):
-                out = model(ids, use_cache=True)
+            self.opt.step()
+            return time.perf_counter() - start
+        with torch.no_grad():  # prefill untimed, then per token
+            out = self.model(self.ids, use_cache=True)
+            cache, token = out.cache, out.logits[:, -1:].argmax(-1)
+            start = time.perf_counter()
+            for _ in range(self.args.tokens):
+                out = self.model(token, cache=cache, use_cache=True)
                 cache, token = out.cache, out.logits[:, -1:].argmax(-1)
-                start = time.perf_counter()
-                for _ in range(args.tokens):
-                    out = model(token, cache=cache, use_cache=True)
-                    cache, token = out.cache, out.logits[:, -1:].argmax(-1)
-                if step >= args.warmup:
-                    times.append((time.perf_counter() - start) / args.tokens)
-    return {"times": times, "median": statistics.median(times)}
+            return (time.perf_counter() - start) / self.args.tokens
 
 
 def main() -> None:
@@ -107,33 +107,29 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--kv-heads", type=int, default=4)
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--tokens", type=int, default=16, help="decode: timed tokens per step")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--job", help=argparse.SUPPRESS)  # internal: method,mode (a worker process)
     args = parser.parse_args()
-    if args.job:
-        method, mode = args.job.split(",")
-        print(json.dumps(job(method, mode, args)))
-        return
     if "hf-rope" not in args.methods:
         raise SystemExit("--methods must include hf-rope (the reference of every ratio)")
-    passthrough = [f"--{k}={v}" for k, v in (("length", args.length), ("batch", args.batch), ("hidden", args.hidden),
-                   ("layers", args.layers), ("heads", args.heads), ("kv-heads", args.kv_heads), ("repeats", args.repeats),
-                   ("warmup", args.warmup), ("tokens", args.tokens), ("threads", args.threads))]
+    import torch
+
+    torch.set_num_threads(args.threads)
     records: dict[str, dict[str, list[float]]] = {mode: {m: [] for m in args.methods} for mode in args.modes}
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")}
-    for r in range(args.rounds):
-        order = args.methods[r % len(args.methods):] + args.methods[: r % len(args.methods)]
-        for mode in args.modes:
+    for mode in args.modes:
+        runners = {m: Runner(m, mode, args) for m in args.methods}
+        for runner in runners.values():
+            for _ in range(args.warmup):
+                runner.step()
+        for r in range(args.rounds):
+            order = args.methods[r % len(args.methods):] + args.methods[: r % len(args.methods)]
             for method in order:
-                done = subprocess.run([sys.executable, __file__, *passthrough, "--job", f"{method},{mode}"],
-                                      capture_output=True, text=True, env=env, check=True)
-                result = json.loads(done.stdout.strip().splitlines()[-1])
-                records[mode][method].append(result["median"])
-                print(f"round {r + 1}/{args.rounds} {mode:6s} {method:8s} {result['median'] * 1e3:9.2f} ms", file=sys.stderr)
+                records[mode][method].append(runners[method].step())
+            print(f"round {r + 1}/{args.rounds} {mode}: " + ", ".join(
+                f"{m} {records[mode][m][-1] * 1e3:.1f} ms" for m in args.methods), file=sys.stderr)
+        del runners
     import torch
     import transformers
 
@@ -144,7 +140,7 @@ def main() -> None:
         f"model: hidden {args.hidden}, {args.layers} layers, {args.heads} heads / {args.kv_heads} kv heads, vocab 256, float32",
         f"train: batch {args.batch} x {args.length} tokens, forward + backward + AdamW; "
         f"decode: one token after a cache of {args.length}, per token over {args.tokens} tokens",
-        f"{args.rounds} rounds, methods alternated; each job a fresh process, {args.warmup} warm-up + {args.repeats} timed steps (median)",
+        f"{args.rounds} rounds of one timed step per method (order rotated each round), after {args.warmup} warm-up step(s); one process",
         "",
         "| mode | method | median time (ms) | ratio to hf-rope, median (min-max over rounds) |",
         "|---|---|---|---|",

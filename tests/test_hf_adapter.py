@@ -246,6 +246,10 @@ def test_every_encoding_generates_as_its_full_forward_and_packs(method: str) -> 
         n = int(mask[row].sum())
         for step, step_logits in enumerate(out.logits):
             assert max_err(step_logits[row], full[n - 1 + step]) < 1e-4, (method, row, step)
+    one = model.generate(ids[:1], max_new_tokens=4, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    full = logits(model, one.sequences, use_cache=False)[0]  # an unpadded row: the decode fast path
+    for step, step_logits in enumerate(one.logits):
+        assert max_err(step_logits[0], full[8 + step]) < 1e-4, (method, step)
     lengths = [5, 7]
     ids = tokens(1, sum(lengths), seed=3)
     pos = torch.cat([torch.arange(n) for n in lengths])[None]

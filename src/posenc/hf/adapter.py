@@ -113,6 +113,16 @@ def _geometry(query: torch.Tensor, tk: int, attention_mask: torch.Tensor | None,
     batch, _, tq, _ = query.shape
     real = None if attention_mask is None else attention_mask[:, :tk]  # (B, Tk) or None
     device = query.device
+    shared = position_ids is None or position_ids.shape[0] == 1
+    if real is None and shared and tq < tk:
+        # A decode step of rows that share positions (no padding): plain consecutive positions,
+        # built without the general planning (one host read of the first query position).
+        first = tk - tq if position_ids is None else int(position_ids[0, 0])
+        past = first - (tk - tq)  # the first key's position
+        if past >= 0 and (tq == 1 or not bool(_restarts(position_ids, None).any())):
+            q_pos = torch.arange(first, first + tq, device=device)
+            k_pos = torch.arange(past, past + tk, device=device)
+            return Geometry(batch, tq, tk, causal, q_pos, k_pos, True, None, first, past, True)
     if position_ids is None:
         q_pos = torch.arange(tk - tq, tk, device=device).expand(batch, tq)
     else:
