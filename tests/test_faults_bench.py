@@ -180,3 +180,98 @@ def test_a_folder_posenc_did_not_make_is_refused_before_any_job(tmp_path, monkey
     err = capsys.readouterr().err
     assert f"posenc bench: error: out: {out} is not empty (results.csv) and was not made by posenc" in err
     assert not ran and (out / "results.csv").read_text() == "my own numbers\n"
+
+
+# --- round 3: --resume, journals never deleted, sizes checked up front, strict JSON ------------------
+
+
+def interrupted(out, launched, monkeypatch, after: int) -> None:
+    """Run ARGV into ``out`` and press Ctrl-C after ``after`` jobs."""
+    record = harness.launch
+
+    def launch(job, timeout=None, isolate=True):
+        if len(launched) == after:
+            raise KeyboardInterrupt
+        return record(job)
+
+    monkeypatch.setattr(harness, "launch", launch)
+    assert cli.main([*ARGV, "--out", str(out)]) == 130
+    monkeypatch.setattr(harness, "launch", record)
+
+
+def test_resume_keeps_the_finished_jobs_and_runs_the_rest(launched, tmp_path, monkeypatch, capsys):
+    out = tmp_path / "out"
+    interrupted(out, launched, monkeypatch, after=4)
+    assert capsys.readouterr().err.strip().splitlines()[-2:] == [
+        f"posenc bench: the measurements so far are in {out / output.JOURNAL}; continue with the same command and --resume",
+        "posenc bench: interrupted"]
+    first = json.loads((out / output.JOURNAL).read_text())["jobs"]
+    assert len(first) == 4
+    # the same command again, without --resume: refused, the journal kept (before: wiped, 0 of 4 kept)
+    assert cli.main([*ARGV, "--out", str(out)]) == 2
+    assert capsys.readouterr().err == (
+        f"posenc bench: error: out: {out / output.JOURNAL} holds the measurements of an interrupted run; continue it "
+        "with --resume, or choose another out (posenc never deletes it)\n")
+    assert json.loads((out / output.JOURNAL).read_text())["jobs"] == first
+    launched.clear()
+    assert cli.main([*ARGV, "--out", str(out), "--resume"]) == 0
+    assert len(launched) == JOBS - 4  # only the jobs the journal did not hold
+    results = json.loads((out / "results.json").read_text())
+    assert results["jobs"][:4] == first and len(results["jobs"]) == JOBS
+    assert not (out / output.JOURNAL).exists()  # results.json holds every record now
+
+
+def test_resume_with_other_options_or_nothing_to_resume(launched, tmp_path, monkeypatch, capsys):
+    out = tmp_path / "out"
+    assert cli.main([*ARGV, "--out", str(out), "--resume"]) == 2
+    assert capsys.readouterr().err == (f"posenc bench: error: resume: {str(out)!r} holds no {output.JOURNAL} (no "
+                                       "interrupted run to continue); leave out --resume\n")
+    interrupted(out, launched, monkeypatch, after=2)
+    capsys.readouterr()
+    argv = [a if a != "2" else "3" for a in ARGV]  # --rounds 3
+    assert cli.main([*argv, "--out", str(out), "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"posenc bench: error: resume: {out / output.JOURNAL} was measured with other options "
+                          "(rounds: 2 -> 3); resume with its command: posenc bench ")
+    assert err.endswith(" --resume\n")
+    (out / output.JOURNAL).write_text('{"command": "x", "jobs": []}')  # from an older posenc: no options
+    assert cli.main([*ARGV, "--out", str(out), "--resume"]) == 2
+    assert capsys.readouterr().err == (
+        f"posenc bench: error: resume: {out / output.JOURNAL} is not a bench journal with its options (written by an "
+        "older posenc, or edited); move it away and run without --resume\n")
+
+
+def test_an_interrupted_second_run_never_sits_beside_the_first_runs_results(launched, tmp_path, monkeypatch, capsys):
+    out = tmp_path / "out"
+    assert cli.main([*ARGV, "--out", str(out)]) == 0
+    assert (out / "results.json").exists()
+    capsys.readouterr()
+    launched.clear()
+    interrupted(out, launched, monkeypatch, after=2)
+    err = capsys.readouterr().err
+    assert (f"posenc bench: replacing the earlier results in {out} (table.md, results.csv, results.json, command.txt, "
+            "plot.png)") in err
+    assert sorted(p.name for p in out.iterdir() if not p.name.startswith(".")) == [output.JOURNAL]
+
+
+def test_an_odd_rope_head_dim_is_refused_before_any_job(no_workers, tmp_path, capsys):
+    assert cli.main(["bench", "--methods", "rope", "--dim", "36", "--heads", "4", "--out", str(tmp_path / "o")]) == 2
+    assert capsys.readouterr().err == ("posenc bench: error: methods: rope cannot run with dim 36 and heads 4 (head dim "
+                                       "9): rope needs an even head_dim, got 9\n")
+    assert not (tmp_path / "o").exists()
+
+
+def test_help_says_which_level_each_library_compares_at(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "x-transformers (level model); transformers (level decode)" in text
+
+
+def test_bench_results_are_strict_json(tmp_path):
+    from posenc.bench.harness import Results
+    from posenc.bench.plan import configure
+
+    results = Results(configure(methods=["alibi"], lengths=[16]), {"x": float("nan")})
+    with pytest.raises(ValueError, match="Out of range float values are not JSON compliant"):
+        output._json(results)

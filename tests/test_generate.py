@@ -51,9 +51,9 @@ PROMPT_LENGTHS = (5, 11, 1, 8)
 def test_a_batch_of_different_lengths_gives_each_row_what_it_gets_alone(method):
     model = tiny(method)
     prompts = [torch.randint(0, 64, (n,)) for n in PROMPT_LENGTHS]
-    tokens, logits = run(model, prompts, temperature=0)
+    tokens, logits = run(model, prompts)
     for b, prompt in enumerate(prompts):
-        alone_tokens, alone_logits = run(model, [prompt], temperature=0)
+        alone_tokens, alone_logits = run(model, [prompt])
         assert torch.equal(tokens[b], alone_tokens[0])
         torch.testing.assert_close(logits[b], alone_logits[0], rtol=0, atol=5e-5)
 
@@ -63,9 +63,9 @@ def test_shared_positions_would_be_wrong_for_a_method_that_is_not_shift_invarian
     model = tiny("toy_absolute_key")
     assert not gen.shares_positions(model.encoding)
     prompts = [torch.randint(0, 64, (n,)) for n in PROMPT_LENGTHS]
-    _, grouped = run(model, prompts, temperature=0)
+    _, grouped = run(model, prompts)
     monkeypatch.setattr(gen, "shares_positions", lambda encoding: True)
-    _, shared = run(model, prompts, temperature=0)
+    _, shared = run(model, prompts)
     assert (grouped - shared).abs().max() > 1e-2
 
 
@@ -85,7 +85,9 @@ def test_which_encodings_share_positions():
 def test_greedy_is_the_argmax_of_the_full_forward(method):
     model = tiny(method)
     prompt = torch.randint(0, 64, (2, 7))
-    new = torch.stack(model.generate(prompt, 8, temperature=0))  # (2, 8)
+    out = model.generate(prompt, 8)  # (2, 7 + 8): greedy by default
+    assert out.shape == (2, 15) and torch.equal(out[:, :7], prompt)
+    new = out[:, 7:]
     with torch.no_grad():
         logits = model(torch.cat((prompt, new), dim=1))  # (2, 15, V)
     assert torch.equal(new, logits[:, 6:-1].argmax(-1))
@@ -94,17 +96,17 @@ def test_greedy_is_the_argmax_of_the_full_forward(method):
 def test_sampling_repeats_with_a_seed_and_rows_do_not_depend_on_each_other():
     model = tiny("alibi")
     prompts = [torch.randint(0, 64, (n,)) for n in (4, 9, 6)]
-    options = dict(temperature=1.5, seed=7)
+    options = dict(do_sample=True, temperature=1.5, seed=7)
     a, _ = run(model, prompts, 20, **options)
     b, _ = run(model, prompts, 20, **options)
     assert torch.equal(a, b)
-    c, _ = run(model, prompts, 20, temperature=1.5, seed=8)
+    c, _ = run(model, prompts, 20, do_sample=True, temperature=1.5, seed=8)
     assert not torch.equal(a, c)
-    row2, _ = run(model, [prompts[2]], 20, temperature=1.5, seed=9)  # row 2 draws from seed + 2
+    row2, _ = run(model, [prompts[2]], 20, do_sample=True, temperature=1.5, seed=9)  # row 2 draws from seed + 2
     assert torch.equal(a[2], row2[0])
-    greedy, _ = run(model, prompts, 20, temperature=0)
+    greedy, _ = run(model, prompts, 20)
     assert not torch.equal(a, greedy)
-    top1, _ = run(model, prompts, 20, temperature=1.5, seed=1, top_k=1)  # one candidate: the argmax
+    top1, _ = run(model, prompts, 20, do_sample=True, temperature=1.5, seed=1, top_k=1)  # one candidate: the argmax
     assert torch.equal(top1, greedy)
 
 
@@ -128,22 +130,29 @@ def test_samples_stay_in_the_nucleus():
     """Many draws of one step: every token is among those top-p keeps, and more than one appears."""
     model = tiny("nope")
     prompt = torch.randint(0, 64, (1, 5))
-    logits = run(model, prompt, 1, temperature=0)[1][0, 0]
+    logits = run(model, prompt, 1)[1][0, 0]
     kept = (~gen.filter_logits(logits[None] / 2.0, top_p=0.5).isinf())[0]
-    seen = {int(run(model, prompt, 1, temperature=2.0, top_p=0.5, seed=s)[0][0, 0]) for s in range(40)}
+    seen = {int(run(model, prompt, 1, do_sample=True, temperature=2.0, top_p=0.5, seed=s)[0][0, 0]) for s in range(40)}
     assert all(kept[t] for t in seen) and len(seen) > 1
 
 
-def test_stop_tokens_end_a_row():
+def test_eos_tokens_end_a_row_and_pad_after_it():
     model = tiny("rope")
     prompts = [torch.randint(0, 64, (n,)) for n in (3, 6)]
-    free = run(model, prompts, 12, temperature=0)[0]
+    free = run(model, prompts, 12)[0]
     stop = int(free[0, 2])  # row 0 produces it by its third token
-    out = model.generate(prompts, 12, temperature=0, stop_tokens=[stop, 63])
+    out = model.generate(prompts, 12, eos_token_id=[stop, 63], pad_token_id=5)
+    steps = out.shape[1] - 6  # prompts left-padded to 6 with the pad id
+    assert torch.equal(out[0, :6], torch.tensor([5, 5, 5, *prompts[0].tolist()])) and torch.equal(out[1, :6], prompts[1])
+    ended = []
     for row in range(2):
         hit = ((free[row] == stop) | (free[row] == 63)).nonzero()
-        assert torch.equal(out[row], free[row] if hit.numel() == 0 else free[row, : int(hit[0]) + 1])
-    assert out[0].numel() <= 3 and int(out[0][-1]) in (stop, 63)
+        n = 12 if hit.numel() == 0 else int(hit[0]) + 1
+        ended.append(n)
+        assert torch.equal(out[row, 6 : 6 + min(n, steps)], free[row, : min(n, steps)])
+        assert (out[row, 6 + n :] == 5).all()  # padded after its end token
+    assert steps == max(ended)  # the stream ends when every row is done
+    assert ended[0] <= 3 and int(out[0, 6 + ended[0] - 1]) in (stop, 63)
 
 
 
@@ -151,12 +160,12 @@ def test_stop_tokens_end_a_row():
     "options, message",
     [
         (dict(max_new_tokens=0), r"max_new_tokens must be a positive integer"),
-        (dict(temperature=-0.5), r"temperature must be a number >= 0"),
+        (dict(do_sample=True, temperature=-0.5), r"temperature must be a finite number > 0"),
         (dict(top_p=0.0), r"top_p must be in \(0, 1\]"),
         (dict(top_p=1.5), r"top_p must be in \(0, 1\]"),
         (dict(top_k=0), r"top_k must be a positive integer"),
-        (dict(seed=-1), r"seed must be an integer >= 0"),
-        (dict(stop_tokens=[64]), r"stop_tokens must be ids in \[0, vocab_size=64\)"),
+        (dict(seed=-1), r"seed must be an integer in \[0, 2\*\*64 - 1\]"),
+        (dict(eos_token_id=[64]), r"eos_token_id must be a token id, an integer in \[0, vocab_size=64\)"),
         (dict(prompt=[torch.tensor([1, 2]), torch.tensor([], dtype=torch.long)]), r"prompt row 1 is empty"),
         (dict(prompt=torch.tensor([[1, 70]])), r"prompt row 0: token ids must be in \[0, vocab_size=64\)"),
         (dict(prompt=torch.tensor([1, 2])), r"prompt must be a \(batch, length\) tensor"),
@@ -174,9 +183,11 @@ def test_a_learned_table_bounds_prompt_and_new_tokens():
     model = tiny("learned", max_positions=16)
     with pytest.raises(UsageError, match=r"prompt has 17 tokens, more than the model's learned positions \(max_positions=16\)"):
         model.generate(torch.zeros(1, 17, dtype=torch.long), 1)
-    with pytest.raises(UsageError, match=r"max_new_tokens must be <= 6 here"):
-        model.generate(torch.zeros(1, 10, dtype=torch.long), 7)
-    assert model.generate(torch.zeros(1, 10, dtype=torch.long), 6, temperature=0)[0].numel() == 6  # the whole table
+    with pytest.raises(UsageError, match=r"max_new_tokens must be <= 7 here"):
+        model.generate(torch.zeros(1, 10, dtype=torch.long), 8)
+    # the whole table: the 7th new token is produced at position 15 and never fed back (before: refused)
+    assert model.generate(torch.zeros(1, 10, dtype=torch.long), 7).shape == (1, 17)
+    assert model.generate(torch.zeros(1, 16, dtype=torch.long), 1).shape == (1, 17)
 
 
 # --- posenc sample -------------------------------------------------------------------------------
@@ -199,7 +210,7 @@ def test_sample_prints_the_prompt_and_what_generate_gives(checkpoint, capsys):
     printed = capsys.readouterr().out
     model = posenc.load_checkpoint(checkpoint)
     data = torch.tensor(list(prompt.encode("utf-8")))[None]
-    new = model.generate(data, 12, temperature=0.9, top_p=0.9, seed=3)[0]
+    new = model.generate(data, 12, do_sample=True, temperature=0.9, top_p=0.9, seed=3)[0, data.shape[1]:]
     assert printed == prompt + bytes(new.tolist()).decode("utf-8", errors="replace") + "\n"
     assert main(["sample", str(checkpoint), "--prompt", prompt, "--max-new-tokens", "12", "--temperature", "0.9",
                  "--top-p", "0.9", "--seed", "3"]) == 0
@@ -237,7 +248,7 @@ def test_sample_streams_and_waits_for_whole_characters(checkpoint, monkeypatch):
         (["--top-p", "0"], r"top_p must be in \(0, 1\]"),
         (["--top-p", "1.01"], r"top_p must be in \(0, 1\]"),
         (["--prompt", "x" * 41], r"prompt has 41 tokens, more than the model's learned positions \(max_positions=40\)"),
-        (["--max-new-tokens", "40"], r"max_new_tokens must be <= 35 here"),
+        (["--max-new-tokens", "37"], r"max_new_tokens must be <= 36 here"),
         (["--prompt", ""], "prompt must hold at least one character"),
     ],
 )

@@ -134,9 +134,15 @@ class Attention(nn.Module):
             q, k = self.encoding.rotate(q, k, positions, positions)
         k, v = cache.append(k, v)  # (B, Hkv, past + T, D): views of the cache's buffers
         k_positions = cache.positions(q.device)  # 0..past+T-1, a view (nothing per step grows with N)
+        if late:
+            # An encoding that keeps cached keys in a frame of its own (xPos's centre) rotates only the new ones.
+            if callable(getattr(self.encoding, "rotate_in_frame", None)):
+                q, k = self.encoding.rotate_in_frame(q, k, positions, k_positions, cache)
+            else:
+                q, k = self.encoding.rotate(q, k, positions, k_positions)
         spec = ScoreSpec(self.encoding, positions, k_positions, self.causal, scale, memo, consecutive,
                          cache.starts(q.device), cache.workspace, q_start=past, k_start=0, aligned=True)
-        return run(q, k, v, spec, self.backend, rotate=late)
+        return run(q, k, v, spec, self.backend, rotate=False)
 
 
 def _padding_mask(attention_mask: torch.Tensor) -> torch.Tensor:

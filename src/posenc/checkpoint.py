@@ -54,7 +54,7 @@ def save_checkpoint(model: LM, path: str | Path) -> None:
     kept, alias = _unique(model.state_dict())
     # One metadata entry: safetensors keeps metadata in a hash map whose order changes from one
     # save to the next, and the same weights must give the same bytes (and sha256).
-    header = json.dumps({"format": FORMAT, "lm_config": config}, sort_keys=True)
+    header = json.dumps({"format": FORMAT, "lm_config": config}, sort_keys=True, allow_nan=False)
     data = save({k: v.detach().contiguous().cpu() for k, v in kept.items()}, metadata={"posenc": header})
     write_bytes(path, data)
     write_json(path.with_suffix(".json"), {
@@ -101,6 +101,8 @@ def load_checkpoint(path: str | Path, device: str | torch.device = "cpu") -> LM:
     from safetensors.torch import load
 
     path = Path(path)
+    if path.suffix == ".json":
+        raise UsageError(f"path: give the weights file {path.with_suffix('.safetensors')}, not its json {path}")
     meta = read_meta(path)
     if not path.is_file():
         raise UsageError(f"path: {path} is missing (its json is there)")
@@ -136,5 +138,10 @@ def load_checkpoint(path: str | Path, device: str | torch.device = "cpu") -> LM:
                 if expected.get(k) != found.get(k)]
         raise UsageError(f"path: {path}'s tensors do not fit its config ({'; '.join(diff[:4])}"
                          f"{'; ...' if len(diff) > 4 else ''})")
+    dtypes = [f"{k}: model {str(v.dtype).removeprefix('torch.')}, file {str(tensors[k].dtype).removeprefix('torch.')}"
+              for k, v in kept.items() if tensors[k].dtype != v.dtype]
+    if dtypes:  # load_state_dict would convert silently (an int32 file loading as float32)
+        raise UsageError(f"path: {path}'s tensors have other dtypes than its config's model ({'; '.join(dtypes[:4])}"
+                         f"{'; ...' if len(dtypes) > 4 else ''})")
     model.load_state_dict({**tensors, **{a: tensors[k] for a, k in alias.items()}})
     return model.to(device)

@@ -77,7 +77,9 @@ def write_text(path: Path, text: str) -> None:
 
 
 def write_json(path: Path, obj) -> None:
-    write_text(path, json.dumps(obj, indent=1) + "\n")
+    """Strict JSON (``allow_nan=False``): a NaN or an infinity is a ValueError here, never an
+    ``NaN`` / ``Infinity`` token that other JSON readers refuse."""
+    write_text(path, json.dumps(obj, indent=1, allow_nan=False) + "\n")
 
 
 def check_writable(path: Path, what: str = "out") -> None:

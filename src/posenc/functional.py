@@ -26,6 +26,7 @@ import math
 import torch
 
 from . import backends
+from .backends import single
 from .encodings.protocol import Rotates, offers
 from .errors import UsageError
 from .geometry import Geometry, ScoreSpec
@@ -117,6 +118,8 @@ def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec, back
     if group > 1:
         if name == "sdpa" and spec.plain and spec.starts is None:
             return _plain_gqa(q, k, v, spec), name
+        if name != "eager" and not (spec.has_query_terms or spec.has_value_terms) and single.applies(spec, q, k, v):
+            return single.attend(q, k, v, spec), name  # a decode step: the query heads of a group as its queries
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # (B, H, Tk, D)
     return chosen.attend(q, k, v, spec), name
 
@@ -140,8 +143,7 @@ def _segments(q, k, v, encoding, geometry: Geometry, scale: float, memo: Forward
     qf = q.transpose(1, 2).reshape(b * tq, h, d)  # (B*Tq, H, D)
     kf = k.transpose(1, 2).reshape(b * tk, hkv, d)
     vf = v.transpose(1, 2).reshape(b * tk, hkv, v.shape[-1])
-    out = q.new_zeros(b * tq, h, v.shape[-1])  # padding queries stay 0
-    name = backend
+    name, outs, where = backend, [], []
     for seg in geometry.runs:
         n, lq = seg.q_index.shape
         lk = seg.k_index.shape[1]
@@ -151,7 +153,11 @@ def _segments(q, k, v, encoding, geometry: Geometry, scale: float, memo: Forward
         spec = ScoreSpec(encoding, seg.q_positions, seg.k_positions, geometry.causal, scale, memo, seg.consecutive,
                          q_start=seg.q_start, k_start=seg.k_start, aligned=seg.aligned)
         o, name = run(qs, ks, vs, spec, backend, rotate)  # (n, H, Lq, D)
-        out = out.index_copy(0, seg.q_index.reshape(-1), o.transpose(1, 2).reshape(n * lq, h, -1))
+        outs.append(o.transpose(1, 2).reshape(n * lq, h, -1))
+        where.append(seg.q_index.reshape(-1))
+    out = q.new_zeros(b * tq, h, v.shape[-1])  # padding queries stay 0
+    if outs:  # one scatter for every run
+        out = out.index_copy(0, torch.cat(where), torch.cat(outs))
     return out.view(b, tq, h, -1).transpose(1, 2), name  # (B, H, Tq, D)
 
 

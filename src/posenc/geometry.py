@@ -36,7 +36,6 @@ each row run alone; a uniform batch gives the same segments as the same position
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -134,28 +133,23 @@ class ScoreSpec:
                 self.aligned = tq == 0
             else:
                 self.aligned = bool(self.q_positions[0] == self.k_positions[tk - tq]) and bool(self.q_positions[-1] == self.k_positions[-1])
+        # What the encoding offers, asked once per spec (plain attributes: nothing for a compiler to trace).
+        self.has_bias = offers(self.encoding, Biases)
+        self.has_query_terms = offers(self.encoding, QueryTerms)
+        self.has_value_terms = offers(self.encoding, ValueTerms)
+        self.has_score_mod = offers(self.encoding, Scores)
+
+    @property
+    def contained(self) -> bool:
+        """Consecutive positions, and every query position is also a key position (so every
+        causal row sees itself)."""
+        tq, tk = self.q_positions.numel(), self.k_positions.numel()
+        return self.consecutive and tq > 0 and tk > 0 and self.q_start >= self.k_start and self.q_start + tq <= self.k_start + tk
 
     @property
     def offset(self) -> int:
         """Query a is key a + offset (consecutive positions)."""
         return self.q_start - self.k_start
-
-    # What the encoding offers, asked once per spec (a decode step asks each several times).
-    @functools.cached_property
-    def has_bias(self) -> bool:
-        return offers(self.encoding, Biases)
-
-    @functools.cached_property
-    def has_query_terms(self) -> bool:
-        return offers(self.encoding, QueryTerms)
-
-    @functools.cached_property
-    def has_value_terms(self) -> bool:
-        return offers(self.encoding, ValueTerms)
-
-    @functools.cached_property
-    def has_score_mod(self) -> bool:
-        return offers(self.encoding, Scores)
 
     @property
     def plain(self) -> bool:

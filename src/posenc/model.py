@@ -164,14 +164,19 @@ class LM(nn.Module):
             check_positive("capacity", capacity)
         return Cache(self, self.config.depth, check_positive("batch_size", batch_size), capacity, padding)
 
-    def generate(self, prompt, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
-                 top_p: float | None = None, seed: int | None = None, stop_tokens=None) -> list[torch.Tensor]:
-        """New tokens after each prompt, decoded one at a time with a KV cache (see
-        :func:`posenc.generate.generate` for the arguments and the batching rules)."""
+    def generate(self, prompt, max_new_tokens: int, *, do_sample: bool = False, temperature: float = 1.0,
+                 top_k: int | None = None, top_p: float | None = None, seed: int | None = None, eos_token_id=None,
+                 pad_token_id: int | None = None, attention_mask: torch.Tensor | None = None,
+                 num_return_sequences: int = 1) -> torch.Tensor:
+        """Prompts and their continuations, (B * num_return_sequences, T + n) token ids, decoded one
+        token at a time with a KV cache: greedy unless ``do_sample``, rows padded with
+        ``pad_token_id`` after an ``eos_token_id`` (see :func:`posenc.generate.generate` for every
+        argument and the batching rules)."""
         from .generate import generate
 
-        return generate(self, prompt, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-                        stop_tokens=stop_tokens)
+        return generate(self, prompt, max_new_tokens, do_sample=do_sample, temperature=temperature, top_k=top_k,
+                        top_p=top_p, seed=seed, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
+                        attention_mask=attention_mask, num_return_sequences=num_return_sequences)
 
     def draw_positions(self, length: int, device: torch.device | str = "cpu") -> torch.Tensor:
         """A sorted set of ``length`` distinct positions drawn uniformly from [0, random_positions):
@@ -213,7 +218,8 @@ class LM(nn.Module):
             raise UsageError(f"tokens must be (batch, length), got shape {tuple(tokens.shape)}")
         if tokens.is_floating_point() or tokens.is_complex() or tokens.dtype == torch.bool:
             raise UsageError(f"tokens must be integer token ids, got {str(tokens.dtype).removeprefix('torch.')}")
-        if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= self.config.vocab_size):
+        # (not while compiling: the check reads the tokens, a graph break; the embedding's own bounds check stays)
+        if tokens.numel() and not torch.compiler.is_compiling() and (int(tokens.min()) < 0 or int(tokens.max()) >= self.config.vocab_size):
             raise UsageError(
                 f"tokens must be ids in [0, vocab_size={self.config.vocab_size}), got values in "
                 f"[{int(tokens.min())}, {int(tokens.max())}]"
@@ -230,14 +236,17 @@ class LM(nn.Module):
             embed = geometry.embed_positions
             x = self.encoding.embed(x, embed if cache is None else cache.embed_positions(embed))
         memo = ForwardMemo()  # T5's bias and the like: computed once for all layers
-        past = 0 if cache is None else cache.length
+        if cache is None:
+            for block in self.blocks:
+                x = block(x, None, None, memo, geometry)
+            return self.head(self.ln_f(x))  # (B, T, vocab)
+        past = cache.length
         try:
             for i, block in enumerate(self.blocks):
-                x = block(x, None, None if cache is None else cache.layers[i], memo, geometry)
-        except BaseException:
-            if cache is not None:  # no layer keeps a half-done step
-                for layer in cache.layers:
-                    layer.length = min(layer.length, past)
+                x = block(x, None, cache.layers[i], memo, geometry)
+        except BaseException:  # no layer keeps a half-done step
+            for layer in cache.layers:
+                layer.length = min(layer.length, past)
             raise
         return self.head(self.ln_f(x))  # (B, T, vocab)
 

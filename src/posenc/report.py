@@ -136,7 +136,10 @@ def summary_rows(results: dict) -> dict[str, dict[str, str]]:
                 r = by.get(n)
                 cells[label] = _interval(r, "perplexity", "ppl_low", "ppl_high", ".3f") if r and r.get("perplexity") is not None else "n/a"
         t = shown_train(entry)
-        cells["train tokens/s"] = f"{t['tokens_per_s']:,.0f}" if t.get("tokens_per_s") else "n/a (evaluation only)"
+        if entry.get("status") == "diverged":
+            cells["train tokens/s"] = "n/a (diverged)"
+        else:
+            cells["train tokens/s"] = f"{t['tokens_per_s']:,.0f}" if t.get("tokens_per_s") else "n/a (evaluation only)"
         out[method] = cells
     return out
 
@@ -195,6 +198,11 @@ def _train_table(results: dict) -> str:
     rows = []
     for method, entry in results["methods"].items():
         t = shown_train(entry)
+        if entry.get("status") == "diverged":
+            step = t.get("diverged_at_step")
+            rows.append([method, "diverged" + (f" at step {step}" if step else ""), "", _options(entry),
+                         str(t.get("reason", "")), "", "", ""])
+            continue
         if not t:
             rows.append([method, entry.get("status", ""), f"{entry.get('parameters', 0):,}", _options(entry),
                          "n/a (evaluation only)", "", "", ""])
@@ -240,21 +248,26 @@ def sections(results: dict, level: int = 2) -> list[str]:
 
 
 def _intro(results: dict, status: str | None) -> str:
-    e = html.escape
+    """The paragraph under the title. Every value from results.json is escaped (as in every table):
+    a shared run directory must not be able to put markup into the page."""
     cfg = results["config"]
+
+    def e(value) -> str:
+        return html.escape(str(value))
+
     if metric_of(results) == "accuracy":
         return (f'<p class="note">Status: {e(status or results.get("status", "?"))}. Associative recall: models trained '
-                f"at length {cfg['train_length']} for {cfg['steps']} steps, then asked for the value of keys placed near, "
-                f"mid-sequence and far from the query at every evaluation length ({cfg.get('recall_sequences')} "
+                f"at length {e(cfg['train_length'])} for {e(cfg['steps'])} steps, then asked for the value of keys placed "
+                f"near, mid-sequence and far from the query at every evaluation length ({e(cfg.get('recall_sequences'))} "
                 "sequences per length and distance). A method that uses far context keeps its far accuracy past the "
                 "training length; flat perplexity alone does not show this.</p>")
     valid = results.get("corpus", {}).get("valid_bytes_used")
     mode = f"sliding windows, stride {cfg['sliding']}" if cfg.get("sliding") else "non-overlapping windows"
     return (f'<p class="note">Status: {e(status or results.get("status", "?"))}. Byte-level language models trained at '
-            f"length {cfg['train_length']} for {cfg['steps']} steps of {cfg['batch_size']} sequences, then scored on the "
-            f"same {valid} validation bytes at every evaluation length ({e(mode)}). Train short, test long: Press, Smith "
-            "&amp; Lewis 2021, arXiv:2108.12409. Perplexity is per byte; a method that extrapolates stays flat past the "
-            "training length.</p>")
+            f"length {e(cfg['train_length'])} for {e(cfg['steps'])} steps of {e(cfg['batch_size'])} sequences, then "
+            f"scored on the same {e(valid)} validation bytes at every evaluation length ({e(mode)}). Train short, test "
+            "long: Press, Smith &amp; Lewis 2021, arXiv:2108.12409. Perplexity is per byte; a method that extrapolates "
+            "stays flat past the training length.</p>")
 
 
 def _page(title: str, body: list[str]) -> str:

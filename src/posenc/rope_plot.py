@@ -9,6 +9,7 @@ stops rotating the slowest. Built on ``matplotlib.figure.Figure`` directly (no p
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from matplotlib.figure import Figure
@@ -72,33 +73,61 @@ def scaling_figure(
     return fig
 
 
-def scaling_from_text(text: str) -> dict:
-    """A scaling block from the command line: JSON text, or the path of a JSON file (a model's
-    config.json: its ``rope_scaling`` or ``rope_parameters`` block, with ``rope_theta`` and
-    ``max_position_embeddings`` when the block lacks them). UsageError otherwise."""
+CONFIG_KEYS = ("rope_scaling", "rope_parameters", "num_attention_heads", "hidden_size", "head_dim", "rope_theta",
+               "max_position_embeddings", "partial_rotary_factor")
+
+
+@dataclass(frozen=True)
+class ScalingSource:
+    """What ``--scaling`` names: a scaling block, and, from a whole config, its head dim, base and
+    the key its block was read from (``note``, said in the command's output)."""
+
+    scaling: dict
+    head_dim: int | None = None
+    base: float | None = None
+    note: str = "the JSON block given"
+
+
+def scaling_from_text(text: str, head_dim: int | None = None) -> ScalingSource:
+    """``--scaling``'s value: JSON text (starting with ``{``) or the path of a JSON file. A bare
+    block is used as it is; a whole model config (any of ``CONFIG_KEYS`` at its top level) is read by
+    :func:`posenc.encodings.rope_scaling.resolve_hf`, exactly as ``rope_from_hf`` reads it: its
+    head dim (``head_dim``, or ``hidden_size / num_attention_heads``; ``head_dim`` fills in when the
+    config has neither), ``rope_theta``, ``partial_rotary_factor`` and the block that
+    ``transformers`` would read. UsageError otherwise."""
     import json
     from pathlib import Path
 
+    from .encodings.rope_scaling import resolve_hf
     from .errors import UsageError
 
-    path = Path(text).expanduser()
-    source = f"the file {text!r}" if path.is_file() else "its JSON text"
+    example = '\'{"rope_type": "yarn", "factor": 4, "original_max_position_embeddings": 2048}\''
+    if text.lstrip().startswith("{"):
+        source, raw = "its JSON text", text
+    else:
+        path = Path(text).expanduser()
+        if not path.is_file():
+            raise UsageError(f"scaling: no file {text!r} (give a JSON object such as {example}, or the path of a "
+                             "model's config.json)")
+        source = f"the file {text!r}"
+        try:
+            raw = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as err:
+            raise UsageError(f"scaling: cannot read {source}: {err}") from None
     try:
-        data = json.loads(path.read_text(encoding="utf-8") if path.is_file() else text)
-    except (OSError, ValueError) as err:
-        raise UsageError(f"scaling must be a JSON object or a JSON file (e.g. '{{\"rope_type\": \"yarn\", \"factor\": 4, "
-                         f"\"original_max_position_embeddings\": 2048}}'); cannot read {source}: {err}") from None
+        data = json.loads(raw)
+    except ValueError as err:
+        raise UsageError(f"scaling must be a JSON object or a JSON file (e.g. {example}); cannot read {source}: {err}") from None
     if not isinstance(data, dict):
         raise UsageError(f"scaling must be a JSON object, got {type(data).__name__}")
-    for key in ("rope_scaling", "rope_parameters"):  # a whole model config
-        if isinstance(data.get(key), dict):
-            block = dict(data[key])
-            if "rope_theta" in data and "rope_theta" not in block:
-                block["rope_theta"] = data["rope_theta"]
-            if "max_position_embeddings" in data and "original_max_position_embeddings" not in block:
-                block.setdefault("max_position_embeddings", data["max_position_embeddings"])
-            return block
-    return data
+    if not any(key in data for key in CONFIG_KEYS):
+        return ScalingSource(data)
+    config = dict(data)
+    if config.get("num_attention_heads") is None and config.get("head_dim") is None:
+        config.update(num_attention_heads=1, head_dim=head_dim or 64)  # a config without sizes: --head-dim
+        config.pop("hidden_size", None)
+    resolved = resolve_hf(config)
+    return ScalingSource(resolved.scaling, resolved.head_dim, resolved.base, resolved.which())
 
 
-__all__ = ["scaling_figure", "scaling_from_text"]
+__all__ = ["ScalingSource", "scaling_figure", "scaling_from_text"]

@@ -181,7 +181,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("method", help=f"one of: {', '.join(available())}")
     parser.add_argument("--length", type=int, default=64, help=f"positions on each axis (default 64, at most {MAX_LENGTH})")
     parser.add_argument("--num-heads", type=int, default=8, help="heads (default 8)")
-    parser.add_argument("--head-dim", type=int, default=64, help="head dim (default 64)")
+    parser.add_argument("--head-dim", type=int, default=None, help="head dim (default 64; with --scaling, a config's own)")
     parser.add_argument("--heads", type=int, default=None, help=f"draw the first N heads (default min(8, num_heads), at most {MAX_PANELS})")
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--causal", dest="causal", action="store_true", help="decoder: keys after the query are masked (default)")
@@ -197,34 +197,45 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(JSON text, or a model's config.json), instead of the score map")
 
 
-def show_scaling(method: str, scaling_text: str, head_dim: int, options: dict, out: Path | None) -> Path:
-    """``posenc show rope --scaling ...``: the frequency picture of a RoPE scaling."""
+def show_scaling(method: str, scaling_text: str, head_dim: int | None, options: dict, out: Path | None) -> tuple[Path, str]:
+    """``posenc show rope --scaling ...``: the frequency picture of a RoPE scaling. A whole config is
+    read as ``rope_from_hf`` reads it (its head dim, base, partial rotary and the block transformers
+    would read); returns (path, which block was drawn)."""
     from .encodings.rope import RoPE
     from .rope_plot import scaling_figure, scaling_from_text
 
     get_class_checked(method)
     if not issubclass(get_class(method), RoPE):
         raise UsageError(f"scaling draws a RoPE scaling: method must be rope, got {method!r}")
-    _, head_dim = check_sizes(1, head_dim)
+    if head_dim is not None:
+        _, head_dim = check_sizes(1, head_dim)
     out = check_out(Path(out) if out is not None else Path(f"posenc-show-{method}-scaling.png"))
-    scaling = scaling_from_text(scaling_text)
+    source = scaling_from_text(scaling_text, head_dim)
+    if source.head_dim is not None and head_dim is not None and source.head_dim != head_dim:
+        raise UsageError(f"head_dim: the config gives head_dim {source.head_dim}, not {head_dim}; leave out head_dim")
+    head_dim = source.head_dim or head_dim or 64
+    _, head_dim = check_sizes(1, head_dim)
+    base = options.get("base")
+    if base is not None and source.base is not None and float(base) != source.base:
+        raise UsageError(f"base: the config gives rope_theta {source.base:g}, not {base:g}; leave out the base option")
     try:
-        fig = scaling_figure(scaling, head_dim, base=options.get("base"), rotary_dim=options.get("rotary_dim"))
+        fig = scaling_figure(source.scaling, head_dim, base=base if base is not None else source.base,
+                             rotary_dim=options.get("rotary_dim"))
     except UsageError:
         raise
     except ValueError as err:
         raise UsageError(f"scaling: {err}") from err
     write_png(fig, out)
-    return out
+    return out, source.note
 
 
 def run(args: argparse.Namespace) -> int:
     options = parse_options(args.option, args.method)
     if args.scaling is not None:
-        out = show_scaling(args.method, args.scaling, args.head_dim, options, args.out)
-        print(f"{args.method}: wavelength per pair, original vs scaled -> {out}")
+        out, note = show_scaling(args.method, args.scaling, args.head_dim, options, args.out)
+        print(f"{args.method}: wavelength per pair, original vs scaled, from {note} -> {out}")
         return 0
-    out, scores = show(args.method, length=args.length, num_heads=args.num_heads, head_dim=args.head_dim,
+    out, scores = show(args.method, length=args.length, num_heads=args.num_heads, head_dim=64 if args.head_dim is None else args.head_dim,
                        heads=args.heads, causal=args.causal, seed=args.seed, options=options, out=args.out)
     finite = scores[~scores.isnan()]
     print(f"{args.method}: {scores.shape[0]} of {args.num_heads} heads, length {args.length}, "

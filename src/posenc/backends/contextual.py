@@ -59,11 +59,7 @@ _WIDTHS: "weakref.WeakKeyDictionary[torch.nn.Module, int]" = weakref.WeakKeyDict
 def _fast(spec: ScoreSpec, q: torch.Tensor) -> bool:
     """The band + far path runs this call (otherwise the eager formula): a decoder, consecutive
     positions, every query among the keys (a full pass, or decoding after a KV cache)."""
-    qp, kp = spec.q_positions, spec.k_positions
-    return (
-        spec.causal and spec.consecutive and q.dtype in FAST_DTYPES and qp.numel() > 0 and kp.numel() > 0
-        and bool(qp[0] >= kp[0]) and bool(qp[-1] <= kp[-1])
-    )
+    return spec.causal and spec.consecutive and q.dtype in FAST_DTYPES and spec.contained
 
 
 def supports(spec: ScoreSpec, q: torch.Tensor) -> bool:

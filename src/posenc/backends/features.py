@@ -64,7 +64,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec) -
     tq, tk = q.shape[-2], k.shape[-2]
     if not spec.causal or (tq == 1 and spec.aligned):  # an encoder, or one decoded token: every key
         out = F.scaled_dot_product_attention(q2, k2, v2, scale=spec.scale)
-    elif tq == tk and torch.equal(spec.q_positions, spec.k_positions):
+    elif tq == tk and spec.aligned:
         out = F.scaled_dot_product_attention(q2, k2, v2, is_causal=True, scale=spec.scale)  # the causal skip
     else:  # cached decoding of several tokens, or any other geometry: the mask from the positions
         out = F.scaled_dot_product_attention(q2, k2, v2, attn_mask=spec.allowed(), scale=spec.scale)

@@ -108,6 +108,7 @@ class _Flushed:
 FLUSHED = _Flushed()
 
 
+@torch.compiler.disable  # opaque to torch.compile: a loop of kernel calls on a worker thread (one graph break)
 def flushed(fn: Callable[..., T], *args) -> T:
     """Run a loop of CPU kernel calls with denormals flushed (see :class:`_Flushed`). Work on
     another device, or watched by a profiler or dispatch mode, runs here in the caller's thread."""

@@ -109,11 +109,23 @@ def mask(spec: ScoreSpec, terms: torch.Tensor | None, b: int, h: int, tk: int, d
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec) -> torch.Tensor:
-    """One query, no score terms or a bias: fused attention with the bias vector as its mask."""
-    b, h, _, _ = q.shape
-    tk = k.shape[-2]
+    """One query, no score terms or a bias: fused attention with the bias vector as its mask.
+
+    With grouped key/value heads (k, v (B, Hkv, Tk, D), H = g x Hkv), the g query heads of a group
+    are one (B, Hkv, g, D) batch of queries against their shared keys, and the (., H, 1, Tk) mask is
+    viewed as (., Hkv, g, Tk): nothing is repeated.
+    """
+    b, h, _, d = q.shape
+    hkv, tk = k.shape[1], k.shape[-2]
     bias = relative_vector(spec, tk, q.dtype, q.device) if spec.has_bias else None
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask(spec, bias, b, h, tk, q.dtype, q.device), scale=spec.scale)
+    m = mask(spec, bias, b, h, tk, q.dtype, q.device)  # (B or 1, H or 1, 1, Tk) or None
+    if hkv == h:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=m, scale=spec.scale)
+    g = h // hkv
+    if m is not None:
+        m = m.reshape(m.shape[0], hkv, g, tk) if m.shape[1] == h else m  # (., Hkv, g, Tk) or (B, 1, 1, Tk)
+    out = F.scaled_dot_product_attention(q.reshape(b, hkv, g, d), k, v, attn_mask=m, scale=spec.scale)  # (B, Hkv, g, D)
+    return out.reshape(b, h, 1, -1)
 
 
 def shaw(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec) -> torch.Tensor:

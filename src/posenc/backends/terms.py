@@ -50,19 +50,13 @@ def _path(spec: ScoreSpec, q: torch.Tensor):
             return single.distance_keys
     if spec.starts is not None:
         return None
-    if not FLASH_OPS or not spec.consecutive or q.device.type != "cpu" or q.dtype not in FAST_DTYPES or spec.has_bias or not _contained(spec):
+    if not FLASH_OPS or not spec.consecutive or q.device.type != "cpu" or q.dtype not in FAST_DTYPES or spec.has_bias or not spec.contained:
         return None
     if offers(enc, ClippedTables):
         return shaw_attention
     if offers(enc, DistanceKeys):
         return distance.distance_key_attention
     return None
-
-
-def _contained(spec: ScoreSpec) -> bool:
-    """Every query position is also a key position (so every causal row sees itself)."""
-    qp, kp = spec.q_positions, spec.k_positions
-    return qp.numel() > 0 and kp.numel() > 0 and bool(qp[0] >= kp[0]) and bool(qp[-1] <= kp[-1])
 
 
 def supports(spec: ScoreSpec, q: torch.Tensor) -> bool:

@@ -16,7 +16,8 @@ from .. import backends
 from .compare import LIBRARIES
 from .harness import run as run_jobs
 from .levels import LEVELS
-from .output import JOURNAL, Journal, claim_out, save_fallback, write_outputs
+from ..errors import UsageError
+from .output import JOURNAL, Journal, claim_out, clear_outputs, journal_header, journal_jobs, save_fallback, write_outputs
 from .plan import DEVICES, DTYPES, SIZE_NAMES, Config, configure
 from .tables import markdown_table
 
@@ -27,7 +28,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lengths", nargs="+", type=int, default=[512, 1024, 2048, 4096], help="sequence lengths (default 512 1024 2048 4096)")
     parser.add_argument("--level", default="attention", help=f"what is timed (default attention). {levels}")
     parser.add_argument("--mode", default="both", help="train (forward+backward / training step), infer (forward) or both")
-    parser.add_argument("--compare", nargs="+", default=None, metavar="LIB", help=f"also build the same model with: {', '.join(LIBRARIES)} (model level)")
+    able = "; ".join(f"{name} (level {', '.join(n for n, lv in LEVELS.items() if name in lv.compare)})" for name in LIBRARIES)
+    parser.add_argument("--compare", nargs="+", default=None, metavar="LIB", help=f"also build the same model with: {able}")
     parser.add_argument("--out", type=Path, default=None, help="output folder (default bench-results/LEVEL)")
     parser.add_argument("--rounds", type=int, default=5, help="rounds: every job runs once per round, each ratio is to the NoPE of its round; the median over rounds is reported with its min-max (default 5)")
     parser.add_argument("--repeats", type=int, default=3, help="timed steps per job; their median is that round's time (default 3)")
@@ -43,6 +45,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--vocab", type=int, default=None, help="vocabulary, model level (default 256)")
     parser.add_argument("--timeout", type=float, default=None, help="seconds before a worker is abandoned (default none)")
     parser.add_argument("--seed", type=int, default=0, help="torch seed of every worker (default 0)")
+    parser.add_argument("--resume", action="store_true",
+                        help=f"continue the interrupted run in --out: the jobs its {JOURNAL} holds are kept, the rest run "
+                             "(the options must be the same)")
 
 
 def command_line(config: Config, methods: list[str] | None, out: Path) -> str:
@@ -69,23 +74,36 @@ def run(args: argparse.Namespace) -> int:
         rounds=args.rounds, repeats=args.repeats, warmup=args.warmup, device=args.device, backend=args.backend,
         dtype=args.dtype, threads=args.threads, timeout=args.timeout, seed=args.seed, **sizes,
     )
-    claim = claim_out(args.out if args.out is not None else Path("bench-results") / config.level)
-    if claim.notice:
-        print(f"posenc bench: {claim.notice}", file=sys.stderr)
+    out = args.out if args.out is not None else Path("bench-results") / config.level
+    resume = getattr(args, "resume", False)
+    if resume and not (Path(out) / JOURNAL).is_file():
+        raise UsageError(f"resume: {str(out)!r} holds no {JOURNAL} (no interrupted run to continue); leave out --resume")
+    claim = claim_out(out)
     try:
-        return _run(config, args, claim.path)
+        kept = journal_jobs(claim.path / JOURNAL, config) if resume else None
+        if not resume and (claim.path / JOURNAL).exists():
+            raise UsageError(f"out: {claim.path / JOURNAL} holds the measurements of an interrupted run; continue it "
+                             "with --resume, or choose another out (posenc never deletes it)")
+        if claim.notice:
+            print(f"posenc bench: {claim.notice}", file=sys.stderr)
+        if not resume:
+            replaced = clear_outputs(claim.path)  # an interrupted run must not sit beside an earlier run's results
+            if replaced:
+                print(f"posenc bench: replacing the earlier results in {claim.path} ({', '.join(replaced)})", file=sys.stderr)
+        return _run(config, args, claim.path, kept)
     finally:
         claim.release()
 
 
-def _run(config, args: argparse.Namespace, out: Path) -> int:
+def _run(config, args: argparse.Namespace, out: Path, kept: list[dict] | None = None) -> int:
     command = command_line(config, args.methods, out)
-    journal = Journal(out / JOURNAL, {"command": command})
+    journal = Journal(out / JOURNAL, journal_header(config, command))
     try:
-        results = run_jobs(config, on_result=journal)
+        results = run_jobs(config, on_result=journal, kept=kept)
     except KeyboardInterrupt:
         if journal.path.exists() and journal.error is None:
-            print(f"posenc bench: the measurements so far are in {journal.path}", file=sys.stderr)
+            print(f"posenc bench: the measurements so far are in {journal.path}; continue with the same command and "
+                  "--resume", file=sys.stderr)
         raise
     results.meta["command"] = command
     print(markdown_table(results), end="")

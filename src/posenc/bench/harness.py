@@ -109,12 +109,15 @@ def run(
     on_result: Callable[[list[dict]], None] | None = None,
     progress: bool = True,
     isolate: bool = True,
+    kept: list[dict] | None = None,
 ) -> Results:
     """Run every job of ``config`` (see :func:`posenc.bench.plan.plan`) and summarize.
 
     A refusal by a compared library does not change between rounds: it is measured (built) once
-    and copied to the later rounds.
+    and copied to the later rounds. ``kept``: records of an interrupted run of the same options
+    (its journal); a job with a record there is not run again (``--resume``).
     """
+    done = {(cell_key(r), r["round"]): r for r in kept or []}
     meta = {"title": title(config), "machine": describe_machine(), "time": time.strftime("%Y-%m-%d %H:%M:%S"),
             "options": config.to_dict()}
     if config.compare:
@@ -125,6 +128,14 @@ def run(
     jobs = plan(config)
     refused: dict[tuple, dict] = {}
     for i, job in enumerate(jobs, 1):
+        if (job.cell, job.round) in done:
+            record = done[(job.cell, job.round)]
+            if record.get("status") == "refused":
+                refused[cell_key(record)] = record
+            results.jobs.append(record)
+            if progress:
+                print(f"[{i:>{len(str(len(jobs)))}}/{len(jobs)}] kept: {describe(record)}", file=sys.stderr, flush=True)
+            continue
         if job.cell in refused:
             record = dict(refused[job.cell], round=job.round, wall_s=0.0)
         else:

@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import tempfile
@@ -24,6 +25,7 @@ from .plots import plot
 from .tables import csv_text, json_object, markdown_table
 
 JOURNAL = "jobs.json"  # every job's record so far; removed once the outputs are written
+OUTPUTS = ("table.md", "results.csv", "results.json", "command.txt", "plot.png")
 
 
 def check_out(out: Path) -> Path:
@@ -70,10 +72,45 @@ class Journal:
             print(f"posenc bench: warning: cannot save measurements in {self.path} ({err}); going on", file=sys.stderr)
 
 
+def journal_header(config, command: str) -> dict:
+    """What a journal records besides its jobs: the command, and the options a resume must match."""
+    return {"command": command, "options": json.loads(json.dumps(config.to_dict()))}
+
+
+def journal_jobs(path: Path, config) -> list[dict]:
+    """The finished jobs of the interrupted run whose journal is ``path``, for ``--resume``:
+    UsageError when it is not a journal, or was measured with other options than ``config``'s."""
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as err:
+        raise UsageError(f"resume: {path} cannot be read as a bench journal ({err})") from None
+    if not isinstance(data, dict) or not isinstance(data.get("jobs"), list) or not isinstance(data.get("options"), dict) \
+            or not all(isinstance(j, dict) and {"round", "level", "mode", "length", "method", "impl"} <= set(j) for j in data["jobs"]):
+        raise UsageError(f"resume: {path} is not a bench journal with its options (written by an older posenc, or "
+                         "edited); move it away and run without --resume")
+    want = journal_header(config, "")["options"]
+    diff = [f"{k}: {data['options'].get(k)!r} -> {want.get(k)!r}" for k in sorted(set(want) | set(data["options"]))
+            if data["options"].get(k) != want.get(k)]
+    if diff:
+        raise UsageError(f"resume: {path} was measured with other options ({'; '.join(diff)}); resume with its command: "
+                         f"{data.get('command', '?')} --resume")
+    return data["jobs"]
+
+
+def clear_outputs(out: Path) -> list[str]:
+    """Remove an earlier run's outputs from ``out`` (a fresh run replaces them); returns their names."""
+    removed = []
+    for name in OUTPUTS:
+        if (Path(out) / name).is_file():
+            (Path(out) / name).unlink()
+            removed.append(name)
+    return removed
+
+
 def write_outputs(results: Results, out: Path) -> dict[str, Path]:
     """table.md, results.csv, results.json, command.txt and plot.png under ``out``, each atomically."""
     out = Path(out)
-    paths = {name: out / name for name in ("table.md", "results.csv", "results.json", "command.txt", "plot.png")}
+    paths = {name: out / name for name in OUTPUTS}
     write_text(paths["results.json"], _json(results))  # the measurements first
     write_text(paths["results.csv"], csv_text(results))
     write_text(paths["table.md"], markdown_table(results) + "\n")
@@ -86,9 +123,7 @@ def write_outputs(results: Results, out: Path) -> dict[str, Path]:
 
 
 def _json(results: Results) -> str:
-    import json
-
-    return json.dumps(json_object(results), indent=1) + "\n"
+    return json.dumps(json_object(results), indent=1, allow_nan=False) + "\n"
 
 
 def save_fallback(results: Results) -> Path:

@@ -113,6 +113,16 @@ def configure(
         _integer(name, full[name])
     if full["dim"] % full["heads"]:
         raise UsageError(f"dim ({full['dim']}) must be divisible by heads ({full['heads']})")
+    head_dim = full["dim"] // full["heads"]
+    for m in methods:  # every method at these sizes, before any job (meta device: no memory)
+        from ..encodings import build
+
+        try:
+            with torch.device("meta"):
+                build(m, num_heads=full["heads"], head_dim=head_dim)
+        except (UsageError, ValueError) as err:
+            raise UsageError(f"methods: {m} cannot run with dim {full['dim']} and heads {full['heads']} "
+                             f"(head dim {head_dim}): {err}") from None
     compare = list(dict.fromkeys(compare or []))
     for c in compare:
         if c not in LIBRARIES:

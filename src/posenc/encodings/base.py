@@ -97,6 +97,21 @@ class PositionalEncoding(nn.Module):
         return f"num_heads={self.num_heads}, head_dim={self.head_dim}, causal={self.causal}"
 
 
+def check_bias_positions(encoding: nn.Module, q_positions: torch.Tensor, k_positions: torch.Tensor) -> None:
+    """A bias hook takes 1-D positions (Tq,), (Tk,).
+
+    Raises:
+        UsageError: other shapes, e.g. (B, T) positions, which ``posenc.attend`` takes instead.
+    """
+    for label, p in (("q_positions", q_positions), ("k_positions", k_positions)):
+        if not isinstance(p, torch.Tensor) or p.dim() != 1:
+            shape = tuple(p.shape) if isinstance(p, torch.Tensor) else type(p).__name__
+            raise UsageError(
+                f"{getattr(encoding, 'name', type(encoding).__name__)}.bias: {label} must be 1-D (T,), got {shape}; "
+                "for positions per row (B, T) call posenc.attend(q, k, v, encoding, positions=...)"
+            )
+
+
 def relative_positions(q_positions: torch.Tensor, k_positions: torch.Tensor) -> torch.Tensor:
     """r = j - i for every (query, key) pair: (Tq, Tk) LongTensor."""
     return k_positions[None, :] - q_positions[:, None]  # (Tq, Tk)
@@ -107,6 +122,7 @@ def bias_from_score(encoding: nn.Module, q_positions: torch.Tensor, k_positions:
 
     One definition serves both the dense path and fused kernels, so they cannot disagree.
     """
+    check_bias_positions(encoding, q_positions, k_positions)
     heads = torch.arange(encoding.num_heads, device=q_positions.device)[:, None, None]  # (H, 1, 1)
     return encoding.score(heads, q_positions[None, :, None], k_positions[None, None, :])  # (H, Tq, Tk)
 

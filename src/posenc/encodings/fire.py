@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from ..errors import UsageError
-from .base import PositionalEncoding, check_positive
+from .base import PositionalEncoding, check_bias_positions, check_positive
 
 EPS = 1e-6
 
@@ -100,6 +100,7 @@ class FIRE(PositionalEncoding):
         return out
 
     def bias(self, q_positions: torch.Tensor, k_positions: torch.Tensor) -> torch.Tensor:
+        check_bias_positions(self, q_positions, k_positions)
         x = self.normalized_distance(q_positions[:, None], k_positions[None, :])  # (Tq, Tk)
         flat = x.reshape(1, -1)  # (1, Tq * Tk)
         with torch.no_grad():  # which units switch within [min x, max x]; the others are fixed

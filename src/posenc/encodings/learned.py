@@ -26,7 +26,9 @@ class Learned(PositionalEncoding):
         self.table = nn.Parameter(torch.randn(self.max_positions, self.dim) * 0.02)  # (P, dim)
 
     def embed(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        # x: (B, T, dim), positions: (T,) shared or (B, T) per row (left-padded generation)
+        # x: (B, T, dim), positions: (T,) shared or (B, T) per row (padded or packed rows)
+        if torch.compiler.is_compiling():  # reading positions would break the graph; compiled indexing checks bounds
+            return x + self.table[positions].to(x.dtype)
         needed = int(positions.max()) + 1 if positions.numel() else 0
         if positions.numel() and int(positions.min()) < 0:  # a negative index would wrap to the table's end
             raise UsageError(f"learned positions: positions must be >= 0, got {int(positions.min())}")

@@ -31,11 +31,15 @@ Shape legend: B batch, H heads, T length, D head dim, r rotated features (``rota
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from ..errors import UsageError
 from .base import PositionalEncoding, check_positive
-from .rope_scaling import RopeScaling, inverse_frequencies, options_from_hf, parse_scaling, rotary_dim_of
+from .rope_scaling import (
+    MAX_BASE, RopeScaling, check_table, inverse_frequencies, parse_scaling, resolve_hf, rotary_dim_of,
+)
 
 LAYOUTS = ("half", "interleaved")
 
@@ -168,15 +172,19 @@ class RoPE(PositionalEncoding):
             raise UsageError(f"base={base} disagrees with the scaling block's rope_theta={cfg.rope_theta}; give one of them")
         base = cfg.rope_theta if base is None else base
         base = 10000.0 if base is None else base
-        if isinstance(base, bool) or not isinstance(base, (int, float)) or not base > 1:
-            raise UsageError(f"base must be > 1, got {base!r}")
+        if isinstance(base, bool) or not isinstance(base, (int, float)) or not 1 < base <= MAX_BASE:
+            raise UsageError(f"base must be a finite number in (1, {MAX_BASE:g}], got {base!r}")
         rotary_dim = rotary_dim_of(cfg, self.head_dim, rotary_dim)
         if isinstance(rotary_dim, bool) or not isinstance(rotary_dim, int) or not 2 <= rotary_dim <= self.head_dim or rotary_dim % 2:
             raise UsageError(f"rotary_dim must be an even integer in [2, head_dim={self.head_dim}], got {rotary_dim!r}")
         cfg.check_rotary_dim(rotary_dim)
         if cfg.rope_type == "proportional" and int((cfg.partial_rotary_factor or 1.0) * rotary_dim // 2) < 1:
             raise UsageError(f"proportional rope: partial_rotary_factor={cfg.partial_rotary_factor} keeps no frequency of {rotary_dim // 2}")
+        if cfg.rope_type in ("ntk", "dynamic") and rotary_dim < 4:
+            raise UsageError(f"rope scaling: {cfg.rope_type} raises the base to the power r/(r-2) of the rotated "
+                             f"features r: it needs rotary_dim >= 4, got {rotary_dim}")
         inv_freq, attention_factor = inverse_frequencies(cfg, base, rotary_dim)
+        check_table(cfg, float(base), rotary_dim, inv_freq, attention_factor)
         self.scaling, self.base, self.rotary_dim = cfg, float(base), rotary_dim
         # Multiplies the rotated q and k (HF scales cos and sin): logits scale by its square.
         self.attention_factor = attention_factor
@@ -258,6 +266,15 @@ class RoPE(PositionalEncoding):
     def rotate(
         self, q: torch.Tensor, k: torch.Tensor, q_positions: torch.Tensor, k_positions: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        if torch.compiler.is_compiling() and not self.scaling.depends_on_length:
+            # Compiled: the positions are not read on the host (that would break the graph); they
+            # index the precomputed table (``cache_length`` positions, litgpt-style), whose bounds the
+            # compiled indexing checks. Build a longer one first with ``build_cache`` if needed.
+            table = self._main
+            if table.cos.device != q.device:
+                table.build(table.length, q.device)
+            factor = None if self.attention_factor == 1.0 else self.attention_factor
+            return tuple(apply_rotation(x, table.cos[p], table.sin[p], self.layout, factor) for x, p in ((q, q_positions), (k, k_positions)))
         _, length = check_rotation_inputs(self, q, k, q_positions, k_positions)  # largest key position + 1
         return self.rotate_one(q, q_positions, length), self.rotate_one(k, k_positions, length)
 
@@ -268,10 +285,19 @@ class RoPE(PositionalEncoding):
 
 def rope_from_hf(config, **options) -> RoPE:
     """A :class:`RoPE` built from a Hugging Face ``transformers`` config object or its dict:
-    heads, head dim, ``rope_theta`` and the scaling block (``rope_parameters`` or ``rope_scaling``).
+    heads, head dim, ``rope_theta`` and the scaling block, each key resolved as ``transformers``
+    resolves it (:func:`~posenc.encodings.rope_scaling.resolve_hf`: ``rope_scaling`` wins over
+    ``rope_parameters`` when both are given). The encoding's ``hf_source`` says which block was read
+    (``"rope_scaling"``, ``"rope_parameters"`` or None), and a config with both warns which one.
     ``options`` go to :class:`RoPE` (``layout``, ``causal``, ``cache_length``); HF's LLaMA family
     uses the default ``layout="half"``."""
-    return RoPE(**options_from_hf(config), **options)
+    resolved = resolve_hf(config)
+    if resolved.ignored is not None:
+        warnings.warn(f"rope_from_hf: the config has both rope_scaling and rope_parameters; read {resolved.which()}",
+                      UserWarning, stacklevel=2)
+    encoding = RoPE(**resolved.options(), **options)
+    encoding.hf_source = resolved.source
+    return encoding
 
 
 def with_scaling(encoding: RoPE, scaling: dict | RopeScaling | None) -> RoPE:

@@ -49,6 +49,13 @@ import torch
 
 from ..errors import UsageError
 
+# Bounds on the numbers a user gives (a block, a config, an option): wide enough for every released
+# model (bases up to ~1e7, factors up to ~64) and narrow enough that every schedule's float32 table is
+# finite and every rotated pair still turns (see :func:`check_table`).
+MAX_BASE = 1e12
+FACTOR_RANGE = (1e-4, 1e6)
+
+
 # Keys every type accepts besides its own (rope_type / type name the type).
 COMMON_KEYS = ("rope_theta", "partial_rotary_factor")
 # The keys each type reads (optional or required); any other key is a UsageError.
@@ -75,12 +82,24 @@ REQUIRED: dict[str, tuple[str, ...]] = {
 }
 
 
-def _number(key: str, value, low: float = 0.0, strict: bool = True) -> float:
-    """A finite real number above ``low`` (or at least ``low`` when not strict), as float."""
+def _number(key: str, value, low: float = 0.0, strict: bool = True, high: float | None = None) -> float:
+    """A finite real number above ``low`` (or at least ``low`` when not strict) and at most
+    ``high``, as float."""
     ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
-    if not ok or (value <= low if strict else value < low):
+    if not ok or (value <= low if strict else value < low) or (high is not None and value > high):
         bound = f"> {low:g}" if strict else f">= {low:g}"
+        if high is not None:
+            bound = f"in {'(' if strict else '['}{low:g}, {high:g}]"
         raise UsageError(f"rope scaling: {key} must be a finite number {bound}, got {value!r}")
+    return float(value)
+
+
+def _factor(key: str, value) -> float:
+    """A scale factor: in FACTOR_RANGE, so that every schedule's table stays in float32's range."""
+    low, high = FACTOR_RANGE
+    ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+    if not ok or not low <= value <= high:
+        raise UsageError(f"rope scaling: {key} must be a finite number in [{low:g}, {high:g}], got {value!r}")
     return float(value)
 
 
@@ -92,8 +111,10 @@ def _length(key: str, value) -> int:
 
 def _factors(key: str, value) -> tuple[float, ...]:
     if isinstance(value, (str, bytes)) or not isinstance(value, (Sequence, torch.Tensor)) or len(value) == 0:
-        raise UsageError(f"rope scaling: {key} must be a list of numbers > 0 (one per frequency pair), got {value!r}")
-    return tuple(_number(f"{key}[{i}]", float(v) if isinstance(v, torch.Tensor) else v) for i, v in enumerate(value))
+        low, high = FACTOR_RANGE
+        raise UsageError(f"rope scaling: {key} must be a list of numbers in [{low:g}, {high:g}] (one per frequency pair), "
+                         f"got {value!r}")
+    return tuple(_factor(f"{key}[{i}]", float(v) if isinstance(v, torch.Tensor) else v) for i, v in enumerate(value))
 
 
 @dataclass(frozen=True)
@@ -137,8 +158,10 @@ class RopeScaling:
         missing = [key for key in REQUIRED.get(self.rope_type, ()) if getattr(self, key) is None]
         if missing:
             raise UsageError(f"rope scaling: rope_type {self.rope_type!r} needs {missing}")
-        convert = {"factor": _number, "beta_fast": _number, "beta_slow": _number, "attention_factor": _number,
-                   "low_freq_factor": _number, "high_freq_factor": _number, "rope_theta": _number,
+        convert = {"factor": _factor, "beta_fast": _number, "beta_slow": _number,
+                   "attention_factor": lambda k, v: _number(k, v, high=FACTOR_RANGE[1]),
+                   "low_freq_factor": _number, "high_freq_factor": _number,
+                   "rope_theta": lambda k, v: _number(k, v, 1.0, high=MAX_BASE),
                    "mscale": lambda k, v: _number(k, v, strict=False), "mscale_all_dim": lambda k, v: _number(k, v, strict=False),
                    "original_max_position_embeddings": _length, "max_position_embeddings": _length,
                    "short_factor": _factors, "long_factor": _factors}
@@ -227,7 +250,11 @@ def parse_scaling(scaling: Mapping | RopeScaling | None) -> RopeScaling:
     if not isinstance(scaling, Mapping):
         raise UsageError(f"scaling must be a dict such as a config's rope_scaling block, got {type(scaling).__name__}")
     block = dict(scaling)
-    names = {block.pop(key) for key in ("rope_type", "type") if key in block}
+    names = [block.pop(key) for key in ("rope_type", "type") if key in block]
+    for name in names:
+        if not isinstance(name, str):
+            raise UsageError(f"rope scaling: rope_type must be one of {list(ROPE_TYPES)}, got {name!r}")
+    names = set(names)
     if len(names) > 1:
         raise UsageError(f"rope scaling: rope_type and type disagree: {sorted(map(str, names))}")
     fields = {f.name for f in dataclasses.fields(RopeScaling)}
@@ -241,8 +268,9 @@ def parse_scaling(scaling: Mapping | RopeScaling | None) -> RopeScaling:
 
 
 def default_frequencies(base: float, dim: int) -> torch.Tensor:
-    """theta_k = base^(-2k/dim), k = 0 .. dim/2 - 1: (dim/2,) float64."""
-    return base ** -(torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+    """theta_k = base^(-2k/dim), k = 0 .. dim/2 - 1: (dim/2,) float64, on the CPU (also inside a
+    ``torch.device("meta")`` block: the schedule is checked, and moved where the positions are)."""
+    return base ** -(torch.arange(0, dim, 2, dtype=torch.float64, device="cpu") / dim)
 
 
 def _default(cfg: RopeScaling, base: float, dim: int, length: int | None) -> tuple[torch.Tensor, float]:
@@ -260,7 +288,8 @@ def _ntk(cfg: RopeScaling, base: float, dim: int, length: int | None) -> tuple[t
 def _dynamic(cfg: RopeScaling, base: float, dim: int, length: int | None) -> tuple[torch.Tensor, float]:
     original = cfg.original_length
     current = max(length or original, original)
-    grown = cfg.factor * current / original - (cfg.factor - 1)  # 1 at the training length
+    # s l/L - (s - 1), written so that it is exactly 1 at l = L (the difference cancels for large s).
+    grown = 1.0 + cfg.factor * (current - original) / original
     return default_frequencies(base * grown ** (dim / (dim - 2)), dim), 1.0
 
 
@@ -287,7 +316,7 @@ def _yarn(cfg: RopeScaling, base: float, dim: int, length: int | None) -> tuple[
     low, high = max(low, 0), min(high, dim - 1)  # HF clamps to dim - 1 (not dim/2 - 1); kept for equality
     if low == high:
         high += 0.001  # a step instead of a ramp
-    ramp = ((torch.arange(dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)  # 0: keep, 1: interpolate
+    ramp = ((torch.arange(dim // 2, dtype=torch.float64, device="cpu") - low) / (high - low)).clamp(0, 1)  # 0: keep, 1: interpolate
     theta = default_frequencies(base, dim)
     return theta * (1 - ramp) + (theta / s) * ramp, attention
 
@@ -311,7 +340,7 @@ def _longrope(cfg: RopeScaling, base: float, dim: int, length: int | None) -> tu
     else:
         s = cfg.scale
         attention = 1.0 if s <= 1 else math.sqrt(1 + math.log(s) / math.log(original))
-    return default_frequencies(base, dim) / torch.tensor(factors, dtype=torch.float64), attention
+    return default_frequencies(base, dim) / torch.tensor(factors, dtype=torch.float64, device="cpu"), attention
 
 
 def _proportional(cfg: RopeScaling, base: float, dim: int, length: int | None) -> tuple[torch.Tensor, float]:
@@ -348,36 +377,136 @@ def rotary_dim_of(cfg: RopeScaling, head_dim: int, rotary_dim: int | None) -> in
     return implied
 
 
-def options_from_hf(config) -> dict:
-    """``RoPE`` keyword arguments (num_heads, head_dim, base, scaling) from a ``transformers``
-    config object or its ``config.json`` dict, resolving the keys that sit outside the block the
-    way Hugging Face does: ``rope_theta`` and ``partial_rotary_factor`` at the top level, Phi-3's
-    top-level ``original_max_position_embeddings`` (it wins), the original length defaulting to
-    ``max_position_embeddings`` for yarn/llama3/longrope, and dynamic NTK's training length, which
-    HF reads from ``max_position_embeddings`` only.
-    """
-    def get(key: str):
-        return config.get(key) if isinstance(config, Mapping) else getattr(config, key, None)
+def check_table(cfg: RopeScaling, base: float, dim: int, theta: torch.Tensor, attention: float) -> None:
+    """UsageError unless the float32 frequencies ``theta`` (dim/2,) of ``cfg`` are finite, and every
+    pair the schedule rotates turns at a normal float32 rate (an underflow to 0 would silently stop
+    its rotation, an overflow gives NaN angles)."""
+    kept = theta if cfg.rope_type != "proportional" else theta[: max(int((cfg.partial_rotary_factor or 1.0) * dim // 2), 1)]
+    tiny = torch.finfo(torch.float32).tiny
+    if bool(torch.isfinite(theta).all()) and bool((kept >= tiny).all()) and math.isfinite(attention) and attention > 0:
+        return
+    given = ", ".join(f"{k}={v:g}" for k, v in (("base", base), ("factor", cfg.factor)) if v is not None)
+    raise UsageError(
+        f"rope scaling: {cfg.rope_type} with {given} gives frequencies outside float32's range (rotary_dim={dim}); "
+        f"base must be in (1, {MAX_BASE:g}] and factors in [{FACTOR_RANGE[0]:g}, {FACTOR_RANGE[1]:g}]"
+    )
 
-    num_heads = get("num_attention_heads")
-    if num_heads is None:
+
+@dataclass(frozen=True)
+class HFRope:
+    """What a Hugging Face config says about its RoPE, resolved the way ``transformers`` resolves it.
+
+    ``source`` is the key the scaling block was read from (``"rope_scaling"``, ``"rope_parameters"``,
+    or None when the config has neither), ``ignored`` the other key when the config has both and it
+    was not read.
+    """
+
+    num_heads: int
+    head_dim: int
+    base: float
+    scaling: dict
+    source: str | None = None
+    ignored: str | None = None
+
+    def options(self) -> dict:
+        """Keyword arguments of :class:`~posenc.encodings.rope.RoPE`."""
+        return {"num_heads": self.num_heads, "head_dim": self.head_dim, "base": self.base, "scaling": dict(self.scaling)}
+
+    def which(self) -> str:
+        """One phrase saying which key was read, e.g. for a message."""
+        if self.source is None:
+            return "no rope_scaling or rope_parameters block (plain RoPE)"
+        if self.ignored is None:
+            return f"the {self.source} block"
+        return f"the {self.source} block ({self.ignored} ignored, as transformers does)"
+
+
+def _hf_int(key: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise UsageError(f"rope_from_hf: {key} must be a positive integer, got {value!r}")
+    return int(value)
+
+
+def _hf_block(key: str, value) -> dict:
+    if not isinstance(value, Mapping):
+        raise UsageError(f"rope_from_hf: {key} must be a JSON object (a dict of RoPE keys), got {value!r}")
+    return dict(value)
+
+
+def resolve_hf(config) -> HFRope:
+    """Heads, head dim, base and scaling block of a ``transformers`` config object or its
+    ``config.json`` dict, resolved as ``transformers`` 5.x does (``LlamaConfig(**d)``):
+
+    - the block: ``rope_scaling`` when it is given and not empty, else ``rope_parameters`` (a config
+      object holds the already resolved ``rope_parameters``);
+    - ``rope_theta``: the block's, else the top level's, else 10000; ``partial_rotary_factor``: the
+      block's, else the top level's;
+    - yarn, llama3 and longrope's ``original_max_position_embeddings``: the block's, else the top
+      level's (Phi-3 and DeepSeek-V3 keep it there; their config classes read it), else
+      ``max_position_embeddings``. Both given and different is a UsageError: the config classes
+      disagree on which one wins (``LlamaConfig`` keeps the block's, ``Phi3Config`` the top level's);
+    - dynamic NTK's training length: ``max_position_embeddings`` only (what HF's dynamic update reads);
+    - the head dim: ``head_dim``, else ``hidden_size / num_attention_heads`` (which must divide).
+
+    Every number is checked (type and range); a bad one is a UsageError naming its key.
+    """
+    is_mapping = isinstance(config, Mapping)
+
+    def get(key: str):
+        return config.get(key) if is_mapping else getattr(config, key, None)
+
+    if get("num_attention_heads") is None:
         raise UsageError("rope_from_hf: the config has no num_attention_heads")
-    head_dim = get("head_dim")
-    if head_dim is None:
+    num_heads = _hf_int("num_attention_heads", get("num_attention_heads"))
+    if get("head_dim") is not None:
+        head_dim = _hf_int("head_dim", get("head_dim"))
+    else:
         if get("hidden_size") is None:
             raise UsageError("rope_from_hf: the config has neither head_dim nor hidden_size")
-        head_dim = get("hidden_size") // num_heads
-    block = dict(get("rope_parameters") or get("rope_scaling") or {})
-    base = block.pop("rope_theta", None) or get("rope_theta") or 10000.0
+        hidden = _hf_int("hidden_size", get("hidden_size"))
+        if hidden % num_heads:
+            raise UsageError(f"rope_from_hf: hidden_size ({hidden}) must be a multiple of num_attention_heads "
+                             f"({num_heads}) when the config gives no head_dim")
+        head_dim = hidden // num_heads
+    source = ignored = None
+    if is_mapping:
+        given = [k for k in ("rope_scaling", "rope_parameters") if config.get(k) is not None]
+        for key in given:
+            _hf_block(key, config[key])
+        # transformers: `rope_parameters = rope_scaling or rope_parameters`
+        source = "rope_scaling" if config.get("rope_scaling") else ("rope_parameters" if config.get("rope_parameters") else None)
+        if source is not None and len([k for k in given if config[k]]) == 2:
+            ignored = "rope_parameters"
+    elif get("rope_parameters"):
+        source = "rope_parameters"
+        _hf_block(source, get(source))
+    block = dict(get(source)) if source else {}
+    base = block.pop("rope_theta", None)
+    if base is None:
+        base = get("rope_theta") if get("rope_theta") is not None else 10000.0
+    if isinstance(base, bool) or not isinstance(base, numbers.Real) or not math.isfinite(base) or not 1 < base <= MAX_BASE:
+        raise UsageError(f"rope_from_hf: rope_theta must be a number in (1, {MAX_BASE:g}], got {base!r}")
     if get("partial_rotary_factor") is not None:
         block.setdefault("partial_rotary_factor", get("partial_rotary_factor"))
     rope_type = block.get("rope_type", block.get("type", "default"))
+    if not isinstance(rope_type, str):
+        raise UsageError(f"rope scaling: rope_type must be one of {list(ROPE_TYPES)}, got {rope_type!r}")
     max_positions = get("max_position_embeddings")
+    if max_positions is not None:
+        max_positions = _hf_int("max_position_embeddings", max_positions)
     if rope_type in ("yarn", "llama3", "longrope"):
-        if get("original_max_position_embeddings") is not None:
-            block["original_max_position_embeddings"] = get("original_max_position_embeddings")
-        elif max_positions is not None:
-            block.setdefault("original_max_position_embeddings", max_positions)
+        top = get("original_max_position_embeddings")
+        inner = block.get("original_max_position_embeddings")
+        if top is not None and inner is not None and top != inner:
+            raise UsageError(
+                f"rope_from_hf: original_max_position_embeddings is {top!r} at the top level and {inner!r} in "
+                f"{source}; transformers' config classes disagree on which wins (LlamaConfig: the block's, "
+                "Phi3Config: the top level's), so give one"
+            )
+        if inner is None and top is not None:
+            block["original_max_position_embeddings"] = top
+        elif inner is None and max_positions is not None:
+            block["original_max_position_embeddings"] = max_positions
     if rope_type in ("yarn", "longrope") and block.get("factor") is None:
         block.pop("factor", None)
         if max_positions is not None:
@@ -387,10 +516,15 @@ def options_from_hf(config) -> dict:
             raise UsageError("rope_from_hf: dynamic scaling needs the config's max_position_embeddings")
         block.pop("original_max_position_embeddings", None)  # HF ignores it for dynamic
         block["original_max_position_embeddings"] = max_positions
-    return {"num_heads": int(num_heads), "head_dim": int(head_dim), "base": float(base), "scaling": block}
+    return HFRope(num_heads, head_dim, float(base), block, source, ignored)
+
+
+def options_from_hf(config) -> dict:
+    """``RoPE`` keyword arguments (num_heads, head_dim, base, scaling) of :func:`resolve_hf`."""
+    return resolve_hf(config).options()
 
 
 __all__ = [
-    "ROPE_TYPES", "RopeScaling", "default_frequencies", "inverse_frequencies", "options_from_hf",
-    "parse_scaling", "rotary_dim_of",
+    "FACTOR_RANGE", "HFRope", "MAX_BASE", "ROPE_TYPES", "RopeScaling", "check_table", "default_frequencies",
+    "inverse_frequencies", "options_from_hf", "parse_scaling", "resolve_hf", "rotary_dim_of",
 ]

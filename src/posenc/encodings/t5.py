@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from ..errors import UsageError
-from .base import PositionalEncoding, check_positive
+from .base import PositionalEncoding, check_bias_positions, check_positive
 from .protocol import BiasTails
 
 
@@ -133,6 +133,7 @@ class T5Bias(PositionalEncoding):
         return table
 
     def bias(self, q_positions: torch.Tensor, k_positions: torch.Tensor) -> torch.Tensor:
+        check_bias_positions(self, q_positions, k_positions)
         buckets = self.bucket_table(q_positions, k_positions)  # (Tq, Tk)
         return self.relative_attention_bias(buckets).permute(2, 0, 1)  # (H, Tq, Tk)
 

@@ -11,10 +11,21 @@ own (:func:`~posenc.encodings.rope.apply_rotation`), in the paper's interleaved 
 Centring (``centre=True``, the paper and its authors' code ``torchscale``): the exponents use
 ``n - c`` with ``c = ceil(l / 2)``, ``l`` the current length (largest position + 1), for queries and
 keys alike; c cancels in every score, but it keeps the factors within ``zeta^(+-l / 2 / scale_base)``.
-Because c follows the length, ``rotation_depends_on_length`` is then True and the attention keeps
-keys un-rotated in its KV cache and rotates them at every step (cached decoding stays exact, unlike
-a cache that centres queries and keys differently). ``centre=False``: c = 0, keys cached rotated,
-the factors reach ``zeta^(-l / scale_base)``. Either way the largest factor must fit the dtype: past
+Because c follows the length, ``rotation_depends_on_length`` is then True. ``centre=False``: c = 0,
+keys cached rotated, the factors reach ``zeta^(-l / scale_base)``.
+
+Decoding with the centre (:meth:`XPos.rotate_in_frame`, which the attention calls instead of
+``rotate`` when a KV cache is given). The centre is a constant shift of both exponents, so any one
+centre gives the same scores as long as the query and every key use it: a cache keeps its keys
+rotated and scaled with the centre they were given (its *frame*, one per layer cache), and a new
+query gets that centre too. A step then rotates only the new tokens, O(T x D), instead of every
+cached key. The whole cache is re-centred (each cached key multiplied by one factor per pair,
+``zeta_k^((c' - c) / scale_base)``) only when the newest position passes twice the centre: the new
+centre is then the current length (or, near the dtype's limit, the largest centre position 0 allows),
+so re-centring happens when the length doubles, amortised O(1) per step, and the factors stay within
+twice the exponent the full pass uses at that length (e^10 at 4096 positions with scale_base 512).
+The first call of a cache (the prefill) takes the full pass's centre ``ceil(l / 2)``. The scores
+equal the full pass's to float32 rounding (``tests/test_xpos.py`` checks long caches). Either way the largest factor must fit the dtype: past
 ``sqrt(finfo.max)`` of the input dtype (float32 / bfloat16: |n - c| above ~18000 with scale_base 512;
 float16: ~2300) the call is a UsageError rather than a silent overflow.
 
@@ -31,6 +42,7 @@ Shape legend: B batch, H heads, T / Tq / Tk lengths, D head dim (= d).
 from __future__ import annotations
 
 import math
+import weakref
 
 import torch
 
@@ -86,6 +98,65 @@ class XPos(PositionalEncoding):
     @property
     def rotation_depends_on_length(self) -> bool:
         return self.centre
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        state.pop("_frames", None)  # weak references to live caches: a copy starts without frames
+        return state
+
+    def _pair_scale(self, delta: float, device: torch.device) -> torch.Tensor:
+        """float32 (D,): each feature times zeta_k^(delta / scale_base) of its pair k (in the layout)."""
+        f = torch.exp(self.log_zeta.to(device) * (delta / self.scale_base)).to(torch.float32)  # (d/2,)
+        return torch.cat((f, f)) if self.rotary.layout == "half" else f.repeat_interleave(2)
+
+    def _farthest_centre(self, dtype: torch.dtype) -> int:
+        """The largest centre that keeps position 0's factor within what ``dtype`` holds."""
+        limit = 0.5 * math.log(min(torch.finfo(dtype).max, torch.finfo(torch.float32).max))
+        return int(limit * self.scale_base / -float(self.log_zeta[0]))
+
+    def rotate_in_frame(
+        self, q: torch.Tensor, k: torch.Tensor, q_positions: torch.Tensor, k_positions: torch.Tensor, cache
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``rotate`` for a KV cache, amortised O(1) in its length (see the module docstring).
+
+        ``k`` (B, H, past + T, D) is every key of the layer ``cache`` just returned from its append:
+        rows already in ``cache``'s frame (rotated with its centre by an earlier call) and the new,
+        un-rotated ones. Without autograd the new rows are rotated in place (written into the cache,
+        which then keeps them rotated) and a re-centre rescales the cached rows in place; under
+        autograd nothing is written and the same keys come back as a new tensor.
+        """
+        if not self.centre:
+            return self.rotate(q, k, q_positions, k_positions)
+        lo, length = check_rotation_inputs(self, q, k, q_positions, k_positions)
+        if not length:
+            return q, k
+        frames = self.__dict__.setdefault("_frames", weakref.WeakKeyDictionary())
+        frame = frames.get(cache)
+        past = length - q.shape[-2]
+        framed = 0 if frame is None else min(frame[1], past)  # crop / reset: rows past the cache's length are gone
+        centre = frame[0] if framed else (length + 1) // 2  # the first call: the full pass's centre
+        target = centre
+        if length - 1 > 2 * centre:  # the newest key passed twice the centre: re-centre (the length doubled)
+            target = min(length - 1, self._farthest_centre(q.dtype))
+        self._check_range(lo, length - 1, target, q.dtype)
+        rope = self.rotary
+        q_cos, q_sin = rope.cos_sin(q_positions, length)  # (Tq, d/2) float32
+        q = apply_rotation(q, q_cos, q_sin, rope.layout, self.decay(q_positions, target, 1.0))
+        new_positions = k_positions[framed:]
+        k_cos, k_sin = rope.cos_sin(new_positions, length)
+        new = apply_rotation(k[:, :, framed:], k_cos, k_sin, rope.layout, self.decay(new_positions, target, -1.0))
+        old = k[:, :, :framed]
+        write = not (torch.is_grad_enabled() and k.requires_grad)
+        if write:
+            with torch.no_grad():
+                if framed and target != centre:
+                    old.mul_(self._pair_scale(target - centre, k.device).to(k.dtype))
+                k[:, :, framed:] = new
+            frames[cache] = (target, length)
+            return q, k
+        if framed and target != centre:
+            old = (old.to(torch.float32) * self._pair_scale(target - centre, k.device)).to(k.dtype)
+        return q, torch.cat((old, new), dim=-2)
 
     def decay(self, positions: torch.Tensor, centre: int, sign: float) -> torch.Tensor:
         """float32 (T, d/2): zeta_k^(sign * (n - centre) / scale_base) at positions n."""

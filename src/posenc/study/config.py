@@ -18,7 +18,7 @@ import torch
 from ..data import DEFAULT_VALID_BYTES
 from ..encodings import available, get_class
 from ..errors import UsageError
-from ..model import LMConfig
+from ..model import LM, LMConfig
 from . import rows
 from .rows import SCALINGS
 
@@ -69,6 +69,7 @@ PRESET_DESCRIPTIONS = {
     "paper": "train at 512, test to 16x, a GPU",
 }
 TASKS = ("lm", "recall")
+MAX_RECALL_BYTES = 2**30  # one recall evaluation set or training batch of int64 tokens
 DROP_DEFAULT = 0.12  # DroPE's share of training without positions
 
 # CPU threads per preset when the command line is not told: a smoke-sized model gains nothing from
@@ -191,11 +192,27 @@ class StudyConfig:
         self.eval_lengths = sorted(set(self.eval_lengths))
         self.methods = rows.expand(self.methods, self.finetune_steps > 0)
         for m in self.methods:
-            try:
-                self.lm_config(m)  # dim/heads combination, encoding options
-            except (ValueError, TypeError) as err:
-                raise UsageError(f"methods: {m!r}: {err}") from None
+            self.check_row(m)
         return self
+
+    def check_row(self, name: str) -> None:
+        """UsageError now, before any directory or file exists, if row ``name`` could not be built,
+        trained or evaluated: its model (dim/heads combination, every encoding option) is built on
+        the meta device (no memory), and its evaluation variant applied at every evaluation length."""
+        from .variants import applied
+
+        try:
+            config = self.lm_config(name)  # dim/heads combination, encoding options
+            with torch.device("meta"):
+                model = LM(config)
+                row = rows.parse(name)
+                for length in self.eval_lengths:
+                    with applied(model, row, length, self.train_length):
+                        pass
+        except UsageError as err:
+            raise UsageError(f"methods: {name!r}: {err}") from None
+        except (ValueError, TypeError) as err:
+            raise UsageError(f"methods: {name!r}: {err}") from None
 
     def _validate_rows(self, parsed: list) -> None:
         """The options that only some rows read: each given only when such a row is there."""
@@ -203,6 +220,8 @@ class StudyConfig:
             raise UsageError(f"seeds must be an integer >= 1, got {self.seeds!r}")
         if not isinstance(self.recall_sequences, int) or self.recall_sequences < 1:
             raise UsageError(f"recall_sequences must be an integer >= 1, got {self.recall_sequences!r}")
+        if self.task == "recall":
+            self._validate_recall()
         drop = [r.name for r in parsed if "drop" in r.train]
         if self.drop_positions_after is not None:
             if not drop:
@@ -235,6 +254,27 @@ class StudyConfig:
             if not isinstance(self.finetune_length, int) or self.finetune_length <= self.train_length:
                 raise UsageError(f"finetune_length must be an integer above train_length ({self.train_length}), "
                                  f"got {self.finetune_length!r}")
+
+    def _validate_recall(self) -> None:
+        """The recall task generates its sequences: the corpus options do not apply, and its
+        evaluation sets (recall_sequences x the longest length, int64) must fit in memory."""
+        given = [name for name, unset in (("data", self.data == "default"),
+                                          ("valid_bytes", self.valid_bytes == PRESETS[self.preset]["valid_bytes"]),
+                                          ("sliding", self.sliding is None)) if not unset]
+        if given:
+            raise UsageError(f"{given[0]} applies to the lm task (a corpus); the recall task generates its sequences, "
+                             f"so leave out {' and '.join(given)}")
+        longest = max(self.eval_lengths)
+        most = MAX_RECALL_BYTES // (8 * (longest + 1))
+        if self.recall_sequences > most:
+            raise UsageError(f"recall_sequences must be at most {most} for eval lengths up to {longest} (one "
+                             f"evaluation set of int64 tokens must fit in {MAX_RECALL_BYTES >> 30} GiB), "
+                             f"got {self.recall_sequences}")
+        most = MAX_RECALL_BYTES // (8 * (self.train_length + 1))
+        if self.batch_size > most:
+            raise UsageError(f"batch_size must be at most {most} for the recall task at train_length "
+                             f"{self.train_length} (a batch of int64 tokens must fit in {MAX_RECALL_BYTES >> 30} GiB), "
+                             f"got {self.batch_size}")
 
     @property
     def drop_fraction(self) -> float:

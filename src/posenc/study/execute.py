@@ -7,6 +7,10 @@ same seed; an evaluated row (``+yarn``, ``+blockwise``, ...) scores its base row
 variant (:mod:`.variants`), without training. Each length's row gets its 95% bootstrap interval
 (:mod:`.bootstrap`), its per-window numbers are saved beside results.json, and a model with position
 parameters is checked for parameters it uses there but never trained (:mod:`.fairness`).
+
+A run whose training diverges (:class:`.train.Diverged`), or a model with non-finite parameters, is
+recorded as ``diverged`` (with its step) without a checkpoint or evaluation, and so are the rows
+evaluated or fine-tuned from it; the study goes on with the other rows.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from .config import StudyConfig
 from .evaluation import cannot_run, evaluate, evaluate_recall
 from .progress import Progress
 from .results import Paths, write_outputs
-from .train import Job, StateError, StepCallback, schedule, train
+from .train import Diverged, Job, StateError, StepCallback, schedule, train
 
 # A fine-tune draws its batches from another stream than pre-training (the same text, other windows).
 FINETUNE_STREAM = 1_000_000
@@ -78,9 +82,10 @@ class Runner:
         torch.manual_seed(seed)
         return LM(self.cfg.lm_config(name))
 
-    def model(self, row: rows.Row, index: int) -> LM:
+    def model(self, row: rows.Row, index: int) -> LM | None:
         """The final model of ``row`` at the ``index``-th seed: in memory, from its checkpoint, or
-        trained now (continuing from its saved state) and checkpointed."""
+        trained now (continuing from its saved state) and checkpointed; None when its training
+        diverged (its run, or its base's, says ``diverged``)."""
         if row.kind == "eval":
             return self.model(rows.parse(row.base), index)
         if self._last is not None and self._last[:2] == (row.name, index):
@@ -89,6 +94,8 @@ class Runner:
         label = self.label(row, index)
         entry = self.results["methods"].get(row.name)
         run = seeds.run_of(entry, index) if entry else None
+        if run is not None and run.get("status") == "diverged":
+            return None
         checkpoint = seeds.path_of(self.paths, row.stem, index, seed)
         model = None
         if run is not None and run.get("status") in ("trained", "done"):
@@ -105,10 +112,12 @@ class Runner:
         self._last = (row.name, index, model)
         return model
 
-    def _job(self, row: rows.Row, index: int, seed: int, label: str) -> Job:
+    def _job(self, row: rows.Row, index: int, seed: int, label: str) -> Job | None:
         cfg = self.cfg
         if row.kind == "finetune":
             base = self.model(rows.parse(row.base), index)
+            if base is None:
+                return None
             weights = {k: v.detach().clone() for k, v in base.state_dict().items()}
 
             def make() -> LM:
@@ -130,14 +139,25 @@ class Runner:
             return lambda step: recall.train_batch(seed, step, size, length)
         return lambda step: train_batch(self.corpus.train, seed, step, size, length)
 
-    def _train(self, row: rows.Row, index: int, seed: int, label: str, checkpoint) -> LM:
+    def _train(self, row: rows.Row, index: int, seed: int, label: str, checkpoint) -> LM | None:
         state = self.paths.state(row.stem, None if index == 0 else seed)
         job = self._job(row, index, seed, label)
+        if job is None:  # a fine-tune whose base diverged
+            self._diverged(row, index, {"base": row.base, "reason": f"its base row {row.base} diverged"})
+            return None
         try:
             model, record = train(job, self.cfg, state, self.ctx, self.ui, self.on_step)
         except StateError as err:
             raise UsageError(f"{err}; delete it and continue with resume: {label} then trains again from step 0, "
                              "other methods keep their results") from None
+        except Diverged as err:
+            if self.ctx.main:
+                state.unlink(missing_ok=True)  # its states lead to the same step again
+            self._diverged(row, index, {
+                "steps": job.steps, "diverged_at_step": err.step, "reason": str(err),
+                "losses": [round(v, 5) for v in err.losses],
+            })
+            return None
         if row.kind == "finetune":
             record["from"] = row.base
         run = {
@@ -154,12 +174,31 @@ class Runner:
                     f"({record['tokens_per_s']:,.0f} tok/s), final loss {record['final_loss']:.3f}")
         return model
 
+    def _diverged(self, row: rows.Row, index: int, train: dict) -> None:
+        """Record the run of ``row`` at the ``index``-th seed as diverged (no model, no evaluation)."""
+        seed, label = self.cfg.seed + index, self.label(row, index)
+        self._set_run(row, index, {"status": "diverged", "seed": seed, "model": self.cfg.lm_config(row.name).to_dict(),
+                                   "checkpoint": None, "train": train, "eval": []})
+        self.ui.warn(f"[{label}] diverged: {train['reason']}; recorded as diverged, going on with the other rows")
+        self.save()
+
     # -- evaluation -------------------------------------------------------------------------------
 
     def run_row(self, row: rows.Row, index: int) -> None:
         """Get the model of ``row`` at the ``index``-th seed, then score every length not yet done."""
         cfg, seed, label = self.cfg, self.cfg.seed + index, self.label(row, index)
         model = self.model(row, index)
+        if model is not None and not all(bool(torch.isfinite(p).all()) for p in model.parameters()):
+            bad = [n for n, p in model.named_parameters() if not bool(torch.isfinite(p).all())]
+            self._diverged(row, index, {"reason": f"non-finite parameters ({', '.join(bad[:3])})"})
+            model = None
+        if model is None:
+            run = seeds.run_of(self.results["methods"].get(row.name) or {}, index) if row.name in self.results["methods"] else None
+            if run is None or run.get("status") != "diverged":
+                self._diverged(row, index, {"base": row.base, "reason": f"its base row {row.base} diverged"})
+            seeds.aggregate(self.results["methods"][row.name], row.stem, self.paths, cfg.task == "recall")
+            self.save(outputs=True)
+            return
         if self.ctx.main:  # a kill right after the final checkpoint can leave the last state behind
             self.paths.state(row.stem, None if index == 0 else seed).unlink(missing_ok=True)
         entry = self.results["methods"].get(row.name)

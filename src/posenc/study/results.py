@@ -19,7 +19,11 @@ with the same keys a one-seed study always had (status, model, parameters, check
 plus ``row`` (what the row is), ``seeds`` (the runs of the other seeds, each {seed, status,
 checkpoint, train, eval}) and, once two or more seeds are done, ``across_seeds`` ({seeds, train,
 eval}: the mean over seeds with its bootstrap interval and the spread between seeds). Tables and
-figures show ``across_seeds`` when present, else the first seed's rows (:func:`shown`).
+figures show ``across_seeds`` when present, else the first seed's rows (:func:`shown`). A run's
+status is ``trained``, ``done`` or ``diverged`` (training met a non-finite loss, gradient or
+activation: ``train`` holds ``diverged_at_step`` and ``reason``, ``eval`` is empty). results.json is
+strict JSON, and :func:`load_results` refuses one whose numbers have the wrong type; file names made
+from its row names and seeds stay inside the run directory (:class:`Paths`).
 
 An evaluation row (language model): length, perplexity, ppl_low and ppl_high (the 95% bootstrap
 interval over windows), bits_per_byte, loss, tokens, windows, status, time_s, and where they apply
@@ -34,6 +38,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -53,15 +58,24 @@ class Paths:
     def results(self) -> Path:
         return self.root / "results.json"
 
+    def _inside(self, *parts: str) -> Path:
+        """root / parts, refused (UsageError) unless every part is one plain file name: names read
+        from results.json never become paths outside the run directory."""
+        for part in parts:
+            if not part or part in (".", "..") or "/" in part or "\\" in part or "\0" in part:
+                raise UsageError(f"{self.results}: the file name {part!r} (from a row name or seed in it) is not a "
+                                 "plain file name; it was edited or damaged")
+        return self.root.joinpath(*parts)
+
     def checkpoint(self, stem: str, seed: int | None = None) -> Path:
         """The final weights of a row (``seed``: a seed after the first)."""
-        return self.root / "checkpoints" / (f"{stem}.safetensors" if seed is None else f"{stem}.seed{seed}.safetensors")
+        return self._inside("checkpoints", f"{stem}.safetensors" if seed is None else f"{stem}.seed{seed}.safetensors")
 
     def state(self, stem: str, seed: int | None = None) -> Path:
-        return self.root / "state" / (f"{stem}.pt" if seed is None else f"{stem}.seed{seed}.pt")
+        return self._inside("state", f"{stem}.pt" if seed is None else f"{stem}.seed{seed}.pt")
 
     def windows(self, stem: str, seed: int, length: int) -> Path:
-        return self.root / "windows" / stem / f"s{seed}-L{length}.json"
+        return self._inside("windows", stem, f"s{seed}-L{length}.json")
 
 
 def load_results(out: str | Path) -> dict | None:
@@ -93,6 +107,11 @@ def _problems(results: dict) -> list[str]:
     else:
         out += [f"config has no {k}" for k in ("train_length", "steps", "batch_size", "eval_lengths", "methods")
                 if k not in cfg]
+        out += [f"config {k} is {cfg[k]!r}, not an integer" for k in INTEGERS
+                if k in cfg and cfg[k] is not None and not _count(cfg[k])]
+        lengths = cfg.get("eval_lengths")
+        if "eval_lengths" in cfg and not (isinstance(lengths, list) and all(_positive_int(n) for n in lengths)):
+            out.append(f"config eval_lengths is {lengths!r}, not a list of positive integers")
     methods = results.get("methods")
     if not isinstance(methods, dict):
         return out + ["no methods"]
@@ -102,7 +121,27 @@ def _problems(results: dict) -> list[str]:
             out.append(f"method {m!r} has no train record or eval list")
         elif not all(isinstance(r, dict) and {"length", metric, "status"} <= set(r) for r in e["eval"]):
             out.append(f"method {m!r} has an eval row without length, {metric} or status")
+        elif not all(_positive_int(r["length"]) and (r[metric] is None or _number(r[metric])) and isinstance(r["status"], str)
+                     for r in e["eval"]):
+            out.append(f"method {m!r} has an eval row whose length, {metric} or status has the wrong type")
     return out
+
+
+# Config fields the tables, figures and report compute with: integers when present.
+INTEGERS = ("train_length", "steps", "batch_size", "dim", "depth", "num_heads", "valid_bytes", "recall_sequences",
+            "seeds", "sliding", "finetune_steps", "finetune_length")
+
+
+def _positive_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 1
+
+
+def _count(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
 def metric_of(results: dict) -> str:
@@ -181,7 +220,10 @@ def markdown_table(results: dict, key: str = "perplexity", intervals: bool = Fal
     after each number and, with several seeds, the spread between seeds (min-max); without, plain
     numbers (results.md, a table other tools read)."""
     recall = metric_of(results) == "accuracy"
-    lengths = sorted({r["length"] for e in results["methods"].values() for r in shown(e)})
+    lengths = {r["length"] for e in results["methods"].values() for r in shown(e)}
+    if any(e.get("status") == "diverged" for e in results["methods"].values()):
+        lengths |= set(results["config"].get("eval_lengths", []))  # its cells say so
+    lengths = sorted(lengths)
     train_len = results["config"]["train_length"]
     head = ["method", *(f"{n}{'*' if n == train_len else ''}" for n in lengths), "train s"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -190,7 +232,10 @@ def markdown_table(results: dict, key: str = "perplexity", intervals: bool = Fal
         cells = []
         for n in lengths:
             r = by.get(n)
-            if r is None:
+            if r is None and e.get("status") == "diverged":
+                step = (e.get("train") or {}).get("diverged_at_step")
+                cells.append("diverged" + (f" (step {step})" if step else ""))
+            elif r is None:
                 cells.append("")
             elif r.get("accuracy" if recall else key) is None:
                 cells.append(f"n/a (> {e['model'].get('max_positions') or train_len})")

@@ -35,6 +35,7 @@ the paper's setting) keeps it, and the study reports which parameters it used un
 from __future__ import annotations
 
 import inspect
+import math
 import re
 from dataclasses import dataclass, field
 
@@ -54,16 +55,22 @@ DISTANCE_BOUNDS = {"max_distance": lambda t: t, "max_relative_position": lambda 
 _NAME = re.compile(r"^[a-z0-9_]+$")
 
 
-def _value(text: str):
+def _value(name: str, key: str, text: str):
+    """An option's value: true/false, an int, a finite float, or the text itself."""
     low = text.lower()
     if low in ("true", "false"):
         return low == "true"
-    for kind in (int, float):
-        try:
-            return kind(text)
-        except ValueError:
-            pass
-    return text
+    try:
+        return int(text)
+    except ValueError:
+        pass
+    try:
+        value = float(text)
+    except ValueError:
+        return text
+    if not math.isfinite(value):
+        raise UsageError(f"methods: {name!r}: option {key} must be a finite number, got {text!r}")
+    return value
 
 
 @dataclass(frozen=True)
@@ -94,8 +101,10 @@ class Row:
 
     @property
     def stem(self) -> str:
-        """A file name for this row (``:`` ``=`` ``,`` would trouble some file systems)."""
-        return self.name.replace(":", "_").replace("=", "-").replace(",", "_")
+        """A file name for this row (``:`` ``=`` ``,`` would trouble some file systems), never a path:
+        a separator in an option value (``t5:x=../..``) becomes ``_``, so a row name read from a file
+        cannot point outside its run directory."""
+        return self.name.replace(":", "_").replace("=", "-").replace(",", "_").replace("/", "_").replace("\\", "_")
 
 
 def parse(name: str) -> Row:
@@ -117,7 +126,9 @@ def parse(name: str) -> Row:
                 raise UsageError(f"methods: {name!r}: options are KEY=VALUE separated by commas, got {item!r}")
             if key not in accepted:
                 raise UsageError(f"methods: {name!r}: {method} has no option {key!r}; accepted: {accepted or 'none'}")
-            options[key] = _value(value)
+            if key in options:
+                raise UsageError(f"methods: {name!r}: option {key} is given twice; give it once")
+            options[key] = _value(name, key, value)
     train, evaluation, finetune = [], None, False
     for s in suffixes:
         if s in TRAIN_VARIANTS and evaluation is None and not finetune and s not in train:

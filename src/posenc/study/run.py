@@ -181,9 +181,10 @@ def _run(cfg: StudyConfig, out: Path, corpus: Corpus | None, results: dict, rund
     runner = Runner(cfg, corpus, results, paths, ctx, ui, on_step)
 
     def finished(row: rows.Row, index: int) -> bool:
+        """Done, or diverged (a run that would diverge again at the same step: not retried)."""
         entry = results["methods"].get(row.name)
         run = seeds.run_of(entry, index) if entry else None
-        return run is not None and run.get("status") == "done"
+        return run is not None and run.get("status") in ("done", "diverged")
 
     pairs = [(index, row) for index in range(cfg.seeds) for row in todo]
     ui.study_bar(len(pairs), sum(finished(row, index) for index, row in pairs))
@@ -199,7 +200,8 @@ def _run(cfg: StudyConfig, out: Path, corpus: Corpus | None, results: dict, rund
         # Seeds outermost: after the first pass every row has a number; later seeds refine them.
         for index, row in pairs:
             if finished(row, index):
-                ui.log(f"[{runner.label(row, index)}] done already, skipped")
+                status = seeds.run_of(results["methods"][row.name], index)["status"]
+                ui.log(f"[{runner.label(row, index)}] {status} already, skipped")
                 continue
             runner.run_row(row, index)
             ui.method_done()

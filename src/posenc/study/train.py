@@ -7,6 +7,10 @@ The batch of step s is a pure function of (seed, s) (see :func:`posenc.data.trai
 continued from the state of step s computes the same numbers as one that never stopped. A ``+drop``
 run removes the model's positions at a fixed step (:meth:`posenc.LM.drop_positions`); its states
 from then on hold the model without them.
+
+Divergence: a step whose loss or gradient norm is not finite, or whose forward fails on non-finite
+activations once the weights have blown up (above ``DIVERGED_WEIGHT``), raises :class:`Diverged`
+before the optimizer applies it; the study records the run as diverged and goes on.
 """
 
 from __future__ import annotations
@@ -103,6 +107,27 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+# Weights this large (in absolute value) in a LayerNorm'd model mean training has blown up.
+DIVERGED_WEIGHT = 1e8
+
+
+def max_weight(model: torch.nn.Module) -> float:
+    """The largest |parameter| of ``model`` (inf or NaN when one is not finite): one device sync."""
+    with torch.no_grad():
+        peaks = [p.detach().abs().max().float() for p in model.parameters() if p.numel()]
+        return float(torch.stack(peaks).max()) if peaks else 0.0
+
+
+class Diverged(Exception):
+    """Training produced a non-finite loss or gradient norm at ``step`` (1-based); the optimizer
+    step was not taken. The study records the run as ``diverged`` and goes on with the others."""
+
+    def __init__(self, step: int, loss: float, grad_norm: float, losses: list[float], reason: str | None = None) -> None:
+        what = "loss" if not math.isfinite(loss) else "gradient norm"
+        super().__init__(reason or f"non-finite {what} at step {step} (loss {loss}, gradient norm {grad_norm})")
+        self.step, self.loss, self.grad_norm, self.losses = step, loss, grad_norm, losses
+
+
 class StateError(Exception):
     """A training state file that cannot be read or does not fit the model (damaged, or foreign)."""
 
@@ -197,14 +222,26 @@ def train(job: Job, cfg: StudyConfig, state_path: Path, ctx: distributed.Context
             share = x.shape[0] // ctx.world
             rows = slice(ctx.rank * share, (ctx.rank + 1) * share)
             x, y = x[rows].to(ctx.device), y[rows].to(ctx.device)
-            logits = net(x)  # (B/world, T, vocab)
+            try:
+                logits = net(x)  # (B/world, T, vocab)
+            except (ValueError, OverflowError) as err:
+                # A backend that plans from the scores' range (blocked's tails) fails on inf/NaN
+                # activations: that is divergence when the weights have blown up, a bug otherwise.
+                largest = max_weight(model)
+                if math.isfinite(largest) and largest < DIVERGED_WEIGHT:
+                    raise
+                raise Diverged(step + 1, math.nan, math.nan, losses,
+                               f"non-finite activations at step {step + 1} (weights up to {largest:.3g}: {err})") from err
             loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1), ignore_index=IGNORE)
             opt.zero_grad(set_to_none=True)
             loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+            mean_loss = distributed.all_sum(ctx, loss.detach().clone()) / ctx.world
+            # Every process sees the same mean loss and (synced gradients) the same norm: all stop together.
+            if not (math.isfinite(float(mean_loss)) and math.isfinite(float(norm))):
+                raise Diverged(step + 1, float(mean_loss), float(norm), losses)
             opt.step()
             sched.step()
-            mean_loss = distributed.all_sum(ctx, loss.detach().clone()) / ctx.world
             losses.append(float(mean_loss))
             elapsed += time.perf_counter() - t0
             done = step + 1
