@@ -196,7 +196,7 @@ def test_training_gradients_reach_the_t5_table() -> None:
     assert not torch.equal(before, table.detach())
 
 
-@pytest.mark.parametrize("method", ["t5", "alibi", "rope"])
+@pytest.mark.parametrize("method", ["t5", "alibi", "rope", "fire", "learned"])
 def test_save_and_from_pretrained_restore_the_encoding(tmp_path, method: str) -> None:
     model = setup_model(method)
     ids = tokens(1, 20)
@@ -355,3 +355,25 @@ def test_rope_options_and_replacing_the_encoding() -> None:
     phf.use(model, "rope", base=500.0)  # use again: the encoding is replaced
     assert model.config.posenc == {"encoding": "rope", "options": {"base": 500.0}, "causal": True}
     assert max_err(logits(model, ids), logits(ref, ids)) > 1e-3
+
+
+def test_from_pretrained_with_a_built_encoding(tmp_path) -> None:
+    """A built module: JSON options are recorded (T5's buckets); others (a RoPE module's scaling)
+    are listed as unrecorded, and from_pretrained then asks for the encoding."""
+    model = phf.use(llama(), posenc.build("t5", num_heads=4, head_dim=16, num_buckets=16, max_distance=40))
+    assert model.config.posenc["options"] == {"num_buckets": 16, "max_distance": 40}
+    ids = tokens(1, 12)
+    expected = logits(model, ids)
+    model.save_pretrained(tmp_path / "t5")
+    assert max_err(logits(phf.from_pretrained(LlamaForCausalLM, tmp_path / "t5"), ids), expected) < 1e-6
+
+    rope = posenc.build("rope", num_heads=4, head_dim=16, scaling={"rope_type": "linear", "factor": 2.0})
+    model = phf.use(llama(), rope)
+    assert "scaling" in model.config.posenc["unrecorded"]
+    expected = logits(model, ids)
+    model.save_pretrained(tmp_path / "rope")
+    with pytest.raises(posenc.UsageError, match="encoding="):
+        phf.from_pretrained(LlamaForCausalLM, tmp_path / "rope")
+    again = posenc.build("rope", num_heads=4, head_dim=16, scaling={"rope_type": "linear", "factor": 2.0})
+    loaded = phf.from_pretrained(LlamaForCausalLM, tmp_path / "rope", encoding=again)
+    assert max_err(logits(loaded, ids), expected) < 1e-6
