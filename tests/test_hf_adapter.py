@@ -377,3 +377,36 @@ def test_from_pretrained_with_a_built_encoding(tmp_path) -> None:
     again = posenc.build("rope", num_heads=4, head_dim=16, scaling={"rope_type": "linear", "factor": 2.0})
     loaded = phf.from_pretrained(LlamaForCausalLM, tmp_path / "rope", encoding=again)
     assert max_err(logits(loaded, ids), expected) < 1e-6
+
+
+@pytest.mark.parametrize("rope", ["default", "yarn"])
+def test_rope_rotated_in_the_attention_equals_untouched_model(rope: str) -> None:
+    """Float32 plain RoPE takes the pre-rotated path (posenc's tables through the model's rotation);
+    the in-attention rotation (every other rotary method, lower precision) is exact too."""
+    ref = llama(rope)
+    model = phf.use(copy.deepcopy(ref), "rope")
+    stand_in = model.model.rotary_emb
+    ids = tokens(2, 40)
+    logits(model, ids)
+    assert stand_in.rope is model.model.posenc_encodings[0] and stand_in.forward_state.pre_rotated
+    stand_in.rope = None  # force the rotation inside posenc.attend
+    assert max_err(logits(model, ids), logits(ref, ids)) < 1e-5
+    assert not stand_in.forward_state.pre_rotated
+    mask = torch.ones(2, 40, dtype=torch.long)
+    mask[0, :9] = 0
+    assert max_err(logits(model, ids, attention_mask=mask)[mask.bool()], logits(ref, ids, attention_mask=mask)[mask.bool()]) < 1e-5
+    assert torch.equal(model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False),
+                       ref.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False))
+
+
+def test_dynamic_ntk_plain_forward_equals_untouched_model() -> None:
+    """Dynamic NTK depends on the length: rotated inside the attention (keys cached un-rotated)."""
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16,
+                         rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0})
+    ref = LlamaForCausalLM(config).eval()
+    model = phf.use(copy.deepcopy(ref), "rope")
+    assert model.model.rotary_emb.rope is None
+    for n in (12, 40):
+        ids = tokens(1, n)
+        assert max_err(logits(model, ids), logits(ref, ids)) < 1e-5, n

@@ -44,7 +44,7 @@ def test_drope_recipe_in_a_few_steps() -> None:
     rope_scores = evaluate(model, valid, [32, 128])
 
     phf.use(model, "nope")  # DroPE: the positions go, every other weight stays
-    assert isinstance(model.model.rotary_emb, phf.adapter.IdentityRotary)
+    assert isinstance(model.model.rotary_emb, phf.adapter.RotaryStandIn)
     assert model.config.posenc["encoding"] == "nope"
     after = train(model, stream, 4, 32)
     scores = evaluate(model, valid, [32, 128])

@@ -7,10 +7,13 @@ How it plugs in (``transformers`` 5.x):
   is set to it. Without the mask function every mask the attention receives would be None; ours
   hands the attention the 2-D padding mask (B, Tk), True = real token, or None when nothing is
   padded.
-- The model's rotary module is replaced by one that returns cos = 1, sin = 0, so the model's own
-  rotation is the identity (q * 1 + rotate_half(q) * 0 = q exactly); the attention function
-  applies the encoding's rotation itself (``posenc.attend(..., rotate=True)``). The KV cache
-  therefore holds un-rotated keys, and every key is rotated at its position at every step.
+- The model's rotary module is replaced by :class:`RotaryStandIn`, which returns cos = 1, sin = 0,
+  so the model's own rotation is the identity (q * 1 + rotate_half(q) * 0 = q exactly); the
+  attention function applies the encoding's rotation itself (``posenc.attend(..., rotate=True)``),
+  so the KV cache holds un-rotated keys and every key is rotated at its position at every step.
+  One exception, for speed: a plain RoPE in float32 (half layout, every feature rotated, no
+  length-dependent scaling) hands the model posenc's own cos/sin tables instead, the keys enter
+  the cache rotated, and the attention does not rotate again (``rotate=False``).
 - HF passes the queries' ``position_ids`` but no key positions. Without a cache past (Tq == Tk),
   the keys are the queries. With one (Tq < Tk), the keys are taken as consecutive and ending at each
   row's last query position, and a key whose position would be negative is not attended: that is
@@ -21,7 +24,7 @@ How it plugs in (``transformers`` 5.x):
   a mask). A cached call whose queries restart is a UsageError (their keys' documents are unknown).
 - A static cache's unwritten slots (False in every row of the mask) are dropped from the keys.
 - The layers of one model forward share one :class:`~posenc.geometry.Geometry` (positions,
-  documents and padding, read once) and one :class:`~posenc.memo.ForwardMemo`; the identity rotary
+  documents and padding, read once) and one :class:`~posenc.memo.ForwardMemo`; the stand-in rotary
   module, which the model calls once per forward, marks where a forward starts.
 
 Encodings with parameters (T5's table, FIRE's MLP, ...) are modules of the model
@@ -46,6 +49,7 @@ from torch import nn
 from ..encodings import build, get_class, options_of
 from ..encodings.base import PositionalEncoding
 from ..encodings.protocol import Embeds, offers
+from ..encodings.rope import RoPE
 from ..errors import UsageError
 from ..functional import attend
 from ..geometry import Geometry
@@ -161,7 +165,7 @@ def posenc_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
 
     The geometry (positions, documents, padding) is derived once per model forward and shared by
     its layers, with one :class:`~posenc.memo.ForwardMemo` (T5's bias is then computed once): the
-    identity rotary module, which the model calls once per forward, starts a new forward. Under
+    stand-in rotary module, which the model calls once per forward, starts a new forward. Under
     gradient checkpointing each layer gets its own memo (a recomputed layer must redo its work)."""
     encoding = module.__dict__.get("_posenc_encoding")
     forward = module.__dict__.get("_posenc_forward")
@@ -192,7 +196,7 @@ def posenc_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
         # first run: nothing shared with the other layers (each computes its own bias).
         memo = ForwardMemo()
     out = attend(query, key, value, encoding, scale=scaling, geometry=forward.geometry, memo=memo,
-                 causal=forward.geometry.causal, rotate=True)
+                 causal=forward.geometry.causal, rotate=not forward.pre_rotated)
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -215,25 +219,50 @@ class _Forward:
         self.key_end = 0
         self.geometry: Geometry | None = None
         self.memo: ForwardMemo | None = None
+        self.pre_rotated = False  # q and k came rotated by the model (see RotaryStandIn)
 
 
-class IdentityRotary(nn.Module):
-    """Stands in for a model's rotary module: cos = 1, sin = 0 of shape (*position_ids.shape,
-    head_dim), so the model's own rotation leaves q and k as they are. No parameters, no buffers.
-    The model calls it once per forward: that call starts a new forward for the attention layers
-    (a fresh geometry and memo)."""
+class RotaryStandIn(nn.Module):
+    """Stands in for a model's rotary module. No parameters, no buffers. The model calls it once
+    per forward: that call starts a new forward for the attention layers (a fresh geometry and
+    memo). It returns, of shape (*position_ids.shape, head_dim):
+
+    - cos = 1, sin = 0 (the model's own rotation leaves q and k exactly as they are; the attention
+      rotates them with the encoding), or
+    - for a plain RoPE encoding that the model's rotation can apply (the "half" layout, every
+      feature rotated, a rotation that does not depend on the length) and float32 inputs: the
+      encoding's own float32 cos/sin tables at ``position_ids`` (times its attention factor, in
+      the layout HF's ``rotate_half`` reads), so q and k enter the KV cache rotated and a decode
+      step rotates one key, not the whole cache. The result equals posenc's in-attention rotation
+      to rounding; in lower precision the attention rotates (in float32), as it does for every
+      other rotary method.
+    """
 
     def __init__(self, head_dim: int) -> None:
         super().__init__()
         self.head_dim = head_dim
         self.forward_state = _Forward()
+        self.rope: nn.Module | None = None  # a plain reference (the encoding lives in posenc_encodings)
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         state = self.forward_state
         state.serial += 1
         state.key = state.geometry = state.memo = None  # nothing is kept across forwards
         shape = (*position_ids.shape, self.head_dim)
-        return x.new_ones(shape), x.new_zeros(shape)
+        state.pre_rotated = self.rope is not None and x.dtype == torch.float32
+        if not state.pre_rotated:
+            return x.new_ones(shape), x.new_zeros(shape)
+        cos, sin = self.rope.cos_sin(position_ids.reshape(-1).to(x.device, torch.long).clamp(min=0))  # (N, D/2) float32
+        factor = self.rope.attention_factor
+        if factor != 1.0:
+            cos, sin = cos * factor, sin * factor
+        return torch.cat((cos, cos), dim=-1).view(shape), torch.cat((sin, sin), dim=-1).view(shape)
+
+
+def _pre_rotatable(encoding: nn.Module, head_dim: int) -> bool:
+    """A RoPE encoding whose rotation the model's own ``apply_rotary_pos_emb`` can apply."""
+    return (type(encoding) is RoPE and encoding.layout == "half" and encoding.rotary_dim == head_dim
+            and not encoding.rotation_depends_on_length and encoding.attention_factor > 0)
 
 
 # -- use ------------------------------------------------------------------------------------------
@@ -349,9 +378,12 @@ def use(model: nn.Module, encoding: str | nn.Module, **options: Any) -> nn.Modul
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
     base.posenc_encodings = nn.ModuleList(encodings).to(device=device, dtype=dtype)
-    if not isinstance(base.rotary_emb, IdentityRotary):
+    head_dim = int(getattr(attentions[0], "head_dim"))
+    if not isinstance(base.rotary_emb, RotaryStandIn):
         base.__dict__["_posenc_model_rotary"] = base.rotary_emb  # kept, not a submodule
-        base.rotary_emb = IdentityRotary(int(getattr(attentions[0], "head_dim")))
+        base.rotary_emb = RotaryStandIn(head_dim)
+    only = base.posenc_encodings[0]
+    base.rotary_emb.rope = only if len(encodings) == 1 and _pre_rotatable(only, head_dim) else None
     for i, attention in enumerate(attentions):
         attention.__dict__["_posenc_encoding"] = base.posenc_encodings[i if len(encodings) > 1 else 0]
         attention.__dict__["_posenc_forward"] = base.rotary_emb.forward_state
@@ -418,5 +450,5 @@ def recorded_encoding(config, record: dict) -> nn.Module | str:
                  **dict(record.get("options") or {}))
 
 
-__all__ = ["IdentityRotary", "NAME", "SUPPORTED", "from_pretrained", "padding_mask", "posenc_attention",
+__all__ = ["RotaryStandIn", "NAME", "SUPPORTED", "from_pretrained", "padding_mask", "posenc_attention",
            "recorded_encoding", "register", "use"]
