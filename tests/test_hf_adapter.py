@@ -1,0 +1,412 @@
+"""posenc.hf.use inside Hugging Face models built from configs (random weights, nothing downloaded).
+
+References: the untouched HF model (RoPE: default, Llama 3, YaRN), and, for posenc's own methods,
+the same model run on each document or row alone and the full forward of the generated tokens.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import posenc
+
+transformers = pytest.importorskip("transformers")
+import posenc.hf as phf  # noqa: E402
+from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+VOCAB = 64
+ROPES = {
+    "default": {"rope_type": "default", "rope_theta": 10000.0},
+    "llama3": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 16},
+    "yarn": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16},
+}
+
+
+def llama(rope: str = "default", kv_heads: int = 2, **extra) -> LlamaForCausalLM:
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=kv_heads, max_position_embeddings=64,
+                         rope_parameters=dict(ROPES[rope]), pad_token_id=0, **extra)
+    return LlamaForCausalLM(config).eval()
+
+
+def tokens(batch: int, length: int, seed: int = 1) -> torch.Tensor:
+    return torch.randint(1, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def logits(model, ids, **kwargs) -> torch.Tensor:
+    with torch.no_grad():
+        return model(ids, **kwargs).logits
+
+
+def max_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max())
+
+
+# -- RoPE: the adapter is exact -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("rope", list(ROPES))
+def test_rope_equals_untouched_model(rope: str) -> None:
+    ref = llama(rope)
+    model = phf.use(copy.deepcopy(ref), "rope")
+    assert model.config._attn_implementation == "posenc"
+    enc = model.model.posenc_encodings[0]
+    assert enc.scaling.rope_type == rope and enc.base == ROPES[rope]["rope_theta"]
+    ids = tokens(2, 40)  # past the original 16 positions of llama3 / yarn
+    assert max_err(logits(model, ids), logits(ref, ids)) < 1e-5
+
+    # left-padded batch: real tokens equal, with and without position_ids from the mask
+    mask = torch.ones(2, 40, dtype=torch.long)
+    mask[0, :9] = 0
+    assert max_err(logits(model, ids, attention_mask=mask)[mask.bool()], logits(ref, ids, attention_mask=mask)[mask.bool()]) < 1e-5
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    assert max_err(logits(model, ids, attention_mask=mask, position_ids=pos)[mask.bool()],
+                   logits(ref, ids, attention_mask=mask, position_ids=pos)[mask.bool()]) < 1e-5
+
+    # greedy generate from the padded batch: identical tokens
+    out_ref = ref.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
+    assert torch.equal(out, out_ref)
+
+
+@pytest.mark.parametrize("rope", ["default", "yarn"])
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_rope_packed_equals_documents_alone(rope: str, use_cache: bool) -> None:
+    ref = llama(rope)
+    model = phf.use(copy.deepcopy(ref), "rope")
+    lengths = [7, 12, 5]
+    ids = tokens(1, sum(lengths))
+    pos = torch.cat([torch.arange(n) for n in lengths])[None]
+    packed = logits(model, ids, position_ids=pos, use_cache=use_cache)[0]
+    alone = torch.cat([logits(ref, part[None])[0] for part in ids[0].split(lengths)])
+    assert max_err(packed, alone) < 1e-5
+    if use_cache:  # what HF itself does here: no document mask, attention leaks
+        leaked = logits(ref, ids, position_ids=pos)[0]
+        assert max_err(leaked, alone) > 1e-2
+
+
+# -- bias methods --------------------------------------------------------------------------------
+
+
+def setup_model(method: str, kv_heads: int = 2) -> LlamaForCausalLM:
+    model = llama(kv_heads=kv_heads)
+    phf.use(model, method)
+    if method == "t5":
+        with torch.no_grad():  # a table far from 0, so positions matter
+            model.model.posenc_encodings[0].relative_attention_bias.weight.normal_()
+    return model
+
+
+BIASES = ["alibi", "t5"]
+
+
+@pytest.mark.parametrize("method", BIASES)
+def test_cached_generate_equals_full_forward(method: str) -> None:
+    model = setup_model(method)
+    ids = tokens(2, 9)
+    mask = torch.ones(2, 9, dtype=torch.long)
+    mask[1, :3] = 0  # left padding in row 1
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, output_logits=True,
+                         return_dict_in_generate=True)
+    seqs = out.sequences
+    full_mask = torch.cat([mask, torch.ones(2, 6, dtype=torch.long)], dim=1)
+    for row in range(2):  # each row alone, without padding, in one full forward
+        real = full_mask[row].bool()
+        full = logits(model, seqs[row][real][None], use_cache=False)[0]  # (T, V)
+        n = int(mask[row].sum())
+        for step, step_logits in enumerate(out.logits):
+            assert max_err(step_logits[row], full[n - 1 + step]) < 1e-4, (method, row, step)
+
+
+@pytest.mark.parametrize("method", BIASES)
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_packed_equals_documents_alone(method: str, use_cache: bool) -> None:
+    model = setup_model(method)
+    lengths = [6, 11, 4]
+    ids = tokens(2, sum(lengths))
+    pos = torch.cat([torch.arange(n) for n in lengths])[None].expand(2, -1)
+    packed = logits(model, ids, position_ids=pos, use_cache=use_cache)
+    for row in range(2):
+        alone = torch.cat([logits(model, part[None])[0] for part in ids[row].split(lengths)])
+        assert max_err(packed[row], alone) < 1e-5
+
+
+@pytest.mark.parametrize("method", BIASES)
+def test_decode_after_packed_prefill_sees_last_document_only(method: str) -> None:
+    model = setup_model(method)
+    lengths = [6, 5]
+    ids = tokens(1, sum(lengths) + 1)
+    pos = torch.cat([torch.arange(n) for n in lengths])[None]
+    with torch.no_grad():
+        out = model(ids[:, :-1], position_ids=pos, use_cache=True)
+        step = model(ids[:, -1:], position_ids=torch.tensor([[lengths[-1]]]), cache=out.cache).logits[0, -1]
+    alone = logits(model, ids[:, lengths[0]:])[0, -1]
+    assert max_err(step, alone) < 1e-5
+
+
+@pytest.mark.parametrize("method", BIASES)
+def test_padded_equals_rows_alone(method: str) -> None:
+    model = setup_model(method)
+    ids = tokens(3, 12)
+    mask = torch.ones(3, 12, dtype=torch.long)
+    mask[0, :5] = 0  # left padding
+    mask[2, 8:] = 0  # right padding
+    batch = logits(model, ids, attention_mask=mask)
+    for row in range(3):
+        real = mask[row].bool()
+        alone = logits(model, ids[row][real][None])[0]
+        assert max_err(batch[row][real], alone) < 1e-5
+
+
+@pytest.mark.parametrize("method", BIASES)
+def test_gqa_equals_repeated_kv(method: str) -> None:
+    """2 kv heads for 4 query heads against the same weights with every kv head repeated (HF's
+    repeat_kv order: query head h reads kv head h // 2)."""
+    gqa = setup_model(method, kv_heads=2)
+    mha = llama(kv_heads=4)
+    state = gqa.state_dict()
+    for key in list(state):
+        if key.endswith(("k_proj.weight", "v_proj.weight")):
+            w = state[key].view(2, 16, 64)  # (Hkv, D, dim)
+            state[key] = w.repeat_interleave(2, dim=0).reshape(64, 64)
+    phf.use(mha, method)
+    mha.load_state_dict(state)
+    ids = tokens(2, 15)
+    assert max_err(logits(gqa, ids), logits(mha, ids)) < 1e-5
+
+
+def test_training_gradients_reach_the_t5_table() -> None:
+    model = setup_model("t5")
+    model.train()
+    table = model.model.posenc_encodings[0].relative_attention_bias.weight
+    assert any(p is table for p in model.parameters())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ids = tokens(2, 16)
+    before = table.detach().clone()
+    loss = model(ids, labels=ids).loss
+    loss.backward()
+    assert table.grad is not None and float(table.grad.abs().sum()) > 0
+    opt.step()
+    assert not torch.equal(before, table.detach())
+
+
+@pytest.mark.parametrize("method", ["t5", "alibi", "rope", "fire", "learned"])
+def test_save_and_from_pretrained_restore_the_encoding(tmp_path, method: str) -> None:
+    model = setup_model(method)
+    ids = tokens(1, 20)
+    expected = logits(model, ids)
+    model.save_pretrained(tmp_path)
+    loaded = phf.from_pretrained(LlamaForCausalLM, tmp_path).eval()
+    assert type(loaded) is LlamaForCausalLM and loaded.config.posenc["encoding"] == method
+    assert max_err(logits(loaded, ids), expected) < 1e-6
+    auto = phf.from_pretrained(transformers.AutoModelForCausalLM, tmp_path).eval()
+    assert max_err(logits(auto, ids), expected) < 1e-6
+
+
+def test_families_and_errors() -> None:
+    for name in ("MistralConfig", "Qwen2Config", "Qwen3Config"):
+        cls = getattr(transformers, name)
+        config = cls(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2, max_position_embeddings=64, head_dim=16)
+        ref = transformers.AutoModelForCausalLM.from_config(config).eval()
+        model = phf.use(copy.deepcopy(ref), "rope")
+        ids = tokens(2, 20)
+        assert max_err(logits(model, ids), logits(ref, ids)) < 1e-5, name
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=VOCAB))
+    with pytest.raises(posenc.UsageError, match="Llama, Mistral, Qwen2, Qwen3"):
+        phf.use(gpt2, "alibi")
+    with pytest.raises(posenc.UsageError, match="unknown encoding"):
+        phf.use(llama(), "nonsense")
+    with pytest.raises(posenc.UsageError, match="unknown option"):
+        phf.use(llama(), "t5", buckets=3)
+    with pytest.raises(posenc.UsageError, match="num_heads=4, head_dim=16"):
+        phf.use(llama(), posenc.build("alibi", num_heads=8, head_dim=8))
+
+
+@pytest.mark.parametrize("method", posenc.available())
+def test_every_encoding_generates_as_its_full_forward_and_packs(method: str) -> None:
+    """Every posenc method in a Llama model: cached greedy decoding of a left-padded batch equals a
+    full forward of each row alone; a packed row equals its documents alone."""
+    model = llama()
+    phf.use(model, method)
+    ids = tokens(2, 9)
+    mask = torch.ones(2, 9, dtype=torch.long)
+    mask[1, :3] = 0
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False, output_logits=True,
+                         return_dict_in_generate=True)
+    for row in range(2):
+        real = torch.cat([mask[row], torch.ones(5, dtype=torch.long)]).bool()
+        full = logits(model, out.sequences[row][real][None], use_cache=False)[0]
+        n = int(mask[row].sum())
+        for step, step_logits in enumerate(out.logits):
+            assert max_err(step_logits[row], full[n - 1 + step]) < 1e-4, (method, row, step)
+    one = model.generate(ids[:1], max_new_tokens=4, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    full = logits(model, one.sequences, use_cache=False)[0]  # an unpadded row: the decode fast path
+    for step, step_logits in enumerate(one.logits):
+        assert max_err(step_logits[0], full[8 + step]) < 1e-4, (method, step)
+    lengths = [5, 7]
+    ids = tokens(1, sum(lengths), seed=3)
+    pos = torch.cat([torch.arange(n) for n in lengths])[None]
+    alone = torch.cat([logits(model, part[None])[0] for part in ids[0].split(lengths)])
+    assert max_err(logits(model, ids, position_ids=pos)[0], alone) < 1e-5
+
+
+@pytest.mark.parametrize("method", ["rope", "alibi"])
+def test_static_cache_generate_equals_dynamic(method: str) -> None:
+    model = setup_model(method)
+    ids = tokens(2, 10)
+    mask = torch.ones(2, 10, dtype=torch.long)
+    mask[0, :4] = 0
+    for kwargs in ({"attention_mask": mask}, {}):
+        dynamic = model.generate(ids, max_new_tokens=5, do_sample=False, **kwargs)
+        static = model.generate(ids, max_new_tokens=5, do_sample=False, cache_implementation="static", **kwargs)
+        assert torch.equal(dynamic, static)
+
+
+def test_masks_are_never_none_for_padding() -> None:
+    """The registered mask function hands the attention the padding mask (HF would pass None)."""
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+    phf.register()
+    fn = ALL_MASK_ATTENTION_FUNCTIONS["posenc"]
+    mask = torch.tensor([[0, 1, 1], [1, 1, 1]])
+    got = fn(batch_size=2, q_length=3, kv_length=3, attention_mask=mask)
+    assert torch.equal(got, mask.bool())
+    assert fn(batch_size=2, q_length=3, kv_length=3, attention_mask=torch.ones(2, 3)) is None
+    assert fn(batch_size=2, q_length=3, kv_length=3) is None
+    # a static cache of 6 slots after 3 tokens: the unwritten slots are not real
+    assert torch.equal(fn(batch_size=1, q_length=1, kv_length=6, q_offset=3), torch.tensor([[True] * 4 + [False] * 2]))
+
+
+def test_unsupported_inputs_are_usage_errors() -> None:
+    model = setup_model("alibi")
+    ids = tokens(1, 6)
+    with pytest.raises(posenc.UsageError, match="4-D mask"):
+        model(ids, attention_mask=torch.ones(1, 1, 6, 6, dtype=torch.bool))
+    with torch.no_grad():
+        out = model(ids[:, :4], use_cache=True)
+        with pytest.raises(posenc.UsageError, match="position_ids"):
+            model(ids[:, 4:], position_ids=torch.tensor([[0, 0]]), cache=out.cache)
+    mistral = transformers.MistralForCausalLM(transformers.MistralConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, sliding_window=8))
+    phf.use(mistral, "alibi")
+    logits(mistral, ids)  # within the window: fine
+    with pytest.raises(posenc.UsageError, match="sliding_window=8"):
+        logits(mistral, tokens(1, 12))
+
+
+def test_imported_t5_decoder_table_inside_llama() -> None:
+    """A T5 decoder's table (HF T5, random init) drives a Llama model's attention: the bias the
+    model adds is HF's compute_bias for that table."""
+    t5 = transformers.T5Model(transformers.T5Config(vocab_size=VOCAB, d_model=64, d_kv=16, d_ff=64, num_layers=1,
+                                                    num_decoder_layers=1, num_heads=4))
+    encoding = phf.t5_from_hf(t5, stack="decoder")
+    model = phf.use(llama(), encoding)
+    assert model.model.posenc_encodings[0] is encoding
+    owner = phf.t5_attention(t5, stack="decoder")
+    assert torch.equal(encoding.bias(torch.arange(30), torch.arange(30)), owner.compute_bias(30, 30)[0])
+    with pytest.raises(posenc.UsageError, match="stack='decoder'"):
+        phf.use(llama(), phf.t5_from_hf(t5, stack="encoder"))
+
+
+def test_one_geometry_per_forward(monkeypatch) -> None:
+    """The layers of one forward share one geometry (positions and documents read once)."""
+    from posenc.hf import adapter
+
+    calls = []
+    real_of = adapter.Geometry.of
+    monkeypatch.setattr(adapter.Geometry, "of", lambda *a, **k: calls.append(1) or real_of(*a, **k))
+    model = setup_model("t5")
+    ids = tokens(2, 10)
+    mask = torch.ones(2, 10, dtype=torch.long)
+    mask[0, :2] = 0
+    logits(model, ids, attention_mask=mask)
+    assert len(calls) == 1
+    model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False)
+    assert len(calls) == 1 + 3  # prefill and two decode steps
+    logits(model, tokens(1, 300))  # lengths past Python's small-int cache compare by value
+    assert len(calls) == 5
+
+
+def test_gradient_checkpointing_gives_the_same_gradients() -> None:
+    model = setup_model("t5")
+    model.train()
+    ids = tokens(2, 12)
+    table = model.model.posenc_encodings[0].relative_attention_bias.weight
+    model(ids, labels=ids, use_cache=False).loss.backward()
+    plain = table.grad.clone()
+    model.zero_grad()
+    (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()
+    model(ids, labels=ids, use_cache=False).loss.backward()
+    torch.testing.assert_close(table.grad, plain, rtol=1e-5, atol=1e-7)
+
+
+def test_rope_options_and_replacing_the_encoding() -> None:
+    ref = llama()
+    model = phf.use(copy.deepcopy(ref), "rope", base=10000.0)  # the same parameters, given
+    ids = tokens(1, 20)
+    assert max_err(logits(model, ids), logits(ref, ids)) < 1e-5
+    phf.use(model, "rope", base=500.0)  # use again: the encoding is replaced
+    assert model.config.posenc == {"encoding": "rope", "options": {"base": 500.0}, "causal": True}
+    assert max_err(logits(model, ids), logits(ref, ids)) > 1e-3
+
+
+def test_from_pretrained_with_a_built_encoding(tmp_path) -> None:
+    """A built module: JSON options are recorded (T5's buckets); others (a RoPE module's scaling)
+    are listed as unrecorded, and from_pretrained then asks for the encoding."""
+    model = phf.use(llama(), posenc.build("t5", num_heads=4, head_dim=16, num_buckets=16, max_distance=40))
+    assert model.config.posenc["options"] == {"num_buckets": 16, "max_distance": 40}
+    ids = tokens(1, 12)
+    expected = logits(model, ids)
+    model.save_pretrained(tmp_path / "t5")
+    assert max_err(logits(phf.from_pretrained(LlamaForCausalLM, tmp_path / "t5"), ids), expected) < 1e-6
+
+    rope = posenc.build("rope", num_heads=4, head_dim=16, scaling={"rope_type": "linear", "factor": 2.0})
+    model = phf.use(llama(), rope)
+    assert "scaling" in model.config.posenc["unrecorded"]
+    expected = logits(model, ids)
+    model.save_pretrained(tmp_path / "rope")
+    with pytest.raises(posenc.UsageError, match="encoding="):
+        phf.from_pretrained(LlamaForCausalLM, tmp_path / "rope")
+    again = posenc.build("rope", num_heads=4, head_dim=16, scaling={"rope_type": "linear", "factor": 2.0})
+    loaded = phf.from_pretrained(LlamaForCausalLM, tmp_path / "rope", encoding=again)
+    assert max_err(logits(loaded, ids), expected) < 1e-6
+
+
+@pytest.mark.parametrize("rope", ["default", "yarn"])
+def test_rope_rotated_in_the_attention_equals_untouched_model(rope: str) -> None:
+    """Float32 plain RoPE takes the pre-rotated path (posenc's tables through the model's rotation);
+    the in-attention rotation (every other rotary method, lower precision) is exact too."""
+    ref = llama(rope)
+    model = phf.use(copy.deepcopy(ref), "rope")
+    stand_in = model.model.rotary_emb
+    ids = tokens(2, 40)
+    logits(model, ids)
+    assert stand_in.rope is model.model.posenc_encodings[0] and stand_in.forward_state.pre_rotated
+    stand_in.rope = None  # force the rotation inside posenc.attend
+    assert max_err(logits(model, ids), logits(ref, ids)) < 1e-5
+    assert not stand_in.forward_state.pre_rotated
+    mask = torch.ones(2, 40, dtype=torch.long)
+    mask[0, :9] = 0
+    assert max_err(logits(model, ids, attention_mask=mask)[mask.bool()], logits(ref, ids, attention_mask=mask)[mask.bool()]) < 1e-5
+    assert torch.equal(model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False),
+                       ref.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False))
+
+
+def test_dynamic_ntk_plain_forward_equals_untouched_model() -> None:
+    """Dynamic NTK depends on the length: rotated inside the attention (keys cached un-rotated)."""
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16,
+                         rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0})
+    ref = LlamaForCausalLM(config).eval()
+    model = phf.use(copy.deepcopy(ref), "rope")
+    assert model.model.rotary_emb.rope is None
+    for n in (12, 40):
+        ids = tokens(1, n)
+        assert max_err(logits(model, ids), logits(ref, ids)) < 1e-5, n
