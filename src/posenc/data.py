@@ -50,6 +50,8 @@ class Corpus:
     train: torch.Tensor  # (N_train,) uint8
     valid: torch.Tensor  # (valid_bytes + 1,) uint8: inputs and the targets they predict
     fingerprint: dict = field(default_factory=dict)
+    # (F,) int64 offsets in ``train`` where each file (a document) starts; None: one document.
+    train_documents: torch.Tensor | None = field(default=None, repr=False)
 
     @property
     def valid_tokens(self) -> int:
@@ -138,8 +140,19 @@ def _finish(train: bytes, valid: bytes, valid_bytes: int, fingerprint: dict, wha
     return Corpus(_tensor(train), _tensor(valid), fingerprint)
 
 
+def _starts(texts: list[bytes], limit: int | None = None) -> list[int]:
+    """Offsets where each text starts once the texts are joined (those below ``limit``)."""
+    out, at = [], 0
+    for t in texts:
+        if limit is None or at < limit:
+            out.append(at)
+        at += len(t)
+    return out
+
+
 def _split(names: list[str], texts: list[bytes]) -> tuple[bytes, bytes, dict]:
-    """(train, validation, how) for the texts of a set of files, by the rule of the module docstring."""
+    """(train, validation, how) for the texts of a set of files, by the rule of the module docstring;
+    ``how["train_starts"]``: where each file starts in the train bytes."""
     total = sum(map(len, texts))
     side = [split_of(n) for n in names]
     valid_share = sum(len(t) for t, s in zip(texts, side) if s == "valid") / total
@@ -147,6 +160,7 @@ def _split(names: list[str], texts: list[bytes]) -> tuple[bytes, bytes, dict]:
         how = {
             "split": f"by file: sha256(relative path) mod 100 < {VALID_PERCENT} -> validation",
             "train_files": side.count("train"), "valid_files": side.count("valid"),
+            "train_starts": _starts([t for t, s in zip(texts, side) if s == "train"]),
         }
         return (b"".join(t for t, s in zip(texts, side) if s == "train"),
                 b"".join(t for t, s in zip(texts, side) if s == "valid"), how)
@@ -163,6 +177,7 @@ def _split(names: list[str], texts: list[bytes]) -> tuple[bytes, bytes, dict]:
         "split": rule,
         "train_files": sum(b < cut for b in starts),  # files with bytes on each side of the cut
         "valid_files": sum(e > cut for e in ends),
+        "train_starts": _starts(texts, cut),
     }
     return joined[:cut], joined[cut:], how
 
@@ -197,8 +212,11 @@ def _from_files(root: Path, files: list[Path], source: str, valid_bytes: int, *,
         fingerprint["skipped"] = skipped
         fingerprint["binary_files_skipped"] = len(skipped)  # (all skipped files: binary or not UTF-8)
     train, valid, how = _split(names, texts)
+    starts = how.pop("train_starts")
     fingerprint.update(how)
-    return _finish(train, valid, valid_bytes, fingerprint, source)
+    corpus = _finish(train, valid, valid_bytes, fingerprint, source)
+    corpus.train_documents = torch.tensor(starts, dtype=torch.long)  # (F,)
+    return corpus
 
 
 def _line_cut(text: bytes, at: int) -> int:
@@ -267,12 +285,16 @@ def load_corpus(spec: str = "default", valid_bytes: int = DEFAULT_VALID_BYTES) -
 
 
 def train_batch(
-    stream: torch.Tensor, seed: int, step: int, batch_size: int, length: int
-) -> tuple[torch.Tensor, torch.Tensor]:
+    stream: torch.Tensor, seed: int, step: int, batch_size: int, length: int, documents: torch.Tensor | None = None,
+    ignore: int = -100,
+) -> tuple[torch.Tensor, ...]:
     """Inputs and targets (B, T) int64 for one training step: a pure function of (seed, step).
 
     Random windows of ``length + 1`` bytes; drawing them from a generator seeded by (seed, step)
     makes the data order independent of process history, so a resumed run sees the same batches.
+    With ``documents`` (the offsets where each file starts, :attr:`Corpus.train_documents`), also
+    the inputs' document ids (B, T): a window that spans files is a packed row, and the target of a
+    file's last byte (the next file's first byte) is ``ignore``.
     """
     n = stream.numel() - length - 1
     if n < 1:
@@ -281,4 +303,8 @@ def train_batch(
     starts = torch.randint(0, n + 1, (batch_size,), generator=g)  # (B,)
     idx = starts[:, None] + torch.arange(length + 1)  # (B, T + 1)
     chunk = stream[idx].long()
-    return chunk[:, :-1], chunk[:, 1:]
+    if documents is None:
+        return chunk[:, :-1], chunk[:, 1:]
+    docs = torch.searchsorted(documents, idx, right=True)  # (B, T + 1): the file each byte belongs to
+    targets = chunk[:, 1:].masked_fill(docs[:, 1:] != docs[:, :-1], ignore)  # no target across files
+    return chunk[:, :-1], targets, docs[:, :-1]

@@ -59,6 +59,9 @@ def add_study_arguments(p: argparse.ArgumentParser) -> None:
             help_text += f" (per preset: {_preset_values(f.name)})"
         elif f.default is not None and not callable(f.default) and "default" not in help_text:
             help_text += f" (default {f.default})"
+        if kind is bool:  # a flag: given means True (None: not given, the preset's or saved value stands)
+            p.add_argument(f"--{f.name.replace('_', '-')}", action="store_const", const=True, default=None, help=help_text)
+            continue
         p.add_argument(f"--{f.name.replace('_', '-')}", type=kind, nargs="+" if many else None,
                        metavar=f.metadata.get("metavar"), choices=f.metadata.get("choices"), default=None,
                        help=help_text)

@@ -136,6 +136,9 @@ class StudyConfig:
                                     "as a +ft row (PI/YaRN protocol; 0: off)")
     finetune_length: int | None = _plain(None, "fine-tuning length of +ft rows (default: twice train_length)")
     recall_sequences: int = _plain(64, "recall task: evaluation sequences per length and distance")
+    pack_documents: bool = _plain(False, "lm task: each file of the corpus is a document; training windows that span "
+                                         "files are packed rows (document_ids: no attention across files, no target "
+                                         "across a boundary)")
 
     @classmethod
     def from_preset(cls, preset: str = "default", **overrides) -> "StudyConfig":
@@ -222,6 +225,10 @@ class StudyConfig:
             raise UsageError(f"recall_sequences must be an integer >= 1, got {self.recall_sequences!r}")
         if self.task == "recall":
             self._validate_recall()
+        if not isinstance(self.pack_documents, bool):
+            raise UsageError(f"pack_documents must be true or false, got {self.pack_documents!r}")
+        if self.pack_documents and self.task == "recall":
+            raise UsageError("pack_documents applies to the lm task (files as documents); the recall task makes its own sequences")
         drop = [r.name for r in parsed if "drop" in r.train]
         if self.drop_positions_after is not None:
             if not drop:

@@ -137,7 +137,8 @@ class Runner:
     def _batches(self, seed: int, size: int, length: int):
         if self.corpus is None:
             return lambda step: recall.train_batch(seed, step, size, length)
-        return lambda step: train_batch(self.corpus.train, seed, step, size, length)
+        documents = self.corpus.train_documents if self.cfg.pack_documents else None
+        return lambda step: train_batch(self.corpus.train, seed, step, size, length, documents)
 
     def _train(self, row: rows.Row, index: int, seed: int, label: str, checkpoint) -> LM | None:
         state = self.paths.state(row.stem, None if index == 0 else seed)

@@ -167,7 +167,7 @@ class Job:
 
     label: str  # shown in progress lines, and passed to on_step
     make_model: Callable[[], LM]  # the initial model, the same at every call
-    batch: Callable[[int], tuple[torch.Tensor, torch.Tensor]]  # step -> inputs, targets (B, T) each
+    batch: Callable[[int], tuple[torch.Tensor, ...]]  # step -> inputs, targets (B, T) each [, document ids (B, T)]
     steps: int
     factor: Callable[[int], float]  # learning-rate factor of a step
     lr: float
@@ -218,12 +218,13 @@ def train(job: Job, cfg: StudyConfig, state_path: Path, ctx: distributed.Context
                 model.drop_positions()  # from here on the attention calls no position hook
                 net = _wrap(model, ctx)  # DDP over the parameters that remain
                 dropped = True
-            x, y = job.batch(step)  # (B, T) each, the global batch
+            x, y, *docs = job.batch(step)  # (B, T) each, the global batch; packed rows: document ids too
             share = x.shape[0] // ctx.world
             rows = slice(ctx.rank * share, (ctx.rank + 1) * share)
             x, y = x[rows].to(ctx.device), y[rows].to(ctx.device)
+            extra = {"document_ids": docs[0][rows].to(ctx.device)} if docs else {}
             try:
-                logits = net(x)  # (B/world, T, vocab)
+                logits = net(x, **extra)  # (B/world, T, vocab)
             except (ValueError, OverflowError) as err:
                 # A backend that plans from the scores' range (blocked's tails) fails on inf/NaN
                 # activations: that is divergence when the weights have blown up, a bug otherwise.
