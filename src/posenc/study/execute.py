@@ -138,6 +138,8 @@ class Runner:
         if self.corpus is None:
             return lambda step: recall.train_batch(seed, step, size, length)
         documents = self.corpus.train_documents if self.cfg.pack_documents else None
+        if self.cfg.pack_documents and documents is None:
+            raise UsageError("pack_documents needs a corpus of files (the built-in one, a file or a folder); this data has no file boundaries")
         return lambda step: train_batch(self.corpus.train, seed, step, size, length, documents)
 
     def _train(self, row: rows.Row, index: int, seed: int, label: str, checkpoint) -> LM | None:
