@@ -71,6 +71,9 @@ PRESET_DESCRIPTIONS = {
 TASKS = ("lm", "recall")
 MAX_RECALL_BYTES = 2**30  # one recall evaluation set or training batch of int64 tokens
 DROP_DEFAULT = 0.12  # DroPE's share of training without positions
+# Randomized positions draw from [0, RANDOM_SPAN x the longest evaluation length): the authors' code
+# draws from 2048 positions for test lengths up to 500 (Ruoss et al. 2023), about four times.
+RANDOM_SPAN = 4
 
 # CPU threads per preset when the command line is not told: a smoke-sized model gains nothing from
 # more than one, and several threads on a busy machine cost it 10x (threads wait for each other).
@@ -130,8 +133,8 @@ class StudyConfig:
         None, f"METHOD+drop rows train their last FRACTION of steps without positions (default {DROP_DEFAULT})",
         metavar="FRACTION")
     random_positions: int | None = _plain(
-        None, "METHOD+random rows train on sorted random positions from [0, L_MAX) (default: the longest "
-        "eval length)", metavar="L_MAX")
+        None, "METHOD+random rows train and are evaluated on sorted random positions from [0, L_MAX) "
+        f"(default: {RANDOM_SPAN} x the longest eval length, the paper's ratio)", metavar="L_MAX")
     finetune_steps: int = _plain(0, "fine-tune each rope scaling row this many steps at finetune_length, "
                                     "as a +ft row (PI/YaRN protocol; 0: off)")
     finetune_length: int | None = _plain(None, "fine-tuning length of +ft rows (default: twice train_length)")
@@ -317,7 +320,7 @@ class StudyConfig:
         bounded = not get_class(row.method).extrapolates
         extra = {}
         if "random" in row.train:
-            extra["random_positions"] = self.random_positions or max(self.eval_lengths)
+            extra["random_positions"] = self.random_positions or RANDOM_SPAN * max(self.eval_lengths)
         return LMConfig(
             encoding=row.method, dim=self.dim, depth=self.depth, num_heads=self.num_heads,
             max_positions=options.get("max_positions", self.train_length) if bounded else None,

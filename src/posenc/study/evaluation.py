@@ -50,6 +50,22 @@ def cannot_run(model: LM, length: int) -> str | None:
     return None
 
 
+EVAL_POSITIONS_SEED = 9_001  # the draws of randomized positions at evaluation (fixed: every row sees the same)
+
+
+def eval_positions(model: LM, length: int, batch: int, device: torch.device | str) -> torch.Tensor | None:
+    """Positions for one evaluation batch of a model trained with randomized positions (Ruoss et al.
+    2023): as in training, a sorted draw of ``length`` distinct positions from [0, random_positions),
+    shared by the batch. The authors' code applies the randomized encoding at test time too; the
+    draw here comes from a generator seeded by the batch's index, so every run scores the same
+    windows at the same positions. None for any other model (positions 0..length-1)."""
+    limit = model.config.random_positions
+    if limit is None:
+        return None
+    g = torch.Generator().manual_seed(EVAL_POSITIONS_SEED + batch)
+    return torch.randperm(limit, generator=g)[:length].sort().values.to(device)  # (length,)
+
+
 def batch_size_for(length: int, num_heads: int) -> int:
     """Windows per forward: within EVAL_TOKENS tokens and EVAL_SCORES attention scores."""
     return max(1, min(EVAL_TOKENS // length, EVAL_SCORES // (num_heads * length * length)))
@@ -83,7 +99,7 @@ def evaluate(model: LM, valid: torch.Tensor, length: int, stride: int | None, ct
         chunk = [every[w] for w in index]
         starts = torch.tensor([b for b, _ in chunk])
         ids = valid[starts[:, None] + offsets].long().to(ctx.device)  # (B, L + 1)
-        logits = model(ids[:, :-1])  # (B, L, 256)
+        logits = model(ids[:, :-1], positions=eval_positions(model, length, i, ctx.device))  # (B, L, 256)
         token_nll = F.cross_entropy(logits.transpose(1, 2).float(), ids[:, 1:], reduction="none")  # (B, L)
         first = torch.tensor([s for _, s in chunk], device=ctx.device)
         keep = torch.arange(length, device=ctx.device)[None, :] >= first[:, None]  # (B, L)
@@ -130,7 +146,7 @@ def evaluate_recall(model: LM, length: int, train_length: int, count: int, ctx: 
             index = torch.tensor(mine[i : i + per_batch])
             ids = tokens[index].to(ctx.device)  # (B, T + 1)
             at = answers[index].to(ctx.device)  # (B, Q)
-            logits = model(ids[:, :-1])  # (B, T, vocab)
+            logits = model(ids[:, :-1], positions=eval_positions(model, ids.shape[1] - 1, i, ctx.device))  # (B, T, vocab)
             rows = torch.arange(len(index), device=ctx.device)[:, None]
             guess = logits[rows, at].argmax(dim=-1)  # (B, Q)
             correct[index.to(ctx.device)] = (guess == ids[rows, at + 1]).sum(dim=1).double()

@@ -31,7 +31,7 @@ from .config import StudyConfig
 from .evaluation import cannot_run, evaluate, evaluate_recall
 from .progress import Progress
 from .results import Paths, write_outputs
-from .train import Diverged, Job, StateError, StepCallback, schedule, train
+from .train import Diverged, Job, StateError, StepCallback, drope_schedule, schedule, train
 
 # A fine-tune draws its batches from another stream than pre-training (the same text, other windows).
 FINETUNE_STREAM = 1_000_000
@@ -130,9 +130,11 @@ class Runner:
             warm = max(1, cfg.finetune_steps // 10)
             return Job(label, make, self._batches(seed + FINETUNE_STREAM, size, length), cfg.finetune_steps,
                        lambda step: min(1.0, (step + 1) / warm), cfg.lr * cfg.min_lr_ratio, size * length)
+        drop_at = cfg.drop_step if "drop" in row.train else None
+        factor = (schedule(cfg.steps, cfg.warmup, cfg.min_lr_ratio) if drop_at is None
+                  else drope_schedule(cfg.steps, drop_at, cfg.warmup, cfg.min_lr_ratio))
         return Job(label, partial(self.initial, row.name, seed), self._batches(seed, cfg.batch_size, cfg.train_length),
-                   cfg.steps, schedule(cfg.steps, cfg.warmup, cfg.min_lr_ratio), cfg.lr,
-                   cfg.batch_size * cfg.train_length, cfg.drop_step if "drop" in row.train else None)
+                   cfg.steps, factor, cfg.lr, cfg.batch_size * cfg.train_length, drop_at)
 
     def _batches(self, seed: int, size: int, length: int):
         if self.corpus is None:
@@ -296,8 +298,9 @@ def describe(row: rows.Row, cfg: StudyConfig) -> dict:
         out["train_variants"] = list(row.train)
     if "drop" in row.train:
         out["positions_dropped_after"] = cfg.drop_fraction
+        out["recalibration"] = "own warmup + cosine schedule, no weight decay (DroPE)"
     if "random" in row.train:
-        out["random_positions"] = cfg.random_positions or max(cfg.eval_lengths)
+        out["random_positions"] = cfg.lm_config(row.name).random_positions
     if row.eval:
         out["variant"] = row.eval
     if row.base:

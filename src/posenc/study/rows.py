@@ -5,11 +5,13 @@ A row is ``METHOD[:KEY=VALUE,...][+VARIANT...]``:
 - ``METHOD`` is a registered encoding; ``KEY=VALUE`` are its own options (``t5:max_distance=128``,
   ``rope:base=500000``), values read as int, float, true/false, or text.
 - Training variants, each a training run of its own:
-  ``+drop``: positions removed for the last ``drop_positions_after`` of the steps (DroPE: Gelberg
-  et al. 2025, Sakana AI, "Extending the Context of Pretrained LLMs by Dropping their Positional
-  Embeddings"); the trained model is then a NoPE model.
-  ``+random``: randomized positions in training (Ruoss et al. 2023, "Randomized Positional
-  Encodings Boost Length Generalization of Transformers"), through ``LMConfig.random_positions``.
+  ``+drop``: positions removed for the last ``drop_positions_after`` of the steps, which recalibrate
+  with their own warmup + cosine schedule and no weight decay (DroPE: Gelberg et al. 2025, Sakana
+  AI, "Extending the Context of Pretrained LLMs by Dropping their Positional Embeddings"); the
+  trained model is then a NoPE model.
+  ``+random``: randomized positions in training and evaluation (Ruoss et al. 2023, "Randomized
+  Positional Encodings Boost Length Generalization of Transformers"), through
+  ``LMConfig.random_positions`` (training) and ``evaluation.eval_positions``.
 - Evaluation variants, no training: the base row's trained model evaluated another way.
   ``+linear``, ``+ntk``, ``+dynamic``, ``+yarn``, ``+llama3``, ``+longrope``: a RoPE model under that
   scaling, its factor set from evaluation length / training length (:mod:`.variants`).

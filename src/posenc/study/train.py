@@ -53,6 +53,22 @@ def schedule(steps: int, warmup: int, min_lr_ratio: float) -> Callable[[int], fl
     return factor
 
 
+RECALIBRATION_WARMUP = 0.03  # DroPE's recalibration: warmup share of its own steps (the authors' trainer config)
+
+
+def drope_schedule(steps: int, drop_at: int, warmup: int, min_lr_ratio: float) -> Callable[[int], float]:
+    """Learning-rate factor of a DroPE row (Gelberg et al. 2025, "Extending the Context of Pretrained
+    LLMs by Dropping Their Positional Embeddings", the recalibration recipe of the authors' code):
+    steps 0..drop_at-1 are the RoPE pretraining with a complete schedule of their own (warmup, cosine
+    decay to ``min_lr_ratio``), and the recalibration without positions, steps drop_at..steps-1,
+    starts again: a warmup of ``RECALIBRATION_WARMUP`` of its steps to the peak learning rate, then
+    cosine decay to ``min_lr_ratio``. (The old rule ran the recalibration at the tail of the main
+    schedule, at its smallest learning rates.)"""
+    main = schedule(drop_at, max(1, round(warmup * drop_at / steps)), min_lr_ratio)
+    recal = schedule(steps - drop_at, max(1, round(RECALIBRATION_WARMUP * (steps - drop_at))), min_lr_ratio)
+    return lambda step: main(step) if step < drop_at else recal(step - drop_at)
+
+
 def make_optimizer(model: LM, cfg: StudyConfig, factor: Callable[[int], float] | None = None, lr: float | None = None
                    ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
     """AdamW with ``factor`` (default: linear warmup then cosine decay to ``min_lr_ratio * lr``).
@@ -216,6 +232,8 @@ def train(job: Job, cfg: StudyConfig, state_path: Path, ctx: distributed.Context
             t0 = time.perf_counter()
             if not dropped and job.drop_at is not None and step >= job.drop_at:
                 model.drop_positions()  # from here on the attention calls no position hook
+                for group in opt.param_groups:  # the authors' recalibration trains without weight decay
+                    group["weight_decay"] = 0.0
                 net = _wrap(model, ctx)  # DDP over the parameters that remain
                 dropped = True
             x, y, *docs = job.batch(step)  # (B, T) each, the global batch; packed rows: document ids too
