@@ -324,3 +324,11 @@ def test_bias_hooks_refuse_per_row_positions_with_a_pointer_to_attend(method):
     pos = torch.arange(6).expand(2, 6)
     with pytest.raises(UsageError, match=r"bias: q_positions must be 1-D \(T,\), got \(2, 6\); for positions per row \(B, T\) call posenc.attend"):
         enc.bias(pos, pos)
+
+
+def test_non_finite_queries_are_a_clear_error_not_a_crash():
+    enc = encoding("alibi")
+    q, k, v = qkv(1, 300, hkv=H)
+    q[0, 0, 5, 0] = float("nan")
+    with pytest.raises(UsageError, match="q and k must be finite"):
+        attend(q, k, v, enc)

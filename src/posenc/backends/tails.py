@@ -8,11 +8,14 @@ per-query constant.
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, field
 
 import torch
 
 from . import band
+from ..errors import UsageError
 from .base import ScoreSpec
 from .regions import Region, lower, up, upper
 
@@ -27,7 +30,11 @@ def spread(q: torch.Tensor, k: torch.Tensor, scale: float) -> float:
     """A bound on |q_i . k_j| x scale over all pairs (Cauchy-Schwarz): what content can add to a
     logit, so far keys whose bias is lower by more than this (and then some) weigh nothing."""
     with torch.no_grad():
-        return float(q.detach().float().norm(dim=-1).max() * k.detach().float().norm(dim=-1).max()) * scale
+        bound = float(q.detach().float().norm(dim=-1).max() * k.detach().float().norm(dim=-1).max()) * scale
+    if not math.isfinite(bound):
+        raise UsageError("q and k must be finite: the queries or keys hold inf or NaN (diverged weights or inputs?); "
+                         "the blocked backend plans its regions from their size")
+    return bound
 
 
 # ---------------------------------------------------------------------------------------------
