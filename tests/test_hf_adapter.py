@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import posenc
+from posenc.encodings.protocol import Gates, offers
 
 transformers = pytest.importorskip("transformers")
 import posenc.hf as phf  # noqa: E402
@@ -234,6 +235,10 @@ def test_every_encoding_generates_as_its_full_forward_and_packs(method: str) -> 
     """Every posenc method in a Llama model: cached greedy decoding of a left-padded batch equals a
     full forward of each row alone; a packed row equals its documents alone."""
     model = llama()
+    if offers(posenc.build(method, num_heads=4, head_dim=16), Gates):  # gates from the layer input: not through HF
+        with pytest.raises(posenc.UsageError, match="the Gates hook"):
+            phf.use(model, method)
+        return
     phf.use(model, method)
     ids = tokens(2, 9)
     mask = torch.ones(2, 9, dtype=torch.long)

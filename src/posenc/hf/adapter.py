@@ -48,7 +48,7 @@ from torch import nn
 
 from ..encodings import build, get_class, options_of
 from ..encodings.base import PositionalEncoding
-from ..encodings.protocol import Embeds, offers
+from ..encodings.protocol import Embeds, Gates, offers
 from ..encodings.rope import RoPE
 from ..errors import UsageError
 from ..functional import attend
@@ -320,6 +320,8 @@ def _build_encodings(config, encoding: str | nn.Module, options: dict, layers: i
         cls = get_class(encoding)
         if not _jsonable(options):
             raise UsageError("options: posenc.hf records them in the model's config, so they must be JSON values")
+        if "num_kv_heads" in options_of(cls) and "num_kv_heads" not in options:  # per-KV-head parameters (RoPE-Mixed)
+            options = {**options, "num_kv_heads": int(getattr(config, "num_key_value_heads", None) or heads)}
         record = {"encoding": encoding, "options": dict(options), "causal": True}
         if encoding == "rope" and not options:
             from ..encodings.rope import rope_from_hf
@@ -327,6 +329,9 @@ def _build_encodings(config, encoding: str | nn.Module, options: dict, layers: i
             record["from_config"] = True
         else:
             first = build(encoding, num_heads=heads, head_dim=head_dim, causal=True, **options)
+    if offers(first, Gates):
+        raise UsageError(f"encoding: {cls.name} computes forget gates from each layer's input (the Gates hook), which "
+                         "HF's attention interface does not pass; use it in posenc.LM or posenc.Attention")
     if cls.shares_across_layers:
         return [first], record
     if isinstance(encoding, str):  # a fresh initialisation per layer, as posenc's own model builds them
