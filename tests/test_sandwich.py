@@ -11,7 +11,7 @@ import torch
 import posenc
 from posenc import backends
 from posenc.backends import features, flex
-from posenc.backends.base import ScoreSpec
+from posenc.backends.parts.base import ScoreSpec
 from posenc.errors import UsageError
 
 from agreement import CHUNKINGS, D, H, check_backends, check_flex_inference, decoded, largest_tensor, reference, run

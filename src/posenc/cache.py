@@ -14,7 +14,7 @@ A :class:`Cache` is the model's: one LayerCache per layer, the model that made i
 another model is an error), the batch size and, for generation in batches, each row's *left
 padding*. With left padding, row b's first ``padding[b]`` slots hold padding tokens; its real tokens
 start at position ``starts[b] = padding[b]`` of the positions the batch shares. Padding keys are
-hidden from every real query (see :class:`posenc.backends.base.ScoreSpec` ``starts``).
+hidden from every real query (see :class:`posenc.backends.parts.base.ScoreSpec` ``starts``).
 
 A windowed layer (sliding window W, :mod:`posenc.local`) keeps O(W) keys, never fewer than a
 later query can see: ``LayerCache(window=W)`` has buffers of max(2W, 16) slots (more after a longer

@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from . import backends, local
-from .backends import single
+from .backends.parts import single
 from .encodings.base import content_scale
 from .encodings.protocol import Gates, Rotates, offers
 from .errors import UsageError

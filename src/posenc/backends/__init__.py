@@ -24,7 +24,7 @@ import torch
 
 from ..errors import UsageError
 from . import blocked, contextual, eager, features, flex, gated, sdpa, terms
-from .base import ScoreSpec
+from .parts.base import ScoreSpec
 
 
 @runtime_checkable

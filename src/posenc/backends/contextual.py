@@ -13,9 +13,9 @@ gates. So, for a band width W such that every query's count over its W nearest k
 
 - the band, keys with 0 <= i - j < W, is written out in blocks of queries (gates, their count from
   the diagonal, interpolated terms, softmax part), with O(N x W) memory: the blocks and key windows
-  of :mod:`posenc.backends.band`;
+  of :mod:`posenc.backends.parts.band`;
 - the far keys, i - j >= W, are plain attention plus c_i: the CPU flash kernel on a shifted causal
-  region (:func:`~posenc.backends.regions.lower`), c_i shifting its log-sum-exp;
+  region (:func:`~posenc.backends.parts.regions.lower`), c_i shifting its log-sum-exp;
 
 merged through their log-sum-exps. W is found per call: the counts are computed over a guess of W
 (the width the last call of this encoding needed, or 2P), and if a query with far keys has not
@@ -44,9 +44,10 @@ import weakref
 import torch
 
 from ..encodings.protocol import ContextualPositions, offers
-from . import band, eager
-from .base import ScoreSpec, accumulation_dtype
-from .regions import flushed, kernel_forward, keys_of, lower, region_backward, rows_of, up
+from . import eager
+from .parts import band
+from .parts.base import ScoreSpec, accumulation_dtype
+from .parts.regions import flushed, kernel_forward, keys_of, lower, region_backward, rows_of, up
 
 BLOCK = 64  # queries per band block
 GROUP_ELEMENTS = 1 << 21  # band temporaries per step: at most this many (B x H x blocks x rows x keys)

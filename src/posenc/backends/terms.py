@@ -20,7 +20,7 @@ to float rounding. Two fast paths, picked from what the encoding offers (never f
   gradients come from autograd. Cost: about one SDPA call plus a band of 2k+1 keys.
 - ``distance_key_form()`` (Dai et al. 2019, "Transformer-XL", §3.3): one position key per distance,
   scored per tile of queries against the distances and moved into place by a strided view (the
-  relative shift without a copy), with a written-out backward: :mod:`posenc.backends.distance`.
+  relative shift without a copy), with a written-out backward: :mod:`posenc.backends.parts.distance`.
 
 Anything else (another dtype or device, a bias as well, queries outside the keys' positions,
 another encoding with query/value terms) runs the eager formula (blocked, checkpointed).
@@ -32,9 +32,10 @@ import torch
 import torch.nn.functional as F
 
 from ..encodings.protocol import ClippedTables, DistanceKeys, offers
-from . import distance, eager, padding, single
-from .base import ScoreSpec
-from .regions import FLASH_OPS, call_order, flushed, kernel_forward, keys_of, lower, region_backward, rows_of, upper
+from . import eager
+from .parts import distance, padding, single
+from .parts.base import ScoreSpec
+from .parts.regions import FLASH_OPS, call_order, flushed, kernel_forward, keys_of, lower, region_backward, rows_of, upper
 
 SHAW_CHUNK = 32  # queries per band chunk (at least the band width)
 FAST_DTYPES = (torch.float32, torch.float64)
@@ -85,7 +86,7 @@ class _MergeFar(torch.autograd.Function):
     """out = merge of the band (o_b, lse_b) with far regions done by the flash kernel.
 
     A far region of side s adds, for its rows, logits ``q k^T * scale + consts[s]`` and values
-    ``v + values[s]``. ``regions``: (side, :class:`~posenc.backends.regions.Region`) pairs.
+    ``v + values[s]``. ``regions``: (side, :class:`~posenc.backends.parts.regions.Region`) pairs.
     """
 
     @staticmethod

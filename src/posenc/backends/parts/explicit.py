@@ -1,5 +1,5 @@
 """Bias attention with a hand-written backward, per block of queries: the ``blocked`` backend's path
-for biases without affine tails (KERPLE, FIRE, any bias method). A helper module, not a backend.
+for biases without affine tails (KERPLE, FIRE, any bias method).
 
 Forward: per block of ``BLOCK`` queries, the CPU flash kernel with the block's (H, C, L) bias as
 its additive mask (L: the keys the block may see; the causal staircase is -inf in the mask), which
@@ -29,7 +29,7 @@ import math
 
 import torch
 
-from ..encodings.protocol import DistanceBias, offers
+from ...encodings.protocol import DistanceBias, offers
 from .base import ScoreSpec, accumulation_dtype, needs_grad
 from .regions import flushed, kernel_forward, up
 
