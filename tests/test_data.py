@@ -13,7 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from posenc import data
+from posenc.study import data
 from posenc.errors import UsageError
 from posenc.study import windows
 

@@ -11,10 +11,13 @@ import pytest
 import torch
 
 import posenc
-from posenc import cli, show as show_module
+from posenc import cli
+from posenc.show import inputs as show_inputs
+from posenc.show import scores as show_module
 from posenc.describe import bucket_ranges, learnable_parameters
 from posenc.errors import UsageError
-from posenc.show import check_out, parse_options, score_map, show
+from posenc.show.inputs import check_out, parse_options
+from posenc.show.scores import score_map, show
 
 
 def fails(capsys, argv: list[str], message: str) -> None:
@@ -155,8 +158,8 @@ def test_png_is_written_atomically(tmp_path, monkeypatch, capsys) -> None:
         path.write_bytes(b"\x89PNG half")
         raise OSError(28, "No space left on device")
 
-    real = show_module.atomic_write
-    monkeypatch.setattr(show_module, "atomic_write", lambda path, write: real(path, broken))
+    real = show_inputs.atomic_write
+    monkeypatch.setattr(show_inputs, "atomic_write", lambda path, write: real(path, broken))
     # A full disk is reported as one sentence the user can act on (posenc.files.WriteError).
     assert cli.main(["show", "alibi", "--length", "8", "--out", str(out)]) == 2
     assert f"posenc show: error: cannot write {out}: No space left on device; the previous version is unchanged" in capsys.readouterr().err
@@ -286,8 +289,6 @@ def test_masked_cells_render_blank_and_the_scale_is_centred(tmp_path) -> None:
 def test_checks_come_before_building_or_computing(tmp_path, monkeypatch, capsys) -> None:
     def boom(*args, **kwargs):
         raise AssertionError("computed before the arguments were checked")
-
-    from posenc import show_inputs
 
     monkeypatch.setattr(show_inputs, "build", boom)
     monkeypatch.setattr(show_module, "score_map", boom)

@@ -11,7 +11,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 import posenc.hf as phf  # noqa: E402
-from posenc.data import train_batch  # noqa: E402
+from posenc.study.data import train_batch  # noqa: E402
 from posenc.hf.evaluation import evaluate  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 

@@ -411,7 +411,7 @@ def test_bf16_inputs_keep_float32_tables_and_exact_angles(scaling) -> None:
 def test_scaling_figure_plots_wavelengths_and_marks_the_original_length() -> None:
     from matplotlib.figure import Figure
 
-    from posenc.rope_plot import scaling_figure
+    from posenc.show.scaling import scaling_figure
 
     scaling = {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 256}
     fig = scaling_figure(scaling, head_dim=32, base=10000.0)

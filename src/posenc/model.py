@@ -27,8 +27,8 @@ from .cache import Cache, check_padding
 from .geometry import Geometry, check_positions
 from .memo import ForwardMemo
 from .encodings import build, get_class, options_of
-from .errors import UsageError
-from .encodings.base import check_positive
+from .errors import UsageError, check_positive
+
 from .encodings.protocol import Embeds, offers
 from .schedule import Layer, Schedule
 

@@ -54,8 +54,8 @@ import math
 import torch
 from torch import nn
 
-from ..errors import UsageError
-from .base import PositionalEncoding, check_positive
+from ..errors import UsageError, check_positive
+from .base import PositionalEncoding
 from .mrope import axis_positions, select_axes
 from .rope import LAYOUTS, RotaryTable, apply_rotation
 from .rope_scaling import default_frequencies

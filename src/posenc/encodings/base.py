@@ -20,7 +20,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from ..errors import UsageError
+from ..errors import UsageError, check_positive
 from .protocol import BiasTails, Biases, Embeds, Gates, QueryTerms, Rotates, Scores, ValueTerms, offers
 
 # Hook names, for has_hook: each maps to its Protocol.
@@ -34,13 +34,6 @@ def has_hook(encoding: nn.Module, hook: str) -> bool:
     if hook not in _HOOK_PROTOCOLS:
         raise UsageError(f"hook must be one of {HOOKS}, got {hook!r}")
     return offers(encoding, _HOOK_PROTOCOLS[hook])
-
-
-def check_positive(name: str, value: int) -> int:
-    """Raise a UsageError naming the parameter unless ``value`` is a positive integer."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise UsageError(f"{name} must be a positive integer (>= 1), got {value!r}")
-    return value
 
 
 class PositionalEncoding(nn.Module):

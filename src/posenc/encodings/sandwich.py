@@ -29,8 +29,8 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import UsageError
-from .base import PositionalEncoding, bias_from_score, check_positive, relative_bias_from_score
+from ..errors import UsageError, check_positive
+from .base import PositionalEncoding, bias_from_score, relative_bias_from_score
 
 BASE = 10000.0
 

@@ -18,7 +18,8 @@ import math
 import torch
 from torch import nn
 
-from .base import PositionalEncoding, check_positive
+from .base import PositionalEncoding
+from ..errors import check_positive
 
 
 class Shaw(PositionalEncoding):

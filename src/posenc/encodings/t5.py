@@ -19,8 +19,8 @@ import math
 import torch
 from torch import nn
 
-from ..errors import UsageError
-from .base import PositionalEncoding, check_bias_positions, check_positive
+from ..errors import UsageError, check_positive
+from .base import PositionalEncoding, check_bias_positions
 from .protocol import BiasTails
 
 

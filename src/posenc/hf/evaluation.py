@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 
-from .. import distributed
+from ..study import distributed
 from ..errors import UsageError
 from ..study.evaluation import evaluate as study_evaluate
 

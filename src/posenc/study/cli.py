@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from .. import distributed
+from . import distributed
 from ..encodings import available
 from ..errors import UsageError
 from .config import PRESET_DESCRIPTIONS, PRESET_THREADS, PRESETS, StudyConfig

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from ..data import DEFAULT_VALID_BYTES
+from .data import DEFAULT_VALID_BYTES
 from ..encodings import available, get_class
 from ..errors import UsageError
 from ..model import LM, LMConfig

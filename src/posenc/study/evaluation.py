@@ -13,7 +13,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from .. import distributed
+from . import distributed
 from ..model import LM
 
 # Memory bounds for evaluation batches: tokens per forward, and attention scores per forward

@@ -20,9 +20,9 @@ from functools import partial
 
 import torch
 
-from .. import distributed
+from . import distributed
 from ..checkpoint import load_checkpoint, save_checkpoint
-from ..data import Corpus, train_batch
+from .data import Corpus, train_batch
 from ..errors import UsageError
 from ..files import write_json
 from ..model import LM

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import torch
 
-from .. import distributed
-from ..data import Corpus, load_corpus
+from . import distributed
+from .data import Corpus, load_corpus
 from ..errors import UsageError
 from ..files import MARKER, RunDir, WriteError, write_json
 from ..version import __version__

@@ -16,7 +16,7 @@ from matplotlib.colors import to_hex, to_rgb
 from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter
 
-from .files import atomic_write
+from ..files import atomic_write
 
 # One fixed colour per method, so every figure of every run reads the same.
 COLORS = {
