@@ -42,7 +42,7 @@ class CoPE(PositionalEncoding):
     name = "cope"
     description = "contextual positions: counts of gated keys, interpolated position logits (Golovneva et al. 2024)"
     extrapolates = True
-    shares_across_layers = False  # one table per layer
+    # not shared across layers (derived from its learned parameters): one table per layer
     causal_only = True
 
     def __init__(

@@ -18,6 +18,7 @@ class Learned(PositionalEncoding):
 
     name = "learned"
     description = "learned table of absolute position vectors (BERT/GPT); bounded by its size"
+    shares_parameters = True  # one table, added to the token embeddings once
     extrapolates = False
 
     def __init__(self, num_heads: int, head_dim: int, causal: bool = True, max_positions: int = 1024) -> None:

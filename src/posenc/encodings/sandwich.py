@@ -42,7 +42,6 @@ class Sandwich(PositionalEncoding):
     shift_invariant = True  # positions enter as i - j only
     description = "parameter-free bias from the dot product of sinusoidal positions (Chi et al. 2023)"
     extrapolates = True
-    shares_across_layers = True
 
     def __init__(self, num_heads: int, head_dim: int, causal: bool = True, sinusoid_dim: int = 16) -> None:
         super().__init__(num_heads, head_dim, causal)

@@ -327,7 +327,7 @@ def _build_encodings(config, encoding: str | nn.Module, options: dict, layers: i
             record["from_config"] = True
         else:
             first = build(encoding, num_heads=heads, head_dim=head_dim, causal=True, **options)
-    if cls.shares_across_layers:
+    if first.shares_across_layers:
         return [first], record
     if isinstance(encoding, str):  # a fresh initialisation per layer, as posenc's own model builds them
         rest = [build(encoding, num_heads=heads, head_dim=head_dim, causal=True, **options) for _ in range(layers - 1)]
