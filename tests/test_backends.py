@@ -16,6 +16,7 @@ import pytest
 import torch
 from torch import nn
 
+from agreement import MaxTensor  # tests/agreement.py: one definition for every memory check
 from posenc import backends
 from posenc.attention import Attention, LayerCache
 from posenc.backends import blocked, eager, flex, sdpa
@@ -25,8 +26,6 @@ from posenc.encodings import alibi_slopes, build
 from posenc.encodings.t5 import T5Bias
 from posenc.memo import ForwardMemo
 from posenc.model import LM, LMConfig
-
-from agreement import MaxTensor  # tests/agreement.py: one definition for every memory check
 
 H, D = 4, 16
 TOL = dict(rtol=1e-5, atol=1e-5)

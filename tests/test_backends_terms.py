@@ -8,8 +8,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from posenc.backends import eager
-from posenc.backends.parts import distance
 from posenc.backends import terms as terms
+from posenc.backends.parts import distance
 from posenc.backends.parts.base import ScoreSpec
 from posenc.encodings.shaw import Shaw
 from posenc.encodings.transformer_xl import TransformerXL

@@ -15,13 +15,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 import posenc
-from posenc.attention import LayerCache
 from posenc import backends
+from posenc.attention import LayerCache
 from posenc.backends import blocked, eager, flex, sdpa, terms
 from posenc.backends.parts import single
 from posenc.backends.parts.base import ScoreSpec
 from posenc.errors import UsageError
-
 from toy_encodings import registered
 
 METHODS = posenc.available()

@@ -20,8 +20,7 @@ import pytest
 
 import posenc
 from posenc import cli, files
-from posenc.study import data, figures, report
-from posenc.study import evaluation, progress
+from posenc.study import data, evaluation, figures, progress, report
 from posenc.study.cli import run_study
 
 ARGS = ["--preset", "smoke", "--methods", "alibi", "learned", "--steps", "4", "--checkpoint-every", "2",

@@ -12,10 +12,8 @@ import types
 from pathlib import Path
 
 import pytest
-import torch
 
 from posenc import cli, files
-from posenc.study import report
 from posenc.errors import UsageError
 from posenc.study import StudyConfig, run_experiment
 from posenc.study import train as train_module

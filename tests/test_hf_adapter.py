@@ -14,8 +14,9 @@ import torch
 import posenc
 
 transformers = pytest.importorskip("transformers")
-import posenc.hf as phf  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+import posenc.hf as phf  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -14,13 +14,12 @@ import torch
 
 import posenc
 from posenc import cli
-from posenc.study import report
-from posenc.study.distributed import Context
 from posenc.encodings.rope import RoPE
 from posenc.model import LMConfig
-from posenc.study import fairness, rows
+from posenc.study import fairness, report, rows
 from posenc.study.cli import run_study
 from posenc.study.config import StudyConfig
+from posenc.study.distributed import Context
 
 SMALL = ["--preset", "smoke", "--valid-bytes", "512", "--eval-lengths", "32", "64", "--quiet", "--threads", "1"]
 

@@ -24,12 +24,11 @@ from torch import nn
 from . import backends
 from .attention import Attention, _padding_mask
 from .cache import Cache, check_padding
+from .encodings import build, get_class, options_of
+from .encodings.protocol import Embeds, offers
+from .errors import UsageError, check_positive
 from .geometry import Geometry, check_positions
 from .memo import ForwardMemo
-from .encodings import build, get_class, options_of
-from .errors import UsageError, check_positive
-
-from .encodings.protocol import Embeds, offers
 from .schedule import Layer, Schedule
 
 

@@ -55,7 +55,6 @@ from .parts.base import ScoreSpec, accumulation_dtype
 from .parts.regions import FLASH_OPS, Merge, Region, call_order, flushed, kernel_backward, kernel_forward, keys_of, region_backward, rows_of, up
 
 
-
 def supports(spec: ScoreSpec, q: torch.Tensor) -> bool:
     # Key index = position - first position: both paths below rely on consecutive positions.
     unpadded = spec.starts is None or padding.splittable(spec)
@@ -120,16 +119,16 @@ def _forward(q, k, v, rel, plan: tails.Plan):
     for call in plan.far:
         term, shift, _ = tails.far_terms(plan, rel, call)
         r, hs = call.region, call.heads
-        o, l = kernel_forward(*_cut(r, q[:, hs], k[:, hs], v[:, hs]), r.causal, plan.scale, _key_mask(term, r))
-        l = call_order(l, r, -1) + shift  # (B, h, C): back to the true bias
-        merged.add(r.rows, call_order(o, r), l, hs)
-        far_lse.append(l)
+        o, lz = kernel_forward(*_cut(r, q[:, hs], k[:, hs], v[:, hs]), r.causal, plan.scale, _key_mask(term, r))
+        lz = call_order(lz, r, -1) + shift  # (B, h, C): back to the true bias
+        merged.add(r.rows, call_order(o, r), lz, hs)
+        far_lse.append(lz)
     for group in plan.bands:
         bias, _ = _band_bias(plan, rel, group)
         hs = group.heads
-        o, l = kernel_forward(band.blocks(q[:, hs], group), band.windows(k[:, hs], group), band.windows(v[:, hs], group),
+        o, lz = kernel_forward(band.blocks(q[:, hs], group), band.windows(k[:, hs], group), band.windows(v[:, hs], group),
                               False, plan.scale, bias.to(q.dtype)[None])
-        merged.add(group.row_range, band.unblocks(o, group), band.unblocks(l, group), hs)
+        merged.add(group.row_range, band.unblocks(o, group), band.unblocks(lz, group), hs)
     return merged.out.to(q.dtype), merged.lse, far_lse
 
 

@@ -64,7 +64,8 @@ def _fast(spec: ScoreSpec, q: torch.Tensor) -> bool:
 
 
 def supports(spec: ScoreSpec, q: torch.Tensor) -> bool:
-    return offers(spec.encoding, ContextualPositions) and spec.has_query_terms and not (spec.has_bias or spec.has_value_terms) and spec.log_gates is None
+    return (offers(spec.encoding, ContextualPositions) and spec.has_query_terms and not (spec.has_bias or spec.has_value_terms)
+            and spec.log_gates is None)
 
 
 def preferred(spec: ScoreSpec, q: torch.Tensor) -> bool:
@@ -204,10 +205,10 @@ def _forward(q, k, v, table, call: _Call):
     c = up(z[..., call.cap])  # (B, H, Tq)
     for region in _far(call, tq, tk):
         rows = slice(*region.rows)
-        o, l = kernel_forward(rows_of(q, region), keys_of(k, region), keys_of(v, region), region.causal, call.scale)
-        l = up(l) + c[..., rows]
-        new = torch.logaddexp(far_lse[..., rows], l)
-        old, part = torch.exp(far_lse[..., rows] - new)[..., None], torch.exp(l - new)[..., None]
+        o, lz = kernel_forward(rows_of(q, region), keys_of(k, region), keys_of(v, region), region.causal, call.scale)
+        lz = up(lz) + c[..., rows]
+        new = torch.logaddexp(far_lse[..., rows], lz)
+        old, part = torch.exp(far_lse[..., rows] - new)[..., None], torch.exp(lz - new)[..., None]
         far_out[..., rows, :] = far_out[..., rows, :] * old + up(o) * part
         far_lse[..., rows] = new
     lse = torch.logaddexp(lse_band, far_lse)  # (B, H, Tq)

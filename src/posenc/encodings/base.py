@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from ..errors import UsageError, check_positive
-from .protocol import CAPABILITIES, HOOKS, BiasTails, members, offers
+from .protocol import CAPABILITIES, HOOKS, members, offers
 
 # A hook (or a one-method capability, such as ``score``) by its method name, for scripts and tests:
 # derived from the protocol's HOOKS and CAPABILITIES, never a list of its own.

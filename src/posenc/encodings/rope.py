@@ -38,7 +38,13 @@ import torch
 from ..errors import UsageError, check_positive
 from .base import PositionalEncoding
 from .rope_scaling import (
-    MAX_BASE, RopeScaling, check_table, inverse_frequencies, parse_scaling, resolve_hf, rotary_dim_of,
+    MAX_BASE,
+    RopeScaling,
+    check_table,
+    inverse_frequencies,
+    parse_scaling,
+    resolve_hf,
+    rotary_dim_of,
 )
 
 LAYOUTS = ("half", "interleaved")

@@ -18,8 +18,8 @@ import math
 import torch
 from torch import nn
 
-from .base import PositionalEncoding
 from ..errors import check_positive
+from .base import PositionalEncoding
 
 
 class Shaw(PositionalEncoding):

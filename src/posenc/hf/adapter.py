@@ -44,7 +44,10 @@ import json
 from typing import Any
 
 import torch
+import transformers
 from torch import nn
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface
 
 from ..encodings import build, get_class, options_of
 from ..encodings.base import PositionalEncoding
@@ -54,10 +57,6 @@ from ..errors import UsageError
 from ..functional import attend
 from ..geometry import Geometry
 from ..memo import ForwardMemo
-
-import transformers
-from transformers import AttentionInterface
-from transformers.masking_utils import AttentionMaskInterface
 
 NAME = "posenc"
 

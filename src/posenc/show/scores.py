@@ -28,14 +28,26 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from . import grid
 from ..encodings import available, get_class
 from ..encodings.base import has_hook
 from ..errors import UsageError
+from . import grid
 from .inputs import (
-    CONTENT_SEED_KEY, MAX_LENGTH, MAX_PANELS, MAX_PIXELS, SOFTWARE, build_checked, check_heads, check_length, check_out,
-    check_seed, check_sizes, get_class_checked, parse_options, write_png,
+    CONTENT_SEED_KEY,
+    MAX_LENGTH,
+    MAX_PANELS,
+    MAX_PIXELS,
+    build_checked,
+    check_heads,
+    check_length,
+    check_out,
+    check_seed,
+    check_sizes,
+    get_class_checked,
+    parse_options,
+    write_png,
 )
+
 
 def score_map(encoding: torch.nn.Module, length: int, seed: int = 0, content: torch.Tensor | None = None) -> torch.Tensor:
     """(H, length, length) score change due to positions; NaN where a causal mask hides the key.

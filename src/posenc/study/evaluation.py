@@ -13,8 +13,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from . import distributed
 from ..model import LM
+from . import distributed
 
 # Memory bounds for evaluation batches: tokens per forward, and attention scores per forward
 # (batch x heads x L x L), so long windows are scored a few at a time.

@@ -28,9 +28,9 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from . import distributed
 from ..files import atomic_write
 from ..model import LM
+from . import distributed
 from .config import StudyConfig
 from .progress import Progress
 

@@ -151,8 +151,8 @@ def _relative_forward(q, k, v, table, g: _Geometry):
     lse = torch.empty(q.shape[:-1], dtype=accumulation_dtype(q.dtype), device=q.device)  # (B, H, Tq)
     for a0, a1, keys in g.blocks():
         mask = _view(table, g, a0, a1, keys).to(q.dtype)
-        o, l = kernel_forward(q[:, :, a0:a1].flip(-2), k[:, :, :keys], v[:, :, :keys], False, g.scale, mask)
-        out[:, :, a0:a1], lse[:, :, a0:a1] = o.flip(-2), l.flip(-1)
+        o, lz = kernel_forward(q[:, :, a0:a1].flip(-2), k[:, :, :keys], v[:, :, :keys], False, g.scale, mask)
+        out[:, :, a0:a1], lse[:, :, a0:a1] = o.flip(-2), lz.flip(-1)
     return out, lse
 
 
