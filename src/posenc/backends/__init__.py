@@ -12,7 +12,9 @@ hooks and capabilities, :func:`posenc.encodings.base.offers`), never from the en
 ``eager`` prefers everything, so it ends the list. A user can force a backend by name
 (``Attention(..., backend="blocked")``, ``LMConfig(attention_backend=...)``); one that cannot run
 the call is a :class:`~posenc.errors.UsageError` naming those that can. A new backend is one module
-(``backends/NAME.py``) and one entry in :data:`BACKENDS`.
+(``backends/NAME.py``) and one entry in :data:`BACKENDS`; this folder holds registered backends
+only, and what they share (masks, kernel regions, decode steps, padding, ``blocked``'s and
+``terms``'s parts) lives in :mod:`posenc.backends.parts`.
 """
 
 from __future__ import annotations
