@@ -8,7 +8,7 @@ A backend satisfies the :class:`Backend` protocol:
 
 Automatic selection ("auto") walks :data:`BACKENDS` in order and takes the first backend that
 prefers the call, from what the call is (device, dtype, grad mode) and what the encoding offers (its
-hooks and capabilities, :func:`posenc.encodings.base.offers`), never from the encoding's name;
+hooks and capabilities, :func:`posenc.encodings.protocol.offers`), never from the encoding's name;
 ``eager`` prefers everything, so it ends the list. A user can force a backend by name
 (``Attention(..., backend="blocked")``, ``LMConfig(attention_backend=...)``); one that cannot run
 the call is a :class:`~posenc.errors.UsageError` naming those that can. A new backend is one module
