@@ -80,8 +80,7 @@ class Encoder(nn.Module):
         self.tok = nn.Embedding(VOCAB, DIM)
         build = lambda: None if method == "nope" else posenc.build(method, num_heads=HEADS, head_dim=DIM // HEADS, causal=False)  # noqa: E731
         shared = build()
-        cls = posenc.encodings.get_class(method) if method != "nope" else None
-        per_layer = cls is not None and not cls.shares_across_layers
+        per_layer = shared is not None and not shared.shares_across_layers
         self.blocks = nn.ModuleList(Block(build() if per_layer else shared) for _ in range(DEPTH))
         self.norm, self.head = nn.LayerNorm(DIM), nn.Linear(DIM, 4)
 

@@ -19,7 +19,7 @@ from torch.utils._pytree import tree_flatten
 
 from posenc import backends
 from posenc.backends import eager
-from posenc.backends.base import ScoreSpec
+from posenc.backends.parts.base import ScoreSpec
 from posenc.memo import ForwardMemo
 
 H, D = 4, 16
@@ -84,7 +84,7 @@ def check_backends(enc: nn.Module, causal: bool, shapes=None, expect: tuple[str,
 
 class MaxTensor(TorchDispatchMode):
     """Records the largest tensor (elements) any op returns. A dispatch mode sees this thread only;
-    the kernel loops stay in it while one is active (posenc.backends.regions.flushed)."""
+    the kernel loops stay in it while one is active (posenc.backends.parts.regions.flushed)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -102,7 +102,7 @@ def largest_tensor(method: str, n: int = 1024, **options) -> tuple[int, str]:
     """The largest tensor of a forward + backward of one posenc.Attention layer at length n (auto
     backend, B=1, H=4, D=16), and the backend that ran."""
     import posenc
-    from posenc.backends import regions
+    from posenc.backends.parts import regions
 
     enc = posenc.build(method, num_heads=H, head_dim=D, **options)
     layer = posenc.Attention(H * D, H, enc)

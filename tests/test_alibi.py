@@ -16,7 +16,7 @@ import torch
 
 import posenc
 from posenc import backends
-from posenc.backends.base import ScoreSpec
+from posenc.backends.parts.base import ScoreSpec
 
 modeling_bloom = pytest.importorskip("transformers.models.bloom.modeling_bloom")
 

@@ -5,8 +5,6 @@ batch equals its rows alone, GQA equals MHA with K/V repeated)."""
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 import torch.nn.functional as F

@@ -90,7 +90,8 @@ def test_mixed_initialisation_is_the_papers() -> None:
     torch.testing.assert_close((fx ** 2 + fy ** 2).sqrt(), mag.repeat(2).expand(4, -1), rtol=1e-6, atol=0)
     first, second = torch.atan2(fy[:, :4], fx[:, :4]), torch.atan2(fy[:, 4:], fx[:, 4:])
     assert torch.allclose(first, first[:, :1].expand(-1, 4), atol=1e-6)  # one angle per head
-    assert torch.allclose(torch.remainder(second - first - torch.pi / 2 + torch.pi, 2 * torch.pi) - torch.pi, torch.zeros(4, 4, dtype=torch.float64), atol=1e-6)
+    turned = torch.remainder(second - first - torch.pi / 2 + torch.pi, 2 * torch.pi) - torch.pi
+    assert torch.allclose(turned, torch.zeros(4, 4, dtype=torch.float64), atol=1e-6)
     assert first[:, 0].unique().numel() == 4  # the heads draw their own angles
 
 

@@ -10,21 +10,22 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
+from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
+from agreement import MaxTensor  # tests/agreement.py: one definition for every memory check
 from posenc import backends
 from posenc.attention import Attention, LayerCache
-from posenc.backends import band, blocked, eager, flex, sdpa, tails
-from posenc.backends.base import ScoreSpec
+from posenc.backends import blocked, eager, flex, sdpa
+from posenc.backends.parts import band, tails
+from posenc.backends.parts.base import ScoreSpec
 from posenc.encodings import alibi_slopes, build
 from posenc.encodings.t5 import T5Bias
 from posenc.memo import ForwardMemo
 from posenc.model import LM, LMConfig
-
-from agreement import MaxTensor  # tests/agreement.py: one definition for every memory check
 
 H, D = 4, 16
 TOL = dict(rtol=1e-5, atol=1e-5)
@@ -325,6 +326,13 @@ def test_backend_file_names_are_their_registered_names():
         assert name in backends.names()
 
 
+def test_the_backends_folder_holds_registered_backends_only():
+    folder = Path(backends.__file__).parent
+    modules = {path.stem for path in folder.glob("*.py")} - {"__init__"}
+    assert modules == set(backends.BACKENDS)  # helpers live in backends/parts/
+    assert (folder / "parts" / "__init__.py").exists()
+
+
 # --- shared work ---------------------------------------------------------------------------------
 
 
@@ -449,7 +457,7 @@ def test_without_flash_ops_bias_methods_fall_back_to_public_sdpa():
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             import posenc
-            from posenc.backends import regions
+            from posenc.backends.parts import regions
         flash = [w for w in caught if "flash" in str(w.message)]
         assert len(flash) == 1 and not regions.FLASH_OPS, [str(w.message) for w in caught]
         torch.manual_seed(0)

@@ -8,9 +8,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from posenc.backends import eager
-from posenc.backends import distance
 from posenc.backends import terms as terms
-from posenc.backends.base import ScoreSpec
+from posenc.backends.parts import distance
+from posenc.backends.parts.base import ScoreSpec
 from posenc.encodings.shaw import Shaw
 from posenc.encodings.transformer_xl import TransformerXL
 

@@ -1,4 +1,4 @@
-"""The KV cache (posenc/cache.py) and the single-query paths (backends/single.py).
+"""The KV cache (posenc/cache.py) and the single-query paths (backends/parts/single.py).
 
 The in-place cache against the old concatenating one, bit for bit; growth by doubling; crop and
 reset; left padding; misuse as clear errors; every single-query path against the eager formula; and
@@ -15,12 +15,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 import posenc
-from posenc.attention import LayerCache
 from posenc import backends
-from posenc.backends import blocked, eager, flex, sdpa, single, terms
-from posenc.backends.base import ScoreSpec
+from posenc.attention import LayerCache
+from posenc.backends import blocked, eager, flex, sdpa, terms
+from posenc.backends.parts import single
+from posenc.backends.parts.base import ScoreSpec
 from posenc.errors import UsageError
-
 from toy_encodings import registered
 
 METHODS = posenc.available()

@@ -10,7 +10,7 @@ import torch
 
 import posenc
 from posenc import cli
-from posenc.show import score_map
+from posenc.show.scores import score_map
 
 
 def test_list_names_every_method(capsys) -> None:
@@ -84,7 +84,7 @@ def test_show_bad_arguments(capsys, argv, message) -> None:
 
 
 def test_only_usage_errors_are_one_line(monkeypatch, capsys) -> None:
-    from posenc import report
+    from posenc.study import report
 
     def user_mistake(args):
         raise posenc.UsageError("run_dir 'x' holds no results.json")

@@ -12,11 +12,10 @@ from x_transformers.attend import Attend
 from x_transformers.x_transformers import CoPE as XCoPE
 
 import posenc
-from posenc.backends import contextual
-from posenc.backends.base import ScoreSpec
-from posenc.errors import UsageError
-
 from agreement import D, H, assert_decoding_equals_full, check_backends, largest_tensor, reference, run
+from posenc.backends import contextual
+from posenc.backends.parts.base import ScoreSpec
+from posenc.errors import UsageError
 
 
 def make(max_pos: int = 8, std: float = 0.3, **options) -> torch.nn.Module:

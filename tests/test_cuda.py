@@ -16,8 +16,9 @@ import torch
 
 import posenc
 from posenc.attention import Attention
-from posenc.backends import eager, flex, single
-from posenc.backends.base import ScoreSpec
+from posenc.backends import eager, flex
+from posenc.backends.parts import single
+from posenc.backends.parts.base import ScoreSpec
 from posenc.generate import stream
 
 pytestmark = [

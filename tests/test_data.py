@@ -13,9 +13,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from posenc import data
 from posenc.errors import UsageError
-from posenc.study import windows
+from posenc.study import data, windows
 
 
 def make_folder(root: Path, n: int = 60, order: list[int] | None = None) -> Path:

@@ -16,10 +16,9 @@ import pytest
 import torch
 
 import posenc
+from agreement import assert_decoding_equals_full, check_backends
 from posenc.encodings.deberta import DeBERTa, log_bucket
 from posenc.errors import UsageError
-
-from agreement import assert_decoding_equals_full, check_backends
 
 transformers = pytest.importorskip("transformers")
 from transformers import DebertaV2Config  # noqa: E402
@@ -169,7 +168,8 @@ def test_attend_equals_the_formula_in_float64(causal, buckets, max_position, pos
                        max_relative_positions=max_position, pos_att_type=pos_att_type).double()
     with torch.no_grad():
         enc.rel_embeddings.normal_()
-    q, k, v = torch.randn(2, 2, qp.numel(), 8, dtype=torch.float64), torch.randn(2, 2, kp.numel(), 8, dtype=torch.float64), torch.randn(2, 2, kp.numel(), 8, dtype=torch.float64)
+    q = torch.randn(2, 2, qp.numel(), 8, dtype=torch.float64)
+    k, v = torch.randn(2, 2, kp.numel(), 8, dtype=torch.float64), torch.randn(2, 2, kp.numel(), 8, dtype=torch.float64)
     got = posenc.attend(q, k, v, enc, positions=qp, k_positions=kp, causal=causal)
     with torch.no_grad():
         want = pairwise(enc, q, k, v, qp, kp, causal)

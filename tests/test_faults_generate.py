@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import io
 import re
-from pathlib import Path
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch

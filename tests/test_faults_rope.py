@@ -210,7 +210,7 @@ CONFIGS = {
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_show_scaling_reads_hf_configs(tmp_path, capsys, monkeypatch, name) -> None:
-    from posenc import rope_plot
+    from posenc.show import scaling as rope_plot
 
     d = {"hidden_size": 384, "num_attention_heads": 4, "max_position_embeddings": 1024, "rope_theta": 500000.0,
          "partial_rotary_factor": 0.5 if name != "proportional" else None, **CONFIGS[name]}

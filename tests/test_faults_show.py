@@ -11,10 +11,13 @@ import pytest
 import torch
 
 import posenc
-from posenc import cli, show as show_module
+from posenc import cli
 from posenc.describe import bucket_ranges, learnable_parameters
 from posenc.errors import UsageError
-from posenc.show import check_out, parse_options, score_map, show
+from posenc.show import inputs as show_inputs
+from posenc.show import scores as show_module
+from posenc.show.inputs import check_out, parse_options
+from posenc.show.scores import score_map, show
 
 
 def fails(capsys, argv: list[str], message: str) -> None:
@@ -155,8 +158,8 @@ def test_png_is_written_atomically(tmp_path, monkeypatch, capsys) -> None:
         path.write_bytes(b"\x89PNG half")
         raise OSError(28, "No space left on device")
 
-    real = show_module.atomic_write
-    monkeypatch.setattr(show_module, "atomic_write", lambda path, write: real(path, broken))
+    real = show_inputs.atomic_write
+    monkeypatch.setattr(show_inputs, "atomic_write", lambda path, write: real(path, broken))
     # A full disk is reported as one sentence the user can act on (posenc.files.WriteError).
     assert cli.main(["show", "alibi", "--length", "8", "--out", str(out)]) == 2
     assert f"posenc show: error: cannot write {out}: No space left on device; the previous version is unchanged" in capsys.readouterr().err
@@ -187,7 +190,8 @@ def test_option_syntax_and_types(capsys, method: str, option: str, message: str)
     # Before: tracebacks after trying to allocate 2 TB and 8 GB.
     ("learned", "max_positions=1000000000", 64, "option max_positions must be at most 65536 for show, got 1000000000"),
     ("rope", "cache_length=1000000000", 64, "option cache_length must be at most 65536 for show, got 1000000000"),
-    ("learned", "max_positions=65536", 1024, "learned with options {'max_positions': 65536} would hold 2.0 GiB of weights; show allows at most 1 GiB"),
+    ("learned", "max_positions=65536", 1024, "learned with options {'max_positions': 65536} would hold 2.0 GiB of weights; "
+                                                 "show allows at most 1 GiB"),
 ])
 def test_option_values(capsys, method: str, option: str, head_dim: int, message: str) -> None:
     fails(capsys, ["show", method, "--head-dim", str(head_dim), "--option", option], message)
@@ -196,7 +200,8 @@ def test_option_values(capsys, method: str, option: str, head_dim: int, message:
 
 
 def test_parsed_options_take_the_constructor_types() -> None:
-    assert parse_options(["base=500", "layout=interleaved", "rotary_dim=none"], "rope") == {"base": 500.0, "layout": "interleaved", "rotary_dim": None}
+    got = parse_options(["base=500", "layout=interleaved", "rotary_dim=none"], "rope")
+    assert got == {"base": 500.0, "layout": "interleaved", "rotary_dim": None}
     assert parse_options(["rotary_dim=8"], "rope") == {"rotary_dim": 8}
     assert parse_options(["scale_embeddings=false"], "sinusoidal") == {"scale_embeddings": False}
     assert isinstance(parse_options(["base=500"], "rope")["base"], float)
@@ -231,12 +236,15 @@ def test_list_a_method_that_cannot_take_the_sizes_does_not_hide_the_others(capsy
 @pytest.mark.parametrize("argv,message", [
     (["--num-buckets", "1"], "num_buckets must be an integer in [2, 4096] (causal: an exact and a log bucket), got 1"),
     (["--num-buckets", "0"], "num_buckets must be an integer in [2, 4096] (causal: an exact and a log bucket), got 0"),
-    (["--num-buckets", "3", "--bidirectional"], "num_buckets must be an integer in [4, 4096] (bidirectional: an exact and a log bucket on each side), got 3"),
+    (["--num-buckets", "3", "--bidirectional"],
+     "num_buckets must be an integer in [4, 4096] (bidirectional: an exact and a log bucket on each side), got 3"),
     (["--max-distance", "0"], "max_distance must be an integer in [17, 1048576] (beyond the 16 exact distances of num_buckets=32), got 0"),
     (["--max-distance", "-5"], "max_distance must be an integer in [17, 1048576] (beyond the 16 exact distances of num_buckets=32), got -5"),
     (["--max-distance", "10"], "max_distance must be an integer in [17, 1048576] (beyond the 16 exact distances of num_buckets=32), got 10"),
-    (["--max-distance", "1000000000"], "max_distance must be an integer in [17, 1048576] (beyond the 16 exact distances of num_buckets=32), got 1000000000"),
-    (["--max-distance", "8", "--bidirectional"], "max_distance must be an integer in [9, 1048576] (beyond the 8 exact distances of num_buckets=32), got 8"),
+    (["--max-distance", "1000000000"],
+     "max_distance must be an integer in [17, 1048576] (beyond the 16 exact distances of num_buckets=32), got 1000000000"),
+    (["--max-distance", "8", "--bidirectional"],
+     "max_distance must be an integer in [9, 1048576] (beyond the 8 exact distances of num_buckets=32), got 8"),
 ])
 def test_bucket_sizes(capsys, argv: list[str], message: str) -> None:
     fails(capsys, ["buckets", *argv], message)
@@ -286,8 +294,6 @@ def test_masked_cells_render_blank_and_the_scale_is_centred(tmp_path) -> None:
 def test_checks_come_before_building_or_computing(tmp_path, monkeypatch, capsys) -> None:
     def boom(*args, **kwargs):
         raise AssertionError("computed before the arguments were checked")
-
-    from posenc import show_inputs
 
     monkeypatch.setattr(show_inputs, "build", boom)
     monkeypatch.setattr(show_module, "score_map", boom)

@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 
 import posenc
-from posenc import cli, data, files, plots, report
-from posenc.study import evaluation, progress
+from posenc import cli, files
+from posenc.study import data, evaluation, figures, progress, report
 from posenc.study.cli import run_study
 
 ARGS = ["--preset", "smoke", "--methods", "alibi", "learned", "--steps", "4", "--checkpoint-every", "2",
@@ -401,7 +401,7 @@ def test_long_evaluation_shows_progress_and_an_estimate(tmp_path, monkeypatch, c
 
 def test_the_legend_of_a_one_point_method_is_a_marker(finished):
     results = json.loads((finished[0] / "results.json").read_text())
-    fig = plots.extrapolation_figure(results)
+    fig = figures.extrapolation_figure(results)
     legend = fig.axes[0].get_legend()
     entries = {t.get_text(): h for t, h in zip(legend.get_texts(), legend.legend_handles)}
     assert set(entries) == {"alibi", "learned (cannot run past 32)"}

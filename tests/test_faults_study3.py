@@ -12,9 +12,8 @@ import types
 from pathlib import Path
 
 import pytest
-import torch
 
-from posenc import cli, files, report
+from posenc import cli, files
 from posenc.errors import UsageError
 from posenc.study import StudyConfig, run_experiment
 from posenc.study import train as train_module

@@ -10,10 +10,9 @@ import pytest
 import torch
 
 import posenc
+from agreement import D, H, assert_decoding_equals_full, check_backends, check_flex_inference, largest_tensor
 from posenc.backends import flex
 from posenc.errors import UsageError
-
-from agreement import D, H, assert_decoding_equals_full, check_backends, check_flex_inference, largest_tensor
 
 
 def formula(enc, q_positions, k_positions) -> torch.Tensor:

@@ -13,10 +13,9 @@ import pytest
 import torch
 
 import posenc
+from agreement import assert_decoding_equals_full
 from posenc.cache import LayerCache
 from posenc.errors import UsageError
-
-from agreement import assert_decoding_equals_full
 
 H, D = 2, 8
 
@@ -43,7 +42,7 @@ def formula(attn, x, documents=None):
             keys = [j for j in range(i + 1) if documents is None or documents[r][j] == documents[r][i]]
             logits = []
             for j in keys:
-                decay = sum((log_f[r, l] for l in range(j + 1, i + 1)), torch.zeros(H, dtype=x.dtype))
+                decay = sum((log_f[r, s] for s in range(j + 1, i + 1)), torch.zeros(H, dtype=x.dtype))
                 logits.append((q[r, i] * k[r, j]).sum(-1) / math.sqrt(D) + decay)  # (H,)
             p = torch.softmax(torch.stack(logits), dim=0)  # (keys, H)
             out[r, i] = (p[:, :, None] * v[r, keys]).sum(0)

@@ -14,10 +14,9 @@ import torch
 
 import posenc
 from posenc import generate as gen
+from posenc.checkpoint import save_checkpoint
 from posenc.cli import main
 from posenc.errors import UsageError
-from posenc.checkpoint import save_checkpoint
-
 from toy_encodings import registered
 
 METHODS = posenc.available()

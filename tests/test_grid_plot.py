@@ -1,4 +1,4 @@
-"""posenc.grid_plot: the score pattern of a 2-D rotation seen from one patch, and its PNG."""
+"""posenc.show.grid: the score pattern of a 2-D rotation seen from one patch, and its PNG."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import posenc
-from posenc import grid_plot
-from posenc.show_inputs import PNG_SIGNATURE
+from posenc.show import grid as grid_plot
+from posenc.show.inputs import PNG_SIGNATURE
 
 
 @pytest.mark.parametrize("name", ["axial_rope", "rope_mixed", "mrope"])

@@ -15,8 +15,9 @@ import posenc
 from posenc.encodings.protocol import Gates, offers
 
 transformers = pytest.importorskip("transformers")
-import posenc.hf as phf  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+import posenc.hf as phf  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -10,10 +10,11 @@ import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
-import posenc.hf as phf  # noqa: E402
-from posenc.data import train_batch  # noqa: E402
-from posenc.hf.evaluation import evaluate  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+import posenc.hf as phf  # noqa: E402
+from posenc.hf.evaluation import evaluate  # noqa: E402
+from posenc.study.data import train_batch  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

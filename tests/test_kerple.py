@@ -9,11 +9,10 @@ import pytest
 import torch
 
 import posenc
+from agreement import D, H, assert_decoding_equals_full, check_backends, check_flex_inference, largest_tensor
 from posenc.backends import flex
 from posenc.encodings import alibi_slopes
 from posenc.errors import UsageError
-
-from agreement import D, H, assert_decoding_equals_full, check_backends, check_flex_inference, largest_tensor
 
 
 def formula(variant: str, r1: list[float], r2: list[float], q_positions, k_positions, causal: bool) -> torch.Tensor:

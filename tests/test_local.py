@@ -10,15 +10,13 @@ import pytest
 import torch
 
 import posenc
-from posenc.encodings.base import content_scale
+from agreement import MaxTensor
 from posenc import backends
-from posenc.encodings.protocol import Gates, Biases, Embeds, QueryTerms, Rotates, ValueTerms, offers
+from posenc.encodings.base import content_scale
+from posenc.encodings.protocol import Biases, Embeds, Gates, QueryTerms, Rotates, ValueTerms, offers
 from posenc.errors import UsageError
-from posenc.geometry import ScoreSpec
 from posenc.local import Extras, plan
 from posenc.query_scale import LogFloorScale, ScalableSoftmax, Temperature, parse_query_scale
-
-from agreement import MaxTensor
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 H, D = 4, 16

@@ -140,6 +140,34 @@ def test_per_layer_methods_get_one_encoding_per_layer(method: str) -> None:
     assert model.blocks[0].attn.encoding is not model.blocks[1].attn.encoding
 
 
+def test_sharing_across_layers_is_derived_from_the_parameters() -> None:
+    """No parameters: one instance for all layers. Learned parameters: one per layer, unless the
+    class opts in (T5's table); a new learned method that forgets to say so is never tied."""
+    from torch import nn
+
+    from posenc.encodings.base import PositionalEncoding
+
+    class Learned(PositionalEncoding):
+        name = "toy_learned"
+
+        def __init__(self, num_heads: int, head_dim: int, causal: bool = True) -> None:
+            super().__init__(num_heads, head_dim, causal)
+            self.weight = nn.Parameter(torch.zeros(num_heads))
+
+    class Tied(Learned):
+        shares_parameters = True
+
+    assert not Learned(4, 8).shares_across_layers and Tied(4, 8).shares_across_layers
+    assert PositionalEncoding(4, 8).shares_across_layers  # nothing learned
+    for name in posenc.available():
+        enc = posenc.build(name, num_heads=4, head_dim=8)
+        learned = any(True for _ in enc.parameters())
+        assert enc.shares_across_layers == (not learned or type(enc).shares_parameters), name
+    assert [name for name in posenc.available() if type(posenc.build(name, num_heads=4, head_dim=8)).shares_parameters] == ["learned", "t5", "kerple"]
+    model = tiny("t5")
+    assert model.blocks[0].attn.encoding is model.blocks[1].attn.encoding
+
+
 @pytest.mark.parametrize("method", ["rope", "alibi", "t5", "nope"])
 def test_sdpa_and_eager_backends_agree(method: str) -> None:
     torch.manual_seed(3)

@@ -263,7 +263,8 @@ def test_bad_positions() -> None:
         assert message in str(err.value), str(err.value)
     with pytest.raises(posenc.UsageError, match="k has 8 features per head, but the encoding was built for head_dim=16"):
         enc.rotate(q, q[..., :8], ok, ok)
-    with pytest.raises(posenc.UsageError, match=r"segments: each must be a text length n >= 0 or a \(t, h, w\) grid of positive sizes, got \(1, 0, 2\)"):
+    message = r"segments: each must be a text length n >= 0 or a \(t, h, w\) grid of positive sizes, got \(1, 0, 2\)"
+    with pytest.raises(posenc.UsageError, match=message):
         vision_text_positions([2, (1, 0, 2)])
     with pytest.raises(posenc.UsageError, match="temporal_step must be a number >= 0, got -1"):
         vision_text_positions([2], temporal_step=-1)

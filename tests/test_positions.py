@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from posenc import Attention, available, build
-from posenc.encodings import get_class
 from posenc.attention import LayerCache
+from posenc.encodings import get_class
 from posenc.errors import UsageError
 
 H, D = 2, 8

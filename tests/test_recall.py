@@ -7,9 +7,9 @@ import pytest
 import torch
 from torch import nn
 
-from posenc.distributed import Context
 from posenc.errors import UsageError
 from posenc.study import recall
+from posenc.study.distributed import Context
 from posenc.study.evaluation import evaluate_recall
 from posenc.study.train import IGNORE
 

@@ -1,12 +1,12 @@
-"""The geometry and merges the blocked and terms backends share (backends/regions.py)."""
+"""The geometry and merges the blocked and terms backends share (backends/parts/regions.py)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from posenc.backends import regions
-from posenc.backends.regions import Merge, Region, lower, upper
+from posenc.backends.parts import regions
+from posenc.backends.parts.regions import Merge, Region, lower, upper
 
 
 def coverage(regions_: list[Region], tq: int, tk: int) -> torch.Tensor:

@@ -19,7 +19,6 @@ import torch
 import posenc
 from posenc.encodings.rope import RoPE
 
-
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: tiny tensors run on one thread
 
 

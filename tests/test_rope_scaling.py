@@ -58,7 +58,8 @@ CASES = [
     ("llama3", 80, 10000.0, {"factor": 32.0, "low_freq_factor": 1.5, "high_freq_factor": 6.0, "original_max_position_embeddings": L}, L),
     ("longrope", 48, 10000.0, {"short_factor": SHORT48, "long_factor": LONG48, "original_max_position_embeddings": L, "factor": 8.0}, L),
     ("longrope", 48, 10000.0, {"short_factor": SHORT48, "long_factor": LONG48, "original_max_position_embeddings": L}, 16 * L),
-    ("longrope", 64, 10000.0, {"short_factor": SHORT32, "long_factor": LONG32, "original_max_position_embeddings": L, "attention_factor": 1.1, "partial_rotary_factor": 0.5}, L),
+    ("longrope", 64, 10000.0, {"short_factor": SHORT32, "long_factor": LONG32, "original_max_position_embeddings": L,
+                               "attention_factor": 1.1, "partial_rotary_factor": 0.5}, L),
     ("proportional", 64, 10000.0, {"partial_rotary_factor": 0.25}, L),
     ("proportional", 80, 1e6, {"partial_rotary_factor": 0.5, "factor": 1.5}, L),
     ("proportional", 48, 10000.0, {}, L),
@@ -246,10 +247,13 @@ def test_proportional_is_not_partial_rotary() -> None:
         ({"rope_type": "dynamic", "factor": 2.0}, "original_max_position_embeddings"),
         ({"rope_type": "dynamic", "factor": 2.0, "original_max_position_embeddings": 8, "max_position_embeddings": 16}, "max_position_embeddings"),
         ({"rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": 64, "low_freq_factor": 1.0}, "high_freq_factor"),
-        ({"rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": 64, "low_freq_factor": 4.0, "high_freq_factor": 1.0}, "high_freq_factor"),
+        ({"rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": 64, "low_freq_factor": 4.0,
+          "high_freq_factor": 1.0}, "high_freq_factor"),
         ({"rope_type": "longrope", "short_factor": [1.0] * 8, "original_max_position_embeddings": 64, "factor": 2.0}, "long_factor"),
-        ({"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [1.0] * 7, "original_max_position_embeddings": 64, "factor": 2.0}, "long_factor"),
-        ({"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [1.0] * 7 + [0.0], "original_max_position_embeddings": 64, "factor": 2.0}, r"long_factor\[7\]"),
+        ({"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [1.0] * 7, "original_max_position_embeddings": 64,
+          "factor": 2.0}, "long_factor"),
+        ({"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [1.0] * 7 + [0.0], "original_max_position_embeddings": 64,
+          "factor": 2.0}, r"long_factor\[7\]"),
         ({"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [1.0] * 8, "original_max_position_embeddings": 64}, "factor"),
         ({"rope_type": "proportional", "partial_rotary_factor": 1.5}, "partial_rotary_factor"),
         ({"rope_type": "proportional", "partial_rotary_factor": 0.01}, "partial_rotary_factor"),
@@ -411,7 +415,7 @@ def test_bf16_inputs_keep_float32_tables_and_exact_angles(scaling) -> None:
 def test_scaling_figure_plots_wavelengths_and_marks_the_original_length() -> None:
     from matplotlib.figure import Figure
 
-    from posenc.rope_plot import scaling_figure
+    from posenc.show.scaling import scaling_figure
 
     scaling = {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 256}
     fig = scaling_figure(scaling, head_dim=32, base=10000.0)

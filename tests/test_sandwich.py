@@ -9,12 +9,11 @@ import pytest
 import torch
 
 import posenc
+from agreement import CHUNKINGS, D, H, check_backends, check_flex_inference, decoded, largest_tensor, reference, run
 from posenc import backends
 from posenc.backends import features, flex
-from posenc.backends.base import ScoreSpec
+from posenc.backends.parts.base import ScoreSpec
 from posenc.errors import UsageError
-
-from agreement import CHUNKINGS, D, H, check_backends, check_flex_inference, decoded, largest_tensor, reference, run
 
 
 def sinusoid(position: int, dim: int) -> list[float]:
@@ -79,7 +78,11 @@ def test_features_backend_skips_values_and_pads_to_a_multiple_of_8(monkeypatch):
     multiple of 8 after the features; every SDPA call gets one head dim for q, k, v, a multiple of 8."""
     widths = []
     original = torch.nn.functional.scaled_dot_product_attention
-    monkeypatch.setattr(features.F, "scaled_dot_product_attention", lambda q, k, v, **kw: widths.append((q.shape[-1], k.shape[-1], v.shape[-1])) or original(q, k, v, **kw))
+    def spy(q, k, v, **kw):
+        widths.append((q.shape[-1], k.shape[-1], v.shape[-1]))
+        return original(q, k, v, **kw)
+
+    monkeypatch.setattr(features.F, "scaled_dot_product_attention", spy)
     for head_dim, dim in ((16, 16), (12, 6), (5, 2)):
         enc = posenc.build("sandwich", num_heads=2, head_dim=head_dim, sinusoid_dim=dim)
         positions = torch.tensor([0, 3, 4, 9, 10, 11, 20, 31, 40, 41, 55, 63])

@@ -155,7 +155,7 @@ def test_drop_positions_keeps_the_attention_kinds():
 
 def test_the_schedule_figure_marks_what_each_layer_sees():
     pytest.importorskip("matplotlib")
-    from posenc.schedule_plot import schedule_figure, seen
+    from posenc.show.layers import schedule_figure, seen
 
     s = Schedule.parse("[rope window=4] [rope chunk=8] [nope]")
     m = seen(s, 20, 13)

@@ -9,7 +9,7 @@ import torch
 
 import posenc
 from posenc.encodings.base import PositionalEncoding
-from posenc.show import block_mean, heatmap, score_map, show
+from posenc.show.scores import block_mean, heatmap, score_map, show
 
 H, D, T = 2, 8, 12
 

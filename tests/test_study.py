@@ -13,7 +13,7 @@ import torch
 import posenc
 from posenc import cli, study
 from posenc.study import PRESETS, StudyConfig, evaluation
-from posenc.data import load_corpus
+from posenc.study.data import load_corpus
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +93,7 @@ def test_checkpoints_load_with_posenc_lm_and_reproduce_the_numbers(smoke_run):
     out, results = smoke_run
     cfg = results["config"]
     corpus = load_corpus("default", cfg["valid_bytes"])
-    from posenc.distributed import Context
+    from posenc.study.distributed import Context
 
     ctx = Context(torch.device("cpu"))
     for method in ("t5", "learned", "shaw"):  # t5 shares one table across layers
@@ -122,7 +122,7 @@ def test_report_is_one_offline_html_page(smoke_run, tmp_path):
 
 def test_sliding_stride_equal_to_length_is_the_non_overlapping_evaluation(smoke_run):
     out, results = smoke_run
-    from posenc.distributed import Context
+    from posenc.study.distributed import Context
 
     ctx = Context(torch.device("cpu"))
     valid = load_corpus("default", 1024).valid
@@ -137,7 +137,7 @@ def test_sliding_stride_equal_to_length_is_the_non_overlapping_evaluation(smoke_
 
 def test_evaluate_batches_do_not_change_the_result(smoke_run, monkeypatch):
     out, _ = smoke_run
-    from posenc.distributed import Context
+    from posenc.study.distributed import Context
 
     ctx = Context(torch.device("cpu"))
     valid = load_corpus("default", 1000).valid  # 1000 is not a multiple of 64: last window moves back

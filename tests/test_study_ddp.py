@@ -26,7 +26,7 @@ def test_two_processes_match_one(tmp_path):
         env=env, capture_output=True, text=True, timeout=180,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "terminate called" not in proc.stderr  # the clean-exit sequence of posenc.distributed.finish
+    assert "terminate called" not in proc.stderr  # the clean-exit sequence of posenc.study.distributed.finish
     assert proc.stdout.count("| method |") == 1  # only rank 0 prints (and writes)
     one = json.loads((single / "results.json").read_text())
     two = json.loads((ddp / "results.json").read_text())

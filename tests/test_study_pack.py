@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from posenc.data import load_corpus, train_batch
 from posenc.errors import UsageError
+from posenc.study.data import load_corpus, train_batch
 
 
 def folder(tmp_path):

@@ -17,6 +17,7 @@ import torch
 from posenc import cli
 from posenc.study.cli import run_study
 
+
 def study(argv: list[str], on_step=None) -> int:
     """``posenc study ARGV`` with a step callback, as the command line runs it."""
     return run_study(cli.build_parser().parse_args(["study", *argv]), on_step=on_step)

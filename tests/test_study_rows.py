@@ -13,13 +13,13 @@ import pytest
 import torch
 
 import posenc
-from posenc import cli, report
-from posenc.distributed import Context
+from posenc import cli
 from posenc.encodings.rope import RoPE
 from posenc.model import LMConfig
-from posenc.study import fairness, rows
+from posenc.study import fairness, report, rows
 from posenc.study.cli import run_study
 from posenc.study.config import StudyConfig
+from posenc.study.distributed import Context
 
 SMALL = ["--preset", "smoke", "--valid-bytes", "512", "--eval-lengths", "32", "64", "--quiet", "--threads", "1"]
 
@@ -217,7 +217,7 @@ def test_drop_positions_removes_the_hooks_for_the_last_steps(tmp_path, monkeypat
     assert e["model"]["encoding"] == "nope"
     model = posenc.load_checkpoint(tmp_path / "ref" / e["checkpoint"])  # a NoPE model with rope's training
     assert model.config.encoding == "nope"
-    from posenc.data import load_corpus
+    from posenc.study.data import load_corpus
     from posenc.study.evaluation import evaluate
 
     again = evaluate(model, load_corpus("default", 512).valid, 32, None, Context(torch.device("cpu")))

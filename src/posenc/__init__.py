@@ -24,7 +24,6 @@ from .schedule import Layer, Schedule
 from .schedule_hf import schedule_from_hf
 from .version import __version__
 
-
 __all__ = [
     "attend",
     "Geometry",

@@ -14,9 +14,9 @@ from torch import nn
 
 from . import backends
 from .cache import LayerCache
-from .encodings.base import check_positive, content_scale
+from .encodings.base import content_scale
 from .encodings.protocol import Gates, Rotates, offers
-from .errors import UsageError
+from .errors import UsageError, check_positive
 from .functional import _attend, run
 from .geometry import Geometry, ScoreSpec, check_positions
 from .local import Extras

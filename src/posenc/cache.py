@@ -14,7 +14,7 @@ A :class:`Cache` is the model's: one LayerCache per layer, the model that made i
 another model is an error), the batch size and, for generation in batches, each row's *left
 padding*. With left padding, row b's first ``padding[b]`` slots hold padding tokens; its real tokens
 start at position ``starts[b] = padding[b]`` of the positions the batch shares. Padding keys are
-hidden from every real query (see :class:`posenc.backends.base.ScoreSpec` ``starts``).
+hidden from every real query (see :class:`posenc.backends.parts.base.ScoreSpec` ``starts``).
 
 A windowed layer (sliding window W, :mod:`posenc.local`) keeps O(W) keys, never fewer than a
 later query can see: ``LayerCache(window=W)`` has buffers of max(2W, 16) slots (more after a longer
@@ -35,8 +35,8 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from .memo import Workspace
 from .errors import UsageError
+from .memo import Workspace
 
 MIN_CAPACITY = 16  # the first allocation holds at least this many tokens
 
@@ -159,7 +159,8 @@ class LayerCache:
             self.g = g if start == 0 or self.g is None else torch.cat((self.g[..., :start], g), dim=-1)
             return self.g[..., :end]
         capacity = max(self.capacity, end)
-        if self.g is None or self.g.shape[-1] < capacity or self.g.shape[:2] != g.shape[:2] or self.g.is_inference() and not torch.is_inference_mode_enabled():
+        if (self.g is None or self.g.shape[-1] < capacity or self.g.shape[:2] != g.shape[:2]
+                or self.g.is_inference() and not torch.is_inference_mode_enabled()):
             new = g.new_empty(*g.shape[:2], capacity)
             if self.g is not None and start and self.g.shape[:2] == g.shape[:2]:
                 new[..., :start] = self.g[..., :start]

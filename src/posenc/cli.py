@@ -16,9 +16,9 @@ from .errors import UsageError
 COMMANDS: dict[str, tuple[str, str]] = {
     "list": ("posenc.describe", "list the encodings: description, parameters, extrapolation"),
     "buckets": ("posenc.describe", "print the T5 relative-position bucket table"),
-    "show": ("posenc.show", "heatmap of what an encoding adds to the attention scores"),
+    "show": ("posenc.show.scores", "heatmap of what an encoding adds to the attention scores"),
     "study": ("posenc.study.cli", "train short, test long: train every method, evaluate at many lengths"),
-    "report": ("posenc.report", "turn a study's output directory into one self-contained HTML page"),
+    "report": ("posenc.study.report", "turn a study's output directory into one self-contained HTML page"),
     "bench": ("posenc.bench.cli", "speed and memory of every method, as ratios to NoPE (optionally vs x-transformers)"),
     "sample": ("posenc.sample", "continue a text prompt with a study's checkpoint (byte-level), streaming the output"),
 }

@@ -16,4 +16,18 @@ class UsageError(ValueError):
     """A user error: bad input or option, reported in one line naming the parameter."""
 
 
-__all__ = ["UsageError"]
+def check_positive(name: str, value: int) -> int:
+    """``value`` if it is a positive integer, else a UsageError naming the parameter."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise UsageError(f"{name} must be a positive integer (>= 1), got {value!r}")
+    return value
+
+
+def check_int(name: str, value: object, low: int, high: int, why: str = "") -> int:
+    """``value`` if it is an integer in [low, high], else a UsageError naming ``name`` and the range."""
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise UsageError(f"{name} must be an integer in [{low}, {high}]{why}, got {value!r}")
+    return value
+
+
+__all__ = ["UsageError", "check_int", "check_positive"]

@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from . import backends, local
-from .backends import single
+from .backends.parts import single
 from .encodings.base import content_scale
 from .encodings.protocol import Gates, Rotates, offers
 from .errors import UsageError
@@ -210,7 +210,8 @@ def _check_gates(log_gates, encoding, b: int, h: int, tk: int) -> None:
             raise UsageError(f"encoding {type(encoding).__name__} has forget gates: pass log_gates=encoding.log_gates(x) (batch, heads, keys)")
         return
     if not isinstance(log_gates, torch.Tensor) or not log_gates.is_floating_point() or tuple(log_gates.shape) != (b, h, tk):
-        raise UsageError(f"log_gates must be a float tensor of shape (batch, heads, keys) = {(b, h, tk)}, got {getattr(log_gates, 'shape', type(log_gates).__name__)}")
+        raise UsageError(f"log_gates must be a float tensor of shape (batch, heads, keys) = {(b, h, tk)}, "
+                         f"got {getattr(log_gates, 'shape', type(log_gates).__name__)}")
 
 
 def _check(q, k, v, encoding):

@@ -57,10 +57,12 @@ from typing import Iterator, Sequence
 import torch
 from torch import nn
 
-from .encodings.protocol import Biases, QueryTerms, Rotates, Scores, ValueTerms, offers
+from .encodings.protocol import HOOKS, Embeds, Gates, Scores, offers
 from .errors import UsageError
 
-ATTENTION_HOOKS = (Rotates, Biases, Scores, QueryTerms, ValueTerms)
+# Where positions enter the attention: every hook of the protocol but ``embed`` (it takes each
+# row's own positions) and ``log_gates`` (no positions at all), and a bias's elementwise ``score``.
+ATTENTION_HOOKS = (*(h for h in HOOKS if h not in (Embeds, Gates)), Scores)
 SEED_RANGE = 2**64  # torch.Generator.manual_seed accepts [0, 2**64); seed + row wraps around it
 
 

@@ -44,7 +44,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from .backends.base import accumulation_dtype
+from .backends.parts.base import accumulation_dtype
 from .errors import UsageError
 from .geometry import ScoreSpec
 from .query_scale import QueryScale

@@ -24,12 +24,11 @@ from torch import nn
 from . import backends
 from .attention import Attention, _padding_mask
 from .cache import Cache, check_padding
+from .encodings import build, get_class, options_of
+from .encodings.protocol import Embeds, offers
+from .errors import UsageError, check_positive
 from .geometry import Geometry, check_positions
 from .memo import ForwardMemo
-from .encodings import build, get_class, options_of
-from .errors import UsageError
-from .encodings.base import check_positive
-from .encodings.protocol import Embeds, offers
 from .schedule import Layer, Schedule
 
 
@@ -100,11 +99,11 @@ def _scheduled_encodings(config: LMConfig, layers) -> list[nn.Module]:
         if config.max_positions is not None and "max_positions" in options_of(cls):
             options.setdefault("max_positions", config.max_positions)
         key = layer.sharing_key
-        if cls.shares_across_layers and key in shared:
+        if key in shared:  # only an encoding that shares across layers is kept there
             out.append(shared[key])
             continue
         enc = build(layer.encoding, num_heads=config.num_heads, head_dim=config.head_dim, causal=config.causal, **options)
-        if cls.shares_across_layers:
+        if enc.shares_across_layers:
             shared[key] = enc
         out.append(enc)
     return out
@@ -154,7 +153,7 @@ class LM(nn.Module):
                 return build(config.encoding, num_heads=config.num_heads, head_dim=config.head_dim, causal=config.causal, **options)
 
             first = make()
-            encodings = [first] + [first if cls.shares_across_layers else make() for _ in range(config.depth - 1)]
+            encodings = [first] + [first if first.shares_across_layers else make() for _ in range(config.depth - 1)]
         self.encoding = encodings[0]  # the one whose embed() is applied to the input (none in a schedule)
         self.tok = nn.Embedding(config.vocab_size, config.dim)
         self.blocks = nn.ModuleList(Block(config, enc, layer) for enc, layer in zip(encodings, layers))

@@ -47,7 +47,8 @@ from .encodings import get_class, options_of
 from .encodings.protocol import Embeds, offers
 from .errors import UsageError
 from .query_scale import KINDS as SCALE_KINDS
-from .query_scale import QueryScale, parse_query_scale, query_scale_from_dict, to_dict as scale_to_dict
+from .query_scale import QueryScale, parse_query_scale, query_scale_from_dict
+from .query_scale import to_dict as scale_to_dict
 
 LAYER_KEYS = ("window", "chunk", "sinks", *SCALE_KINDS)
 _GROUP = re.compile(r"\s*(?:(\d+)\s*x\s*)?\[([^\[\]]*)\]\s*")

@@ -8,11 +8,13 @@ A backend satisfies the :class:`Backend` protocol:
 
 Automatic selection ("auto") walks :data:`BACKENDS` in order and takes the first backend that
 prefers the call, from what the call is (device, dtype, grad mode) and what the encoding offers (its
-hooks and capabilities, :func:`posenc.encodings.base.offers`), never from the encoding's name;
+hooks and capabilities, :func:`posenc.encodings.protocol.offers`), never from the encoding's name;
 ``eager`` prefers everything, so it ends the list. A user can force a backend by name
 (``Attention(..., backend="blocked")``, ``LMConfig(attention_backend=...)``); one that cannot run
 the call is a :class:`~posenc.errors.UsageError` naming those that can. A new backend is one module
-(``backends/NAME.py``) and one entry in :data:`BACKENDS`.
+(``backends/NAME.py``) and one entry in :data:`BACKENDS`; this folder holds registered backends
+only, and what they share (masks, kernel regions, decode steps, padding, ``blocked``'s and
+``terms``'s parts) lives in :mod:`posenc.backends.parts`.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import torch
 
 from ..errors import UsageError
 from . import blocked, contextual, eager, features, flex, gated, sdpa, terms
-from .base import ScoreSpec
+from .parts.base import ScoreSpec
 
 
 @runtime_checkable

@@ -7,18 +7,18 @@ and ``bias_tails``, see :class:`~posenc.encodings.protocol.BiasTails`) splits ev
   plus a per-query constant. The constant only shifts the part's log-sum-exp; the per-key term
   (ALiBi, where P = 0: every key is "far") is the kernel's mask, one (1, h, 1, L) vector broadcast
   over the queries; a constant tail (T5) needs no mask at all. "Keys with j <= i - P" is the
-  kernel's causal mask on shifted slices (:func:`~posenc.backends.regions.lower`), so the far part
+  kernel's causal mask on shifted slices (:func:`~posenc.backends.parts.regions.lower`), so the far part
   keeps the causal skip. Heads are grouped by slope (:func:`head_groups`): a steep head weighs
   nothing beyond a short window, and its whole attention is then a written-out band (below) of
   that window; the gentle ones take the far calls. The kernel loops run in a thread that flushes
-  denormals (:func:`~posenc.backends.regions.flushed`): ALiBi's far keys put many probabilities in
+  denormals (:func:`~posenc.backends.parts.regions.flushed`): ALiBi's far keys put many probabilities in
   float32's denormal range, which made the kernel's backward 3-5x slower on this CPU (measured
   1.62 of 2.17 s of an ALiBi step at N=4096 before);
 - the far future, r >= F (encoders only): the mirror image, on reversed slices;
 - the band in between, -P < r < F (T5: the last P keys), written out from ``relative_bias`` in
-  batched blocks (:mod:`posenc.backends.band`).
+  batched blocks (:mod:`posenc.backends.parts.band`).
 
-Parts are merged through their log-sum-exps (:class:`~posenc.backends.regions.Merge`), and the
+Parts are merged through their log-sum-exps (:class:`~posenc.backends.parts.regions.Merge`), and the
 backward is a custom ``autograd.Function`` that saves only q, k, v, the output and the log-sum-exp:
 each part's flash backward, given the merged output and log-sum-exp, is exactly its share of the
 gradient. A learned bias (T5) gets its gradient from the band, where dS = P (dP - D) is computed
@@ -35,12 +35,12 @@ power-of-two head counts, so ``s (j - ref)`` itself is exact in float32, and the
 for bfloat16/float16 inputs too (the kernel adds it to float32 scores).
 
 Other bias encodings (no affine tails: KERPLE, FIRE, any ``bias``) take the path of
-:mod:`posenc.backends.explicit`: per block of queries, the kernel with that block's bias as its
+:mod:`posenc.backends.parts.explicit`: per block of queries, the kernel with that block's bias as its
 mask, and a written-out backward that also gives the bias its gradient.
 
 A decode step (one query, no gradient) skips all of the above: the bias is one vector per head,
-the fused kernel's mask (``backends/single.py``). Left-padded rows are split into unpadded calls
-(``backends/padding.py``).
+the fused kernel's mask (``backends/parts/single.py``). Left-padded rows are split into unpadded calls
+(``backends/parts/padding.py``).
 """
 
 from __future__ import annotations
@@ -49,10 +49,10 @@ import torch
 
 from ..encodings.protocol import RelativeBias, offers
 from ..errors import UsageError
-from . import band, explicit, padding, sdpa, single, tails
-from .base import ScoreSpec, accumulation_dtype
-from .regions import FLASH_OPS, Merge, Region, call_order, flushed, kernel_backward, kernel_forward, keys_of, region_backward, rows_of, up
-
+from . import sdpa
+from .parts import band, explicit, padding, single, tails
+from .parts.base import ScoreSpec, accumulation_dtype
+from .parts.regions import FLASH_OPS, Merge, Region, call_order, flushed, kernel_backward, kernel_forward, keys_of, region_backward, rows_of, up
 
 
 def supports(spec: ScoreSpec, q: torch.Tensor) -> bool:
@@ -75,7 +75,7 @@ def fast_path(spec: ScoreSpec, tq: int, tk: int) -> bool:
     return ks <= qs and qs + tq <= ks + tk
 
 
-@single.steps_and_padding  # a decode step and left-padded rows first (backends/single.py)
+@single.steps_and_padding  # a decode step and left-padded rows first (backends/parts/single.py)
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec, block: int | None = None) -> torch.Tensor:
     """``block`` (tests) sets the band block and, for sloped tails, the far block to one size."""
     if block is not None and block < 1:
@@ -119,16 +119,16 @@ def _forward(q, k, v, rel, plan: tails.Plan):
     for call in plan.far:
         term, shift, _ = tails.far_terms(plan, rel, call)
         r, hs = call.region, call.heads
-        o, l = kernel_forward(*_cut(r, q[:, hs], k[:, hs], v[:, hs]), r.causal, plan.scale, _key_mask(term, r))
-        l = call_order(l, r, -1) + shift  # (B, h, C): back to the true bias
-        merged.add(r.rows, call_order(o, r), l, hs)
-        far_lse.append(l)
+        o, lz = kernel_forward(*_cut(r, q[:, hs], k[:, hs], v[:, hs]), r.causal, plan.scale, _key_mask(term, r))
+        lz = call_order(lz, r, -1) + shift  # (B, h, C): back to the true bias
+        merged.add(r.rows, call_order(o, r), lz, hs)
+        far_lse.append(lz)
     for group in plan.bands:
         bias, _ = _band_bias(plan, rel, group)
         hs = group.heads
-        o, l = kernel_forward(band.blocks(q[:, hs], group), band.windows(k[:, hs], group), band.windows(v[:, hs], group),
+        o, lz = kernel_forward(band.blocks(q[:, hs], group), band.windows(k[:, hs], group), band.windows(v[:, hs], group),
                               False, plan.scale, bias.to(q.dtype)[None])
-        merged.add(group.row_range, band.unblocks(o, group), band.unblocks(l, group), hs)
+        merged.add(group.row_range, band.unblocks(o, group), band.unblocks(lz, group), hs)
     return merged.out.to(q.dtype), merged.lse, far_lse
 
 

@@ -13,9 +13,9 @@ gates. So, for a band width W such that every query's count over its W nearest k
 
 - the band, keys with 0 <= i - j < W, is written out in blocks of queries (gates, their count from
   the diagonal, interpolated terms, softmax part), with O(N x W) memory: the blocks and key windows
-  of :mod:`posenc.backends.band`;
+  of :mod:`posenc.backends.parts.band`;
 - the far keys, i - j >= W, are plain attention plus c_i: the CPU flash kernel on a shifted causal
-  region (:func:`~posenc.backends.regions.lower`), c_i shifting its log-sum-exp;
+  region (:func:`~posenc.backends.parts.regions.lower`), c_i shifting its log-sum-exp;
 
 merged through their log-sum-exps. W is found per call: the counts are computed over a guess of W
 (the width the last call of this encoding needed, or 2P), and if a query with far keys has not
@@ -44,9 +44,10 @@ import weakref
 import torch
 
 from ..encodings.protocol import ContextualPositions, offers
-from . import band, eager
-from .base import ScoreSpec, accumulation_dtype
-from .regions import flushed, kernel_forward, keys_of, lower, region_backward, rows_of, up
+from . import eager
+from .parts import band
+from .parts.base import ScoreSpec, accumulation_dtype
+from .parts.regions import flushed, kernel_forward, keys_of, lower, region_backward, rows_of, up
 
 BLOCK = 64  # queries per band block
 GROUP_ELEMENTS = 1 << 21  # band temporaries per step: at most this many (B x H x blocks x rows x keys)
@@ -63,7 +64,8 @@ def _fast(spec: ScoreSpec, q: torch.Tensor) -> bool:
 
 
 def supports(spec: ScoreSpec, q: torch.Tensor) -> bool:
-    return offers(spec.encoding, ContextualPositions) and spec.has_query_terms and not (spec.has_bias or spec.has_value_terms) and spec.log_gates is None
+    return (offers(spec.encoding, ContextualPositions) and spec.has_query_terms and not (spec.has_bias or spec.has_value_terms)
+            and spec.log_gates is None)
 
 
 def preferred(spec: ScoreSpec, q: torch.Tensor) -> bool:
@@ -203,10 +205,10 @@ def _forward(q, k, v, table, call: _Call):
     c = up(z[..., call.cap])  # (B, H, Tq)
     for region in _far(call, tq, tk):
         rows = slice(*region.rows)
-        o, l = kernel_forward(rows_of(q, region), keys_of(k, region), keys_of(v, region), region.causal, call.scale)
-        l = up(l) + c[..., rows]
-        new = torch.logaddexp(far_lse[..., rows], l)
-        old, part = torch.exp(far_lse[..., rows] - new)[..., None], torch.exp(l - new)[..., None]
+        o, lz = kernel_forward(rows_of(q, region), keys_of(k, region), keys_of(v, region), region.causal, call.scale)
+        lz = up(lz) + c[..., rows]
+        new = torch.logaddexp(far_lse[..., rows], lz)
+        old, part = torch.exp(far_lse[..., rows] - new)[..., None], torch.exp(lz - new)[..., None]
         far_out[..., rows, :] = far_out[..., rows, :] * old + up(o) * part
         far_lse[..., rows] = new
     lse = torch.logaddexp(lse_band, far_lse)  # (B, H, Tq)

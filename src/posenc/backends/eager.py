@@ -17,7 +17,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from ..errors import UsageError
-from .base import ScoreSpec, accumulation_dtype, needs_grad
+from .parts.base import ScoreSpec, accumulation_dtype, needs_grad
 
 BLOCK = 256  # query rows per block
 

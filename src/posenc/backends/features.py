@@ -29,8 +29,8 @@ import torch
 import torch.nn.functional as F
 
 from ..encodings.protocol import BiasFeatures, offers
-from . import single
-from .base import ScoreSpec
+from .parts import single
+from .parts.base import ScoreSpec
 
 MULTIPLE = 8  # q, k and v are padded to a multiple of this many features
 
@@ -58,7 +58,7 @@ def widen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec) ->
     return q2, k2, v2
 
 
-@single.steps_and_padding  # a decode step and left-padded rows first (backends/single.py)
+@single.steps_and_padding  # a decode step and left-padded rows first (backends/parts/single.py)
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec) -> torch.Tensor:
     q2, k2, v2 = widen(q, k, v, spec)
     tq, tk = q.shape[-2], k.shape[-2]

@@ -10,8 +10,8 @@ CPU, Triton on CUDA). The first call compiles (~12 s on CPU), so "auto" picks it
 CPU ``blocked`` is faster anyway. ``supports`` never picks it where it cannot run.
 
 A decode step (one query) does not go through the compiled kernel (a new key length per step):
-the bias is one vector per head, SDPA's mask (``backends/single.py``). Left-padded rows are split
-into unpadded calls (``backends/padding.py``).
+the bias is one vector per head, SDPA's mask (``backends/parts/single.py``). Left-padded rows are split
+into unpadded calls (``backends/parts/padding.py``).
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ import weakref
 
 import torch
 
-from . import padding, single
-from .base import ScoreSpec, needs_grad
+from .parts import padding, single
+from .parts.base import ScoreSpec, needs_grad
 
 try:
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
@@ -134,7 +134,7 @@ def _block_mask(tq: int, tk: int, padded: int, shift: int | None, device: torch.
     return mask
 
 
-@single.steps_and_padding  # a decode step and left-padded rows first (backends/single.py)
+@single.steps_and_padding  # a decode step and left-padded rows first (backends/parts/single.py)
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec) -> torch.Tensor:
     tq, tk = q.shape[-2], k.shape[-2]
     qs, ks = spec.q_start, spec.k_start

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from ..encodings.protocol import Biases, QueryTerms, ValueTerms, offers
-from .base import ScoreSpec
+from .parts.base import ScoreSpec
 
 BLOCK = 128  # queries per block (the reference of c is the block's middle query)
 DTYPES = (torch.float32, torch.float64)

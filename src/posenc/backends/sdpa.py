@@ -5,9 +5,9 @@ triangle. A bias is passed as a dense (H, Tq, Tk) ``attn_mask``: correct, but th
 the full square and the (H, Tq, Tk) bias is written out, so the blocked backend is preferred on CPU
 (this path is the fallback where torch lacks the CPU flash ops blocked needs).
 
-A decode step (one query) takes the single-query path (``backends/single.py``): the bias is then
+A decode step (one query) takes the single-query path (``backends/parts/single.py``): the bias is then
 one vector per head, the kernel's mask. Left-padded rows (generation in batches) are split into
-unpadded calls (``backends/padding.py``).
+unpadded calls (``backends/parts/padding.py``).
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from . import padding, regions, single
-from .base import ScoreSpec, additive_mask
+from .parts import padding, regions, single
+from .parts.base import ScoreSpec, additive_mask
 
 
 def supports(spec: ScoreSpec, q: torch.Tensor) -> bool:
@@ -30,7 +30,7 @@ def preferred(spec: ScoreSpec, q: torch.Tensor) -> bool:
     return spec.plain or (spec.has_bias and supports(spec, q) and fallback)
 
 
-@single.steps_and_padding  # a decode step and left-padded rows first (backends/single.py)
+@single.steps_and_padding  # a decode step and left-padded rows first (backends/parts/single.py)
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec) -> torch.Tensor:
     tq, tk = q.shape[-2], k.shape[-2]
     if not spec.has_bias:

@@ -20,7 +20,7 @@ to float rounding. Two fast paths, picked from what the encoding offers (never f
   gradients come from autograd. Cost: about one SDPA call plus a band of 2k+1 keys.
 - ``distance_key_form()`` (Dai et al. 2019, "Transformer-XL", §3.3): one position key per distance,
   scored per tile of queries against the distances and moved into place by a strided view (the
-  relative shift without a copy), with a written-out backward: :mod:`posenc.backends.distance`.
+  relative shift without a copy), with a written-out backward: :mod:`posenc.backends.parts.distance`.
 
 Anything else (another dtype or device, a bias as well, queries outside the keys' positions,
 another encoding with query/value terms) runs the eager formula (blocked, checkpointed).
@@ -32,9 +32,10 @@ import torch
 import torch.nn.functional as F
 
 from ..encodings.protocol import ClippedTables, DistanceKeys, offers
-from . import distance, eager, padding, single
-from .base import ScoreSpec
-from .regions import FLASH_OPS, call_order, flushed, kernel_forward, keys_of, lower, region_backward, rows_of, upper
+from . import eager
+from .parts import distance, padding, single
+from .parts.base import ScoreSpec
+from .parts.regions import FLASH_OPS, call_order, flushed, kernel_forward, keys_of, lower, region_backward, rows_of, upper
 
 SHAW_CHUNK = 32  # queries per band chunk (at least the band width)
 FAST_DTYPES = (torch.float32, torch.float64)
@@ -85,7 +86,7 @@ class _MergeFar(torch.autograd.Function):
     """out = merge of the band (o_b, lse_b) with far regions done by the flash kernel.
 
     A far region of side s adds, for its rows, logits ``q k^T * scale + consts[s]`` and values
-    ``v + values[s]``. ``regions``: (side, :class:`~posenc.backends.regions.Region`) pairs.
+    ``v + values[s]``. ``regions``: (side, :class:`~posenc.backends.parts.regions.Region`) pairs.
     """
 
     @staticmethod
@@ -105,15 +106,15 @@ def _merge_forward(o_b, lse_b, q, k, v, consts, values, regions, scale):
     lse = lse_b.clone()  # (B, H, Tq)
     parts = []
     for side, region in regions:
-        o, l = kernel_forward(*(f(x, region) for f, x in ((rows_of, q), (keys_of, k), (keys_of, v))), region.causal, scale)
-        o, l = call_order(o, region), call_order(l, region, -1)
+        o, lz = kernel_forward(*(f(x, region) for f, x in ((rows_of, q), (keys_of, k), (keys_of, v))), region.causal, scale)
+        o, lz = call_order(o, region), call_order(lz, region, -1)
         rows = slice(*region.rows)
-        lse[..., rows] = torch.logaddexp(lse[..., rows], l + consts[side, ..., rows])
-        parts.append((o, l))
+        lse[..., rows] = torch.logaddexp(lse[..., rows], lz + consts[side, ..., rows])
+        parts.append((o, lz))
     out = torch.exp(lse_b - lse)[..., None] * o_b  # (B, H, Tq, D)
-    for (side, region), (o, l) in zip(regions, parts):
+    for (side, region), (o, lz) in zip(regions, parts):
         rows = slice(*region.rows)
-        weight = torch.exp(l + consts[side, ..., rows] - lse[..., rows])[..., None]
+        weight = torch.exp(lz + consts[side, ..., rows] - lse[..., rows])[..., None]
         out[..., rows, :] += weight * (o + values[side])
     return out, lse, parts
 
@@ -127,10 +128,10 @@ def _merge_backward(regions, scale, d_out, o_b, lse_b, q, k, v, consts, values, 
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     d_consts, d_values = torch.zeros_like(consts), torch.zeros_like(values)
     for i, (side, region) in enumerate(regions):
-        o, l = saved[2 * i], saved[2 * i + 1]
+        o, lz = saved[2 * i], saved[2 * i + 1]
         rows, keys = slice(*region.rows), slice(*region.keys)
         g, c = d_out[..., rows, :], consts[side, ..., rows]
-        weight = torch.exp(l + c - lse[..., rows])  # far mass of each row, (B, H, rows)
+        weight = torch.exp(lz + c - lse[..., rows])  # far mass of each row, (B, H, rows)
         d_consts[side, ..., rows] += weight * ((g * (o + values[side])).sum(-1) - total[..., rows])
         d_values[side] += (weight[..., None] * g).sum((0, 1, 2))
         # The kernel's P and rowsum(dO * O) must be the whole attention's: its logits lack c and

@@ -13,10 +13,10 @@ import sys
 from pathlib import Path
 
 from .. import backends
+from ..errors import UsageError
 from .compare import LIBRARIES
 from .harness import run as run_jobs
 from .levels import LEVELS
-from ..errors import UsageError
 from .output import JOURNAL, Journal, claim_out, clear_outputs, journal_header, journal_jobs, save_fallback, write_outputs
 from .plan import DEVICES, DTYPES, SIZE_NAMES, Config, configure
 from .tables import markdown_table
@@ -31,7 +31,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     able = "; ".join(f"{name} (level {', '.join(n for n, lv in LEVELS.items() if name in lv.compare)})" for name in LIBRARIES)
     parser.add_argument("--compare", nargs="+", default=None, metavar="LIB", help=f"also build the same model with: {able}")
     parser.add_argument("--out", type=Path, default=None, help="output folder (default bench-results/LEVEL)")
-    parser.add_argument("--rounds", type=int, default=5, help="rounds: every job runs once per round, each ratio is to the NoPE of its round; the median over rounds is reported with its min-max (default 5)")
+    parser.add_argument("--rounds", type=int, default=5, help="rounds: every job runs once per round, each ratio is to the NoPE of its round; "
+                             "the median over rounds is reported with its min-max (default 5)")
     parser.add_argument("--repeats", type=int, default=3, help="timed steps per job; their median is that round's time (default 3)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed warm-up steps per job (default 1)")
     parser.add_argument("--device", default="cpu", help=f"{' or '.join(DEVICES)} (default cpu)")

@@ -107,7 +107,8 @@ def machine_line(machine: dict, threads: int | None = None) -> str:
     build = ", ".join(_short(line) for line in machine.get("torch_build") or [] if not line.startswith(SKIP_IN_LINE))
     threads = threads or machine.get("torch_threads")
     return (
-        f"Machine: {machine.get('cpu_model')}" + (f" ({machine['cpu_id']})" if machine.get("cpu_id") else "") + f", {cores}, flags: {flags}{gpu}; torch {machine.get('torch')} "
+        f"Machine: {machine.get('cpu_model')}" + (f" ({machine['cpu_id']})" if machine.get("cpu_id") else "")
+        + f", {cores}, flags: {flags}{gpu}; torch {machine.get('torch')} "
         f"(CPU capability {machine.get('torch_cpu_capability')}), {threads} thread{'s' if threads != 1 else ''} "
         f"per worker; torch built with: {build}"
     )

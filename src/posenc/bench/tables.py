@@ -150,7 +150,8 @@ def compare_table(cells: list[dict]) -> str:
     header = ["method", "N", "mode", "posenc s", *(f"{_short(i)} s" for i in others),
               *(f"{_short(i)} / posenc" for i in others), "posenc +MB", *(f"{_short(i)} +MB" for i in others)]
     lines = [
-        "**posenc vs " + ", ".join(dict.fromkeys(library_of(i).NAME for i in others)) + "** (time ratios > 1: posenc is faster; median over rounds of the "
+        "**posenc vs " + ", ".join(dict.fromkeys(library_of(i).NAME for i in others))
+        + "** (time ratios > 1: posenc is faster; median over rounds of the "
         "ratio within a round (min-max); +MB: memory over each worker's baseline)",
         "", _row(header), _row(["---"] * 3 + ["---:"] * (len(header) - 3)),
     ]

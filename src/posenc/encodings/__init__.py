@@ -6,19 +6,19 @@ import inspect
 
 from torch import nn
 
+from ..errors import UsageError
 from .alibi import ALiBi, alibi_slopes
 from .axial_rope import AxialRoPE, RoPEMixed
-from ..errors import UsageError
 from .base import PositionalEncoding, has_hook
 from .cope import CoPE
 from .deberta import DeBERTa
 from .fire import FIRE
 from .fox import ForgettingTransformer
 from .kerple import KERPLE
-from .protocol import offers
 from .learned import Learned
 from .mrope import MRoPE
 from .nope import NoPE
+from .protocol import offers
 from .rope import RoPE
 from .sandwich import Sandwich
 from .shaw import Shaw

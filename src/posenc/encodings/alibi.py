@@ -13,7 +13,8 @@ import math
 
 import torch
 
-from .base import PositionalEncoding, bias_from_score, check_positive, relative_bias_from_score
+from ..errors import check_positive
+from .base import PositionalEncoding, bias_from_score, relative_bias_from_score
 from .protocol import BiasTails
 
 

@@ -11,7 +11,7 @@ rotated by an angle linear in both:
 Axial RoPE splits the frequencies over the two axes (the x pairs first, then the y pairs, the order
 of the authors' code and of timm); a score then depends on (x_i - x_j, y_i - y_j), one axis per
 band, so it cannot represent a diagonal direction. RoPE-Mixed learns both frequencies of every pair,
-per head and per layer (``shares_across_layers = False``), so each pair rotates along its own
+per head and per layer (learned parameters: ``shares_across_layers`` is False), so each pair rotates along its own
 direction of the plane. Its initialisation is the paper's: theta^x_{h,k} = m_k cos(a_h),
 theta^y_{h,k} = m_k sin(a_h) for k < D/4 and the same at a_h + pi/2 for k >= D/4, with
 m_k = base^(-4k/D) and one random angle a_h ~ U[0, 2 pi) per head; axial RoPE is the special case
@@ -54,8 +54,8 @@ import math
 import torch
 from torch import nn
 
-from ..errors import UsageError
-from .base import PositionalEncoding, check_positive
+from ..errors import UsageError, check_positive
+from .base import PositionalEncoding
 from .mrope import axis_positions, select_axes
 from .rope import LAYOUTS, RotaryTable, apply_rotation
 from .rope_scaling import default_frequencies
@@ -154,7 +154,7 @@ class RoPEMixed(PositionalEncoding):
     name = "rope_mixed"
     description = "2-D RoPE with learned per-head frequencies over x and y (Heo et al. 2024, RoPE-Mixed)"
     extrapolates = True
-    shares_across_layers = False  # every layer learns its own frequencies
+    # not shared across layers (derived from its learned parameters): every layer learns its own frequencies
     shift_invariant = True  # angles are linear in the positions: a common shift cancels in every score
 
     def __init__(

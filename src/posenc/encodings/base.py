@@ -20,27 +20,23 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from ..errors import UsageError
-from .protocol import BiasTails, Biases, Embeds, Gates, QueryTerms, Rotates, Scores, ValueTerms, offers
+from ..errors import UsageError, check_positive
+from .protocol import CAPABILITIES, HOOKS, members, offers
 
-# Hook names, for has_hook: each maps to its Protocol.
-_HOOK_PROTOCOLS = {"embed": Embeds, "rotate": Rotates, "bias": Biases, "score": Scores,
-                   "query_terms": QueryTerms, "value_terms": ValueTerms, "log_gates": Gates}
-HOOKS = tuple(_HOOK_PROTOCOLS)
+# A hook (or a one-method capability, such as ``score``) by its method name, for scripts and tests:
+# derived from the protocol's HOOKS and CAPABILITIES, never a list of its own.
+_BY_NAME = {members(p)[0]: p for p in HOOKS + CAPABILITIES if len(members(p)) == 1}
 
 
 def has_hook(encoding: nn.Module, hook: str) -> bool:
-    """``offers(encoding, <the hook's Protocol>)`` by the hook's name (for scripts and tests)."""
-    if hook not in _HOOK_PROTOCOLS:
-        raise UsageError(f"hook must be one of {HOOKS}, got {hook!r}")
-    return offers(encoding, _HOOK_PROTOCOLS[hook])
+    """``offers(encoding, P)`` for the Protocol ``P`` whose one method is named ``hook``.
 
-
-def check_positive(name: str, value: int) -> int:
-    """Raise a UsageError naming the parameter unless ``value`` is a positive integer."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise UsageError(f"{name} must be a positive integer (>= 1), got {value!r}")
-    return value
+    Raises:
+        UsageError: ``hook`` names no hook or one-method capability of the protocol.
+    """
+    if hook not in _BY_NAME:
+        raise UsageError(f"hook must be one of {tuple(_BY_NAME)}, got {hook!r}")
+    return offers(encoding, _BY_NAME[hook])
 
 
 class PositionalEncoding(nn.Module):
@@ -49,8 +45,11 @@ class PositionalEncoding(nn.Module):
     Capabilities are attributes, read by the model and the attention:
 
     - ``max_positions``: the largest number of positions it can encode (None = unbounded).
-    - ``shares_across_layers``: the model builds one instance for all layers (and the attention
-      computes its bias once per forward); otherwise every layer gets its own instance.
+    - ``shares_across_layers`` (derived, per instance): the model builds one instance for all
+      layers (and the attention computes its bias once per forward); otherwise every layer gets its
+      own instance. An encoding without parameters shares; one with learned parameters learns them
+      per layer unless its class opts in with ``shares_parameters = True`` (T5's one table, as in
+      T5), so a new learned method never ties its layers by accident.
     - ``causal_only``: the method has no bidirectional form.
     - ``extrapolates``: it can run past its training length (for ``posenc list``).
     - ``rotation_depends_on_length``: ``rotate`` uses the current length (largest key position + 1),
@@ -74,7 +73,8 @@ class PositionalEncoding(nn.Module):
     name: ClassVar[str] = ""
     description: ClassVar[str] = ""
     extrapolates: ClassVar[bool] = True
-    shares_across_layers: ClassVar[bool] = True
+    # True: one instance (and one set of learned parameters) for all layers; see shares_across_layers.
+    shares_parameters: ClassVar[bool] = False
     causal_only: ClassVar[bool] = False
     # True when ``rotate`` depends on the current length (the largest key position + 1), not only
     # on each position: the attention then caches keys un-rotated and rotates them at every step.
@@ -84,6 +84,11 @@ class PositionalEncoding(nn.Module):
     # The factor of the content product q . k; None: 1 / sqrt(head_dim). DeBERTa scales it by
     # 1 / sqrt(D * (1 + its number of position terms)); read through :func:`content_scale`.
     content_scale: float | None = None
+
+    @property
+    def shares_across_layers(self) -> bool:
+        """One instance for all layers: no parameters, or learned ones the class shares by design."""
+        return self.shares_parameters or next(iter(self.parameters()), None) is None
 
     def __init__(self, num_heads: int, head_dim: int, causal: bool = True) -> None:
         super().__init__()

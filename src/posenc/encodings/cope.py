@@ -32,8 +32,8 @@ import math
 import torch
 from torch import nn
 
-from ..errors import UsageError
-from .base import PositionalEncoding, check_positive
+from ..errors import UsageError, check_positive
+from .base import PositionalEncoding
 
 
 class CoPE(PositionalEncoding):
@@ -42,7 +42,7 @@ class CoPE(PositionalEncoding):
     name = "cope"
     description = "contextual positions: counts of gated keys, interpolated position logits (Golovneva et al. 2024)"
     extrapolates = True
-    shares_across_layers = False  # one table per layer
+    # not shared across layers (derived from its learned parameters): one table per layer
     causal_only = True
 
     def __init__(

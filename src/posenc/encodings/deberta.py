@@ -42,7 +42,7 @@ Conventions, where the paper and the code differ:
 - Sharing. The paper shares P across layers and, with ``share_att_key``, uses the layer's own
   content key/query projections for K_r and Q_r. A posenc encoding sees projected q and k only, so
   every layer's encoding holds its own P (LayerNorm included) and position projections
-  (``shares_across_layers = False``); ``posenc.hf.deberta_from_hf`` copies the encoder's one table
+  (learned parameters: ``shares_across_layers`` is False); ``posenc.hf.deberta_from_hf`` copies the encoder's one table
   and, for ``share_att_key``, the layer's key/query projections into them, which computes the same
   function.
 
@@ -59,8 +59,8 @@ import math
 import torch
 from torch import nn
 
-from ..errors import UsageError
-from .base import PositionalEncoding, check_positive
+from ..errors import UsageError, check_positive
+from .base import PositionalEncoding
 
 TERMS = ("c2p", "p2c")
 
@@ -91,7 +91,7 @@ class DeBERTa(PositionalEncoding):
     description = "disentangled attention: c2p and p2c terms over a log-bucketed relative table (He et al. 2020)"
     extrapolates = True  # distances past the last bucket share the table's end rows
     shift_invariant = True  # positions enter as i - j only
-    shares_across_layers = False  # each layer has its own position projections (and table, see above)
+    # not shared across layers (derived from its learned parameters): each layer has its own position projections (and table, see above)
 
     def __init__(
         self,

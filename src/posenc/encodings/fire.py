@@ -35,8 +35,8 @@ import math
 import torch
 from torch import nn
 
-from ..errors import UsageError
-from .base import PositionalEncoding, check_bias_positions, check_positive
+from ..errors import UsageError, check_positive
+from .base import PositionalEncoding, check_bias_positions
 
 EPS = 1e-6
 
@@ -47,7 +47,7 @@ class FIRE(PositionalEncoding):
     name = "fire"
     description = "learned MLP of the log distance normalised by the query position (Li et al. 2023)"
     extrapolates = True
-    shares_across_layers = False  # each layer learns its own f, c and L
+    # not shared across layers (derived from its learned parameters): each layer learns its own f, c and L
     causal_only = True
 
     def __init__(

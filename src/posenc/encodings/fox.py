@@ -38,7 +38,7 @@ class ForgettingTransformer(PositionalEncoding):
     extrapolates = True
     causal_only = True  # the decay runs from each key forward to the query
     shift_invariant = True  # no position enters at all
-    shares_across_layers = False  # each layer learns its own gate
+    # not shared across layers (derived from its learned parameters): each layer learns its own gate
 
     def __init__(self, num_heads: int, head_dim: int, causal: bool = True) -> None:
         super().__init__(num_heads, head_dim, causal)

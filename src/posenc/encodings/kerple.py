@@ -11,7 +11,7 @@ head, added to the scores (after the 1/sqrt(d) scaling of q.k, as the authors' c
 Power with r2 = 1 and r1 = ALiBi's slopes is ALiBi (tests). A decoder masks the future, so only
 i - j >= 0 matters there; an encoder uses the symmetric |i - j|.
 
-Parameters: r1, r2 (H,) each, shared by every layer (``shares_across_layers``), initialised
+Parameters: r1, r2 (H,) each, shared by every layer (``shares_parameters``), initialised
 uniformly as in the authors' code, r1 ~ U(0, 1) and r2 ~ U(0, 2). The values used are clamped
 to >= 1e-2 (and r2 <= 2 for power), as in that code, with the gradient passing the clamp unchanged:
 the authors clamp the parameter's data in place before each forward and then differentiate the
@@ -41,7 +41,7 @@ class KERPLE(PositionalEncoding):
     shift_invariant = True  # positions enter as |i - j| only
     description = "learned log or power distance penalty per head (Chi et al. 2022)"
     extrapolates = True
-    shares_across_layers = True
+    shares_parameters = True  # r1, r2 shared by every layer
 
     def __init__(self, num_heads: int, head_dim: int, causal: bool = True, variant: str = "log") -> None:
         super().__init__(num_heads, head_dim, causal)

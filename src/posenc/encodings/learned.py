@@ -9,8 +9,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..errors import UsageError
-from .base import PositionalEncoding, check_positive
+from ..errors import UsageError, check_positive
+from .base import PositionalEncoding
 
 
 class Learned(PositionalEncoding):
@@ -18,6 +18,7 @@ class Learned(PositionalEncoding):
 
     name = "learned"
     description = "learned table of absolute position vectors (BERT/GPT); bounded by its size"
+    shares_parameters = True  # one table, added to the token embeddings once
     extrapolates = False
 
     def __init__(self, num_heads: int, head_dim: int, causal: bool = True, max_positions: int = 1024) -> None:

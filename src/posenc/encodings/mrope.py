@@ -48,8 +48,8 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from ..errors import UsageError
-from .base import PositionalEncoding, check_positive
+from ..errors import UsageError, check_positive
+from .base import PositionalEncoding
 from .rope import LAYOUTS, RotaryTable, apply_rotation, position_range
 from .rope_scaling import default_frequencies
 

@@ -37,7 +37,7 @@ tested against.
   modifier (``backends/flex.py``). Every bias method of posenc offers it.
 - :class:`DistanceBias`: ``relative_bias(r) -> (H, *r.shape)``: a bias that depends on r = j - i
   alone (KERPLE), so a backend needs one vector per head, not an (H, N, N) tensor
-  (``backends/explicit.py``).
+  (``backends/parts/explicit.py``).
 - :class:`RelativeBias`: ``relative_bias(r) -> (H, *r.shape)`` and ``bias_tails() -> BiasTails``:
   a bias that depends on r = j - i alone and, past some distance, is constant or linear in r (T5's
   last bucket, ALiBi), so far keys can go through a fused kernel (``backends/blocked.py``).

@@ -35,10 +35,16 @@ import warnings
 
 import torch
 
-from ..errors import UsageError
-from .base import PositionalEncoding, check_positive
+from ..errors import UsageError, check_positive
+from .base import PositionalEncoding
 from .rope_scaling import (
-    MAX_BASE, RopeScaling, check_table, inverse_frequencies, parse_scaling, resolve_hf, rotary_dim_of,
+    MAX_BASE,
+    RopeScaling,
+    check_table,
+    inverse_frequencies,
+    parse_scaling,
+    resolve_hf,
+    rotary_dim_of,
 )
 
 LAYOUTS = ("half", "interleaved")

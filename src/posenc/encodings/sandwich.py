@@ -29,8 +29,8 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import UsageError
-from .base import PositionalEncoding, bias_from_score, check_positive, relative_bias_from_score
+from ..errors import UsageError, check_positive
+from .base import PositionalEncoding, bias_from_score, relative_bias_from_score
 
 BASE = 10000.0
 
@@ -42,7 +42,6 @@ class Sandwich(PositionalEncoding):
     shift_invariant = True  # positions enter as i - j only
     description = "parameter-free bias from the dot product of sinusoidal positions (Chi et al. 2023)"
     extrapolates = True
-    shares_across_layers = True
 
     def __init__(self, num_heads: int, head_dim: int, causal: bool = True, sinusoid_dim: int = 16) -> None:
         super().__init__(num_heads, head_dim, causal)

@@ -18,7 +18,8 @@ import math
 import torch
 from torch import nn
 
-from .base import PositionalEncoding, check_positive
+from ..errors import check_positive
+from .base import PositionalEncoding
 
 
 class Shaw(PositionalEncoding):
@@ -28,7 +29,7 @@ class Shaw(PositionalEncoding):
     description = "learned relative vectors on keys and values, clipped distance (Shaw et al. 2018)"
     extrapolates = True  # distances past k share the clipped vector
     shift_invariant = True  # positions enter as i - j only
-    shares_across_layers = False  # each layer learns its own tables, as in the paper
+    # not shared across layers (derived from its learned parameters): each layer learns its own tables, as in the paper
 
     def __init__(self, num_heads: int, head_dim: int, causal: bool = True, max_relative_position: int = 16) -> None:
         super().__init__(num_heads, head_dim, causal)

@@ -19,8 +19,8 @@ import math
 import torch
 from torch import nn
 
-from ..errors import UsageError
-from .base import PositionalEncoding, check_bias_positions, check_positive
+from ..errors import UsageError, check_positive
+from .base import PositionalEncoding, check_bias_positions
 from .protocol import BiasTails
 
 
@@ -81,7 +81,7 @@ class T5Bias(PositionalEncoding):
     description = "learned scalar bias per head and log-spaced relative-distance bucket (Raffel et al. 2020)"
     extrapolates = True
     shift_invariant = True  # positions enter as i - j only
-    shares_across_layers = True
+    shares_parameters = True  # one table for all layers, as in T5
 
     def __init__(
         self,

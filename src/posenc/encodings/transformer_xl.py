@@ -47,7 +47,7 @@ class TransformerXL(PositionalEncoding):
     description = "sinusoidal relative R, position key projection, global biases u, v (Dai et al. 2019)"
     extrapolates = True
     shift_invariant = True  # positions enter as i - j only
-    shares_across_layers = False  # W_R and u, v per layer
+    # not shared across layers (derived from its learned parameters): W_R and u, v per layer
 
     def __init__(self, num_heads: int, head_dim: int, causal: bool = True) -> None:
         super().__init__(num_heads, head_dim, causal)

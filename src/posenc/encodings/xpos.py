@@ -46,8 +46,8 @@ import weakref
 
 import torch
 
-from ..errors import UsageError
-from .base import PositionalEncoding, bias_from_score, check_positive
+from ..errors import UsageError, check_positive
+from .base import PositionalEncoding, bias_from_score
 from .rope import LAYOUTS, RoPE, apply_rotation, check_rotation_inputs
 
 

@@ -44,7 +44,10 @@ import json
 from typing import Any
 
 import torch
+import transformers
 from torch import nn
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface
 
 from ..encodings import build, get_class, options_of
 from ..encodings.base import PositionalEncoding
@@ -54,10 +57,6 @@ from ..errors import UsageError
 from ..functional import attend
 from ..geometry import Geometry
 from ..memo import ForwardMemo
-
-import transformers
-from transformers import AttentionInterface
-from transformers.masking_utils import AttentionMaskInterface
 
 NAME = "posenc"
 
@@ -294,6 +293,14 @@ def _jsonable(value: Any) -> bool:
     return True
 
 
+def _kv_heads(config, cls: type, options: dict) -> dict:
+    """The model's key heads, for an encoding whose parameters are per key head (RoPE-Mixed's
+    frequencies); derived from the config on every build, so not recorded among the options."""
+    if "num_kv_heads" not in options_of(cls) or "num_kv_heads" in options:
+        return {}
+    return {"num_kv_heads": int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads)}
+
+
 def _build_encodings(config, encoding: str | nn.Module, options: dict, layers: int) -> tuple[list[nn.Module], dict]:
     """The encoding modules (one, or one per layer) and the record kept in ``config.posenc``."""
     heads = int(config.num_attention_heads)
@@ -320,22 +327,21 @@ def _build_encodings(config, encoding: str | nn.Module, options: dict, layers: i
         cls = get_class(encoding)
         if not _jsonable(options):
             raise UsageError("options: posenc.hf records them in the model's config, so they must be JSON values")
-        if "num_kv_heads" in options_of(cls) and "num_kv_heads" not in options:  # per-KV-head parameters (RoPE-Mixed)
-            options = {**options, "num_kv_heads": int(getattr(config, "num_key_value_heads", None) or heads)}
         record = {"encoding": encoding, "options": dict(options), "causal": True}
         if encoding == "rope" and not options:
             from ..encodings.rope import rope_from_hf
             first = rope_from_hf(config)
             record["from_config"] = True
         else:
-            first = build(encoding, num_heads=heads, head_dim=head_dim, causal=True, **options)
+            first = build(encoding, num_heads=heads, head_dim=head_dim, causal=True, **options, **_kv_heads(config, cls, options))
     if offers(first, Gates):
         raise UsageError(f"encoding: {cls.name} computes forget gates from each layer's input (the Gates hook), which "
                          "HF's attention interface does not pass; use it in posenc.LM or posenc.Attention")
-    if cls.shares_across_layers:
+    if first.shares_across_layers:
         return [first], record
     if isinstance(encoding, str):  # a fresh initialisation per layer, as posenc's own model builds them
-        rest = [build(encoding, num_heads=heads, head_dim=head_dim, causal=True, **options) for _ in range(layers - 1)]
+        rest = [build(encoding, num_heads=heads, head_dim=head_dim, causal=True, **options, **_kv_heads(config, cls, options))
+                for _ in range(layers - 1)]
     else:  # a given module: every layer starts from its values
         rest = [copy.deepcopy(first) for _ in range(layers - 1)]
     return [first, *rest], record

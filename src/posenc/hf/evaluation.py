@@ -13,8 +13,8 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 
-from .. import distributed
 from ..errors import UsageError
+from ..study import distributed
 from ..study.evaluation import evaluate as study_evaluate
 
 

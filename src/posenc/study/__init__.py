@@ -30,6 +30,10 @@ The modules, in the order a run meets them:
     progress.py    bars or log lines
     results.py     the output directory's layout, results.json, CSV, markdown, figure
     compare.py     two runs side by side (``posenc report RUN_A RUN_B``)
+    report.py      ``posenc report``: a study as one self-contained HTML page, or two side by side
+    figures.py     the study's figures (one fixed colour per method, shades for its variants)
+    data.py        byte-level corpora: the built-in stdlib corpus, a file or folder, a Hugging Face dataset
+    distributed.py DDP plumbing for ``torchrun ... -m posenc study``
 
 Every file is written to a temporary name and renamed, so a kill at any moment leaves either the
 old or the new version; ``resume=True`` (``--resume``) continues from the last saved step and gives

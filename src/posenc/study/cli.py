@@ -17,9 +17,9 @@ from pathlib import Path
 
 import torch
 
-from .. import distributed
 from ..encodings import available
 from ..errors import UsageError
+from . import distributed
 from .config import PRESET_DESCRIPTIONS, PRESET_THREADS, PRESETS, StudyConfig
 from .results import load_results, markdown_table
 from .run import run_experiment

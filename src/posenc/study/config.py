@@ -15,11 +15,11 @@ from typing import Any
 
 import torch
 
-from ..data import DEFAULT_VALID_BYTES
 from ..encodings import available, get_class
 from ..errors import UsageError
 from ..model import LM, LMConfig
 from . import rows
+from .data import DEFAULT_VALID_BYTES
 from .rows import SCALINGS
 
 # The classic line of methods, and the rows that only evaluate a trained RoPE model differently.

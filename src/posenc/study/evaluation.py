@@ -13,8 +13,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from .. import distributed
 from ..model import LM
+from . import distributed
 
 # Memory bounds for evaluation batches: tokens per forward, and attention scores per forward
 # (batch x heads x L x L), so long windows are scored a few at a time.
@@ -59,11 +59,17 @@ def eval_positions(model: LM, length: int, batch: int, device: torch.device | st
     shared by the batch. The authors' code applies the randomized encoding at test time too; the
     draw here comes from a generator seeded by the batch's index, so every run scores the same
     windows at the same positions. None for any other model (positions 0..length-1)."""
-    limit = model.config.random_positions
+    limit = getattr(model.config, "random_positions", None)  # a model without the field (posenc.hf's view) has plain positions
     if limit is None:
         return None
     g = torch.Generator().manual_seed(EVAL_POSITIONS_SEED + batch)
     return torch.randperm(limit, generator=g)[:length].sort().values.to(device)  # (length,)
+
+
+def _forward(model: LM, ids: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
+    """``model(ids)``, with ``positions`` only when there are some: a model that takes none (an HF
+    model's view, posenc.hf.evaluation) is scored at positions 0..L-1."""
+    return model(ids) if positions is None else model(ids, positions=positions)
 
 
 def batch_size_for(length: int, num_heads: int) -> int:
@@ -99,7 +105,7 @@ def evaluate(model: LM, valid: torch.Tensor, length: int, stride: int | None, ct
         chunk = [every[w] for w in index]
         starts = torch.tensor([b for b, _ in chunk])
         ids = valid[starts[:, None] + offsets].long().to(ctx.device)  # (B, L + 1)
-        logits = model(ids[:, :-1], positions=eval_positions(model, length, i, ctx.device))  # (B, L, 256)
+        logits = _forward(model, ids[:, :-1], eval_positions(model, length, i, ctx.device))  # (B, L, 256)
         token_nll = F.cross_entropy(logits.transpose(1, 2).float(), ids[:, 1:], reduction="none")  # (B, L)
         first = torch.tensor([s for _, s in chunk], device=ctx.device)
         keep = torch.arange(length, device=ctx.device)[None, :] >= first[:, None]  # (B, L)
@@ -146,7 +152,7 @@ def evaluate_recall(model: LM, length: int, train_length: int, count: int, ctx: 
             index = torch.tensor(mine[i : i + per_batch])
             ids = tokens[index].to(ctx.device)  # (B, T + 1)
             at = answers[index].to(ctx.device)  # (B, Q)
-            logits = model(ids[:, :-1], positions=eval_positions(model, ids.shape[1] - 1, i, ctx.device))  # (B, T, vocab)
+            logits = _forward(model, ids[:, :-1], eval_positions(model, ids.shape[1] - 1, i, ctx.device))  # (B, T, vocab)
             rows = torch.arange(len(index), device=ctx.device)[:, None]
             guess = logits[rows, at].argmax(dim=-1)  # (B, Q)
             correct[index.to(ctx.device)] = (guess == ids[rows, at + 1]).sum(dim=1).double()

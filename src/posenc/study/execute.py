@@ -20,14 +20,13 @@ from functools import partial
 
 import torch
 
-from .. import distributed
 from ..checkpoint import load_checkpoint, save_checkpoint
-from ..data import Corpus, train_batch
 from ..errors import UsageError
 from ..files import write_json
 from ..model import LM
-from . import bootstrap, fairness, recall, rows, seeds, variants
+from . import bootstrap, distributed, fairness, recall, rows, seeds, variants
 from .config import StudyConfig
+from .data import Corpus, train_batch
 from .evaluation import cannot_run, evaluate, evaluate_recall
 from .progress import Progress
 from .results import Paths, write_outputs

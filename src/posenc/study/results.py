@@ -260,10 +260,10 @@ def _spread(r: dict, fmt: str) -> str:
 def write_outputs(results: dict, out: Path, table: bool = False) -> None:
     """results.csv and extrapolation.png (and results.md when ``table``) from results.json's
     content: the methods finished so far."""
-    from .. import plots
+    from . import figures
 
     write_text(out / "results.csv", results_csv(results))
-    figure = plots.recall_figure if metric_of(results) == "accuracy" else plots.extrapolation_figure
-    plots.save(figure(results), out / "extrapolation.png")
+    figure = figures.recall_figure if metric_of(results) == "accuracy" else figures.extrapolation_figure
+    figures.save(figure(results), out / "extrapolation.png")
     if table:
         write_text(out / "results.md", markdown_table(results, intervals=True) + "\n")

@@ -16,13 +16,12 @@ from pathlib import Path
 
 import torch
 
-from .. import distributed
-from ..data import Corpus, load_corpus
 from ..errors import UsageError
 from ..files import MARKER, RunDir, WriteError, write_json
 from ..version import __version__
-from . import recall, rows, seeds
+from . import distributed, recall, rows, seeds
 from .config import StudyConfig
+from .data import Corpus, load_corpus
 from .execute import Runner
 from .progress import Progress
 from .results import SCHEMA, Paths, load_results, write_outputs

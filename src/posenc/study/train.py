@@ -2,7 +2,7 @@
 periodic resumable states, a clean stop on Ctrl-C / SIGTERM, and DistributedDataParallel under
 torchrun.
 
-The batch of step s is a pure function of (seed, s) (see :func:`posenc.data.train_batch` and
+The batch of step s is a pure function of (seed, s) (see :func:`posenc.study.data.train_batch` and
 :func:`posenc.study.recall.train_batch`) and the RNG state is saved with the weights, so a run
 continued from the state of step s computes the same numbers as one that never stopped. A ``+drop``
 run removes the model's positions at a fixed step (:meth:`posenc.LM.drop_positions`); its states
@@ -28,9 +28,9 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from .. import distributed
 from ..files import atomic_write
 from ..model import LM
+from . import distributed
 from .config import StudyConfig
 from .progress import Progress
 

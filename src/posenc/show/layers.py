@@ -5,7 +5,7 @@ text form of that layer). Right: for each layer, the keys the query at position 
 positions 0..``length``-1 (full: all up to the query; a window: the last W; a chunk: its own chunk;
 bidirectional layers both sides), one colour per encoding and options (layers of one colour share
 an encoding instance where the method shares), white where nothing is seen. Built on
-``matplotlib.figure.Figure`` directly (no pyplot state), as :mod:`posenc.rope_plot`.
+``matplotlib.figure.Figure`` directly (no pyplot state), as :mod:`posenc.show.scaling`.
 """
 
 from __future__ import annotations
@@ -13,14 +13,14 @@ from __future__ import annotations
 import torch
 from matplotlib.figure import Figure
 
-from .local import Extras, visible
-from .schedule import Schedule
+from ..local import Extras, visible
+from ..schedule import Schedule
 
 
 def seen(schedule: Schedule, length: int, query: int, causal: bool = True) -> torch.Tensor:
     """(layers, length) bool: True where the query at ``query`` sees the key in that layer."""
     if not 0 <= query < length:
-        from .errors import UsageError
+        from ..errors import UsageError
 
         raise UsageError(f"query must be in [0, length={length}), got {query}")
     positions = torch.arange(length)

@@ -20,10 +20,9 @@ import html
 import json
 from pathlib import Path
 
-from .errors import UsageError
-from .files import check_writable, write_text
-from .study import load_results, run_status
-from .study.results import metric_of, shown, shown_train
+from ..errors import UsageError
+from ..files import check_writable, write_text
+from .results import load_results, metric_of, run_status, shown, shown_train
 
 GENERATOR = '<meta name="generator" content="posenc report">'  # how a page we may overwrite is known
 
@@ -42,9 +41,9 @@ pre { padding: 0.6rem; overflow-x: auto; }
 
 
 def _img(fig) -> str:
-    from . import plots
+    from . import figures
 
-    data = base64.b64encode(plots.png_bytes(fig)).decode("ascii")
+    data = base64.b64encode(figures.png_bytes(fig)).decode("ascii")
     return f'<img alt="figure" src="data:image/png;base64,{data}">'
 
 
@@ -216,18 +215,18 @@ def _train_table(results: dict) -> str:
 
 def sections(results: dict, level: int = 2) -> list[str]:
     """The body of one run's report (headings at ``level``)."""
-    from . import plots
+    from . import figures
 
     h = f"h{level}"
     recall = metric_of(results) == "accuracy"
     parts = [f"<{h}>Summary</{h}>", _summary(results)]
     if recall:
-        parts += [f"<{h}>Recall by distance</{h}>", _img(plots.recall_figure(results))]
+        parts += [f"<{h}>Recall by distance</{h}>", _img(figures.recall_figure(results))]
         for cls in ("near", "middle", "far"):
             parts += [f"<{h}>Recall accuracy, {cls}</{h}>", _recall_table(results, cls)]
     else:
         parts += [
-            f"<{h}>Extrapolation</{h}>", _img(plots.extrapolation_figure(results)),
+            f"<{h}>Extrapolation</{h}>", _img(figures.extrapolation_figure(results)),
             f"<{h}>Perplexity</{h}>", _metric_table(results, "perplexity", ".3f"),
             f"<{h}>Perplexity with 95% intervals</{h}>",
             '<p class="note">Brackets: the 95% bootstrap interval over the scored windows (the text\'s sampling '
@@ -240,7 +239,7 @@ def sections(results: dict, level: int = 2) -> list[str]:
             f"<{h}>Bits per byte</{h}>", _metric_table(results, "bits_per_byte", ".4f"),
         ]
     parts += [f"<{h}>Position parameters used but never trained</{h}>", _untrained(results),
-              f"<{h}>Training</{h}>", _img(plots.training_figure(results)), _train_table(results),
+              f"<{h}>Training</{h}>", _img(figures.training_figure(results)), _train_table(results),
               f"<{h}>Configuration</{h}>", _kv(results["config"]),
               f"<{h}>Corpus</{h}>", _kv(results.get("corpus", {})),
               f"<{h}>Versions</{h}>", _kv(results.get("versions", {}))]
@@ -287,7 +286,7 @@ def render(results: dict, title: str, status: str | None = None) -> str:
 def render_two(a: dict, root_a: Path, b: dict, root_b: Path, names: tuple[str, str],
                status: tuple[str | None, str | None] = (None, None)) -> str:
     """Two runs on one page (see :mod:`posenc.study.compare`)."""
-    from .study import compare
+    from . import compare
 
     e = html.escape
     body = []

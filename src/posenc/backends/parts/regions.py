@@ -262,18 +262,18 @@ class Merge:
         self.lse = torch.full((b, h, tq), float("-inf"), dtype=acc, device=device)  # (B, H, Tq)
         self._covered: list[tuple[int, int, int, int]] = []  # rows a..b of heads h0..h1 hold a part
 
-    def add(self, rows: tuple[int, int], o: torch.Tensor, l: torch.Tensor, heads: slice = slice(None)) -> None:
-        """Fold a part (o (B, h, C, Dv), its log-sum-exp l (B, h, C), original row order) into
+    def add(self, rows: tuple[int, int], o: torch.Tensor, lz: torch.Tensor, heads: slice = slice(None)) -> None:
+        """Fold a part (o (B, h, C, Dv), its log-sum-exp lz (B, h, C), original row order) into
         ``rows`` of ``heads``."""
         a, b = rows
         h0, h1, _ = heads.indices(self.out.shape[1])
         if all(b <= c0 or a >= c1 or h1 <= g0 or h0 >= g1 for c0, c1, g0, g1 in self._covered):
             self.out[:, heads, a:b] = o
-            self.lse[:, heads, a:b] = l
+            self.lse[:, heads, a:b] = lz
         else:
             old = self.lse[:, heads, a:b]
-            new = torch.logaddexp(old, up(l))  # (B, h, C)
-            self.out[:, heads, a:b].mul_(torch.exp(old - new)[..., None]).addcmul_(up(o), torch.exp(up(l) - new)[..., None])
+            new = torch.logaddexp(old, up(lz))  # (B, h, C)
+            self.out[:, heads, a:b].mul_(torch.exp(old - new)[..., None]).addcmul_(up(o), torch.exp(up(lz) - new)[..., None])
             self.lse[:, heads, a:b] = new
         self._covered.append((a, b, h0, h1))
 
@@ -286,13 +286,13 @@ def region_backward(region: Region, dout, q, k, v, out, lse, scale: float, *, ls
     out_shift``: the kernel then sees lse - lse_shift and out - out_shift, which makes its
     probabilities and its rowsum(dO * O) those of the whole row, so its gradients are exact.
     """
-    o, l = out[:, :, slice(*region.rows)], lse[:, :, slice(*region.rows)]
+    o, lz = out[:, :, slice(*region.rows)], lse[:, :, slice(*region.rows)]
     if out_shift is not None:
         o = o - out_shift
     if lse_shift is not None:
-        l = l - lse_shift
+        lz = lz - lse_shift
     grads = kernel_backward(
         rows_of(dout, region).contiguous(), rows_of(q, region), keys_of(k, region), keys_of(v, region),
-        call_order(o, region).contiguous(), call_order(l, region, -1).contiguous(), region.causal, scale, mask,
+        call_order(o, region).contiguous(), call_order(lz, region, -1).contiguous(), region.causal, scale, mask,
     )
     return tuple(call_order(g, region) for g in grads)

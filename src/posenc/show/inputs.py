@@ -8,6 +8,7 @@ memory sane: a panel is a few hundred pixels wide, and the score map is (H, T, T
 from __future__ import annotations
 
 import inspect
+import io
 import math
 import struct
 import tempfile
@@ -16,8 +17,9 @@ from pathlib import Path
 
 import torch
 
-from .encodings import available, build, get_class
-from .errors import UsageError
+from ..encodings import available, build, get_class
+from ..errors import UsageError, check_int
+from ..files import atomic_write
 
 # A panel is a few hundred pixels wide: past 4096 positions a pixel averages over more than ten.
 MAX_LENGTH = 4096
@@ -33,13 +35,6 @@ MAX_ENCODING_BYTES = 2**30  # parameters and buffers of the encoding
 SOFTWARE = "posenc show"  # written in the PNG; only a file carrying it is ever overwritten
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 CONTENT_SEED_KEY = 0x5EED_C0DE  # the content's seed is seed ^ this: another stream than the weights'
-
-
-def check_int(name: str, value: object, low: int, high: int, why: str = "") -> int:
-    """``value`` if it is an integer in [low, high], else a UsageError naming ``name`` and the range."""
-    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-        raise UsageError(f"{name} must be an integer in [{low}, {high}]{why}, got {value!r}")
-    return value
 
 
 def max_length(num_heads: int, max_positions: int | None = None) -> int:
@@ -189,6 +184,13 @@ def check_out(out: Path) -> Path:
     except OSError as err:
         raise UsageError(f"out {str(out)!r} cannot be written: no file can be created in {str(folder)!r} ({err.strerror})") from None
     return out
+
+
+def write_png(fig, out: Path) -> None:
+    """Atomically (temporary name, then rename), tagged so a later run may replace it."""
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110, metadata={"Software": SOFTWARE})
+    atomic_write(out, lambda p: p.write_bytes(buf.getvalue()))
 
 
 def _written_by_show(path: Path) -> bool:

@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from .errors import UsageError
+from ..errors import UsageError
 
 VALID_PERCENT = 10
 DEFAULT_VALID_BYTES = 64 * 1024

@@ -15,29 +15,39 @@ change in the score of identical content vectors at two positions; Transformer-X
 term u . k_j is included (the encoding adds it), a constant per head that softmax ignores.
 Learned methods are shown at their initialisation (``seed``).
 
-Every input is checked before anything is allocated or computed (:mod:`posenc.show_inputs`), and
+Every input is checked before anything is allocated or computed (:mod:`posenc.show.inputs`), and
 every user mistake is a :class:`~posenc.errors.UsageError` naming the parameter and the allowed range.
 """
 
 from __future__ import annotations
 
 import argparse
-import io
 import math
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from . import grid_plot
-from .encodings import available, get_class
-from .encodings.base import has_hook
-from .errors import UsageError
-from .files import atomic_write
-from .show_inputs import (
-    CONTENT_SEED_KEY, MAX_LENGTH, MAX_PANELS, MAX_PIXELS, SOFTWARE, build_checked, check_heads, check_length, check_out,
-    check_seed, check_sizes, get_class_checked, parse_options,
+from ..encodings import available, get_class
+from ..encodings.base import has_hook
+from ..errors import UsageError
+from . import grid
+from .inputs import (
+    CONTENT_SEED_KEY,
+    MAX_LENGTH,
+    MAX_PANELS,
+    MAX_PIXELS,
+    build_checked,
+    check_heads,
+    check_length,
+    check_out,
+    check_seed,
+    check_sizes,
+    get_class_checked,
+    parse_options,
+    write_png,
 )
+
 
 def score_map(encoding: torch.nn.Module, length: int, seed: int = 0, content: torch.Tensor | None = None) -> torch.Tensor:
     """(H, length, length) score change due to positions; NaN where a causal mask hides the key.
@@ -142,13 +152,6 @@ def heatmap(scores: torch.Tensor, title: str, note: str):
     return fig
 
 
-def write_png(fig, out: Path) -> None:
-    """Atomically (temporary name, then rename), tagged so a later run may replace it."""
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=110, metadata={"Software": SOFTWARE})
-    atomic_write(out, lambda p: p.write_bytes(buf.getvalue()))
-
-
 def show(
     method: str, *, length: int = 64, num_heads: int = 8, head_dim: int = 64, heads: int | None = None,
     causal: bool = True, seed: int = 0, options: dict | None = None, out: Path | None = None,
@@ -206,8 +209,8 @@ def show_scaling(method: str, scaling_text: str, head_dim: int | None, options: 
     """``posenc show rope --scaling ...``: the frequency picture of a RoPE scaling. A whole config is
     read as ``rope_from_hf`` reads it (its head dim, base, partial rotary and the block transformers
     would read); returns (path, which block was drawn)."""
-    from .encodings.rope import RoPE
-    from .rope_plot import scaling_figure, scaling_from_text
+    from ..encodings.rope import RoPE
+    from .scaling import scaling_figure, scaling_from_text
 
     get_class_checked(method)
     if not issubclass(get_class(method), RoPE):
@@ -236,7 +239,7 @@ def show_scaling(method: str, scaling_text: str, head_dim: int | None, options: 
 
 def show_schedule(text: str, depth: int | None, length: int, causal: bool, out: Path | None) -> Path:
     """``posenc show --schedule TEXT``: which keys each layer of a layer schedule sees from the last query."""
-    from .schedule_plot import schedule_figure
+    from .layers import schedule_figure
 
     out = check_out(Path(out) if out is not None else Path("posenc-show-schedule.png"))
     write_png(schedule_figure(text, depth=depth, length=length, causal=causal), out)
@@ -253,8 +256,8 @@ def run(args: argparse.Namespace) -> int:
     if args.method is None:
         raise UsageError(f"method: give one of {', '.join(available())}, or --schedule TEXT")
     options = parse_options(args.option, args.method)
-    if args.scaling is None and grid_plot.draws(args.method):  # a rotation over a 2-D patch grid
-        return grid_plot.run(args, options)
+    if args.scaling is None and grid.draws(args.method):  # a rotation over a 2-D patch grid
+        return grid.run(args, options)
     if args.scaling is not None:
         out, note = show_scaling(args.method, args.scaling, args.head_dim, options, args.out)
         print(f"{args.method}: wavelength per pair, original vs scaled, from {note} -> {out}")

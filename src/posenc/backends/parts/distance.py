@@ -57,8 +57,8 @@ class _DistanceKeyAttention(torch.autograd.Function):
         lse = qc.new_empty(qc.shape[:-1])  # (B, H, Tq)
         for hs, a0, a1 in _tiles(qc.shape[1], tq, heads, block):
             position, keys = _block_position(qp[:, hs], pk[hs], tk, a0, a1, offset, causal)
-            o, l = kernel_forward(qc[:, hs, a0:a1], k[:, hs, :keys], v[:, hs, :keys], False, 1.0, _skew(position, keys))
-            out[:, hs, a0:a1], lse[:, hs, a0:a1] = o, l
+            o, lz = kernel_forward(qc[:, hs, a0:a1], k[:, hs, :keys], v[:, hs, :keys], False, 1.0, _skew(position, keys))
+            out[:, hs, a0:a1], lse[:, hs, a0:a1] = o, lz
         ctx.offset, ctx.causal, ctx.block, ctx.heads = offset, causal, block, heads
         ctx.save_for_backward(qc, qp, k, v, pk, out, lse)
         return out

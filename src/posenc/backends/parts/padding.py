@@ -2,12 +2,12 @@
 
 Generation in batches left-pads prompts of different lengths: row b's real tokens start at
 position ``starts[b]`` and its keys before it are hidden from its real queries (a padding query sees
-the padding before it, see :class:`~posenc.backends.base.ScoreSpec`). For one row that is two
+the padding before it, see :class:`~posenc.backends.parts.base.ScoreSpec`). For one row that is two
 ordinary causal calls, each over consecutive positions whose keys end at its last query: the real
 queries against the real keys, the padding queries against the padding keys. So every backend
 that can run an unpadded causal call runs a padded one exactly, with no (B, Tq, Tk) mask and no new
 kernel: this is the path for several queries (a batched prefill); one query (a decode step) takes
-the single-query path, where padding is one additive mask per row (``backends/single.py``).
+the single-query path, where padding is one additive mask per row (``backends/parts/single.py``).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Bias attention with a hand-written backward, per block of queries: the ``blocked`` backend's path
-for biases without affine tails (KERPLE, FIRE, any bias method). A helper module, not a backend.
+for biases without affine tails (KERPLE, FIRE, any bias method).
 
 Forward: per block of ``BLOCK`` queries, the CPU flash kernel with the block's (H, C, L) bias as
 its additive mask (L: the keys the block may see; the causal staircase is -inf in the mask), which
@@ -29,7 +29,7 @@ import math
 
 import torch
 
-from ..encodings.protocol import DistanceBias, offers
+from ...encodings.protocol import DistanceBias, offers
 from .base import ScoreSpec, accumulation_dtype, needs_grad
 from .regions import flushed, kernel_forward, up
 
@@ -151,8 +151,8 @@ def _relative_forward(q, k, v, table, g: _Geometry):
     lse = torch.empty(q.shape[:-1], dtype=accumulation_dtype(q.dtype), device=q.device)  # (B, H, Tq)
     for a0, a1, keys in g.blocks():
         mask = _view(table, g, a0, a1, keys).to(q.dtype)
-        o, l = kernel_forward(q[:, :, a0:a1].flip(-2), k[:, :, :keys], v[:, :, :keys], False, g.scale, mask)
-        out[:, :, a0:a1], lse[:, :, a0:a1] = o.flip(-2), l.flip(-1)
+        o, lz = kernel_forward(q[:, :, a0:a1].flip(-2), k[:, :, :keys], v[:, :, :keys], False, g.scale, mask)
+        out[:, :, a0:a1], lse[:, :, a0:a1] = o.flip(-2), lz.flip(-1)
     return out, lse
 
 

@@ -40,8 +40,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..encodings.protocol import DistanceBias, offers
-from ..memo import Workspace
+from ...encodings.protocol import DistanceBias, offers
+from ...memo import Workspace
 from .base import ScoreSpec, accumulation_dtype, needs_grad
 from .padding import by_rows
 from .regions import kernel_forward
@@ -183,7 +183,7 @@ def distance_keys(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: Score
 def steps_and_padding(inner: Callable) -> Callable:
     """Wrap a backend's ``attend(q, k, v, spec, **options)`` so that a decode step takes the
     single-query path (:func:`attend` here) and a left-padded call is split into unpadded calls
-    (:func:`posenc.backends.padding.by_rows`); everything else reaches ``inner`` unchanged. One
+    (:func:`posenc.backends.parts.padding.by_rows`); everything else reaches ``inner`` unchanged. One
     place for what sdpa, features, flex and blocked all do first."""
 
     @functools.wraps(inner)

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import torch
 from matplotlib.figure import Figure
 
-from .encodings.rope import RoPE
-from .encodings.rope_scaling import RopeScaling, parse_scaling
+from ..encodings.rope import RoPE
+from ..encodings.rope_scaling import RopeScaling, parse_scaling
 
 
 def _wavelengths(inv_freq: torch.Tensor) -> list[float]:
@@ -98,8 +98,8 @@ def scaling_from_text(text: str, head_dim: int | None = None) -> ScalingSource:
     import json
     from pathlib import Path
 
-    from .encodings.rope_scaling import resolve_hf
-    from .errors import UsageError
+    from ..encodings.rope_scaling import resolve_hf
+    from ..errors import UsageError
 
     example = '\'{"rope_type": "yarn", "factor": 4, "original_max_position_embeddings": 2048}\''
     if text.lstrip().startswith("{"):

@@ -9,13 +9,12 @@ per-query constant.
 from __future__ import annotations
 
 import math
-
 from dataclasses import dataclass, field
 
 import torch
 
+from ...errors import UsageError
 from . import band
-from ..errors import UsageError
 from .base import ScoreSpec
 from .regions import Region, lower, up, upper
 

@@ -28,10 +28,10 @@ from pathlib import Path
 
 import torch
 
-from .encodings.axial_rope import AxialRoPE, RoPEMixed, patch_positions
-from .encodings.mrope import MRoPE, vision_text_positions
-from .errors import UsageError
-from .show_inputs import build_checked, check_heads, check_int, check_out, check_seed, check_sizes, get_class_checked
+from ..encodings.axial_rope import AxialRoPE, RoPEMixed, patch_positions
+from ..encodings.mrope import MRoPE, vision_text_positions
+from ..errors import UsageError, check_int
+from .inputs import build_checked, check_heads, check_out, check_seed, check_sizes, get_class_checked, write_png
 
 MAX_SIDE = 256  # patches on each side of the grid: a panel is a few hundred pixels wide
 GRID_METHODS = (MRoPE, AxialRoPE, RoPEMixed)
@@ -92,7 +92,6 @@ def grid_png(
 ) -> tuple[Path, torch.Tensor]:
     """Draw the grid pattern of ``encoding``'s first ``heads`` heads (default min(8, H)) seen from
     ``patch`` (default: the centre) to the PNG ``out``; returns (path, the (heads, h, w) map)."""
-    from .show import write_png  # the one PNG writer of posenc show (atomic, tagged)
 
     shown = check_heads(heads, encoding.num_heads)
     out = check_out(Path(out))
@@ -108,7 +107,7 @@ def grid_png(
 
 def draws(method: str) -> bool:
     """True for a registered method that takes 2-D grid positions (``posenc show`` then draws a grid)."""
-    from .encodings import REGISTRY
+    from ..encodings import REGISTRY
 
     return method in REGISTRY and issubclass(REGISTRY[method], GRID_METHODS)
 

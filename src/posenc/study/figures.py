@@ -16,7 +16,7 @@ from matplotlib.colors import to_hex, to_rgb
 from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter
 
-from .files import atomic_write
+from ..files import atomic_write
 
 # One fixed colour per method, so every figure of every run reads the same.
 COLORS = {
@@ -169,8 +169,8 @@ def recall_figure(results: dict) -> Figure:
         ax.set_xticks(lengths, [str(n) for n in lengths])
         ax.minorticks_off()
         ax.set_ylim(-0.02, 1.02)
-        ax.set_title(f"{cls}: the queried pairs {'just before the queries' if cls == 'near' else 'mid-sequence' if cls == 'middle' else 'at the start'}",
-                     fontsize=9)
+        where = 'just before the queries' if cls == 'near' else 'mid-sequence' if cls == 'middle' else 'at the start'
+        ax.set_title(f"{cls}: the queried pairs {where}", fontsize=9)
         ax.set_xlabel("evaluation length (tokens)")
         ax.grid(True, alpha=0.3)
     axes[0].set_ylabel("exact-match accuracy of the answers")

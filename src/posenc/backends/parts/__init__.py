@@ -1,0 +1,12 @@
+"""The helpers the registered backends share; none of these modules is a backend.
+
+- ``base``: masks, ``accumulation_dtype``, ``needs_grad``; re-exports ``ScoreSpec``;
+- ``regions``: kernel regions, the CPU flash kernel or its formula, the log-sum-exp merge, the
+  region backward, the denormal-flushing worker thread;
+- ``band``: the band near the diagonal, batched blocks on overlapping windows of k and v;
+- ``tails``: ``blocked``'s plan for a bias with affine tails;
+- ``explicit``: ``blocked``'s path for biases without affine tails;
+- ``distance``: ``terms``'s Transformer-XL path;
+- ``single``: one query against a KV cache (a decode step);
+- ``padding``: left-padded rows split into unpadded calls.
+"""
