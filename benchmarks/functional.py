@@ -175,6 +175,12 @@ def find(round_: list[dict], method: str, variant: str) -> dict:
     return next(j for j in round_ if j["method"] == method and j["variant"] == variant)
 
 
+def present(rs: list[list[dict]], methods) -> list[str]:
+    """The methods of ``methods`` that this run measured (a run may be limited with --methods)."""
+    seen = {j["method"] for j in rs[0]}
+    return [m for m in methods if m in seen]
+
+
 def tables(results: dict[str, list[list[dict]]]) -> str:
     lines = []
     if "workaround" in results:
@@ -183,7 +189,7 @@ def tables(results: dict[str, list[list[dict]]]) -> str:
         lines += [f"### posenc.attend vs the workaround, N={n}, forward + backward (B=1, H=8, D=64)", "",
                   "| method | workaround | speed-up of attend (x) | attend / NoPE | peak MB workaround | peak MB attend |",
                   "|---|---|---|---|---|---|"]
-        for m in ("alibi", "t5", "kerple", "fire", "shaw", "transformer_xl"):
+        for m in present(rs, ("alibi", "t5", "kerple", "fire", "shaw", "transformer_xl")):
             other = "workaround" if m not in ("shaw", "transformer_xl") else "eager"
             speed = [find(r, m, other)["seconds"] / find(r, m, "attend")["seconds"] for r in rs]
             to_nope = [find(r, m, "attend")["seconds"] / find(r, "nope", "attend")["seconds"] for r in rs]
@@ -195,7 +201,7 @@ def tables(results: dict[str, list[list[dict]]]) -> str:
         rs = results["gqa"]
         lines += ["### Grouped-query heads: ratio to NoPE with the same heads, N=2048, forward + backward", "",
                   "| method | MHA (8 KV heads) | GQA (2 KV heads) |", "|---|---|---|"]
-        for m in ("nope", "rope", "alibi", "t5", "kerple", "shaw"):
+        for m in present(rs, ("nope", "rope", "alibi", "t5", "kerple", "shaw")):
             cells = [spread([find(r, m, v)["seconds"] / find(r, "nope", v)["seconds"] for r in rs]) for v in ("mha", "gqa")]
             lines.append(f"| {m} | {cells[0]} | {cells[1]} |")
         lines.append("")
@@ -204,7 +210,7 @@ def tables(results: dict[str, list[list[dict]]]) -> str:
         lines += ["### A packed row of 4096 tokens (8 documents of 512), forward + backward", "",
                   "| method | packed / batch of 8 x 512 | dense block-diagonal mask / packed | peak MB packed | peak MB dense |",
                   "|---|---|---|---|---|"]
-        for m in ("nope", "rope", "alibi", "t5"):
+        for m in present(rs, ("nope", "rope", "alibi", "t5")):
             a = spread([find(r, m, "packed")["seconds"] / find(r, m, "batch")["seconds"] for r in rs])
             b = spread([find(r, m, "dense")["seconds"] / find(r, m, "packed")["seconds"] for r in rs])
             pm = statistics.median(find(r, m, "packed")["peak_over_baseline_mb"] for r in rs)
@@ -215,7 +221,7 @@ def tables(results: dict[str, list[list[dict]]]) -> str:
         rs = results["compile"]
         lines += ["### torch.compile (inductor): LM training step, dim 256, depth 4, 8 heads, N=512", "",
                   "| method | eager / compiled (x, > 1: compiled faster) | first compiled step (s) |", "|---|---|---|"]
-        for m in ("nope", "rope", "alibi"):
+        for m in present(rs, ("nope", "rope", "alibi")):
             ratio = spread([find(r, m, "eager")["seconds"] / find(r, m, "compiled")["seconds"] for r in rs])
             first = statistics.median(find(r, m, "compiled")["first_s"] for r in rs)
             lines.append(f"| {m} | {ratio} | {first:.1f} |")
@@ -231,15 +237,18 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--n", type=int, default=4096, help="tokens of the workaround table")
     parser.add_argument("--tables", nargs="+", default=["workaround", "gqa", "packed", "compile"])
+    parser.add_argument("--methods", nargs="+", default=None, help="only these methods' jobs (NoPE's always run: the ratios need it)")
     parser.add_argument("--out", default="benchmarks/results/functional")
     args = parser.parse_args()
     import torch
 
     started = time.time()
-    results = {t: measure(job_list(t, args.n), args.rounds) for t in args.tables}
+    keep = None if args.methods is None else {*args.methods, "nope"}
+    results = {t: measure([j for j in job_list(t, args.n) if keep is None or j["method"] in keep], args.rounds) for t in args.tables}
     header = (f"Machine: {cpu_model()}, {os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} threads. "
               f"Medians over {args.rounds} rounds (min-max), each ratio inside one round. "
-              f"Command: `python benchmarks/functional.py --rounds {args.rounds} --n {args.n} --tables {' '.join(args.tables)}`; "
+              f"Command: `python benchmarks/functional.py --rounds {args.rounds} --n {args.n} --tables {' '.join(args.tables)}"
+              f"{'' if args.methods is None else ' --methods ' + ' '.join(args.methods)}`; "
               f"{time.time() - started:.0f} s.\n\n")
     os.makedirs(args.out, exist_ok=True)
     text = header + tables(results)
