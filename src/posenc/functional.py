@@ -155,24 +155,12 @@ def _call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec, ba
     name, chosen = backends.choose(backend, spec, q)
     group = q.shape[1] // k.shape[1]
     if group > 1:
-        if name == "sdpa" and spec.plain and spec.starts is None:
-            return _plain_gqa(q, k, v, spec), name
+        if name == "sdpa" and spec.plain:  # sdpa broadcasts grouped heads in the kernel (enable_gqa)
+            return chosen.attend(q, k, v, spec), name
         if name != "eager" and not (spec.has_query_terms or spec.has_value_terms) and single.applies(spec, q, k, v):
             return single.attend(q, k, v, spec), name  # a decode step: the query heads of a group as its queries
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # (B, H, Tk, D)
     return chosen.attend(q, k, v, spec), name
-
-
-def _plain_gqa(q, k, v, spec: ScoreSpec) -> torch.Tensor:
-    """No score terms: the fused kernel broadcasts the key/value heads itself."""
-    import torch.nn.functional as F
-
-    tq, tk = q.shape[-2], k.shape[-2]
-    if not spec.causal or (tq == 1 and spec.aligned):
-        return F.scaled_dot_product_attention(q, k, v, scale=spec.scale, enable_gqa=True)
-    if tq == tk and spec.aligned:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=spec.scale, enable_gqa=True)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=spec.allowed(), scale=spec.scale, enable_gqa=True)
 
 
 def _segments(q, k, v, encoding, geometry: Geometry, scale: float, memo: ForwardMemo, backend: str, rotate: bool,

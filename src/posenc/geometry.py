@@ -353,7 +353,7 @@ class Geometry:
         consecutive = True
         if qv:
             consecutive = _check_run(qv) and consecutive
-        if kv:
+        if kv and kv is not qv:  # (the keys' positions are the queries' in a full pass: checked above)
             consecutive = _check_run(kv, name="k_positions") and consecutive
         aligned = (not qv) or (len(qv) <= len(kv) and qv == kv[len(kv) - len(qv) :])
         return cls(batch, tq, tk, causal, positions, k_positions, consecutive, None,

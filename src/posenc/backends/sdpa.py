@@ -34,12 +34,13 @@ def preferred(spec: ScoreSpec, q: torch.Tensor) -> bool:
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec) -> torch.Tensor:
     tq, tk = q.shape[-2], k.shape[-2]
     if not spec.has_bias:
+        gqa = k.shape[1] != q.shape[1]  # grouped key/value heads: the kernel broadcasts them itself
         if not spec.causal or tq == 1 and spec.aligned:
-            return F.scaled_dot_product_attention(q, k, v, scale=spec.scale)
+            return F.scaled_dot_product_attention(q, k, v, scale=spec.scale, enable_gqa=gqa)
         if tq == tk:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=spec.scale)
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=spec.scale, enable_gqa=gqa)
         # Cached decoding of several tokens: is_causal would align the mask top-left.
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=spec.allowed(), scale=spec.scale)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=spec.allowed(), scale=spec.scale, enable_gqa=gqa)
     mask = spec.bias().to(q.dtype)  # (H, Tq, Tk)
     causal = additive_mask(spec.allowed(), q.dtype)
     if causal is not None:
