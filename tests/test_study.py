@@ -238,7 +238,8 @@ def test_existing_run_needs_resume_and_the_same_config(tmp_path, capsys):
     assert final["methods"]["alibi"] == after["methods"]["alibi"]
 
 
-MODERN = {"xpos", "xpos+blockwise", "kerple", "sandwich", "fire", "cope", "rope+random", "rope+drop", "alibi", "nope"}
+MODERN = {"xpos", "xpos+blockwise", "kerple", "sandwich", "fire", "cope", "deberta", "fox", "rope", "rope+random", "rope+drop",
+          "alibi", "nope"}
 
 
 def test_presets_are_valid_and_default_matches_design():
@@ -250,7 +251,7 @@ def test_presets_are_valid_and_default_matches_design():
     classic = ["nope", "sinusoidal", "learned", "shaw", "transformer_xl", "t5", "rope", "alibi"]
     scalings = ["rope+linear", "rope+ntk", "rope+dynamic", "rope+yarn", "rope+llama3", "rope+longrope"]
     assert PRESETS["default"]["methods"] == [*classic, *scalings]
-    assert PRESETS["recall"]["methods"] == [*classic, *scalings] and PRESETS["recall"]["task"] == "recall"
+    assert PRESETS["recall"]["methods"] == [*classic, *scalings, "rope+random", "rope+drop"] and PRESETS["recall"]["task"] == "recall"
     assert set(PRESETS["modern"]["methods"]) == MODERN
     # the dataclass's own defaults are the default preset's: one source of every size
     assert StudyConfig() == StudyConfig.from_preset("default")

@@ -25,7 +25,11 @@ from .rows import SCALINGS
 # The classic line of methods, and the rows that only evaluate a trained RoPE model differently.
 CLASSIC = ["nope", "sinusoidal", "learned", "shaw", "transformer_xl", "t5", "rope", "alibi"]
 ROPE_SCALINGS = [f"rope+{s}" for s in SCALINGS]
-MODERN = ["xpos", "xpos+blockwise", "kerple", "sandwich", "fire", "cope", "rope+random", "rope+drop", "alibi", "nope"]
+MODERN = ["xpos", "xpos+blockwise", "kerple", "sandwich", "fire", "cope", "deberta", "fox", "rope", "rope+random", "rope+drop",
+          "alibi", "nope"]
+# The recall task asks the classic line and RoPE's scalings, and the two training protocols whose papers
+# claim longer reach (DroPE, randomized positions).
+RECALL = [*CLASSIC, *ROPE_SCALINGS, "rope+random", "rope+drop"]
 
 # Model and training sizes per preset, and the rows each one studies (named here, not "every
 # registered method": a new method must not change what a preset costs). smoke: CI, seconds per
@@ -51,7 +55,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         steps=800, batch_size=32, lr=2e-3, valid_bytes=DEFAULT_VALID_BYTES, checkpoint_every=100,
     ),
     "recall": dict(
-        task="recall", methods=[*CLASSIC, *ROPE_SCALINGS],
+        task="recall", methods=list(RECALL),
         dim=128, depth=2, num_heads=4, train_length=64, eval_lengths=[64, 128, 256, 512],
         steps=1500, batch_size=32, lr=3e-3, valid_bytes=DEFAULT_VALID_BYTES, checkpoint_every=250,
     ),
