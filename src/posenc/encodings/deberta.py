@@ -138,11 +138,19 @@ class DeBERTa(PositionalEncoding):
         """The factor of q . k: 1 / sqrt(D * (1 + number of position terms)) (eq. 4)."""
         return 1.0 / math.sqrt(self.head_dim * (1 + self.num_terms))
 
+    def relative_rows(self, relative: torch.Tensor) -> torch.Tensor:
+        """Table rows of integer r = j - i (posenc's sign, any shape): clamp(bucket(-r) + k, 0, 2k - 1).
+
+        Non-increasing in r and constant on each side far enough out (row 2k - 1 in the past,
+        row 0 in the future, or the rows the buckets saturate at when b < 4): the fast backend
+        finds those ends per call from this function alone (``backends/parts/disentangled.py``).
+        """
+        bucket = log_bucket(-relative, self.position_buckets, self.max_relative_positions)
+        return (bucket + self.span).clamp(0, 2 * self.span - 1)
+
     def index(self, q_positions: torch.Tensor, k_positions: torch.Tensor) -> torch.Tensor:
         """(Tq, Tk) table rows idx_ij = clamp(bucket(i - j) + k, 0, 2k - 1)."""
-        delta = q_positions[:, None] - k_positions[None, :]  # (Tq, Tk): i - j
-        bucket = log_bucket(delta, self.position_buckets, self.max_relative_positions)
-        return (bucket + self.span).clamp(0, 2 * self.span - 1)
+        return self.relative_rows(k_positions[None, :] - q_positions[:, None])  # r = j - i = -delta
 
     def table(self) -> torch.Tensor:
         """The relative table as the projections see it: LayerNorm(P) (2k, dim), or P."""
@@ -157,6 +165,15 @@ class DeBERTa(PositionalEncoding):
         kr = None if self.pos_key_proj is None else self._heads(self.pos_key_proj(p))
         qr = None if self.pos_query_proj is None else self._heads(self.pos_query_proj(p))
         return kr, qr
+
+    def disentangled_tables(self) -> tuple[torch.Tensor | None, torch.Tensor | None, float]:
+        """What ``query_terms`` is made of, for the fast backend (:class:`DisentangledTables`).
+
+        Returns (K_r (H, 2k, D) or None, Q_r (H, 2k, D) or None, scale): the pair (i, j) reads row
+        t = ``relative_rows(j - i)`` and its term is (q_i . K_r[t] + k_j . Q_r[t]) * scale.
+        """
+        kr, qr = self.position_tables()
+        return kr, qr, self.content_scale
 
     def query_terms(
         self, q: torch.Tensor, k: torch.Tensor, q_positions: torch.Tensor, k_positions: torch.Tensor
