@@ -50,6 +50,15 @@ The paper's model is an encoder (bidirectional); ``causal=True`` masks keys afte
 keeps the same terms (the future rows of the table are then never read). No (Tq, Tk, D) tensor is
 built: q and k are multiplied with the 2k position keys/queries once, (B, H, T, 2k), and gathered
 per pair (for one query against a cache, the p2c rows are gathered per key instead).
+
+Backends. ``query_terms`` is the reference (``eager``: (B, H, 256, Tk) per query block). The
+encoding also offers ``DisentangledTables`` (``disentangled_tables`` and ``relative_rows``), which
+``terms`` serves on CPU in float32/float64 (``backends/parts/disentangled.py``, docs/backends.md):
+every key past the last bucket on one side reads one row t (2k - 1 in the past, 0 in the future),
+so for those keys A_ij / sqrt(D (1 + n)) = ((q_i + Q_r[t]) . k_j + q_i . K_r[t]) / sqrt(D (1 + n)),
+plain attention of a shifted query plus a per-query constant (the flash kernel); only the band of
+distinct buckets is written out, from the two (T x 2k) products and their gathers; a decode step
+(causal form, KV cache) is the same split for one query.
 """
 
 from __future__ import annotations

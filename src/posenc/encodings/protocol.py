@@ -194,7 +194,8 @@ def offers(encoding: object, capability: type) -> bool:
 
 
 __all__ = [
-    "CAPABILITIES", "HOOKS", "BiasFeatures", "BiasTails", "Biases", "ClippedTables", "ContextualPositions", "DisentangledTables", "DistanceBias", "DistanceKeys",
+    "CAPABILITIES", "HOOKS", "BiasFeatures", "BiasTails", "Biases", "ClippedTables", "ContextualPositions", "DisentangledTables",
+    "DistanceBias", "DistanceKeys",
     "Embeds", "Gates",
     "QueryTerms", "RelativeBias", "Rotates", "Scores", "ValueTerms", "members", "offers",
 ]

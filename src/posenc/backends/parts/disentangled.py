@@ -59,13 +59,15 @@ def _tables(spec: ScoreSpec) -> tuple[torch.Tensor | None, torch.Tensor | None, 
     return enc.disentangled_tables()
 
 
-def ends(spec: ScoreSpec, r_lo: int, r_hi: int, device: torch.device) -> tuple[torch.Tensor, int, int]:
-    """(rows (r_hi - r_lo + 1,) of r = r_lo..r_hi, e_p, s_f): the call's table rows, and where the
-    far past (r <= e_p, every row rows(r_lo)) and far future (r >= s_f, every row rows(r_hi)) begin."""
+def ends(spec: ScoreSpec, r_lo: int, r_hi: int, device: torch.device) -> tuple[torch.Tensor, list[int], int, int]:
+    """(rows (r_hi - r_lo + 1,) of r = r_lo..r_hi, the same as a list, e_p, s_f): the call's table
+    rows, and where the far past (r <= e_p, every row rows(r_lo)) and far future (r >= s_f, every
+    row rows(r_hi)) begin. One host read (the list: O(Tq + Tk) integers)."""
     rows = spec.encoding.relative_rows(torch.arange(r_lo, r_hi + 1, device=device))  # (n,)
-    same_lo = int((rows == rows[0]).long().cumprod(0).sum())  # one host read: the constant prefix
-    same_hi = int((rows.flip(0) == rows[-1]).long().cumprod(0).sum())
-    return rows, min(r_lo + same_lo - 1, -1), max(r_hi - same_hi + 1, 1)
+    listed = rows.tolist()
+    same_lo = next((n for n, t in enumerate(listed) if t != listed[0]), len(listed))  # the constant prefix
+    same_hi = next((n for n, t in enumerate(reversed(listed)) if t != listed[-1]), len(listed))
+    return rows, listed, min(r_lo + same_lo - 1, -1), max(r_hi - same_hi + 1, 1)
 
 
 # --------------------------------------------------------------------------------------------
@@ -79,12 +81,12 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec
     offset, causal, scale = spec.offset, spec.causal, spec.scale  # query a is key a + offset
     r_lo = -(offset + tq - 1)  # r = key index - (query index + offset)
     r_hi = 0 if causal else tk - 1 - offset
-    rows, e_p, s_f = ends(spec, r_lo, r_hi, q.device)
+    rows, listed, e_p, s_f = ends(spec, r_lo, r_hi, q.device)
     top = 0 if causal else min(s_f - 1, r_hi)
     past = -e_p  # the band: -past < r <= top
-    # The rows the band reads, R' of them: rows are monotone in r, so one contiguous range.
-    in_band = rows[max(e_p + 1, r_lo) - r_lo : top - r_lo + 1]
-    r0, r1 = int(in_band.min()), int(in_band.max()) + 1
+    # The rows the band reads: the range r0..r1-1 of them (R' rows; every row between, if rows skip).
+    in_band = listed[max(e_p + 1, r_lo) - r_lo : top - r_lo + 1]
+    r0, r1 = min(in_band), max(in_band) + 1
     dt = q.dtype
     a_band = None if a_table is None else torch.matmul(q, (a_table[:, r0:r1].to(dt) * term_scale).transpose(-1, -2))  # (B, H, Tq, R')
     b_band = None if b_table is None else torch.matmul(k, (b_table[:, r0:r1].to(dt) * term_scale).transpose(-1, -2))  # (B, H, Tk, R')
@@ -92,9 +94,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec
 
     # Far regions: per side, the query shifted by B[t] and the constant q . A[t].
     regions, shifted, consts = [], [], []
-    sides = [(0, lower(tq, tk, offset + e_p), int(rows[0]))]
+    sides = [(0, lower(tq, tk, offset + e_p), listed[0])]
     if not causal:
-        sides.append((1, upper(tq, tk, offset + s_f), int(rows[-1])))
+        sides.append((1, upper(tq, tk, offset + s_f), listed[-1]))
     for side, (_, side_regions, t) in enumerate(sides):
         if not side_regions:
             continue
@@ -210,7 +212,7 @@ def step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec) -> 
 
     a_table, b_table, term_scale = _tables(spec)
     tk, acc, dt = k.shape[-2], accumulation_dtype(q.dtype), q.dtype
-    rows, e_p, _ = ends(spec, 1 - tk, 0, q.device)  # key index j has r = j - (tk - 1)
+    rows, listed, e_p, _ = ends(spec, 1 - tk, 0, q.device)  # key index j has r = j - (tk - 1)
     far = max(0, tk + e_p)  # keys 0..far-1: r <= e_p, row rows[0]
     t = rows[far:]  # (w,) the band keys' rows
     pad, _ = single.padding(spec, tk, dt, q.device)
@@ -225,7 +227,7 @@ def step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec) -> 
     out = torch.matmul(torch.exp(scores - lse[..., None]).to(dt), v[:, :, far:]).to(acc)  # (B, H, 1, D)
     if far == 0:
         return out.to(dt)
-    t_p = int(rows[0])
+    t_p = listed[0]
     shifted = q if b_table is None else q + (b_table[:, t_p].to(dt) * (term_scale / spec.scale))[None, :, None, :]
     o_far, l_far = kernel_forward(shifted, k[:, :, :far], v[:, :, :far], False, spec.scale, None if pad is None else pad[..., :far])
     l_far = l_far.to(acc)
