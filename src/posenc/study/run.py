@@ -56,6 +56,14 @@ _ADDED = {"task": "lm", "drop_positions_after": None, "random_positions": None, 
 
 
 def _check_same(saved: dict, cfg: StudyConfig, fingerprint: dict, out: Path, hf: dict | None) -> None:
+    before = saved.get("hf") or {}
+    if before.get("sha256") != (hf or {}).get("sha256"):
+        was = (f"hf_config {before.get('path')} (model_type {before.get('model_type')!r}, sha256 {before.get('sha256')})"
+               if before else "posenc's own model (no hf_config)")
+        now = (f"hf_config {hf['path']} (model_type {hf['model_type']!r}, sha256 {hf['sha256']})" if hf
+               else "posenc's own model (no hf_config)")
+        raise UsageError(f"resume: {out} was trained on {was}, this run asks for {now}; use the original "
+                         "config file or another out")
     old = {**_ADDED, **{k: v for k, v in saved["config"].items() if k not in ("methods", "seeds", "hf_config")}}
     new = cfg.comparable()
     diff = [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
@@ -65,14 +73,6 @@ def _check_same(saved: dict, cfg: StudyConfig, fingerprint: dict, out: Path, hf:
     if saved.get("corpus", {}).get("sha256") != fingerprint["sha256"]:
         raise UsageError(f"resume: the corpus differs from the one {out} was trained on "
                          f"(sha256 {saved.get('corpus', {}).get('sha256')} vs {fingerprint['sha256']})")
-    before = saved.get("hf") or {}
-    if before.get("sha256") != (hf or {}).get("sha256"):
-        was = (f"hf_config {before.get('path')} (model_type {before.get('model_type')!r}, sha256 {before.get('sha256')})"
-               if before else "posenc's own model (no hf_config)")
-        now = (f"hf_config {hf['path']} (model_type {hf['model_type']!r}, sha256 {hf['sha256']})" if hf
-               else "posenc's own model (no hf_config)")
-        raise UsageError(f"resume: {out} was trained on {was}, this run asks for {now}; use the original "
-                         "config file or another out")
 
 
 def _fingerprint_recall(cfg: StudyConfig) -> dict:
