@@ -126,7 +126,8 @@ def test_qwen2_recall_study_with_drop_and_finetuned_scaling_rows(tmp_path, text)
     qwen = write_config(tmp_path / "qwen2.json", Qwen2Config(vocab_size=300, tie_word_embeddings=True, **TINY))
     out = tmp_path / "run"
     args = ["study", "--preset", "smoke", "--task", "recall", "--steps", "3", "--batch-size", "4", "--train-length", "32",
-            "--eval-lengths", "32", "64", "--recall-sequences", "4", "--finetune-steps", "2", "--drop-positions-after", "0.34", "--quiet", "--threads", "1",
+            "--eval-lengths", "32", "64", "--recall-sequences", "4", "--finetune-steps", "2", "--drop-positions-after", "0.34",
+            "--quiet", "--threads", "1",
             "--hf-config", qwen, "--methods", "hf", "rope+drop", "rope+yarn", "--out", str(out)]
     assert cli.main(args) == 0
     results = json.loads((out / "results.json").read_text())
