@@ -120,6 +120,12 @@ def test_rope_row_equals_hf_row_at_initialisation(llama) -> None:
     assert hf.model.config._attn_implementation == "sdpa" and rope.model.config._attn_implementation == "posenc"
     assert (got - ref).abs().max() < 1e-5
     assert (biased - ref).abs().max() > 1e-3  # a test that can fail: another encoding is another model
+    # the fair options, as on posenc's own model: a learned table of the training length, T5's bound capped
+    learned, t5 = models.build("learned"), models.build("t5:num_buckets=8")
+    assert learned.max_length == 16 and hf.max_length is None and t5.config.encoding_options == {"num_buckets": 8, "max_distance": 16}
+    from posenc.study.evaluation import cannot_run
+
+    assert "cannot run past 16" in cannot_run(learned, 32) and cannot_run(hf, 32) is None
 
 
 def test_qwen2_recall_study_with_drop_and_finetuned_scaling_rows(tmp_path, text) -> None:
