@@ -202,3 +202,24 @@ def test_help_names_the_option(capsys) -> None:
         cli.main(["study", "--help"])
     out = " ".join(capsys.readouterr().out.split())
     assert "--hf-config FILE" in out and "AutoModelForCausalLM.from_config(FILE)" in out and "the row hf" in out
+
+
+def test_an_interrupted_row_resumes_to_the_numbers_of_an_uninterrupted_run(tmp_path, llama, text) -> None:
+    def config() -> StudyConfig:
+        return StudyConfig.from_preset("smoke", methods=["t5:num_buckets=8"], hf_config=llama, steps=4, batch_size=4,
+                                       train_length=16, eval_lengths=[16, 32], valid_bytes=256, data=text,
+                                       checkpoint_every=1)
+
+    whole = run_experiment(config(), tmp_path / "whole", progress=False)
+
+    def stop(label: str, step: int) -> None:
+        if step == 2:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        run_experiment(config(), tmp_path / "cut", progress=False, on_step=stop)
+    assert (tmp_path / "cut" / "state" / "t5_num_buckets-8.pt").exists()
+    resumed = run_experiment(config(), tmp_path / "cut", resume=True, progress=False)
+    a, b = whole["methods"]["t5:num_buckets=8"], resumed["methods"]["t5:num_buckets=8"]
+    assert b["train"]["losses"] == a["train"]["losses"]
+    assert [e["loss"] for e in b["eval"]] == pytest.approx([e["loss"] for e in a["eval"]], rel=1e-6)
