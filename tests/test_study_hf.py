@@ -145,13 +145,24 @@ def test_qwen2_recall_study_with_drop_and_finetuned_scaling_rows(tmp_path, text)
     assert results["methods"]["rope+drop"]["train"]["positions_dropped_at_step"] == 2
     ft = results["methods"]["rope+yarn+ft"]["model"]
     assert ft["scaling"]["rope_type"] == "yarn" and ft["scaling"]["factor"] == 2.0
-    # resume with a new evaluated row: its base's checkpoint (tied weights) is loaded, not trained again
-    # (rope+drop named again: resume checks drop_positions_after against the rows it is given)
-    assert cli.main(["study", "--resume", "--out", str(out), "--methods", "rope+drop", "rope+ntk", "--quiet"]) == 0
-    again = json.loads((out / "results.json").read_text())
-    assert again["methods"]["rope"]["train"] == results["methods"]["rope"]["train"]
-    finite(again, ["rope+ntk"], key="accuracy")
-    assert again["methods"]["rope+ntk"]["eval"][0]["accuracy"] == results["methods"]["rope"]["eval"][0]["accuracy"]
+    # The checkpoints load back into the row's model (tied weights included) and refuse another config file.
+    from safetensors.torch import load_file
+
+    from posenc.hf.study import HFModels, load_architecture
+
+    cfg = StudyConfig.from_preset("smoke", task="recall", methods=["rope+drop"], hf_config=qwen, steps=3,
+                                  train_length=32, eval_lengths=[32, 64], drop_positions_after=0.34).validate()
+    models = HFModels(cfg)
+    for row in ("rope", "rope+drop"):
+        path = out / "checkpoints" / f"{row}.safetensors"
+        model = models.load(path, row, torch.device("cpu"))
+        assert model.model.lm_head.weight is model.model.model.embed_tokens.weight
+        saved = load_file(str(path))
+        assert all(torch.equal(model.state_dict()[k], v) for k, v in saved.items())
+        assert model.config.to_dict() == results["methods"][row]["model"]
+    other = write_config(tmp_path / "other.json", Qwen2Config(vocab_size=300, tie_word_embeddings=True, **TINY, rope_theta=500.0))
+    with pytest.raises(UsageError, match="trained on another hf_config"):
+        HFModels(cfg, load_architecture(other)).load(out / "checkpoints" / "rope.safetensors", "rope", torch.device("cpu"))
 
 
 def config_error(tmp_path, **fields) -> str:
