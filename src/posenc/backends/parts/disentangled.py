@@ -44,14 +44,14 @@ C block rows, L block keys.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from ...encodings.protocol import DisentangledTables
-from . import band
 from .base import ScoreSpec, accumulation_dtype
 from .regions import Region, call_order, flushed, kernel_forward, keys_of, lower, region_backward, rows_of, upper
 
 BLOCK = 64  # queries per band block
-GROUP_ELEMENTS = 1 << 22  # band temporaries per group: at most this many (B x H x blocks x rows x keys)
+GROUP_ELEMENTS = 1 << 20  # band temporaries per group: at most this many (B x H x blocks x rows x keys)
 
 
 def _tables(spec: ScoreSpec) -> tuple[torch.Tensor | None, torch.Tensor | None, float]:
@@ -83,14 +83,12 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec
     r_hi = 0 if causal else tk - 1 - offset
     rows, listed, e_p, s_f = ends(spec, r_lo, r_hi, q.device)
     top = 0 if causal else min(s_f - 1, r_hi)
-    past = -e_p  # the band: -past < r <= top
-    # The rows the band reads: the range r0..r1-1 of them (R' rows; every row between, if rows skip).
-    in_band = listed[max(e_p + 1, r_lo) - r_lo : top - r_lo + 1]
-    r0, r1 = min(in_band), max(in_band) + 1
+    first = e_p + 1  # the band: first <= r <= top, W = top - first + 1 distances
+    t = rows[first - r_lo : top - r_lo + 1]  # (W,) the table row of each band distance
     dt = q.dtype
-    a_band = None if a_table is None else torch.matmul(q, (a_table[:, r0:r1].to(dt) * term_scale).transpose(-1, -2))  # (B, H, Tq, R')
-    b_band = None if b_table is None else torch.matmul(k, (b_table[:, r0:r1].to(dt) * term_scale).transpose(-1, -2))  # (B, H, Tk, R')
-    o_b, lse_b = _band(q, k, v, a_band, b_band, rows - r0, r_lo, offset, past, top, scale)
+    a_w = None if a_table is None else a_table[:, t].to(dt) * term_scale  # (H, W, D)
+    b_w = None if b_table is None else b_table[:, t].to(dt) * term_scale  # (H, W, D)
+    o_b, lse_b = _Band.apply(q, k, v, a_w, b_w, _BandGeometry(offset, first, top, scale, tq, tk))
 
     # Far regions: per side, the query shifted by B[t] and the constant q . A[t].
     regions, shifted, consts = [], [], []
@@ -109,37 +107,222 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec
     return _MergeFar.apply(o_b, lse_b, torch.stack(shifted), k, v, torch.stack(consts), tuple(regions), scale)
 
 
-def _band(q, k, v, a_band, b_band, rows, r_lo: int, offset: int, past: int, top: int, scale: float):
-    """Attention restricted to the band -past < r <= top: (output (B, H, Tq, D), log-sum-exp (B, H, Tq)),
-    in the accumulation dtype, differentiable (autograd)."""
+# --------------------------------------------------------------------------------------------
+# The band: distance layout for the position terms, key layout for the content, a written-out backward
+
+
+class _BandGeometry:
+    """Where the band lies: distances ``first <= r <= top`` (r = key index - query index - offset),
+    W = top - first + 1 of them, for Tq queries and Tk keys; ``scale`` the content product's factor.
+    The keys are padded with ``pad_l`` zero keys before and ``pad_r`` after, so that every query's
+    W band keys exist: query a reads padded keys ``start + a + w``, w = 0..W-1."""
+
+    def __init__(self, offset: int, first: int, top: int, scale: float, tq: int, tk: int) -> None:
+        self.offset, self.first, self.top, self.scale = offset, first, top, scale
+        self.width = top - first + 1
+        self.pad_l = max(0, -(offset + first))
+        self.pad_r = max(0, tq - 1 + offset + top - (tk - 1))
+        self.start = offset + first + self.pad_l
+
+
+def _diagonal(s: torch.Tensor, width: int) -> torch.Tensor:
+    """Band cells of key-layout scores s (..., C, C + W - 1), contiguous, as a (..., C, W) view in
+    distance layout: [a, w] = s[a, a + w] (row stride L + 1: Transformer-XL's relative shift)."""
+    *lead, c, length = s.shape
+    return s.as_strided((*lead, c, width), (*s.stride()[:-2], length + 1, 1), s.storage_offset())
+
+
+def _skew(pk: torch.Tensor, tq: int, start: int) -> torch.Tensor:
+    """Per-key terms pk (..., Tp, W), contiguous, read per query: a (..., Tq, W) view with
+    [a, w] = pk[start + a + w, w] (row stride W, column stride W + 1)."""
+    *lead, _, width = pk.shape
+    return pk.as_strided((*lead, tq, width), (*pk.stride()[:-2], width, width + 1), pk.storage_offset() + start * width)
+
+
+def _segments(b: int, h: int, tq: int, width: int) -> list[tuple[int, int, int]]:
+    """(t0, n, C): n blocks of C = :data:`BLOCK` queries from query t0 (the last block shorter),
+    in groups of at most :data:`GROUP_ELEMENTS` scores."""
+    full = tq // BLOCK
+    size = max(1, GROUP_ELEMENTS // (b * h * BLOCK * (BLOCK + width - 1)))
+    out = [(n0 * BLOCK, min(size, full - n0), BLOCK) for n0 in range(0, full, size)]
+    if full * BLOCK < tq:
+        out.append((full * BLOCK, 1, tq - full * BLOCK))
+    return out
+
+
+def _rows(x: torch.Tensor, t0: int, n: int, c: int) -> torch.Tensor:
+    """Queries t0 .. t0 + n*C of x (B, H, T, X) as n blocks: a (B, H, n, C, X) view."""
+    return x[:, :, t0 : t0 + n * c].unflatten(2, (n, c))
+
+
+def _windows(x: torch.Tensor, k0: int, n: int, c: int, length: int) -> torch.Tensor:
+    """The keys of n blocks of one (batch, head), x (Tp, D): block m reads keys k0 + m*C + [0, L);
+    an (n, L, D) view of overlapping windows (no copy: one GEMM per (batch, head) reads it)."""
+    return x[k0 : k0 + (n - 1) * c + length].unfold(0, length, c).transpose(-1, -2)
+
+
+def _add_windows(buf: torch.Tensor, k0: int, c: int, g: torch.Tensor) -> None:
+    """buf[:, :, keys of block m] += g[:, :, m] for the overlapping windows of :func:`_windows`:
+    g (B, H, n, L, D), buf (B, H, Tp + C, D) (C spare rows: no segment overhangs)."""
+    n, length = g.shape[2], g.shape[3]
+    for s0 in range(0, length, c):
+        seg = g[:, :, :, s0 : s0 + c]  # (B, H, n, c', D): this segment of every window
+        buf[:, :, k0 + s0 : k0 + s0 + n * c].unflatten(2, (n, c))[:, :, :, : seg.shape[3]] += seg
+
+
+def _triangles(c: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(C, C) bool masks of the off-band cells of a block: column < row in its first C columns,
+    column >= row + W in its last C (strictly lower / strictly upper triangles)."""
+    ones = torch.ones(c, c, dtype=torch.bool, device=device)
+    return ones.tril(-1), ones.triu(1)
+
+
+def _per_key(k, b_w, geo: _BandGeometry) -> torch.Tensor | None:
+    """p2c per key and band distance, ``k_j . B_w[w]`` (B, H, Tp, W) on the padded keys (0 on the
+    padding), or None without p2c. One GEMM per (batch, head)."""
+    if b_w is None:
+        return None
+    b, h, tk, _ = k.shape
+    pk = k.new_empty(b, h, geo.pad_l + tk + geo.pad_r, geo.width)  # (B, H, Tp, W)
+    pk[:, :, : geo.pad_l].zero_()
+    pk[:, :, geo.pad_l + tk :].zero_()
+    for i in range(b):
+        for j in range(h):
+            torch.mm(k[i, j], b_w[j].t(), out=pk[i, j, geo.pad_l : geo.pad_l + tk])
+    return pk
+
+
+class _Band(torch.autograd.Function):
+    """Attention restricted to the band: (output (B, H, Tq, D), log-sum-exp (B, H, Tq)).
+
+    Per block of C queries, ``q k^T * scale`` against the block's C + W - 1 keys (key layout, one
+    GEMM per batch and head on overlapping key windows, a view) gets the position terms added on
+    its band diagonal, a strided view in distance layout: c2p ``q A_w^T`` (one more GEMM per block)
+    and p2c, a skewed view of ``k B_w^T`` (B, H, Tp, W) made once per call (A_w, B_w: the table
+    rows of the W band distances, term scale folded in); -inf on the two off-band triangles and on
+    padding keys. The backward recomputes each block's probabilities from the saved log-sum-exp
+    (as flash attention does); dS's band diagonal is the gradient of the position terms, which
+    GEMMs send to q and A_w per block, and one skewed copy into a (B, H, Tp, W) buffer to k and B_w.
+    Nothing of size (keys x rows) is filled per block, and only q, k, v, the tables, the output
+    and the log-sum-exp are saved.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, a_w, b_w, geo: _BandGeometry):
+        out, lse = flushed(_band_forward, q, k, v, a_w, b_w, geo)
+        ctx.geo = geo
+        ctx.save_for_backward(q, k, v, a_w, b_w, out, lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, d_out, d_lse):
+        q, k, v, a_w, b_w, out, lse = ctx.saved_tensors
+        return (*flushed(_band_backward, ctx.geo, d_out, d_lse, q, k, v, a_w, b_w, out, lse), None)
+
+
+def _prepared(q, k, v, b_w, geo: _BandGeometry):
+    """(q * scale, padded k, padded v, p2c per key or None): what forward and backward start from."""
+    q_s = (q * geo.scale).contiguous()  # (B, H, Tq, D): the content scale folded into the queries
+    k_pad, v_pad = (F.pad(x, (0, 0, geo.pad_l, geo.pad_r)).contiguous() for x in (k, v))  # (B, H, Tp, D)
+    return q_s, k_pad, v_pad, _per_key(k, b_w, geo)
+
+
+def _scores(q, q_s, k_pad, a_w, pk, t0: int, n: int, c: int, geo: _BandGeometry, masks: dict) -> torch.Tensor:
+    """Scores of n blocks of C queries from t0, key layout (B, H, n, C, L): q k^T * scale, the
+    position terms on the band diagonal, -inf off it and on padding keys."""
+    b, h = q_s.shape[:2]
+    width, length = geo.width, c + geo.width - 1
+    s = q_s.new_empty(b, h, n, c, length)  # (B, H, n, C, L)
+    diag = _diagonal(s, width)  # (B, H, n, C, W)
+    qb = _rows(q_s, t0, n, c)
+    for i in range(b):
+        for j in range(h):
+            torch.bmm(qb[i, j], _windows(k_pad[i, j], geo.start + t0, n, c, length).transpose(-1, -2), out=s[i, j])
+            if a_w is not None:  # c2p: q_a . A_w[w]
+                diag[i, j].add_(torch.mm(q[i, j, t0 : t0 + n * c], a_w[j].t()).view(n, c, width))
+    if pk is not None:  # p2c: k_(a + w) . B_w[w]
+        diag.add_(_rows(_skew(pk, q.shape[-2], geo.start), t0, n, c))
+    if c not in masks:
+        masks[c] = _triangles(c, q_s.device)
+    left, right = masks[c]
+    s[..., :c].masked_fill_(left, float("-inf"))
+    s[..., length - c :].masked_fill_(right, float("-inf"))
+    tk = k_pad.shape[-2] - geo.pad_l - geo.pad_r
+    for m in range(n):  # padding keys: the first blocks' windows start before key 0, an encoder's last end after it
+        first = geo.start + t0 + m * c - geo.pad_l  # key index of the block's first window column
+        if first < 0:
+            s[:, :, m, :, :-first] = float("-inf")
+        if first + length > tk:
+            s[:, :, m, :, tk - first :] = float("-inf")
+    return s
+
+
+def _band_forward(q, k, v, a_w, b_w, geo: _BandGeometry):
     b, h, tq, _ = q.shape
-    tk = k.shape[-2]
-    acc = accumulation_dtype(q.dtype)
-    dev = q.device
-    outs, lses = [], []
-    for whole in band.plan_band(tq, tk, offset, 0, past, top, BLOCK):
-        size = max(1, GROUP_ELEMENTS // (b * h * whole.rows * whole.length))
-        for group in band.split(whole, size) if whole.count > size else [whole]:
-            c, length = group.rows, group.length
-            first = group.k0 - offset - group.t0  # r of the block's top-left pair
-            rel = first + torch.arange(length, device=dev)[None, :] - torch.arange(c, device=dev)[:, None]  # (C, L)
-            inside = (rel > -past) & (rel <= top)
-            t = rows[(rel - r_lo).clamp(0, rows.numel() - 1)].clamp(0, None)  # (C, L) band rows (outside: any valid row)
-            qc, kc, vc = band.blocks(q, group), band.windows(k, group), band.windows(v, group)  # (B*n, H, C or L, D)
-            s = torch.matmul(qc, kc.transpose(-1, -2)).to(acc) * scale  # (B*n, H, C, L)
-            n = qc.shape[0]
-            if a_band is not None:  # c2p: q_i . A[t_ij], along the query's row
-                t_a = t.clamp(max=a_band.shape[-1] - 1)
-                s = s + band.blocks(a_band, group).gather(-1, t_a.expand(n, h, c, length)).to(acc)
-            if b_band is not None:  # p2c: k_j . B[t_ij], along the key's row
-                t_b = t.clamp(max=b_band.shape[-1] - 1).t()  # (L, C)
-                s = s + band.windows(b_band, group).gather(-1, t_b.expand(n, h, length, c)).transpose(-1, -2).to(acc)
-            s = s.masked_fill(~inside, float("-inf"))
-            lse = torch.logsumexp(s, dim=-1)  # (B*n, H, C); every row sees its own key
-            o = torch.matmul(torch.exp(s - lse[..., None]).to(v.dtype), vc).to(acc)  # (B*n, H, C, D)
-            outs.append(band.unblocks(o, group))
-            lses.append(band.unblocks(lse, group))
-    return torch.cat(outs, -2), torch.cat(lses, -1)
+    q_s, k_pad, v_pad, pk = _prepared(q, k, v, b_w, geo)
+    out = q.new_empty(b, h, tq, v.shape[-1])  # (B, H, Tq, D)
+    lse = q.new_empty(b, h, tq)  # (B, H, Tq)
+    masks: dict = {}
+    for t0, n, c in _segments(b, h, tq, geo.width):
+        s = _scores(q, q_s, k_pad, a_w, pk, t0, n, c, geo, masks)  # (B, H, n, C, L)
+        top = s.amax(-1, keepdim=True)  # finite: every query sees its own key
+        p = s.sub_(top).exp_()
+        total = p.sum(-1, keepdim=True)  # (B, H, n, C, 1)
+        o = _rows(out, t0, n, c)  # (B, H, n, C, D), written by the GEMMs
+        for i in range(b):
+            for j in range(h):
+                torch.bmm(p[i, j], _windows(v_pad[i, j], geo.start + t0, n, c, p.shape[-1]), out=o[i, j])
+        o.div_(total)
+        _rows(lse[..., None], t0, n, c).copy_(total.log_().add_(top))
+    return out, lse
+
+
+def _band_backward(geo: _BandGeometry, d_out, d_lse, q, k, v, a_w, b_w, out, lse):
+    b, h, tq, d = q.shape
+    tk, width = k.shape[-2], geo.width
+    q_s, k_pad, v_pad, pk = _prepared(q, k, v, b_w, geo)
+    d_out = d_out.contiguous()
+    # dS = P (dP - rowsum(dO * O) + d lse): the band's output and log-sum-exp both reach the merge.
+    total = ((d_out * out).sum(-1) - d_lse)[..., None]  # (B, H, Tq, 1)
+    dq = q.new_empty(b, h, tq, d)
+    dk_pad, dv_pad = (q.new_zeros(b, h, k_pad.shape[-2] + BLOCK, d) for _ in range(2))  # (B, H, Tp + C, D)
+    d_a = None if a_w is None else torch.zeros_like(a_w)  # (H, W, D)
+    d_pk = None if pk is None else torch.zeros_like(pk)  # (B, H, Tp, W)
+    masks: dict = {}
+    for t0, n, c in _segments(b, h, tq, width):
+        k0, length = geo.start + t0, c + width - 1
+        p = _scores(q, q_s, k_pad, a_w, pk, t0, n, c, geo, masks).sub_(_rows(lse[..., None], t0, n, c)).exp_()  # (B, H, n, C, L)
+        g, qb, dqb = _rows(d_out, t0, n, c), _rows(q_s, t0, n, c), _rows(dq, t0, n, c)
+        dp = torch.empty_like(p)
+        per_key = q.new_empty(b, h, n, length, d)  # (B, H, n, L, D): the blocks' key gradients
+        for i in range(b):
+            for j in range(h):
+                torch.bmm(g[i, j], _windows(v_pad[i, j], k0, n, c, length).transpose(-1, -2), out=dp[i, j])
+                torch.bmm(p[i, j].transpose(-1, -2), g[i, j], out=per_key[i, j])
+        _add_windows(dv_pad, k0, c, per_key)
+        ds = dp.sub_(_rows(total, t0, n, c)).mul_(p)  # dS (B, H, n, C, L), 0 off the band and on padding
+        diag = _diagonal(ds, width)  # (B, H, n, C, W): the position terms' gradient
+        for i in range(b):
+            for j in range(h):
+                torch.bmm(ds[i, j], _windows(k_pad[i, j], k0, n, c, length), out=dqb[i, j])
+                torch.bmm(ds[i, j].transpose(-1, -2), qb[i, j], out=per_key[i, j])
+                dqb[i, j].mul_(geo.scale)
+                if a_w is not None:  # c2p = q A_w^T: to q and A_w
+                    dqb[i, j].baddbmm_(diag[i, j], a_w[j].expand(n, width, d))
+                    d_a[j] += torch.bmm(diag[i, j].transpose(-1, -2), _rows(q, t0, n, c)[i, j]).sum(0)
+        _add_windows(dk_pad, k0, c, per_key)
+        if d_pk is not None:  # every (key, distance) cell of the skew is read by one query
+            _rows(_skew(d_pk, tq, geo.start), t0, n, c).copy_(diag)
+    keys = slice(geo.pad_l, geo.pad_l + tk)
+    dk, dv = dk_pad[:, :, keys], dv_pad[:, :, keys]
+    d_b = None
+    if d_pk is not None:  # p2c = skew(k B_w^T): to k and B_w (the padding's cells got nothing)
+        d_b = torch.zeros_like(b_w)  # (H, W, D)
+        for i in range(b):
+            for j in range(h):
+                dk[i, j].addmm_(d_pk[i, j, keys], b_w[j])
+                d_b[j].addmm_(d_pk[i, j, keys].t(), k[i, j])
+    return dq, dk, dv, d_a, d_b
 
 
 class _MergeFar(torch.autograd.Function):
