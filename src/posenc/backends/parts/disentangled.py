@@ -44,13 +44,13 @@ C block rows, L block keys.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from ...encodings.protocol import DisentangledTables
 from .base import ScoreSpec, accumulation_dtype
 from .regions import Region, call_order, flushed, kernel_forward, keys_of, lower, region_backward, rows_of, upper
 
 BLOCK = 64  # queries per band block
+WIDTH_MULTIPLE = 16  # band widths are rounded up to this
 GROUP_ELEMENTS = 1 << 20  # band temporaries per group: at most this many (B x H x blocks x rows x keys)
 
 
@@ -83,8 +83,13 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec
     r_hi = 0 if causal else tk - 1 - offset
     rows, listed, e_p, s_f = ends(spec, r_lo, r_hi, q.device)
     top = 0 if causal else min(s_f - 1, r_hi)
-    first = e_p + 1  # the band: first <= r <= top, W = top - first + 1 distances
-    t = rows[first - r_lo : top - r_lo + 1]  # (W,) the table row of each band distance
+    # The band: first <= r <= top, W distances, W rounded up to a multiple of WIDTH_MULTIPLE (the
+    # GEMMs with W columns run at full speed then); the extra distances are far past ones (row
+    # listed[0]), or before every key (their cells are no keys, any row does).
+    width = top - e_p
+    width += -width % WIDTH_MULTIPLE
+    first = top - width + 1
+    t = rows[(torch.arange(first, top + 1, device=q.device) - r_lo).clamp_(min=0)]  # (W,) the table row of each band distance
     dt = q.dtype
     a_w = None if a_table is None else a_table[:, t].to(dt) * term_scale  # (H, W, D)
     b_w = None if b_table is None else b_table[:, t].to(dt) * term_scale  # (H, W, D)
@@ -92,7 +97,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec
 
     # Far regions: per side, the query shifted by B[t] and the constant q . A[t].
     regions, shifted, consts = [], [], []
-    sides = [(0, lower(tq, tk, offset + e_p), listed[0])]
+    sides = [(0, lower(tq, tk, offset + first - 1), listed[0])]
     if not causal:
         sides.append((1, upper(tq, tk, offset + s_f), listed[-1]))
     for side, (_, side_regions, t) in enumerate(sides):
@@ -139,15 +144,35 @@ def _skew(pk: torch.Tensor, tq: int, start: int) -> torch.Tensor:
     return pk.as_strided((*lead, tq, width), (*pk.stride()[:-2], width, width + 1), pk.storage_offset() + start * width)
 
 
-def _segments(b: int, h: int, tq: int, width: int) -> list[tuple[int, int, int]]:
-    """(t0, n, C): n blocks of C = :data:`BLOCK` queries from query t0 (the last block shorter),
-    in groups of at most :data:`GROUP_ELEMENTS` scores."""
-    full = tq // BLOCK
+def _segments(b: int, h: int, tq: int, tk: int, geo: _BandGeometry) -> list[tuple[int, int, int]]:
+    """(t0, n, C): n blocks of C = :data:`BLOCK` queries from query t0 (the last block shorter).
+    A block whose C + W - 1 window keys all exist is *inner*; consecutive inner blocks go in
+    groups of at most :data:`GROUP_ELEMENTS` scores, every other block alone (n = 1)."""
+    width = geo.width
     size = max(1, GROUP_ELEMENTS // (b * h * BLOCK * (BLOCK + width - 1)))
-    out = [(n0 * BLOCK, min(size, full - n0), BLOCK) for n0 in range(0, full, size)]
-    if full * BLOCK < tq:
-        out.append((full * BLOCK, 1, tq - full * BLOCK))
+    out: list[tuple[int, int, int]] = []
+    for t0 in range(0, tq, BLOCK):
+        c = min(BLOCK, tq - t0)
+        first = geo.offset + geo.first + t0  # key index of the block's first window column
+        inner = c == BLOCK and first >= 0 and first + c + width - 1 <= tk
+        if inner and out and out[-1][2] == BLOCK and out[-1][1] < size and _inner(out[-1], tk, geo):
+            out[-1] = (out[-1][0], out[-1][1] + 1, BLOCK)
+        else:
+            out.append((t0, 1, c))
     return out
+
+
+def _inner(segment: tuple[int, int, int], tk: int, geo: _BandGeometry) -> bool:
+    t0, n, c = segment
+    first = geo.offset + geo.first + t0
+    return c == BLOCK and first >= 0 and first + (n - 1) * c + c + geo.width - 1 <= tk
+
+
+def _columns(t0: int, c: int, tk: int, geo: _BandGeometry) -> tuple[int, int]:
+    """The window columns of a lone block that are keys, [x, L - y) (the rest is before key 0 or
+    after the last key)."""
+    first, length = geo.offset + geo.first + t0, c + geo.width - 1
+    return max(0, -first), length - max(0, first + length - tk)
 
 
 def _rows(x: torch.Tensor, t0: int, n: int, c: int) -> torch.Tensor:
@@ -178,14 +203,14 @@ def _triangles(c: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor
 
 
 def _per_key(k, b_w, geo: _BandGeometry) -> torch.Tensor | None:
-    """p2c per key and band distance, ``k_j . B_w[w]`` (B, H, Tp, W) on the padded keys (0 on the
-    padding), or None without p2c. One GEMM per (batch, head)."""
+    """p2c per key and band distance, ``k_j . B_w[w]`` (B, H, Tp, W): the keys with ``pad_l`` rows
+    before and ``pad_r`` after them (left unset: the cells that read them are no keys, and the scores
+    set them to -inf), so the skewed view of every query exists; or None without p2c. One GEMM per
+    (batch, head)."""
     if b_w is None:
         return None
     b, h, tk, _ = k.shape
-    pk = k.new_empty(b, h, geo.pad_l + tk + geo.pad_r, geo.width)  # (B, H, Tp, W)
-    pk[:, :, : geo.pad_l].zero_()
-    pk[:, :, geo.pad_l + tk :].zero_()
+    pk = k.new_empty(b, h, geo.pad_l + tk + geo.pad_r, geo.width)  # (B, H, Tp, W); padding rows never reach a score
     for i in range(b):
         for j in range(h):
             torch.mm(k[i, j], b_w[j].t(), out=pk[i, j, geo.pad_l : geo.pad_l + tk])
@@ -220,58 +245,62 @@ class _Band(torch.autograd.Function):
         return (*flushed(_band_backward, ctx.geo, d_out, d_lse, q, k, v, a_w, b_w, out, lse), None)
 
 
-def _prepared(q, k, v, b_w, geo: _BandGeometry):
-    """(q * scale, padded k, padded v, p2c per key or None): what forward and backward start from."""
-    q_s = (q * geo.scale).contiguous()  # (B, H, Tq, D): the content scale folded into the queries
-    k_pad, v_pad = (F.pad(x, (0, 0, geo.pad_l, geo.pad_r)).contiguous() for x in (k, v))  # (B, H, Tp, D)
-    return q_s, k_pad, v_pad, _per_key(k, b_w, geo)
-
-
-def _scores(q, q_s, k_pad, a_w, pk, t0: int, n: int, c: int, geo: _BandGeometry, masks: dict) -> torch.Tensor:
-    """Scores of n blocks of C queries from t0, key layout (B, H, n, C, L): q k^T * scale, the
-    position terms on the band diagonal, -inf off it and on padding keys."""
-    b, h = q_s.shape[:2]
+def _scores(q, q_s, k, a_w, pk, segment, geo: _BandGeometry, masks: dict):
+    """Scores of a segment's n blocks of C queries, key layout (B, H, n, C, L): q k^T * scale on
+    the window columns that are keys ([x, L - y), returned with them), the position terms on the
+    band diagonal, -inf off the band and on the columns that are no keys."""
+    t0, n, c = segment
+    b, h, tq, _ = q_s.shape
+    tk = k.shape[-2]
     width, length = geo.width, c + geo.width - 1
-    s = q_s.new_empty(b, h, n, c, length)  # (B, H, n, C, L)
+    k0 = geo.offset + geo.first + t0  # key index of the first window column
+    x, y = (0, length) if n > 1 else _columns(t0, c, tk, geo)
+    s = q_s.new_empty(b, h, n, c, length)  # (B, H, n, C, L); columns outside [x, y) are set below
     diag = _diagonal(s, width)  # (B, H, n, C, W)
     qb = _rows(q_s, t0, n, c)
     for i in range(b):
         for j in range(h):
-            torch.bmm(qb[i, j], _windows(k_pad[i, j], geo.start + t0, n, c, length).transpose(-1, -2), out=s[i, j])
+            if n > 1:
+                torch.bmm(qb[i, j], _windows(k[i, j], k0, n, c, length).transpose(-1, -2), out=s[i, j])
+            else:
+                s[i, j, 0, :, x:y] = torch.mm(qb[i, j, 0], k[i, j, k0 + x : k0 + y].t())
             if a_w is not None:  # c2p: q_a . A_w[w]
                 diag[i, j].add_(torch.mm(q[i, j, t0 : t0 + n * c], a_w[j].t()).view(n, c, width))
     if pk is not None:  # p2c: k_(a + w) . B_w[w]
-        diag.add_(_rows(_skew(pk, q.shape[-2], geo.start), t0, n, c))
+        diag.add_(_rows(_skew(pk, tq, geo.start), t0, n, c))
     if c not in masks:
         masks[c] = _triangles(c, q_s.device)
     left, right = masks[c]
     s[..., :c].masked_fill_(left, float("-inf"))
     s[..., length - c :].masked_fill_(right, float("-inf"))
-    tk = k_pad.shape[-2] - geo.pad_l - geo.pad_r
-    for m in range(n):  # padding keys: the first blocks' windows start before key 0, an encoder's last end after it
-        first = geo.start + t0 + m * c - geo.pad_l  # key index of the block's first window column
-        if first < 0:
-            s[:, :, m, :, :-first] = float("-inf")
-        if first + length > tk:
-            s[:, :, m, :, tk - first :] = float("-inf")
-    return s
+    s[..., :x] = float("-inf")  # overwrites whatever the band diagonal added there
+    s[..., y:] = float("-inf")
+    return s, x, y
 
 
 def _band_forward(q, k, v, a_w, b_w, geo: _BandGeometry):
     b, h, tq, _ = q.shape
-    q_s, k_pad, v_pad, pk = _prepared(q, k, v, b_w, geo)
+    tk = k.shape[-2]
+    q_s, k, v = (q * geo.scale).contiguous(), k.contiguous(), v.contiguous()  # the content scale folded into q
+    pk = _per_key(k, b_w, geo)
     out = q.new_empty(b, h, tq, v.shape[-1])  # (B, H, Tq, D)
     lse = q.new_empty(b, h, tq)  # (B, H, Tq)
     masks: dict = {}
-    for t0, n, c in _segments(b, h, tq, geo.width):
-        s = _scores(q, q_s, k_pad, a_w, pk, t0, n, c, geo, masks)  # (B, H, n, C, L)
+    for segment in _segments(b, h, tq, tk, geo):
+        t0, n, c = segment
+        k0 = geo.offset + geo.first + t0
+        s, x, y = _scores(q, q_s, k, a_w, pk, segment, geo, masks)  # (B, H, n, C, L)
+        s = s[..., x:y]
         top = s.amax(-1, keepdim=True)  # finite: every query sees its own key
         p = s.sub_(top).exp_()
         total = p.sum(-1, keepdim=True)  # (B, H, n, C, 1)
         o = _rows(out, t0, n, c)  # (B, H, n, C, D), written by the GEMMs
         for i in range(b):
             for j in range(h):
-                torch.bmm(p[i, j], _windows(v_pad[i, j], geo.start + t0, n, c, p.shape[-1]), out=o[i, j])
+                if n > 1:
+                    torch.bmm(p[i, j], _windows(v[i, j], k0, n, c, y - x), out=o[i, j])
+                else:
+                    torch.mm(p[i, j, 0], v[i, j, k0 + x : k0 + y], out=o[i, j, 0])
         o.div_(total)
         _rows(lse[..., None], t0, n, c).copy_(total.log_().add_(top))
     return out, lse
@@ -280,44 +309,63 @@ def _band_forward(q, k, v, a_w, b_w, geo: _BandGeometry):
 def _band_backward(geo: _BandGeometry, d_out, d_lse, q, k, v, a_w, b_w, out, lse):
     b, h, tq, d = q.shape
     tk, width = k.shape[-2], geo.width
-    q_s, k_pad, v_pad, pk = _prepared(q, k, v, b_w, geo)
+    q_s, k, v = (q * geo.scale).contiguous(), k.contiguous(), v.contiguous()
+    pk = _per_key(k, b_w, geo)
     d_out = d_out.contiguous()
     # dS = P (dP - rowsum(dO * O) + d lse): the band's output and log-sum-exp both reach the merge.
     total = ((d_out * out).sum(-1) - d_lse)[..., None]  # (B, H, Tq, 1)
     dq = q.new_empty(b, h, tq, d)
-    dk_pad, dv_pad = (q.new_zeros(b, h, k_pad.shape[-2] + BLOCK, d) for _ in range(2))  # (B, H, Tp + C, D)
+    dk, dv = (q.new_zeros(b, h, tk + BLOCK, d) for _ in range(2))  # (B, H, Tk + C, D): C spare rows
     d_a = None if a_w is None else torch.zeros_like(a_w)  # (H, W, D)
-    d_pk = None if pk is None else torch.zeros_like(pk)  # (B, H, Tp, W)
+    d_pk = None
+    if pk is not None:  # (B, H, Tp, W); the padding's rows only receive zeros, never read
+        d_pk = torch.empty_like(pk)
+        d_pk[:, :, geo.pad_l : geo.pad_l + tk].zero_()
     masks: dict = {}
-    for t0, n, c in _segments(b, h, tq, width):
-        k0, length = geo.start + t0, c + width - 1
-        p = _scores(q, q_s, k_pad, a_w, pk, t0, n, c, geo, masks).sub_(_rows(lse[..., None], t0, n, c)).exp_()  # (B, H, n, C, L)
+    for segment in _segments(b, h, tq, tk, geo):
+        t0, n, c = segment
+        k0, length = geo.offset + geo.first + t0, c + width - 1
+        s, x, y = _scores(q, q_s, k, a_w, pk, segment, geo, masks)
+        p = s[..., x:y].sub_(_rows(lse[..., None], t0, n, c)).exp_()  # (B, H, n, C, L'): P on the key columns
         g, qb, dqb = _rows(d_out, t0, n, c), _rows(q_s, t0, n, c), _rows(dq, t0, n, c)
-        dp = torch.empty_like(p)
-        per_key = q.new_empty(b, h, n, length, d)  # (B, H, n, L, D): the blocks' key gradients
+        dp = q.new_empty(b, h, n, c, length)
+        dp[..., :x].zero_()
+        dp[..., y:].zero_()
+        per_key = q.new_empty(b, h, n, length, d) if n > 1 else None  # (B, H, n, L, D): the blocks' key gradients
         for i in range(b):
             for j in range(h):
-                torch.bmm(g[i, j], _windows(v_pad[i, j], k0, n, c, length).transpose(-1, -2), out=dp[i, j])
-                torch.bmm(p[i, j].transpose(-1, -2), g[i, j], out=per_key[i, j])
-        _add_windows(dv_pad, k0, c, per_key)
-        ds = dp.sub_(_rows(total, t0, n, c)).mul_(p)  # dS (B, H, n, C, L), 0 off the band and on padding
+                if n > 1:
+                    torch.bmm(g[i, j], _windows(v[i, j], k0, n, c, length).transpose(-1, -2), out=dp[i, j])
+                    torch.bmm(p[i, j].transpose(-1, -2), g[i, j], out=per_key[i, j])
+                else:
+                    dp[i, j, 0, :, x:y] = torch.mm(g[i, j, 0], v[i, j, k0 + x : k0 + y].t())
+                    dv[i, j, k0 + x : k0 + y].addmm_(p[i, j, 0].t(), g[i, j, 0])
+        if n > 1:
+            _add_windows(dv, k0, c, per_key)
+        dp[..., x:y].sub_(_rows(total, t0, n, c)).mul_(p)
+        ds = dp  # dS (B, H, n, C, L), 0 off the band and on the columns that are no keys
         diag = _diagonal(ds, width)  # (B, H, n, C, W): the position terms' gradient
         for i in range(b):
             for j in range(h):
-                torch.bmm(ds[i, j], _windows(k_pad[i, j], k0, n, c, length), out=dqb[i, j])
-                torch.bmm(ds[i, j].transpose(-1, -2), qb[i, j], out=per_key[i, j])
+                if n > 1:
+                    torch.bmm(ds[i, j], _windows(k[i, j], k0, n, c, length), out=dqb[i, j])
+                    torch.bmm(ds[i, j].transpose(-1, -2), qb[i, j], out=per_key[i, j])
+                else:
+                    torch.mm(ds[i, j, 0, :, x:y], k[i, j, k0 + x : k0 + y], out=dqb[i, j, 0])
+                    dk[i, j, k0 + x : k0 + y].addmm_(ds[i, j, 0, :, x:y].t(), qb[i, j, 0])
                 dqb[i, j].mul_(geo.scale)
                 if a_w is not None:  # c2p = q A_w^T: to q and A_w
                     dqb[i, j].baddbmm_(diag[i, j], a_w[j].expand(n, width, d))
                     d_a[j] += torch.bmm(diag[i, j].transpose(-1, -2), _rows(q, t0, n, c)[i, j]).sum(0)
-        _add_windows(dk_pad, k0, c, per_key)
+        if n > 1:
+            _add_windows(dk, k0, c, per_key)
         if d_pk is not None:  # every (key, distance) cell of the skew is read by one query
             _rows(_skew(d_pk, tq, geo.start), t0, n, c).copy_(diag)
-    keys = slice(geo.pad_l, geo.pad_l + tk)
-    dk, dv = dk_pad[:, :, keys], dv_pad[:, :, keys]
+    dk, dv = dk[:, :, :tk], dv[:, :, :tk]
     d_b = None
-    if d_pk is not None:  # p2c = skew(k B_w^T): to k and B_w (the padding's cells got nothing)
+    if d_pk is not None:  # p2c = skew(k B_w^T): to k and B_w
         d_b = torch.zeros_like(b_w)  # (H, W, D)
+        keys = slice(geo.pad_l, geo.pad_l + tk)
         for i in range(b):
             for j in range(h):
                 dk[i, j].addmm_(d_pk[i, j, keys], b_w[j])
