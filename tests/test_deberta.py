@@ -64,7 +64,8 @@ SETTINGS = [(8, 32), (-1, 16), (16, 24), (256, 512)]  # (position_buckets, max_r
 @pytest.mark.parametrize("share", [True, False])
 @pytest.mark.parametrize("pos_att_type", ["c2p", "p2c", "p2c|c2p"])
 @pytest.mark.parametrize("buckets, max_position", SETTINGS)
-def test_one_layer_equals_hugging_face_disentangled_self_attention(share, pos_att_type, buckets, max_position, dtype):
+def test_one_layer_equals_hugging_face_disentangled_self_attention(share, pos_att_type, buckets, max_position, dtype,
+                                                                   monkeypatch):
     """A padded batch (right padding), 40 tokens: far past both the exact range and the table.
     float32: outputs of ~10 agree to 1e-5 relative (at most ~2e-5 absolute: the two sum the three
     terms in another order and Hugging Face rounds its scale to float32); float64 shows the function
@@ -77,14 +78,17 @@ def test_one_layer_equals_hugging_face_disentangled_self_attention(share, pos_at
     with torch.no_grad():
         want = hf_layer(enc, 1, x, mask)
         attn = deberta_from_hf(enc, layer=1)
+        chosen = attn(x, attention_mask=mask)  # auto: these short calls are cheaper eager
+        taken = forced(monkeypatch)
         got = attn(x, attention_mask=mask)
-    assert attn.last_backend == "terms"  # the fast path (tests below check it is the one taken)
+    assert attn.last_backend == "terms" and "attention" in taken  # the fast path (tests below check it is the one taken)
     real = mask.bool()
     # float64: Hugging Face computes sqrt(D (1 + n)) in float32 (`scaled_size_sqrt`): exact for one
     # term (sqrt(16) here), ~3e-8 relative off for both (sqrt(24)), so 1e-6 there, 1e-12 otherwise.
     tol = 1e-5 if dtype == torch.float32 else (1e-6 if "|" in pos_att_type else 1e-12)
-    torch.testing.assert_close(got[real], want[real], rtol=tol, atol=tol)
-    assert torch.all(got[~real] == 0)
+    for out in (got, chosen):
+        torch.testing.assert_close(out[real], want[real], rtol=tol, atol=tol)
+        assert torch.all(out[~real] == 0)
 
 
 def test_without_the_layer_norm_and_from_the_model():
@@ -102,9 +106,10 @@ def test_without_the_layer_norm_and_from_the_model():
         torch.testing.assert_close(attn(x), want, rtol=1e-5, atol=1e-5)
 
 
-def test_the_paper_p2c_index_would_differ_from_the_code():
+def test_the_paper_p2c_index_would_differ_from_the_code(monkeypatch):
     """The check can see the p2c convention: reading Q_r at the mirrored index (the paper's
     delta(j, i)) moves the output far past the tolerance."""
+    forced(monkeypatch)
     enc = hf_encoder(True, "p2c", 8, 32)
     x = torch.randn(1, 30, 32)
     mask = torch.ones(1, 30, dtype=torch.long)
@@ -220,6 +225,15 @@ FAST = [  # (position_buckets, max_relative_positions, pos_att_type): log bucket
 ]
 
 
+def forced(monkeypatch):
+    """The fast full pass for every call it can run, however short (the cost model of
+    ``disentangled.worthwhile`` sends short calls to eager); returns :func:`spied`'s record."""
+    from posenc.backends.parts import disentangled
+
+    monkeypatch.setattr(disentangled, "worthwhile", lambda *a: True)
+    return spied(monkeypatch)
+
+
 def spied(monkeypatch):
     """Record the calls of the fast full pass and the fast decode step."""
     from posenc.backends.parts import disentangled
@@ -257,8 +271,8 @@ def test_the_fast_path_equals_the_formula_outputs_and_gradients_in_float64(causa
     qp = kp[tk - tq:]
     spec = ScoreSpec(enc, qp, kp, causal, enc.content_scale)
     q, k, v = (torch.randn(2, 2, n, 8, dtype=torch.float64, requires_grad=True) for n in (tq, tk, tk))
+    taken = forced(monkeypatch)  # these calls are short: the cost model alone would run them eager
     assert backends_choice(spec, q) == "terms"
-    taken = spied(monkeypatch)
     got = terms.attend(q, k, v, spec)
     assert taken == ["attention"]
     want = eager.attend(q, k, v, spec, block=10**6)
@@ -278,11 +292,52 @@ def backends_choice(spec, q) -> str:
 
 
 @pytest.mark.parametrize("causal", [False, True])
-def test_the_fast_path_agrees_with_eager_in_float32_across_block_boundaries(causal):
+def test_the_fast_path_agrees_with_eager_in_float32_across_block_boundaries(causal, monkeypatch):
     """check_backends: 300 tokens (several band blocks of 64 and far regions), cached shapes, a
     decode step; float32 and float64, outputs and gradients of q, k, v and the parameters."""
+    taken = forced(monkeypatch)  # the cached shapes are short: the cost model alone would run them eager
     enc = built(causal, 16, 64, "c2p|p2c", heads=4, dim=16)
     assert "terms" in check_backends(enc, causal)
+    assert "attention" in taken
+
+
+class NarrowRows(DeBERTa):
+    """DeBERTa whose rows stop changing 8 distances out on each side (a narrow band), whatever its
+    options say: the selection reads the rows the encoding declares, not its name or options."""
+
+    def relative_rows(self, relative: torch.Tensor) -> torch.Tensor:
+        return super().relative_rows(relative.clamp(-8, 8))
+
+
+@pytest.mark.parametrize("encoding, causal, length, fast", [
+    ("v3", False, 256, False),   # the default buckets' band (~1000 distances) covers every pair: eager
+    ("v3", False, 512, False),
+    ("v3", False, 2048, True),   # half the pairs are far: band + flash kernel
+    ("v3", True, 512, True),     # causal: eager writes the whole rectangle, the band half of it
+    ("v3", True, 4096, True),
+    ("v3", True, 64, False),     # below MIN_PAIRS: fixed costs, eager
+    ("narrow", False, 256, True),  # the same options, rows that saturate early: the band is narrow
+    ("narrow", False, 64, False),
+])
+def test_the_selection_declines_the_band_where_eager_is_cheaper(encoding, causal, length, fast):
+    """auto picks ``terms``' band + far path only where its cost model beats eager (short encoder
+    calls with the default buckets are eager), decided from the shapes and the declared rows; a
+    forced ``terms`` runs eager's formula there (no error)."""
+    from posenc import backends
+    from posenc.backends import terms
+    from posenc.backends.parts import disentangled
+    from posenc.backends.parts.base import ScoreSpec
+
+    cls = DeBERTa if encoding == "v3" else NarrowRows
+    enc = cls(num_heads=2, head_dim=8, causal=causal)  # position_buckets=256, max_relative_positions=512
+    pos = torch.arange(length)
+    spec = ScoreSpec(enc, pos, pos, causal, enc.content_scale)
+    q = torch.zeros(1, 2, length, 8, requires_grad=True)
+    with torch.enable_grad():
+        name = backends.choose("auto", spec, q)[0]
+    assert name == ("terms" if fast else "eager")
+    assert terms._path(spec, q) is (disentangled.attention if fast else None)
+    assert terms.supports(spec, q)  # forcing terms stays allowed (it then runs the eager formula)
 
 
 def test_left_padded_rows_take_the_fast_path(monkeypatch):
@@ -295,7 +350,7 @@ def test_left_padded_rows_take_the_fast_path(monkeypatch):
     pos = torch.arange(60)
     spec = ScoreSpec(enc, pos, pos, True, enc.content_scale, starts=torch.tensor([0, 9, 41]))
     q, k, v = (torch.randn(3, 2, 60, 8, dtype=torch.float64, requires_grad=True) for _ in range(3))
-    taken = spied(monkeypatch)
+    taken = forced(monkeypatch)
     got = terms.attend(q, k, v, spec)
     assert taken and set(taken) == {"attention"}
     want = eager.attend(q, k, v, spec)
@@ -337,7 +392,7 @@ def test_cached_decoding_of_the_causal_form_takes_the_fast_paths(monkeypatch):
     config = posenc.LMConfig(vocab_size=32, dim=32, depth=2, num_heads=4, encoding="deberta",
                              encoding_options={"position_buckets": 8, "max_relative_positions": 12})
     torch.manual_seed(5)
-    taken = spied(monkeypatch)
+    taken = forced(monkeypatch)
     assert_decoding_equals_full(posenc.LM(config).eval(), backend="terms")
     assert {"attention", "step"} <= set(taken)
 
@@ -372,3 +427,51 @@ def test_no_quadratic_tensor_in_the_fast_backend(monkeypatch):
     with MaxTensor() as seen:
         eager.attend(q, k, v, ScoreSpec(enc, pos, pos, False, enc.content_scale), block=n).sum().backward()
     assert seen.largest >= 4 * n * n
+
+
+def test_a_decode_step_reuses_the_rows_and_tables_of_its_workspace(monkeypatch):
+    """Decoding one token at a time with a KV cache's workspace: ``relative_rows`` runs once per
+    capacity (again when the cache outgrows it) and the position tables once per parameter version
+    (again after an in-place update), never per step; every step still equals eager."""
+    from posenc.backends import eager, terms
+    from posenc.backends.parts import single
+    from posenc.backends.parts.base import ScoreSpec
+
+    enc = built(True, 8, 20, "c2p|p2c", heads=2)
+    torch.manual_seed(6)
+    k, v = torch.randn(2, 2, 70, 8), torch.randn(2, 2, 70, 8)
+    queries = torch.randn(80, 2, 2, 1, 8)
+    calls = {"relative_rows": 0, "disentangled_tables": 0}
+    originals = {name: getattr(enc, name) for name in calls}
+
+    def counted(name):
+        def call(*args):
+            calls[name] += 1
+            return originals[name](*args)
+        return call
+
+    ws = single.Workspace(capacity=64)
+    taken = spied(monkeypatch)
+
+    def decode(n):  # one step: the query at the last of n keys; returns the calls it made
+        pos = torch.arange(n)
+        with torch.no_grad():
+            want = eager.attend(queries[n], k[:, :, :n], v[:, :, :n], ScoreSpec(enc, pos[-1:], pos, True, enc.content_scale))
+            for name in calls:
+                monkeypatch.setattr(enc, name, counted(name))
+            before = dict(calls)
+            got = terms.attend(queries[n], k[:, :, :n], v[:, :, :n], ScoreSpec(enc, pos[-1:], pos, True, enc.content_scale, workspace=ws))
+            for name in calls:
+                monkeypatch.setattr(enc, name, originals[name])
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+        return {name: calls[name] - before[name] for name in calls}
+
+    assert decode(30) == {"relative_rows": 1, "disentangled_tables": 1}  # the first step builds the workspace
+    for n in range(31, 60):  # far past the 20-distance bucket range: band and far keys both
+        assert decode(n) == {"relative_rows": 0, "disentangled_tables": 0}, n
+    with torch.no_grad():
+        enc.rel_embeddings.add_(0.25)  # an optimizer step: the tables' key (parameter versions) changes
+    assert decode(60) == {"relative_rows": 0, "disentangled_tables": 1}
+    assert decode(61) == {"relative_rows": 0, "disentangled_tables": 0}
+    assert decode(70) == {"relative_rows": 1, "disentangled_tables": 0}  # 70 keys outgrow the capacity of 64
+    assert set(taken) == {"step"}

@@ -64,7 +64,8 @@ def _path(spec: ScoreSpec, q: torch.Tensor):
     if offers(enc, DistanceKeys):
         return distance.distance_key_attention
     if offers(enc, DisentangledTables) and not spec.has_value_terms:
-        return disentangled.attention
+        # Only where its cost model beats the eager formula (a short encoder call does not).
+        return disentangled.attention if disentangled.worthwhile(spec, q.shape[-2], spec.k_positions.numel(), q.device) else None
     return None
 
 

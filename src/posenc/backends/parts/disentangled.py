@@ -20,25 +20,46 @@ off the diagonal: e_p <= -1, s_f >= 1).
   which only shifts the part's log-sum-exp. The CPU flash kernel runs it on the shifted causal
   regions of :mod:`~posenc.backends.parts.regions` (``lower`` for the past, ``upper`` on reversed
   sequences for the future), with its own causal skip.
-- **The band** (e_p < r < s_f; r <= 0 for a decoder): the rows that differ, written out in blocks of
-  :data:`BLOCK` queries against their key windows (:mod:`~posenc.backends.parts.band`): the two
-  products ``q A^T`` (B, H, Tq, R') and ``k B^T`` (B, H, Tk, R') over the R' rows the band reads,
-  gathered per (query, key) of each block (c2p along the query's row, p2c along the key's), so the
-  position terms cost two (T x R') products and gathers. Autograd differentiates the band.
+- **The band** (first <= r <= top: the W distances whose rows differ, W rounded up to a multiple
+  of :data:`WIDTH_MULTIPLE`; top = 0 for a decoder), written out in blocks of :data:`BLOCK`
+  queries against their C + W - 1 window keys. The position terms live in *distance layout*,
+  one value per (query, band distance): c2p is ``q A_w^T`` (A_w: the rows of the W distances) and
+  p2c a skewed view of the per-key products ``k B_w^T`` (B, H, Tk, W) (``[a, w] = pk[a + w, w]``,
+  strides (W, W + 1): no copy). The content ``q k^T`` is one GEMM per block in *key layout*, and
+  the band cells of a key-layout block are a strided view of it in distance layout (row stride
+  L + 1: Transformer-XL's relative shift, Dai et al. 2019, appendix B), onto which the terms are
+  added; the two off-band triangles (and window columns that are no keys) get -inf. The backward
+  is written out (:class:`_Band`): each block's probabilities are recomputed from the saved
+  log-sum-exp, as flash attention does, and dS's band diagonal, the same view, is the gradient of
+  the position terms: GEMMs take it to q and A_w per block, one skewed copy into a (B, H, Tk, W)
+  buffer takes it to k and B_w. No (keys x rows) tensor is filled per block (the gathers' autograd
+  did that before: 35% of the time in ``fill_``), and only q, k, v, the W table rows, the band's
+  output and log-sum-exp are saved.
 
 The parts are merged through their log-sum-exps; the far regions' backward is the flash backward
 given the merged output and log-sum-exp (shifted by c_i), so its probabilities and its
 ``rowsum(dO * O)`` are the whole row's and its (dq, dk, dv) exactly its share; c_i's gradient is the
 far part's share of ``sum_j dS_ij = w_i (dO_i . o_far_i - D_i)``, and the shifted query's gradient
-reaches q and B[t] through autograd. Memory: O(B x H x N x (band + R')), never N^2.
+reaches q and B[t] through autograd. Memory: O(B x H x N x W), never N^2.
+
+**When it runs** (:func:`worthwhile`, asked by ``terms``' selection): the band costs per (query,
+band distance), eager per (query, key), so a short encoder call whose band covers nearly every pair
+(the default buckets below about 1000 tokens) and any call of fewer than :data:`MIN_PAIRS` pairs
+(fixed costs) is left to eager; the rough cost model is in :func:`worthwhile`, fitted on CPU
+timings (forward + backward).
 
 :func:`step` is one query against a KV cache (no gradient): the band's keys written out (its rows
 of B gathered per key, a fixed number), the far keys one fused call of the shifted query with c as
-the log-sum-exp shift, left padding one additive mask; nothing per step grows with the cache but
-the kernel's own work.
+the log-sum-exp shift, left padding one additive mask. The rows of every distance up to the cache's
+capacity, the position tables and the band's rows of them are kept in the cache's workspace, so a
+step computes no table and no row: O(keys x D).
 
-Shape legend: B batch, H heads, Tq / Tk queries / keys, D head dim, R table rows, R' the band's rows,
-C block rows, L block keys.
+The module is longer than most (about 500 lines of code and prose): the band's forward and its
+written-out backward, the far merge, the cost model and the decode step share one geometry, and the
+issue kept DeBERTa's fast path in this one file.
+
+Shape legend: B batch, H heads, Tq / Tk queries / keys, D head dim, R table rows, W band distances,
+C block rows, L = C + W - 1 block keys, Tp keys with the skew's padding rows.
 """
 
 from __future__ import annotations
@@ -51,6 +72,7 @@ from .regions import Region, call_order, flushed, kernel_forward, keys_of, lower
 
 BLOCK = 64  # queries per band block
 WIDTH_MULTIPLE = 16  # band widths are rounded up to this
+MIN_PAIRS = 1 << 16  # calls with fewer (query, key) pairs run eager: fixed costs dominate
 GROUP_ELEMENTS = 1 << 20  # band temporaries per group: at most this many (B x H x blocks x rows x keys)
 
 
@@ -74,22 +96,74 @@ def ends(spec: ScoreSpec, r_lo: int, r_hi: int, device: torch.device) -> tuple[t
 # The full pass (and several cached queries): band + far regions
 
 
+class Plan:
+    """One call's band: its table rows over the call's distances r_lo..r_hi (``rows`` (n,) and
+    ``listed``), where the far past (r <= e_p, row ``listed[0]``) and far future (r >= s_f, row
+    ``listed[-1]``) begin, and the band ``first <= r <= top`` that :func:`attention` writes out, of
+    ``width`` distances, rounded up to a multiple of :data:`WIDTH_MULTIPLE` (GEMMs with W columns
+    then run at full speed; the extra distances are far past ones, or before every key, where any
+    row does)."""
+
+    def __init__(self, spec: ScoreSpec, tq: int, tk: int, device: torch.device) -> None:
+        self.r_lo = -(spec.offset + tq - 1)  # r = key index - (query index + offset)
+        self.r_hi = 0 if spec.causal else tk - 1 - spec.offset
+        self.rows, self.listed, self.e_p, self.s_f = ends(spec, self.r_lo, self.r_hi, device)
+        self.top = 0 if spec.causal else min(self.s_f - 1, self.r_hi)
+        width = self.top - self.e_p
+        self.width = width + (-width % WIDTH_MULTIPLE)
+        self.first = self.top - self.width + 1
+
+
+def plan(spec: ScoreSpec, tq: int, tk: int, device: torch.device) -> Plan:
+    """The call's :class:`Plan`, made once per forward (``spec.memo``: integers only, no parameters)."""
+    key = (tq, tk, spec.offset, spec.causal, device)
+    return spec.memo.table(spec.encoding, "disentangled_plan", key, lambda: Plan(spec, tq, tk, device))
+
+
+def _clamped_sum(n: int, c: int, m: int) -> int:
+    """sum over a = 0..n-1 of clamp(a + c, 0, m)."""
+    def below(x: int) -> int:  # sum over y <= x of clamp(y, 0, m)
+        if x <= 0:
+            return 0
+        return x * (x + 1) // 2 if x <= m else m * (m + 1) // 2 + (x - m) * m
+    return below(c + n - 1) - below(c - 1)
+
+
+def worthwhile(spec: ScoreSpec, tq: int, tk: int, device: torch.device) -> bool:
+    """Whether the band + far path should run this call: its cost model says it is cheaper than the
+    eager formula. Decided from the shapes and the rows the encoding declares (:class:`Plan`), never
+    from its name.
+
+    Cost, in units of one position-term cell (rough CPU fits of forward + backward, float32):
+    band + far path ~ 1.07 per band pair + 1 per (query, band distance) + 0.31 per far pair
+    (the flash kernel) + 12.5 per query + 10^4 (its loops' fixed costs); eager ~ 1.52 per (query,
+    key) pair (it writes the whole rectangle, causal or not) + 1.09 per (query, table row) for its
+    two (T x rows) products (the rows the call reads: eager's whole table is at least that). The band pays per
+    distance, the rectangle per key: a short encoder call whose band covers nearly every pair (the
+    default buckets, b = 256 and M = 512, below about 1000 tokens) is cheaper eager. Below
+    :data:`MIN_PAIRS` pairs the path's fixed costs (its loops per batch row, head and block, the
+    kernel thread) outweigh everything: eager (measured: 2-4x faster there).
+    """
+    if tq * tk < MIN_PAIRS:
+        return False
+    p = plan(spec, tq, tk, device)
+    off = spec.offset
+    band = _clamped_sum(tq, off + p.top + 1, tk) - _clamped_sum(tq, off + p.first, tk)  # pairs with first <= r <= top
+    visible = _clamped_sum(tq, off + 1, tk) if spec.causal else tq * tk
+    rows = max(p.listed) - min(p.listed) + 1
+    fast = 1.07 * band + tq * p.width + 0.31 * (visible - band) + 12.5 * tq + 10_000
+    slow = 1.52 * tq * tk + 1.09 * (tq + tk) / 2 * rows
+    return fast < slow
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec) -> torch.Tensor:
     """Disentangled attention, band + far regions (see the module docstring): (B, H, Tq, D)."""
     a_table, b_table, term_scale = _tables(spec)
     tq, tk = q.shape[-2], k.shape[-2]
     offset, causal, scale = spec.offset, spec.causal, spec.scale  # query a is key a + offset
-    r_lo = -(offset + tq - 1)  # r = key index - (query index + offset)
-    r_hi = 0 if causal else tk - 1 - offset
-    rows, listed, e_p, s_f = ends(spec, r_lo, r_hi, q.device)
-    top = 0 if causal else min(s_f - 1, r_hi)
-    # The band: first <= r <= top, W distances, W rounded up to a multiple of WIDTH_MULTIPLE (the
-    # GEMMs with W columns run at full speed then); the extra distances are far past ones (row
-    # listed[0]), or before every key (their cells are no keys, any row does).
-    width = top - e_p
-    width += -width % WIDTH_MULTIPLE
-    first = top - width + 1
-    t = rows[(torch.arange(first, top + 1, device=q.device) - r_lo).clamp_(min=0)]  # (W,) the table row of each band distance
+    p = plan(spec, tq, tk, q.device)
+    rows, listed, s_f, first, top = p.rows, p.listed, p.s_f, p.first, p.top
+    t = rows[(torch.arange(first, top + 1, device=q.device) - p.r_lo).clamp_(min=0)]  # (W,) the table row of each band distance
     dt = q.dtype
     a_w = None if a_table is None else a_table[:, t].to(dt) * term_scale  # (H, W, D)
     b_w = None if b_table is None else b_table[:, t].to(dt) * term_scale  # (H, W, D)
@@ -119,8 +193,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec
 class _BandGeometry:
     """Where the band lies: distances ``first <= r <= top`` (r = key index - query index - offset),
     W = top - first + 1 of them, for Tq queries and Tk keys; ``scale`` the content product's factor.
-    The keys are padded with ``pad_l`` zero keys before and ``pad_r`` after, so that every query's
-    W band keys exist: query a reads padded keys ``start + a + w``, w = 0..W-1."""
+    The per-key p2c products get ``pad_l`` rows before the keys and ``pad_r`` after them, so that
+    the skewed view of every query exists: query a reads rows ``start + a + w``, w = 0..W-1."""
 
     def __init__(self, offset: int, first: int, top: int, scale: float, tq: int, tk: int) -> None:
         self.offset, self.first, self.top, self.scale = offset, first, top, scale
@@ -436,34 +510,74 @@ def _merge_backward(regions, scale, d_out, o_b, lse_b, qs, k, v, consts, out, ls
 # One query against a KV cache (a decode step)
 
 
+def _step_rows(encoding, c: int, device: torch.device) -> tuple[torch.Tensor, list[int], list[int]]:
+    """What a decode step needs of the rows for up to C keys, made once per capacity: the rows of
+    r = 1-C..0 (C,) (slot x holds r = x - (C-1): the keys of a step with Tk keys are the last Tk
+    slots), the same as a list, and for every slot x the last slot of the run of equal rows that
+    starts there (where the far past of a step whose first key is slot x ends)."""
+    rows = encoding.relative_rows(torch.arange(1 - c, 1, device=device))  # (C,)
+    listed = rows.tolist()
+    run_end = list(range(c))
+    for x in range(c - 2, -1, -1):
+        if listed[x] == listed[x + 1]:
+            run_end[x] = run_end[x + 1]
+    return rows, listed, run_end
+
+
 def step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec) -> torch.Tensor:
     """One query at the last key, no gradient: the band's keys written out, the far keys one fused
-    call of the shifted query (log-sum-exp shifted by q . A[t_p]), merged; (B, H, 1, D)."""
+    call of the shifted query (log-sum-exp shifted by q . A[t_p]), merged; (B, H, 1, D).
+
+    What does not change from step to step is kept in the KV cache's workspace (``spec.workspace``,
+    :class:`~posenc.memo.Workspace`): the rows of every distance up to the cache's capacity and
+    where their runs end (integers, rebuilt when the cache grows), the position tables (rebuilt
+    when a parameter of the encoding changes: their versions are in the key) and the band's rows of
+    them (for the band's width and far row). A step then computes no table and no row: its work is
+    O(keys x D), the band's keys written out and the far keys in the fused kernel.
+    """
     from . import single  # single imports padding; a late import keeps this module a leaf
 
-    a_table, b_table, term_scale = _tables(spec)
-    tk, acc, dt = k.shape[-2], accumulation_dtype(q.dtype), q.dtype
-    rows, listed, e_p, _ = ends(spec, 1 - tk, 0, q.device)  # key index j has r = j - (tk - 1)
-    far = max(0, tk + e_p)  # keys 0..far-1: r <= e_p, row rows[0]
-    t = rows[far:]  # (w,) the band keys' rows
-    pad, _ = single.padding(spec, tk, dt, q.device)
+    enc = spec.encoding
+    tk, acc, dt, dev = k.shape[-2], accumulation_dtype(q.dtype), q.dtype, q.device
+    ws = single.workspace(spec)
+    c, ident = ws.fit(tk), ws.hold(enc)
+    slots, listed, run_end = ws.get(("disentangled_rows", ident), (c, dev), lambda: _step_rows(enc, c, dev))
+    first = c - tk  # the slot of key 0 (r = 1 - Tk)
+    e_p = min(run_end[first] - (c - 1), -1)  # the far past: r <= e_p, every key there reads row listed[first]
+    far = max(0, tk + e_p)  # keys 0..far-1
+    width, t_p = tk - far, listed[first]
+    params = single.versions(enc)
+
+    def tables():
+        a_table, b_table, term_scale = _tables(spec)  # (H, R, D) each, or None
+        return (None if a_table is None else (a_table * term_scale).to(dt),
+                None if b_table is None else (b_table * term_scale).to(dt), term_scale)
+
+    a_table, b_table, term_scale = ws.get(("disentangled_tables", ident), (params, dt, dev), tables)
+
+    def band_rows():
+        t = slots[c - width :]  # (w,) the rows of r = 1-w..0
+        return (None if a_table is None else a_table[:, t], None if b_table is None else b_table[:, t],  # (H, w, D)
+                None if a_table is None else a_table[:, t_p], None if b_table is None else b_table[:, t_p] / spec.scale)
+
+    a_band, b_band, a_far, b_far = ws.get(("disentangled_band", ident), (width, t_p, params, dt, dev), band_rows)
+    pad, _ = single.padding(spec, tk, dt, dev)
     scores = torch.matmul(q, k[:, :, far:].transpose(-1, -2)).to(acc) * spec.scale  # (B, H, 1, w)
-    if a_table is not None:
-        scores = scores + torch.matmul(q, a_table[:, t].to(dt).transpose(-1, -2)).to(acc) * term_scale  # (B, H, 1, w)
-    if b_table is not None:
-        scores = scores + (k[:, :, far:] * b_table[:, t].to(dt)).sum(-1)[:, :, None, :].to(acc) * term_scale
+    if a_band is not None:
+        scores = scores + torch.matmul(q, a_band.transpose(-1, -2)).to(acc)  # (B, H, 1, w)
+    if b_band is not None:
+        scores = scores + (k[:, :, far:] * b_band).sum(-1)[:, :, None, :].to(acc)
     if pad is not None:
         scores = scores + pad[..., far:]
     lse = torch.logsumexp(scores, dim=-1)  # (B, H, 1); never empty: the query sees itself
     out = torch.matmul(torch.exp(scores - lse[..., None]).to(dt), v[:, :, far:]).to(acc)  # (B, H, 1, D)
     if far == 0:
         return out.to(dt)
-    t_p = listed[0]
-    shifted = q if b_table is None else q + (b_table[:, t_p].to(dt) * (term_scale / spec.scale))[None, :, None, :]
+    shifted = q if b_far is None else q + b_far[None, :, None, :]
     o_far, l_far = kernel_forward(shifted, k[:, :, :far], v[:, :, :far], False, spec.scale, None if pad is None else pad[..., :far])
     l_far = l_far.to(acc)
-    if a_table is not None:
-        l_far = l_far + torch.matmul(q, a_table[:, t_p].to(dt)[..., None])[..., 0].to(acc) * term_scale
+    if a_far is not None:
+        l_far = l_far + torch.matmul(q, a_far[..., None])[..., 0].to(acc)
     if spec.starts is not None:  # a row whose far keys are all padding has no far part
         empty = spec.starts.to(q.device) > spec.k_start + far - 1  # (B,)
         l_far = l_far.masked_fill(empty[:, None, None], float("-inf"))
@@ -472,4 +586,4 @@ def step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec) -> 
     return out.to(dt)
 
 
-__all__ = ["BLOCK", "attention", "ends", "step"]
+__all__ = ["BLOCK", "Plan", "attention", "ends", "plan", "step", "worthwhile"]
