@@ -43,7 +43,7 @@ import weakref
 
 import torch
 
-from ..encodings.protocol import ContextualPositions, offers
+from ..encodings.protocol import ContextualPositions, offers, require
 from . import eager
 from .parts import band
 from .parts.base import ScoreSpec, accumulation_dtype
@@ -75,10 +75,10 @@ def preferred(spec: ScoreSpec, q: torch.Tensor) -> bool:
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec) -> torch.Tensor:
     if not _fast(spec, q):
         return eager.attend(q, k, v, spec)
-    table, gate_scale, logit_scale = spec.encoding.contextual_positions()
-    call = _Call(spec.offset, spec.scale, gate_scale, logit_scale, table.shape[0])
+    form = require(spec.encoding, ContextualPositions).contextual_positions()
+    call = _Call(spec.offset, spec.scale, form.gate_scale, form.logit_scale, form.table.shape[0])
     call.width = _WIDTHS.get(spec.encoding, 0)
-    out = _Contextual.apply(q, k, v, table.to(q.dtype), call)
+    out = _Contextual.apply(q, k, v, form.table.to(q.dtype), call)
     _WIDTHS[spec.encoding] = call.hint
     return out
 

@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..encodings.protocol import ClippedTables, DistanceKeys, offers
+from ..encodings.protocol import ClippedTables, DistanceKeys, offers, require
 from . import eager
 from .parts import distance, padding, single
 from .parts.base import ScoreSpec
@@ -194,7 +194,8 @@ def _shaw_band(
 
 def shaw_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec) -> torch.Tensor:
     """Shaw et al. (2018) relative attention with clipped distance: band + far regions."""
-    clip, key_table, value_table, term_scale = spec.encoding.clipped_tables()
+    tables = require(spec.encoding, ClippedTables).clipped_tables()
+    clip, key_table, value_table, term_scale = tables.clip, tables.key_table, tables.value_table, tables.scale
     tq, tk = q.shape[-2], k.shape[-2]
     offset = spec.offset  # query a is key a + offset
     per_distance = torch.matmul(q, (key_table.to(q.dtype) * term_scale).t())  # (B, H, Tq, 2k+1) logits

@@ -22,6 +22,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from ...encodings.protocol import DistanceKeys, require
 from .base import ScoreSpec
 from .regions import kernel_forward
 
@@ -156,8 +157,9 @@ def _block_position(qp, pk, tk: int, a0: int, a1: int, offset: int, causal: bool
 
 def distance_key_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec) -> torch.Tensor:
     """Transformer-XL (Dai et al. 2019) attention without (Tq, Tk) tensors."""
-    enc = spec.encoding
-    u, v_bias, term_scale = enc.distance_key_form()
+    enc = require(spec.encoding, DistanceKeys)
+    form = enc.distance_key_form()
+    u, v_bias, term_scale = form.u, form.v, form.scale
     tq, tk = q.shape[-2], k.shape[-2]
     offset = spec.offset
     # (a) + (c): q.k*scale + u.k*s = (q*scale + u*s).k ; (b) + (d): (q + v).W_R R_{i-j} * s.

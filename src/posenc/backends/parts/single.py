@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ...encodings.protocol import DistanceBias, offers
+from ...encodings.protocol import ClippedTables, DistanceBias, DistanceKeys, offers, require
 from ...memo import Workspace
 from .base import ScoreSpec, accumulation_dtype, needs_grad
 from .padding import by_rows
@@ -130,7 +130,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec) -
 
 def shaw(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec) -> torch.Tensor:
     """One query of Shaw et al. (2018) attention: far keys in one fused call, the band written out."""
-    clip, key_table, value_table, term_scale = spec.encoding.clipped_tables()
+    tables = require(spec.encoding, ClippedTables).clipped_tables()
+    clip, key_table, value_table, term_scale = tables.clip, tables.key_table, tables.value_table, tables.scale
     tk, acc = k.shape[-2], accumulation_dtype(q.dtype)
     per_distance = torch.matmul(q, (key_table.to(q.dtype) * term_scale).t())  # (B, H, 1, 2k+1)
     values = value_table.to(q.dtype)
@@ -159,8 +160,9 @@ def shaw(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec) -> 
 def distance_keys(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec) -> torch.Tensor:
     """One query of Transformer-XL (Dai et al. 2019) attention: the position term from the kept
     position keys, one fused call with it as the mask."""
-    enc = spec.encoding
-    u, v_bias, term_scale = enc.distance_key_form()
+    enc = require(spec.encoding, DistanceKeys)
+    form = enc.distance_key_form()
+    u, v_bias, term_scale = form.u, form.v, form.scale
     b, h, _, d = q.shape
     tk = k.shape[-2]
     ws = workspace(spec)
