@@ -163,7 +163,7 @@ class Attention(nn.Module):
             else:
                 q, k = self.encoding.rotate(q, k, positions, k_positions)
         spec = ScoreSpec(self.encoding, positions, k_positions, self.causal, scale, memo, consecutive,
-                         cache.starts(q.device), cache.workspace, q_start=past, k_start=cache.start, aligned=True,
+                         cache.starts(q.device), cache.workspace, known_q_start=past, known_k_start=cache.start, known_aligned=True,
                          log_gates=gates)
         return run(q, k, v, spec, self.backend, rotate=False, extras=self.extras)
 

@@ -182,7 +182,7 @@ def _segments(q, k, v, encoding, geometry: Geometry, scale: float, memo: Forward
         vs = vf[seg.k_index.reshape(-1)].view(n, lk, hkv, -1).transpose(1, 2)
         gs = None if gf is None else gf[seg.k_index.reshape(-1)].view(n, lk, h).transpose(1, 2)  # (n, H, Lk)
         spec = ScoreSpec(encoding, seg.q_positions, seg.k_positions, geometry.causal, scale, memo, seg.consecutive,
-                         q_start=seg.q_start, k_start=seg.k_start, aligned=seg.aligned, log_gates=gs)
+                         known_q_start=seg.q_start, known_k_start=seg.k_start, known_aligned=seg.aligned, log_gates=gs)
         o, name = run(qs, ks, vs, spec, backend, rotate, extras)  # (n, H, Lq, D)
         outs.append(o.transpose(1, 2).reshape(n * lq, h, -1))
         where.append(seg.q_index.reshape(-1))

@@ -36,12 +36,12 @@ each row run alone; a uniform batch gives the same segments as the same position
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 
 import torch
-from torch import nn
 
-from .encodings.protocol import Biases, QueryTerms, Scores, ValueTerms, offers
+from .encodings.base import PositionalEncoding
+from .encodings.protocol import Biases, QueryTerms, Scores, ValueTerms, offers, require
 from .errors import UsageError
 from .memo import ForwardMemo, Workspace
 
@@ -100,7 +100,7 @@ class ScoreSpec:
     not given (one host read); :class:`Geometry` gives them, so a model forward reads positions once.
     """
 
-    encoding: nn.Module
+    encoding: PositionalEncoding
     q_positions: torch.Tensor  # (Tq,) absolute positions of the queries
     k_positions: torch.Tensor  # (Tk,) absolute positions of the keys
     causal: bool
@@ -116,28 +116,33 @@ class ScoreSpec:
     starts: torch.Tensor | None = None
     # Buffers kept between decode steps by the KV cache; None for a lone call.
     workspace: Workspace | None = field(default=None, repr=False)
-    # First query / key position (consecutive positions: query a is key a + q_start - k_start).
-    q_start: int | None = None
-    k_start: int | None = None
-    # Queries are the last Tq keys, position for position (a full pass, or a cached step).
-    aligned: bool | None = None
+    # First query / key position (consecutive positions: query a is key a + q_start - k_start),
+    # and whether the queries are the last Tq keys, position for position (a full pass, or a cached
+    # step): derived from the positions, or given as known_* by a caller that knows them already.
+    q_start: int = field(init=False)
+    k_start: int = field(init=False)
+    aligned: bool = field(init=False)
     # Per-key log forget gates (B, H, Tk) of the keys, in key order (:class:`Gates`, the Forgetting
     # Transformer): the score of query i and key j gains sum of log f_l over the keys l after j up
     # to i. None: no gates. Only backends that know them run such a call (``gated``, ``eager``):
     # they make ``has_query_terms`` true, so every fast path without them steps aside.
     log_gates: torch.Tensor | None = field(default=None, repr=False)
+    known_q_start: InitVar[int | None] = None
+    known_k_start: InitVar[int | None] = None
+    known_aligned: InitVar[bool | None] = None
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, known_q_start: int | None, known_k_start: int | None, known_aligned: bool | None) -> None:
         tq, tk = self.q_positions.numel(), self.k_positions.numel()
-        if self.q_start is None:
-            self.q_start = int(self.q_positions[0]) if tq else 0
-        if self.k_start is None:
-            self.k_start = int(self.k_positions[0]) if tk else 0
-        if self.aligned is None:
+        if known_q_start is None:
+            known_q_start = int(self.q_positions[0]) if tq else 0
+        if known_k_start is None:
+            known_k_start = int(self.k_positions[0]) if tk else 0
+        if known_aligned is None:
             if tq == 0 or tq > tk:
-                self.aligned = tq == 0
+                known_aligned = tq == 0
             else:
-                self.aligned = bool(self.q_positions[0] == self.k_positions[tk - tq]) and bool(self.q_positions[-1] == self.k_positions[-1])
+                known_aligned = bool(self.q_positions[0] == self.k_positions[tk - tq]) and bool(self.q_positions[-1] == self.k_positions[-1])
+        self.q_start, self.k_start, self.aligned = known_q_start, known_k_start, known_aligned
         # What the encoding offers, asked once per spec (plain attributes: nothing for a compiler to trace).
         self.has_bias = offers(self.encoding, Biases)
         self.has_query_terms = offers(self.encoding, QueryTerms) or self.log_gates is not None
@@ -166,7 +171,7 @@ class ScoreSpec:
         per forward for encodings shared across layers."""
         if q_positions is None or q_positions is self.q_positions:
             return self.memo.dense_bias(self.encoding, self.q_positions, self.k_positions)
-        return self.encoding.bias(q_positions, self.k_positions)
+        return require(self.encoding, Biases).bias(q_positions, self.k_positions)
 
     def allowed(self, q_positions: torch.Tensor | None = None) -> torch.Tensor | None:
         """(Tq, Tk) bool, True where a query may see a key; None when every pair is allowed."""
@@ -184,18 +189,28 @@ class ScoreSpec:
         starts = self.starts[:, None, None, None]  # (B, 1, 1, 1)
         return (self.k_positions[None, None, None, :] < starts) & (q_positions[None, None, :, None] >= starts)
 
-    def query_terms(self, q: torch.Tensor, k: torch.Tensor, q_positions: torch.Tensor, cumulative: torch.Tensor | None = None) -> torch.Tensor | None:
-        """Every query-dependent score term of these queries, (B, H, C, Tk) in logits, or None: the
-        encoding's ``query_terms`` and the gates' decay (``cumulative``: :meth:`cumulative_gates`)."""
-        terms = self.encoding.query_terms(q, k, q_positions, self.k_positions) if offers(self.encoding, QueryTerms) else None
+    def query_terms(self, q: torch.Tensor, k: torch.Tensor, q_positions: torch.Tensor, cumulative: torch.Tensor | None = None) -> torch.Tensor:
+        """Every query-dependent score term of these queries, (B, H, C, Tk) in logits: the
+        encoding's ``query_terms`` and the gates' decay (``cumulative``: :meth:`cumulative_gates`).
+        Only for a call that has them (``has_query_terms``).
+
+        Raises:
+            TypeError: the call has no query terms (a backend's bug, not a user's).
+        """
+        enc = self.encoding
+        terms = enc.query_terms(q, k, q_positions, self.k_positions) if offers(enc, QueryTerms) else None
         if self.log_gates is not None:
             decay = gate_decay(self.cumulative_gates() if cumulative is None else cumulative, q_positions, self.k_positions)
             terms = decay if terms is None else terms.to(decay.dtype) + decay
+        if terms is None:
+            raise TypeError(f"{type(enc).__name__} has no query terms here (ask has_query_terms first)")
         return terms
 
     def cumulative_gates(self) -> torch.Tensor:
         """c = cumsum of the log gates over the keys, (B, H, Tk), in float32 (float64 for float64)."""
         g = self.log_gates
+        if g is None:
+            raise TypeError("cumulative_gates of a call without log gates (ask log_gates first)")
         return g.cumsum(-1, dtype=torch.float64 if g.dtype == torch.float64 else torch.float32)
 
     def part(self, q_positions: torch.Tensor, k_positions: torch.Tensor) -> ScoreSpec:
@@ -263,11 +278,11 @@ class Geometry:
     def embed_positions(self) -> torch.Tensor:
         return self.q_positions
 
-    def spec(self, encoding: nn.Module, scale: float, memo: ForwardMemo | None = None, log_gates: torch.Tensor | None = None) -> ScoreSpec:
+    def spec(self, encoding: PositionalEncoding, scale: float, memo: ForwardMemo | None = None, log_gates: torch.Tensor | None = None) -> ScoreSpec:
         """The one backend call of a uniform geometry (``log_gates`` (B, H, Tk): see :class:`ScoreSpec`)."""
         return ScoreSpec(
             encoding, self.q_positions, self.k_positions, self.causal, scale, ForwardMemo() if memo is None else memo,
-            self.consecutive, q_start=self._q_start, k_start=self._k_start, aligned=self._aligned, log_gates=log_gates,
+            self.consecutive, known_q_start=self._q_start, known_k_start=self._k_start, known_aligned=self._aligned, log_gates=log_gates,
         )
 
     # Filled by ``of`` for a uniform geometry (ints known without reading the device).

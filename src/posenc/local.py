@@ -154,7 +154,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec, e
     for q0, q1, k0, k1, plain in plan(qv, kv, extras, spec.causal):
         qp, kp = spec.q_positions[q0:q1], spec.k_positions[k0:k1]
         sub = ScoreSpec(spec.encoding, qp, kp, spec.causal, spec.scale, spec.memo, spec.consecutive, spec.starts,
-                        spec.workspace if q1 - q0 == 1 else None, q_start=qv[q0], k_start=kv[k0] if k1 > k0 else 0)
+                        spec.workspace if q1 - q0 == 1 else None, known_q_start=qv[q0], known_k_start=kv[k0] if k1 > k0 else 0)
         qb, kb, vb = q[:, :, q0:q1], k[:, :, k0:k1], v[:, :, k0:k1]
         if plain and extras.sinks is None and k1 > k0:
             o, name = call(qb, kb, vb, sub, backend)

@@ -59,7 +59,7 @@ def compile_available(device_type: str) -> bool:
 def supports(spec: ScoreSpec, q: torch.Tensor) -> bool:
     if not spec.consecutive:  # the score_mod reads positions as offset + index
         return False
-    if spec.starts is not None and not padding.splittable(spec):
+    if not padding.supported(spec):
         return False
     if spec.has_query_terms or spec.has_value_terms or (spec.has_bias and not spec.has_score_mod):
         return False
