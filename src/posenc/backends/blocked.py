@@ -54,7 +54,20 @@ from ..errors import UsageError
 from . import sdpa
 from .parts import band, explicit, padding, single, tails
 from .parts.base import ScoreSpec, accumulation_dtype
-from .parts.regions import FLASH_OPS, Merge, apply, Region, call_order, flushed, kernel_backward, kernel_forward, keys_of, region_backward, rows_of, up
+from .parts.regions import (
+    FLASH_OPS,
+    Merge,
+    Region,
+    apply,
+    call_order,
+    flushed,
+    kernel_backward,
+    kernel_forward,
+    keys_of,
+    region_backward,
+    rows_of,
+    up,
+)
 
 
 def supports(spec: ScoreSpec, q: torch.Tensor) -> bool:
@@ -112,7 +125,9 @@ class _TailedBias(torch.autograd.Function):
         return dq, dk, dv, drel, None
 
 
-def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rel: torch.Tensor, plan: tails.Plan) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+def _forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rel: torch.Tensor, plan: tails.Plan,
+) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
     """Output (B, H, Tq, Dv), its log-sum-exp (B, H, Tq) and each far call's log-sum-exp."""
     b, h, tq, d = q.shape
     merged = Merge(b, h, tq, v.shape[-1], q.dtype, q.device)
@@ -134,7 +149,8 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rel: torch.Tenso
 
 
 def _backward(
-    plan: tails.Plan, far_lse: list[torch.Tensor], need_rel: bool, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rel: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+    plan: tails.Plan, far_lse: list[torch.Tensor], need_rel: bool, dout: torch.Tensor, q: torch.Tensor,
+    k: torch.Tensor, v: torch.Tensor, rel: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     dout = dout.contiguous()
     grads = _Grads(q, k, v)
@@ -184,7 +200,8 @@ def _band_bias(plan: tails.Plan, rel: torch.Tensor, group: band.BandGroup) -> tu
 
 
 def _band_backward(
-    plan: tails.Plan, rel: torch.Tensor, drel: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor, dsum: torch.Tensor, grads: _Grads,
+    plan: tails.Plan, rel: torch.Tensor, drel: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor, dsum: torch.Tensor, grads: _Grads,
 ) -> None:
     """The band's gradients: the kernel's backward for a fixed bias, the explicit formula (with the
     bias gradient summed per relative position) for a learned one, in smaller groups."""

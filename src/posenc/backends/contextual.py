@@ -178,7 +178,9 @@ class _Band:
 # Forward and backward
 
 
-def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch.Tensor, call: _Call) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def _forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch.Tensor, call: _Call,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     b, h, tq, _ = q.shape
     tk = k.shape[-2]
     acc = accumulation_dtype(q.dtype)
@@ -217,7 +219,8 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch.Ten
 
 
 def _backward(
-    call: _Call, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, far_out: torch.Tensor, far_lse: torch.Tensor,
+    call: _Call, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch.Tensor,
+    out: torch.Tensor, lse: torch.Tensor, far_out: torch.Tensor, far_lse: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     b, h, tq, _ = q.shape
     tk = k.shape[-2]

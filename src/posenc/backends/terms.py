@@ -38,7 +38,18 @@ from . import eager
 from .parts import distance, padding, single
 from .parts.base import ScoreSpec
 from .parts.regions import (
-    FLASH_OPS, Merge, Region, apply, call_order, flushed, kernel_forward, keys_of, lower, region_backward, rows_of, upper,
+    FLASH_OPS,
+    Merge,
+    Region,
+    apply,
+    call_order,
+    flushed,
+    kernel_forward,
+    keys_of,
+    lower,
+    region_backward,
+    rows_of,
+    upper,
 )
 
 SHAW_CHUNK = 32  # queries per band chunk (at least the band width)
@@ -99,7 +110,8 @@ class _MergeFar(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: Any, o_b: torch.Tensor, lse_b: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, consts: torch.Tensor, values: torch.Tensor, regions: Regions, scale: float,
+        ctx: Any, o_b: torch.Tensor, lse_b: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+        consts: torch.Tensor, values: torch.Tensor, regions: Regions, scale: float,
     ) -> torch.Tensor:
         out, lse, parts = flushed(_merge_forward, o_b, lse_b, q, k, v, consts, values, regions, scale)
         ctx.regions, ctx.scale = regions, scale
@@ -113,7 +125,8 @@ class _MergeFar(torch.autograd.Function):
 
 
 def _merge_forward(
-    o_b: torch.Tensor, lse_b: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, consts: torch.Tensor, values: torch.Tensor, regions: Regions, scale: float,
+    o_b: torch.Tensor, lse_b: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    consts: torch.Tensor, values: torch.Tensor, regions: Regions, scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
     b, h, tq, dv = o_b.shape
     merged = Merge(b, h, tq, dv, q.dtype, q.device)
@@ -129,7 +142,8 @@ def _merge_forward(
 
 
 def _merge_backward(
-    regions: Regions, scale: float, d_out: torch.Tensor, o_b: torch.Tensor, lse_b: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, consts: torch.Tensor, values: torch.Tensor,
+    regions: Regions, scale: float, d_out: torch.Tensor, o_b: torch.Tensor, lse_b: torch.Tensor,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, consts: torch.Tensor, values: torch.Tensor,
     out: torch.Tensor, lse: torch.Tensor, saved: list[torch.Tensor],
 ) -> tuple[torch.Tensor | None, ...]:
     d_out = d_out.contiguous()

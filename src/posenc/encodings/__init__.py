@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import inspect
-
-from torch import nn
+from typing import Any
 
 from ..errors import UsageError
 from .alibi import ALiBi, alibi_slopes
@@ -57,7 +56,7 @@ def options_of(cls: type[PositionalEncoding]) -> list[str]:
     return [p for p in inspect.signature(cls.__init__).parameters if p not in ("self", "num_heads", "head_dim", "causal")]
 
 
-def build(name: str, *, num_heads: int, head_dim: int, causal: bool = True, **options) -> nn.Module:
+def build(name: str, *, num_heads: int, head_dim: int, causal: bool = True, **options: Any) -> PositionalEncoding:
     """Build the encoding ``name`` for ``num_heads`` heads of ``head_dim`` features.
 
     ``options`` are the method's own keyword arguments (e.g. ``layout="interleaved"`` for rope,

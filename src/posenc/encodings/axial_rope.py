@@ -69,7 +69,7 @@ def patch_positions(height: int, width: int, device: torch.device | str | None =
     return torch.stack((x.flatten(), y.flatten()), dim=-1)  # (T, 2)
 
 
-def _check_common(encoding: PositionalEncoding, base, layout: str) -> None:
+def _check_common(encoding: PositionalEncoding, base: object, layout: str) -> None:
     if encoding.head_dim % 4:
         raise UsageError(f"{encoding.name} needs head_dim divisible by 4 (two axes of feature pairs), got {encoding.head_dim}")
     if isinstance(base, bool) or not isinstance(base, (int, float)) or not base > 1:

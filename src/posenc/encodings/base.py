@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from ..errors import UsageError, check_positive
-from .protocol import CAPABILITIES, HOOKS, members, offers
+from .protocol import CAPABILITIES, HOOKS, Scores, members, offers, require
 
 # A hook (or a one-method capability, such as ``score``) by its method name, for scripts and tests:
 # derived from the protocol's HOOKS and CAPABILITIES, never a list of its own.
@@ -76,14 +76,21 @@ class PositionalEncoding(nn.Module):
     # True: one instance (and one set of learned parameters) for all layers; see shares_across_layers.
     shares_parameters: ClassVar[bool] = False
     causal_only: ClassVar[bool] = False
-    # True when ``rotate`` depends on the current length (the largest key position + 1), not only
-    # on each position: the attention then caches keys un-rotated and rotates them at every step.
-    rotation_depends_on_length: bool = False
     # True when positions enter only as differences i - j (see the class docstring).
     shift_invariant: ClassVar[bool] = False
-    # The factor of the content product q . k; None: 1 / sqrt(head_dim). DeBERTa scales it by
-    # 1 / sqrt(D * (1 + its number of position terms)); read through :func:`content_scale`.
-    content_scale: float | None = None
+
+    @property
+    def rotation_depends_on_length(self) -> bool:
+        """True when ``rotate`` depends on the current length (the largest key position + 1), not
+        only on each position: the attention then caches keys un-rotated and rotates them at every
+        step. A property, so that a subclass may derive it from its options."""
+        return False
+
+    @property
+    def content_scale(self) -> float | None:
+        """The factor of the content product q . k; None: 1 / sqrt(head_dim). DeBERTa scales it by
+        1 / sqrt(D * (1 + its number of position terms)); read through :func:`content_scale`."""
+        return None
 
     @property
     def shares_across_layers(self) -> bool:
@@ -134,17 +141,17 @@ def relative_positions(q_positions: torch.Tensor, k_positions: torch.Tensor) -> 
     return k_positions[None, :] - q_positions[:, None]  # (Tq, Tk)
 
 
-def bias_from_score(encoding: nn.Module, q_positions: torch.Tensor, k_positions: torch.Tensor) -> torch.Tensor:
+def bias_from_score(encoding: PositionalEncoding, q_positions: torch.Tensor, k_positions: torch.Tensor) -> torch.Tensor:
     """Dense (H, Tq, Tk) bias built from an encoding's scalar form ``score(h, i, j)``.
 
     One definition serves both the dense path and fused kernels, so they cannot disagree.
     """
     check_bias_positions(encoding, q_positions, k_positions)
     heads = torch.arange(encoding.num_heads, device=q_positions.device)[:, None, None]  # (H, 1, 1)
-    return encoding.score(heads, q_positions[None, :, None], k_positions[None, None, :])  # (H, Tq, Tk)
+    return require(encoding, Scores).score(heads, q_positions[None, :, None], k_positions[None, None, :])  # (H, Tq, Tk)
 
 
-def relative_bias_from_score(encoding: nn.Module, relative: torch.Tensor) -> torch.Tensor:
+def relative_bias_from_score(encoding: PositionalEncoding, relative: torch.Tensor) -> torch.Tensor:
     """``f_h(r) = score(h, 0, r)`` for an encoding whose bias depends on r = j - i alone: (H, *r.shape)."""
     heads = torch.arange(encoding.num_heads, device=relative.device).view(-1, *([1] * relative.dim()))  # (H, 1, ..)
-    return encoding.score(heads, torch.zeros_like(relative), relative[None])  # (H, *r.shape)
+    return require(encoding, Scores).score(heads, torch.zeros_like(relative), relative[None])  # (H, *r.shape)

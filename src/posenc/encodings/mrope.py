@@ -45,6 +45,7 @@ Shape legend: B batch, H heads, T length, D head dim, F = D/2 frequencies, A axe
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -58,7 +59,7 @@ AXES = ("temporal", "height", "width")
 
 def axis_positions(
     encoding: PositionalEncoding, label: str, positions: torch.Tensor, x: torch.Tensor, num_axes: int, axis_first: bool
-) -> tuple[torch.Tensor, int]:
+) -> tuple[torch.Tensor, int | None]:
     """Positions of ``x`` (B, H, T, D) as an (A, B', T) LongTensor, B' = 1 or B, and the largest id
     + 1 (one device sync; None while ``torch.compile`` traces, which reads nothing on the host);
     UsageError otherwise.
@@ -94,7 +95,7 @@ def axis_positions(
 
 
 def select_axes(
-    table: RotaryTable, positions: torch.Tensor, needed: int, axis_of: torch.Tensor
+    table: RotaryTable, positions: torch.Tensor, needed: int | None, axis_of: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """float32 cos and sin (B', 1, T, F) with entry f at ``positions[axis_of[f]]`` (positions
     (A, B', T), all < ``needed``): the angles of one set of frequencies, each at its own axis.
@@ -108,7 +109,9 @@ def select_axes(
     else:
         cos, sin = table.lookup(flat, max(needed, 1))  # (A * B' * T, F)
     index = axis_of.to(positions.device).view(1, 1, 1, -1).expand(1, b, t, -1)  # (1, B', T, F)
-    pick = lambda c: c.view(a, b, t, -1).gather(0, index).view(b, 1, t, -1)  # noqa: E731
+    def pick(c: torch.Tensor) -> torch.Tensor:
+        return c.view(a, b, t, -1).gather(0, index).view(b, 1, t, -1)
+
     return pick(cos), pick(sin)
 
 
@@ -223,7 +226,7 @@ class MRoPE(PositionalEncoding):
                 f"mrope_interleaved={self.mrope_interleaved}, layout={self.layout!r}")
 
 
-def mrope_from_hf(config, **options) -> MRoPE:
+def mrope_from_hf(config: object, **options: Any) -> MRoPE:
     """An :class:`MRoPE` from a ``transformers`` Qwen2-VL / Qwen2.5-VL / Qwen3-VL config (the whole
     config or its ``text_config``, object or dict): heads, head dim, ``rope_theta``,
     ``mrope_section`` and ``mrope_interleaved`` from ``rope_parameters`` (or ``rope_scaling``).
@@ -232,7 +235,7 @@ def mrope_from_hf(config, **options) -> MRoPE:
     (Qwen3-VL's class does whatever the flag says), any other interleaves only with
     ``mrope_interleaved``; without ``mrope_section``, (24, 20, 20) for qwen3, (16, 24, 24) otherwise. ``options`` go to :class:`MRoPE` (``causal``,
     ``cache_length``). A scaled ``rope_type`` is a UsageError: the default frequencies only."""
-    def get(cfg, key):
+    def get(cfg: object, key: str) -> Any:
         return cfg.get(key) if isinstance(cfg, Mapping) else getattr(cfg, key, None)
 
     text = get(config, "text_config") or config

@@ -232,9 +232,10 @@ def offers(encoding: object, capability: type[C]) -> TypeIs[C]:
         TypeError: ``capability`` is not one of the hook or capability Protocols (a programming
             error, not a user's).
     """
-    if capability not in HOOKS and capability not in CAPABILITIES:
+    kind: type = capability  # a class, hashable: the key of members' cache
+    if kind not in HOOKS and kind not in CAPABILITIES:
         raise TypeError(f"capability must be one of {[c.__name__ for c in HOOKS + CAPABILITIES]}, got {capability!r}")
-    return all(callable(getattr(encoding, name, None)) for name in members(capability))
+    return all(callable(getattr(encoding, name, None)) for name in members(kind))
 
 
 def require(encoding: object, capability: type[C]) -> C:

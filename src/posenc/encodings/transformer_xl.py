@@ -60,7 +60,7 @@ class TransformerXL(PositionalEncoding):
     def position_keys(self, distances: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """W_R R_d for integer ``distances`` (L,): (H, L, D)."""
         table = sinusoidal_table(distances, self.dim).to(dtype)  # (L, dim)
-        keys = self.position_key(table.to(self.position_key.weight.dtype)).to(dtype)  # (L, H*D)
+        keys: torch.Tensor = self.position_key(table.to(self.position_key.weight.dtype)).to(dtype)  # (L, H*D)
         return keys.view(-1, self.num_heads, self.head_dim).transpose(0, 1)  # (H, L, D)
 
     def distance_key_form(self) -> DistanceKeyForm:

@@ -54,7 +54,8 @@ class _DistanceKeyAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: Any, qc: torch.Tensor, qp: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pk: torch.Tensor, offset: int, causal: bool, block: int, heads: int,
+        ctx: Any, qc: torch.Tensor, qp: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+        pk: torch.Tensor, offset: int, causal: bool, block: int, heads: int,
     ) -> torch.Tensor:
         tq, tk = qc.shape[-2], k.shape[-2]
         out = qc.new_empty(*qc.shape[:-1], v.shape[-1])  # (B, H, Tq, D)

@@ -104,7 +104,8 @@ def _add_product(target: torch.Tensor, a: torch.Tensor, b: torch.Tensor, alpha: 
 
 
 def _block_grads(
-    ws: _Workspace, p: torch.Tensor, dout_c: torch.Tensor, total_c: torch.Tensor, q_c: torch.Tensor, k_c: torch.Tensor, v_c: torch.Tensor, scale: float, dk: torch.Tensor, dv: torch.Tensor,
+    ws: _Workspace, p: torch.Tensor, dout_c: torch.Tensor, total_c: torch.Tensor, q_c: torch.Tensor,
+    k_c: torch.Tensor, v_c: torch.Tensor, scale: float, dk: torch.Tensor, dv: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """p: probabilities (B, H, C, L), in workspace memory. Adds the block's dk, dv (keys 0..L-1)
     and returns dS (in p's memory) and the block's dq."""
@@ -160,7 +161,8 @@ def _relative_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: 
 
 
 def _relative_backward(
-    g: _Geometry, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, need_table: bool,
+    g: _Geometry, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    table: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, need_table: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     dout = dout.contiguous()
     acc = accumulation_dtype(q.dtype)
@@ -243,7 +245,8 @@ def _generic_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: Sc
 
 
 def _generic_block(
-    ws: _Workspace, g: _Geometry, bias: torch.Tensor, dout: torch.Tensor, total: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lse: torch.Tensor,
+    ws: _Workspace, g: _Geometry, bias: torch.Tensor, dout: torch.Tensor, total: torch.Tensor,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lse: torch.Tensor,
     a0: int, a1: int, keys: int, dk: torch.Tensor, dv: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     q_c, dout_c = up(q[:, :, a0:a1]), up(dout[:, :, a0:a1])

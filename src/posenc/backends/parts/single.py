@@ -176,8 +176,9 @@ def distance_keys(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: Score
     ws = workspace(spec)
     c = ws.fit(tk)
     name = ("position_keys", ws.hold(enc))
-    keys = ws.get(name, (c, q.dtype, q.device, versions(enc)),
-                  lambda: require(enc, DistanceKeys).position_keys(torch.arange(c - 1, -1, -1, device=q.device), q.dtype))  # (H, C, D): slot t is distance C-1-t
+    distances = require(enc, DistanceKeys)
+    make = lambda: distances.position_keys(torch.arange(c - 1, -1, -1, device=q.device), q.dtype)  # noqa: E731
+    keys = ws.get(name, (c, q.dtype, q.device, versions(enc)), make)  # (H, C, D): slot t is distance C-1-t
     # (a) + (c): q.k*scale + u.k*s = (q*scale + u*s).k ; (b) + (d): (q + v).W_R R_{i-j} * s.
     content = q * spec.scale + (u.to(q.dtype) * term_scale)[:, None, :]  # (B, H, 1, D)
     position = (q + v_bias.to(q.dtype)[:, None, :]) * term_scale
