@@ -14,8 +14,8 @@ from torch import nn
 
 from . import backends
 from .cache import LayerCache
-from .encodings.base import content_scale
-from .encodings.protocol import Gates, Rotates, offers
+from .encodings.base import PositionalEncoding, content_scale
+from .encodings.protocol import Gates, Rotates, offers, require
 from .errors import UsageError, check_positive
 from .functional import _attend, run
 from .geometry import Geometry, ScoreSpec, check_positions
@@ -43,7 +43,7 @@ class Attention(nn.Module):
         UsageError: sizes that do not divide, or an encoding built for other sizes.
     """
 
-    def __init__(self, dim: int, num_heads: int, encoding: nn.Module, causal: bool = True, backend: str = "auto",
+    def __init__(self, dim: int, num_heads: int, encoding: PositionalEncoding, causal: bool = True, backend: str = "auto",
                  num_kv_heads: int | None = None, *, window: int | None = None, chunk: int | None = None,
                  sinks: bool = False, query_scale: QueryScale | None = None) -> None:
         super().__init__()
@@ -146,22 +146,24 @@ class Attention(nn.Module):
         # must rotate every key with the current length: the cache keeps such keys un-rotated and
         # they are rotated at each step (O(T x D) per step), so decoding equals the full pass.
         late = rotates and getattr(self.encoding, "rotation_depends_on_length", False)
-        if rotates and not late:
-            q, k = self.encoding.rotate(q, k, positions, positions)
+        rotation = require(self.encoding, Rotates) if rotates else None
+        if rotation is not None and not late:
+            q, k = rotation.rotate(q, k, positions, positions)
         k, v = cache.append(k, v)  # (B, Hkv, past + T, D): views of the cache's buffers
         if gates is not None:
             if cache.window is not None:
                 raise UsageError("an encoding with forget gates (log_gates) cannot decode with a windowed cache (window=...)")
             gates = cache.append_gates(gates)  # (B, H, past + T): every cached key's log gate
         k_positions = cache.positions(q.device)  # start..past+T-1, a view (nothing per step grows with N)
-        if late:
+        if rotation is not None and late:
             # An encoding that keeps cached keys in a frame of its own (xPos's centre) rotates only the new ones.
             # (Not for a windowed cache: it forgets its oldest rows, so rows are no longer positions;
             # its at most 2W keys are rotated afresh each step.)
-            if callable(getattr(self.encoding, "rotate_in_frame", None)) and cache.window is None:
-                q, k = self.encoding.rotate_in_frame(q, k, positions, k_positions, cache)
+            in_frame = getattr(self.encoding, "rotate_in_frame", None)
+            if callable(in_frame) and cache.window is None:
+                q, k = in_frame(q, k, positions, k_positions, cache)
             else:
-                q, k = self.encoding.rotate(q, k, positions, k_positions)
+                q, k = rotation.rotate(q, k, positions, k_positions)
         spec = ScoreSpec(self.encoding, positions, k_positions, self.causal, scale, memo, consecutive,
                          cache.starts(q.device), cache.workspace, known_q_start=past, known_k_start=cache.start, known_aligned=True,
                          log_gates=gates)

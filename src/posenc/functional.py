@@ -174,7 +174,7 @@ def _segments(q, k, v, encoding, geometry: Geometry, scale: float, memo: Forward
     vf = v.transpose(1, 2).reshape(b * tk, hkv, v.shape[-1])
     gf = None if log_gates is None else log_gates.transpose(1, 2).reshape(b * tk, h)  # (B*Tk, H)
     name, outs, where = backend, [], []
-    for seg in geometry.runs:
+    for seg in geometry.runs or ():  # a segmented geometry has its runs
         n, lq = seg.q_index.shape
         lk = seg.k_index.shape[1]
         qs = qf[seg.q_index.reshape(-1)].view(n, lq, h, d).transpose(1, 2)  # (n, H, Lq, D)

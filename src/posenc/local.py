@@ -45,6 +45,7 @@ import torch
 import torch.nn.functional as F
 
 from .backends.parts.base import accumulation_dtype
+from .encodings.protocol import Biases, QueryTerms, ValueTerms, require
 from .errors import UsageError
 from .geometry import ScoreSpec
 from .query_scale import QueryScale
@@ -193,7 +194,7 @@ def formula(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec, 
         # value is zero: exactly the term the softmax needs. Half precision keeps the eager formula,
         # whose scores are accumulated in float32.
         b, h, lq, _ = q.shape
-        mask = enc.bias(qp, kp).to(q.dtype) if spec.has_bias else q.new_zeros(1, lq, kp.numel())  # (H or 1, Lq, Lk)
+        mask = require(enc, Biases).bias(qp, kp).to(q.dtype) if spec.has_bias else q.new_zeros(1, lq, kp.numel())  # (H or 1, Lq, Lk)
         mask = mask.masked_fill(~allowed, float("-inf"))[None]  # (1, H or 1, Lq, Lk)
         if hidden is not None:
             mask = mask.masked_fill(hidden, float("-inf"))  # (B, H or 1, Lq, Lk)
@@ -207,9 +208,9 @@ def formula(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec, 
     acc = accumulation_dtype(q.dtype)
     scores = torch.matmul(q, k.transpose(-1, -2)).to(acc) * spec.scale  # (B, H, Lq, Lk)
     if spec.has_bias:
-        scores = scores + enc.bias(qp, kp).to(acc)
+        scores = scores + require(enc, Biases).bias(qp, kp).to(acc)
     if spec.has_query_terms:
-        scores = scores + enc.query_terms(q, k, qp, kp).to(acc)
+        scores = scores + require(enc, QueryTerms).query_terms(q, k, qp, kp).to(acc)
     scores = scores.masked_fill(~allowed, float("-inf"))
     if hidden is not None:
         scores = scores.masked_fill(hidden, float("-inf"))
@@ -221,7 +222,7 @@ def formula(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec, 
         probs = torch.softmax(scores, dim=-1).to(q.dtype)
     out = torch.matmul(probs, v)  # (B, H, Lq, D)
     if spec.has_value_terms:
-        out = out + enc.value_terms(probs, qp, kp).to(out.dtype)
+        out = out + require(enc, ValueTerms).value_terms(probs, qp, kp).to(out.dtype)
     return out, "eager"
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field, replace
+from typing import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -24,7 +25,7 @@ from torch import nn
 from . import backends
 from .attention import Attention, _padding_mask
 from .cache import Cache, check_padding
-from .encodings import build, get_class, options_of
+from .encodings import PositionalEncoding, build, get_class, options_of
 from .encodings.protocol import Embeds, offers
 from .errors import UsageError, check_positive
 from .geometry import Geometry, check_positions
@@ -88,10 +89,10 @@ class LMConfig:
         return asdict(self)
 
 
-def _scheduled_encodings(config: LMConfig, layers) -> list[nn.Module]:
+def _scheduled_encodings(config: LMConfig, layers: Sequence[Layer]) -> list[PositionalEncoding]:
     """One encoding per layer; layers with the same method and options share one instance when the
     method shares across layers (T5's table, RoPE's cos/sin tables)."""
-    shared: dict[str, nn.Module] = {}
+    shared: dict[str, PositionalEncoding] = {}
     out = []
     for layer in layers:
         cls = get_class(layer.encoding)
@@ -120,11 +121,14 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, config: LMConfig, encoding: nn.Module, layer: Layer | None = None) -> None:
+    def __init__(self, config: LMConfig, encoding: PositionalEncoding, layer: Layer | None = None) -> None:
         super().__init__()
         self.ln1 = nn.LayerNorm(config.dim)
-        kind = {} if layer is None else dict(window=layer.window, chunk=layer.chunk, sinks=layer.sinks, query_scale=layer.query_scale)
-        self.attn = Attention(config.dim, config.num_heads, encoding, config.causal, config.attention_backend, config.num_kv_heads, **kind)
+        self.attn = Attention(
+            config.dim, config.num_heads, encoding, config.causal, config.attention_backend, config.num_kv_heads,
+            window=None if layer is None else layer.window, chunk=None if layer is None else layer.chunk,
+            sinks=False if layer is None else layer.sinks, query_scale=None if layer is None else layer.query_scale,
+        )
         self.ln2 = nn.LayerNorm(config.dim)
         self.mlp = MLP(config.dim, config.mlp_ratio)
 
@@ -139,9 +143,11 @@ class LM(nn.Module):
     def __init__(self, config: LMConfig) -> None:
         super().__init__()
         self.config = config
-        if config.schedule is not None:
-            layers = config.layers.layers
-            encodings = _scheduled_encodings(config, layers)
+        schedule = config.layers
+        layers: Sequence[Layer | None]
+        if schedule is not None:
+            layers = schedule.layers
+            encodings = _scheduled_encodings(config, schedule.layers)
         else:
             layers = (None,) * config.depth
             options = dict(config.encoding_options)
@@ -178,6 +184,10 @@ class LM(nn.Module):
         if isinstance(module, nn.Linear) and module.bias is not None:
             nn.init.zeros_(module.bias)
 
+    def attentions(self) -> list[Attention]:
+        """Every block's attention layer, in order."""
+        return [block.attn for block in self.blocks if isinstance(block, Block)]
+
     @property
     def max_length(self) -> int | None:
         return getattr(self.encoding, "max_positions", None)
@@ -189,11 +199,12 @@ class LM(nn.Module):
         parameters leave the model; an optimizer built before keeps them, without gradients."""
         nope = build("nope", num_heads=self.config.num_heads, head_dim=self.config.head_dim, causal=self.config.causal)
         self.encoding = nope
-        for block in self.blocks:
-            block.attn.encoding = nope
-        schedule = self.config.schedule
-        if schedule is not None:  # windows, chunks, sinks and query scales stay: they are not encodings
-            schedule = [{**layer, "encoding": "nope", "options": {}} for layer in schedule]
+        for attn in self.attentions():
+            attn.encoding = nope
+        layers = self.config.layers
+        schedule = None
+        if layers is not None:  # windows, chunks, sinks and query scales stay: they are not encodings
+            schedule = [{**layer, "encoding": "nope", "options": {}} for layer in layers.to_list()]
         self.config = replace(self.config, encoding="nope", encoding_options={}, max_positions=None, schedule=schedule)
 
     def new_cache(self, batch_size: int, capacity: int | None = None, padding=None) -> Cache:
@@ -209,10 +220,11 @@ class LM(nn.Module):
             raise UsageError("incremental decoding needs a causal model (causal=True)")
         if capacity is not None:
             check_positive("capacity", capacity)
-        if self.config.schedule is not None and check_padding(padding, batch_size) is not None and not self.config.layers.shift_invariant:
+        schedule = self.config.layers
+        if schedule is not None and check_padding(padding, batch_size) is not None and not schedule.shift_invariant:
             raise UsageError("padding: this schedule reads absolute positions (chunks, a query scale or an encoding that is not "
                              "shift-invariant), so left-padded rows cannot share one cache; decode rows of one prompt length together")
-        windows = [block.attn.window for block in self.blocks]  # windowed layers keep O(W) keys
+        windows = [attn.window for attn in self.attentions()]  # windowed layers keep O(W) keys
         return Cache(self, self.config.depth, check_positive("batch_size", batch_size), capacity, padding, windows)
 
     def generate(self, prompt, max_new_tokens: int, *, do_sample: bool = False, temperature: float = 1.0,

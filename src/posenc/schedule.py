@@ -42,6 +42,7 @@ import json
 import math
 import re
 from dataclasses import dataclass, field
+from typing import Any
 
 from .encodings import get_class, options_of
 from .encodings.protocol import Embeds, offers
@@ -120,7 +121,7 @@ class Layer:
         return out
 
     @classmethod
-    def from_dict(cls, data: dict) -> Layer:
+    def from_dict(cls, data: dict[str, Any] | Layer) -> Layer:
         if isinstance(data, Layer):
             return data
         if not isinstance(data, dict) or "encoding" not in data:
