@@ -40,7 +40,11 @@ class Attention(nn.Module):
         query_scale: a per-query factor of the positions (:mod:`posenc.query_scale`).
 
     Raises:
-        UsageError: sizes that do not divide, or an encoding built for other sizes.
+        UsageError: (when built) sizes that are not positive integers or do not divide, an encoding
+            built for other sizes or another ``causal``, an unknown backend name, a window or chunk
+            that is not a positive integer (or both); (when called) positions, documents or an
+            attention mask that do not fit, documents or a mask with a KV cache, a windowed cache
+            for forget gates, or a forced backend that cannot run the call (naming those that can).
     """
 
     def __init__(self, dim: int, num_heads: int, encoding: PositionalEncoding, causal: bool = True, backend: str = "auto",

@@ -340,6 +340,11 @@ def generate(model: LM, prompt, max_new_tokens: int, *, do_sample: bool = False,
         (B * num_return_sequences, T + n) LongTensor: the prompt (a list of prompts left-padded
         with ``pad_token_id``; a tensor as given) then n <= max_new_tokens new tokens, each row
         padded with ``pad_token_id`` after its end token.
+
+    Raises:
+        UsageError: an option outside the range given above (naming it), token ids outside the
+            vocabulary, a prompt and mask that do not fit, or a prompt plus ``max_new_tokens``
+            longer than a bounded encoding's ``max_positions``.
     """
     setup = _setup(model, prompt, max_new_tokens, do_sample, temperature, top_k, top_p, seed, eos_token_id,
                    pad_token_id, attention_mask, num_return_sequences)

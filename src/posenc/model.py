@@ -35,6 +35,15 @@ from .schedule import Layer, Schedule
 
 @dataclass
 class LMConfig:
+    """A small decoder (or encoder) LM around one encoding or a layer schedule, checked when made.
+
+    Raises:
+        UsageError: an unknown encoding or backend name, a size that is not a positive integer,
+            ``dim`` not divisible by ``num_heads`` (or ``num_heads`` by ``num_kv_heads``),
+            ``encoding_options`` given with a ``schedule``, or a schedule that does not parse or
+            does not have ``depth`` layers.
+    """
+
     encoding: str = "alibi"
     vocab_size: int = 256
     dim: int = 128
@@ -138,7 +147,12 @@ class Block(nn.Module):
 
 
 class LM(nn.Module):
-    """tokens (B, T) -> logits (B, T, vocab). ``cache`` (from :meth:`new_cache`) decodes incrementally."""
+    """tokens (B, T) -> logits (B, T, vocab). ``cache`` (from :meth:`new_cache`) decodes incrementally.
+
+    Raises:
+        UsageError: an encoding option its method rejects (naming it), or ``random_positions``
+            past the encoding's ``max_positions``.
+    """
 
     def __init__(self, config: LMConfig) -> None:
         super().__init__()
@@ -215,6 +229,11 @@ class LM(nn.Module):
             padding: left padding of each row (``batch_size`` integers >= 0): row b's first
                 padding[b] tokens are padding, hidden from its real tokens. Prompts of different
                 lengths decode together this way (see :meth:`generate`).
+
+        Raises:
+            UsageError: an encoder (``causal=False``), a batch size or capacity that is not a
+                positive integer, padding that is not ``batch_size`` integers >= 0, or padding
+                with a schedule that reads absolute positions.
         """
         if not self.config.causal:
             raise UsageError("incremental decoding needs a causal model (causal=True)")

@@ -86,7 +86,7 @@ def supports(spec: ScoreSpec, q: torch.Tensor) -> bool:
 
 def preferred(spec: ScoreSpec, q: torch.Tensor) -> bool:
     if spec.starts is not None and supports(spec, q):  # split by rows: each row may take a fast path
-        return True
+        return offers(spec.encoding, ClippedTables) or offers(spec.encoding, DistanceKeys)
     return supports(spec, q) and _path(spec, q) is not None
 
 

@@ -44,7 +44,11 @@ def available() -> list[str]:
 
 
 def get_class(name: str) -> type[PositionalEncoding]:
-    """The encoding class registered as ``name``; ValueError listing the choices otherwise."""
+    """The encoding class registered as ``name``.
+
+    Raises:
+        UsageError: no encoding is registered as ``name`` (listing the choices).
+    """
     try:
         return REGISTRY[name]
     except (KeyError, TypeError):
@@ -60,7 +64,12 @@ def build(name: str, *, num_heads: int, head_dim: int, causal: bool = True, **op
     """Build the encoding ``name`` for ``num_heads`` heads of ``head_dim`` features.
 
     ``options`` are the method's own keyword arguments (e.g. ``layout="interleaved"`` for rope,
-    ``num_buckets=32`` for t5); an unknown option is a ValueError naming the accepted ones.
+    ``num_buckets=32`` for t5).
+
+    Raises:
+        UsageError: an unknown name (listing the choices), an unknown option (naming the accepted
+            ones), or a size or option the method's constructor rejects (naming it and its range;
+            :class:`~posenc.encodings.base.PositionalEncoding` checks the sizes for every method).
     """
     cls = get_class(name)
     accepted = options_of(cls)

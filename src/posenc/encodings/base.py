@@ -68,6 +68,12 @@ class PositionalEncoding(nn.Module):
     Hooks and optional capabilities (``bias_tails``, ``clipped_tables``, ...) are methods a subclass
     defines; :mod:`posenc.encodings.protocol` lists them and :func:`~posenc.encodings.protocol.offers`
     finds them.
+
+    Raises:
+        UsageError: (the constructor, for every method: subclasses call it first) ``num_heads`` or
+            ``head_dim`` not a positive integer, or ``causal=False`` for a method without a
+            bidirectional form; a subclass raises it too for each of its own options, naming it and
+            its allowed range.
     """
 
     name: ClassVar[str] = ""

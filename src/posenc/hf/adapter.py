@@ -378,6 +378,13 @@ def use(model: nn.Module, encoding: str | nn.Module, **options: Any) -> nn.Modul
     The model's rotary module becomes the identity, and posenc's rotation (if the method rotates)
     is applied inside the attention; biases and score terms too. Calling it again replaces the
     encoding. See the module docstring for the positions, masks and documents it derives.
+
+    Raises:
+        UsageError: a model outside the supported families (or without a decoder stack with
+            ``layers``, ``rotary_emb`` and ``self_attn.q_proj``), an unknown encoding name or
+            option, options that are not JSON values or given with a built encoding, a built
+            encoding for other heads or head dim or a bidirectional one, or a method with forget
+            gates (which needs each layer's input).
     """
     base = _base_model(model)
     config = model.config
