@@ -367,3 +367,47 @@ def test_several_lengths_are_lines_with_error_bars(tmp_path):
     plt.close(fig)
     plots.plot(cells, tmp_path / "p.png")
     assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# --- benchmarks/schedule.py: the layer-schedule checks of issue 19, in its --quick mode ------------
+
+
+def test_the_schedule_benchmark_writes_its_three_tables(tmp_path, capsys):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "schedule.py"
+    spec = importlib.util.spec_from_file_location("schedule_benchmark", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    out = tmp_path / "schedule"
+    script.main(["--quick", "--in-process", "--methods", "rope", "--out", str(out)])
+    table = (out / "table.md").read_text()
+    assert table.strip() in capsys.readouterr().out  # printed too
+    assert table.startswith("Machine: ") and script.cpu_model() in table and "Quick mode" in table
+    for title in ("### Sliding window W=32 vs full causal", "### Decoding a windowed layer (W=32",
+                  "### 3 local (W=32) : 1 global layers"):
+        assert title in table, title
+    assert sum(line.startswith("| rope | ") for line in table.splitlines()) == 3
+    data = json.loads((out / "results.json").read_text())
+    assert data["quick"] is True and data["rounds"] == 1 and data["command"].startswith("python benchmarks/schedule.py --quick")
+    assert set(data["ratios"]) == {"window", "decode", "schedule"} == set(data["jobs"])
+    for name, per in data["ratios"].items():
+        got = per["rope"]
+        assert got["target"] == script.TARGETS[name] and len(got["rounds"]) == 1
+        assert got["min"] <= got["median"] <= got["max"] and got["median"] > 0
+        assert got["meets_target"] == (got["median"] <= got["target"])
+    jobs = {(j["table"], j["variant"]): j for round_ in data["jobs"].values() for j in round_[0]}
+    assert {k for k in jobs} == {("window", "full"), ("window", "window"), ("decode", "cache 64"), ("decode", "cache 512"),
+                                 ("schedule", "local"), ("schedule", "global"), ("schedule", "mixed")}
+    # the ratios are the jobs' own figures
+    window = data["ratios"]["window"]["rope"]["median"]
+    assert window == pytest.approx(jobs[("window", "window")]["seconds"] / jobs[("window", "full")]["seconds"])
+    decode = data["ratios"]["decode"]["rope"]["median"]
+    assert decode == pytest.approx(jobs[("decode", "cache 512")]["per_token_s"] / jobs[("decode", "cache 64")]["per_token_s"])
+    s = {v: jobs[("schedule", v)]["seconds"] for v in ("local", "global", "mixed")}
+    assert data["ratios"]["schedule"]["rope"]["median"] == pytest.approx(s["mixed"] / (0.75 * s["local"] + 0.25 * s["global"]))
+    # what was timed is what the table says: a windowed cache keeps O(W) keys; the 3:1 LM has its kinds
+    assert jobs[("decode", "cache 512")]["kept_keys"] <= 2 * 32 and jobs[("decode", "cache 512")]["cache_capacity"] <= 2 * 32
+    assert jobs[("schedule", "mixed")]["windows"] == [32, 32, 32, None]
+    assert jobs[("schedule", "local")]["windows"] == [32] * 4 and jobs[("schedule", "global")]["windows"] == [None] * 4
