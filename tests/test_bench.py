@@ -411,3 +411,42 @@ def test_the_schedule_benchmark_writes_its_three_tables(tmp_path, capsys):
     assert jobs[("decode", "cache 512")]["kept_keys"] <= 2 * 32 and jobs[("decode", "cache 512")]["cache_capacity"] <= 2 * 32
     assert jobs[("schedule", "mixed")]["windows"] == [32, 32, 32, None]
     assert jobs[("schedule", "local")]["windows"] == [32] * 4 and jobs[("schedule", "global")]["windows"] == [None] * 4
+
+
+# --- schedule rows: a method written as a layer schedule -----------------------------------------
+
+
+def test_schedule_rows_are_checked_before_any_work(no_workers):
+    with pytest.raises(UsageError, match=r"'3x\[rope window=8\] 1x\[rope\]'.*more than depth=1"):
+        harness.bench(methods=["3x[rope window=8] 1x[rope]"], lengths=[32], level="attention", progress=False)
+    with pytest.raises(UsageError, match="no option"):
+        harness.bench(methods=["[rope windw=8]"], lengths=[32], level="model", progress=False)
+    with pytest.raises(UsageError, match="head dim"):
+        harness.bench(methods=["[rope:rotary_dim=10 window=8]"], lengths=[32], level="attention", dim=32, heads=4, progress=False)
+
+
+def test_a_one_layer_schedule_is_that_layer_at_the_attention_level():
+    from posenc.bench.levels import attention as level
+
+    job = Job(level="attention", mode="infer", method="[rope window=16]", length=48, dim=32, heads=4, batch=1)
+    work = level.build(job, torch.device("cpu"), torch.float32)
+    assert work.module.window == 16
+    qkv = torch.randn(1, 48, 96)  # (B, T, 3 x H x D)
+    q, k, v = (t.view(1, 48, 4, 8).transpose(1, 2) for t in qkv.split(32, dim=-1))
+    expected = posenc.attend(q, k, v, posenc.build("rope", num_heads=4, head_dim=8), window=16)  # (B, H, T, D)
+    with torch.no_grad():
+        got = work.module(qkv)  # (B, T, H x D)
+    torch.testing.assert_close(got, expected.transpose(1, 2).reshape(1, 48, 32))
+
+
+@pytest.mark.parametrize("level, method, mode", [
+    ("attention", "[alibi window=8]", "train"),
+    ("model", "3x[rope window=8] 1x[nope]", "train"),
+    ("decode", "3x[rope window=8] 1x[rope]", "single"),
+])
+def test_schedule_rows_run_in_the_bench(level, method, mode):
+    results = harness.bench(methods=[method], lengths=[32], level=level, mode=mode, rounds=1, isolate=False,
+                            **{**TINY, "depth": 4 if level != "attention" else 1})
+    row = next(r for r in results.cells if r["label"] == method)
+    assert row["status"] == "ok" and row["median_s"] > 0 and row["median_s_vs_nope"] > 0, row
+    assert cli.main(["bench", "--methods", method, "--level", level, "--lengths", "8", "--rounds", "0"]) == 2  # (checked first)
