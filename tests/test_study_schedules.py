@@ -106,6 +106,19 @@ def test_a_wrong_schedule_row_is_a_usage_error_naming_it(name, message):
     assert f"methods: {name!r}" in str(info.value)
 
 
+def test_schedule_rows_have_fixed_colours_in_their_first_layers_family():
+    from matplotlib.colors import to_rgb
+
+    from posenc.study.figures import COLORS, color
+
+    got = {name: color(name) for name in SCHEDULES}
+    assert all(c is not None for c in got.values()) and got == {name: color(name) for name in SCHEDULES}
+    assert got["rope"] == COLORS["rope"] and got["3x[rope] 1x[nope]"] != COLORS["rope"]
+    assert color(LOCAL_GLOBAL + "+yarn") not in (got[LOCAL_GLOBAL], None)
+    r, g, b = to_rgb(got[LOCAL_GLOBAL])
+    assert r > b  # an orange of rope's family, not a blue
+
+
 def test_rows_that_would_share_files_are_refused():
     with pytest.raises(UsageError, match="share the file name"):
         StudyConfig.from_preset("schedules", methods=["3x[rope] 1x[nope]", "3x[rope]\t1x[nope]"]).validate()
