@@ -211,3 +211,9 @@ def test_the_pair_resumes_as_one(pair, capsys):
 def test_resume_of_a_folder_with_no_study_is_refused(tmp_path):
     with pytest.raises(UsageError, match="holds no study"):
         study(tmp_path / "none", "--resume")
+
+
+def test_a_schedule_row_is_refused_on_a_transformers_architecture(tmp_path):
+    with pytest.raises(UsageError, match=r"methods: '3x\[rope\] 1x\[nope\]' is a layer schedule"):
+        StudyConfig.from_preset("schedules", methods=["rope", "3x[rope] 1x[nope]"],
+                                hf_config=str(tmp_path / "config.json")).validate()
