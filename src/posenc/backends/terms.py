@@ -1,4 +1,4 @@
-"""Fast attention for encodings with query/value score terms (Shaw, Transformer-XL).
+"""Fast attention for encodings with query/value score terms (Shaw, Transformer-XL, DeBERTa).
 
 Backend name ``terms``. The eager formula builds (B, H, Tq, Tk) scores, terms and probabilities;
 here nothing of that size exists in forward or backward (memory O(N x block)), and the result
@@ -21,6 +21,10 @@ to float rounding. Two fast paths, picked from what the encoding offers (never f
 - ``distance_key_form()`` (Dai et al. 2019, "Transformer-XL", §3.3): one position key per distance,
   scored per tile of queries against the distances and moved into place by a strided view (the
   relative shift without a copy), with a written-out backward: :mod:`posenc.backends.parts.distance`.
+- ``disentangled_tables()`` (He et al. 2020, "DeBERTa", eq. 4: c2p ``q_i . A[t]`` and p2c
+  ``k_j . B[t]`` at row t = rows(j - i), constant past the last bucket on each side): far keys are
+  plain attention of q + B[t] with the per-query constant q_i . A[t]; the band of distinct rows is
+  written out from two (T x R) products and their gathers: :mod:`posenc.backends.parts.disentangled`.
 
 Anything else (another dtype or device, a bias as well, queries outside the keys' positions,
 another encoding with query/value terms) runs the eager formula (blocked, checkpointed).
@@ -33,9 +37,9 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from ..encodings.protocol import ClippedTables, DistanceKeys, offers, require
+from ..encodings.protocol import ClippedTables, DisentangledTables, DistanceKeys, offers, require
 from . import eager
-from .parts import distance, padding, single
+from .parts import disentangled, distance, padding, single
 from .parts.base import ScoreSpec
 from .parts.regions import (
     FLASH_OPS,
@@ -68,6 +72,8 @@ def _path(spec: ScoreSpec, q: torch.Tensor) -> Path | None:
             return single.shaw
         if offers(enc, DistanceKeys):
             return single.distance_keys
+        if offers(enc, DisentangledTables) and not spec.has_value_terms:
+            return disentangled.step
     if spec.starts is not None:
         return None
     if not FLASH_OPS or not spec.consecutive or q.device.type != "cpu" or q.dtype not in FAST_DTYPES or spec.has_bias or not spec.contained:
@@ -76,6 +82,8 @@ def _path(spec: ScoreSpec, q: torch.Tensor) -> Path | None:
         return shaw_attention
     if offers(enc, DistanceKeys):
         return distance.distance_key_attention
+    if offers(enc, DisentangledTables) and not spec.has_value_terms:
+        return disentangled.attention
     return None
 
 
@@ -86,7 +94,8 @@ def supports(spec: ScoreSpec, q: torch.Tensor) -> bool:
 
 def preferred(spec: ScoreSpec, q: torch.Tensor) -> bool:
     if spec.starts is not None and supports(spec, q):  # split by rows: each row may take a fast path
-        return offers(spec.encoding, ClippedTables) or offers(spec.encoding, DistanceKeys)
+        enc = spec.encoding
+        return offers(enc, ClippedTables) or offers(enc, DistanceKeys) or (offers(enc, DisentangledTables) and not spec.has_value_terms)
     return supports(spec, q) and _path(spec, q) is not None
 
 

@@ -46,6 +46,11 @@ tested against.
 - :class:`DistanceKeys`: ``distance_key_form() -> DistanceKeyForm`` (u, v, scale) and
   ``position_keys(distances, dtype)`` (Transformer-XL): one position key per distance
   (``backends/terms.py``).
+- :class:`DisentangledTables`: ``disentangled_tables() -> DisentangledForm`` (query_table (H, R,
+  D) or None, key_table (H, R, D) or None, scale) and ``relative_rows(r) -> rows`` (DeBERTa): query
+  terms ``(q_i . query_table[t] + k_j . key_table[t]) * scale`` at row t = relative_rows(j - i); the
+  backend finds, per call, where the rows stop changing on each side, so far keys are plain
+  attention with a per-query constant and a per-head shift of q (``backends/parts/disentangled.py``).
 - :class:`BiasFeatures`: ``bias_features(q_positions, k_positions) -> (qf (H, Tq, F), kf (H, Tk,
   F))`` with ``bias = qf @ kf^T`` up to a per-query constant: an exactly low-rank bias that plain
   SDPA runs as F extra features on q and k (``backends/features.py``).
@@ -200,6 +205,28 @@ class DistanceKeys(Protocol):
     def position_keys(self, distances: torch.Tensor, dtype: torch.dtype) -> torch.Tensor: ...
 
 
+@dataclass(frozen=True)
+class DisentangledForm:
+    """What DeBERTa's ``query_terms`` are made of (:class:`DisentangledTables`)::
+
+        query_terms[i, j] = (q_i . query_table[t] + k_j . key_table[t]) * scale,  t = relative_rows(j - i)
+
+    ``query_table`` (H, R, D) gives c2p (None without it), ``key_table`` (H, R, D) p2c (None
+    without it); both are projections of the learned relative embeddings (He et al. 2020, eq. 4).
+    """
+
+    query_table: torch.Tensor | None
+    key_table: torch.Tensor | None
+    scale: float
+
+
+@runtime_checkable
+class DisentangledTables(Protocol):
+    def disentangled_tables(self) -> DisentangledForm: ...
+
+    def relative_rows(self, relative: torch.Tensor) -> torch.Tensor: ...
+
+
 @runtime_checkable
 class BiasFeatures(Protocol):
     def bias_features(self, q_positions: torch.Tensor, k_positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
@@ -212,7 +239,7 @@ class ContextualPositions(Protocol):
 
 HOOKS: tuple[type, ...] = (Embeds, Rotates, Biases, QueryTerms, ValueTerms, Gates)
 CAPABILITIES: tuple[type, ...] = (
-    Scores, DistanceBias, RelativeBias, ClippedTables, DistanceKeys, BiasFeatures, ContextualPositions,
+    Scores, DistanceBias, RelativeBias, ClippedTables, DistanceKeys, DisentangledTables, BiasFeatures, ContextualPositions,
 )
 
 
@@ -252,7 +279,7 @@ def require(encoding: object, capability: type[C]) -> C:
 
 __all__ = [
     "CAPABILITIES", "HOOKS", "BiasFeatures", "BiasTails", "Biases", "ClipTables", "ClippedTables", "ContextualForm", "ContextualPositions",
-    "DistanceBias", "DistanceKeyForm", "DistanceKeys",
+    "DisentangledForm", "DisentangledTables", "DistanceBias", "DistanceKeyForm", "DistanceKeys",
     "Embeds", "Gates",
     "QueryTerms", "RelativeBias", "Rotates", "Scores", "ValueTerms", "members", "offers", "require",
 ]

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from ..encodings import available, get_class
+from ..encodings.rope import RoPE
 from ..errors import UsageError
 from ..model import LM, LMConfig
 from . import rows
@@ -30,6 +31,17 @@ MODERN = ["xpos", "xpos+blockwise", "kerple", "sandwich", "fire", "cope", "deber
 # The recall task asks the classic line and RoPE's scalings, and the two training protocols whose papers
 # claim longer reach (DroPE, randomized positions).
 RECALL = [*CLASSIC, *ROPE_SCALINGS, "rope+random", "rope+drop"]
+
+# The layer-schedule question (issue 19): does a NoPE layer every fourth layer, a sliding window, or
+# a local/global split let RoPE run past its training length (64), and at what cost in recall? Rows
+# in the schedule text form (posenc.schedule), depth 4: RoPE; RoPE + NoPE 3:1 (Llama 4's and
+# SmolLM3's interleaving); the same with Llama 4's temperature on the NoPE layer, its floor at a
+# quarter of the training length (the scale steps up at the 16th, 32nd, 48th and 64th token, from 1
+# to 1.16 in training, and keeps rising past it, 1.42 at 1024, as Llama 4 trains far past its floor of 8192); RoPE with a
+# window of half the training length on every layer; Gemma 3's local/global split (3 windowed
+# layers of base 1e4, 1 full layer of base 1e6); ALiBi and NoPE as anchors.
+SCHEDULES = ["rope", "3x[rope] 1x[nope]", "3x[rope] 1x[nope temp=0.1/16]", "[rope window=32]",
+             "3x[rope:base=1e4 window=32] 1x[rope:base=1e6]", "alibi", "nope"]
 
 # Model and training sizes per preset, and the rows each one studies (named here, not "every
 # registered method": a new method must not change what a preset costs). smoke: CI, seconds per
@@ -59,6 +71,19 @@ PRESETS: dict[str, dict[str, Any]] = {
         dim=128, depth=2, num_heads=4, train_length=64, eval_lengths=[64, 128, 256, 512],
         steps=1500, batch_size=32, lr=3e-3, valid_bytes=DEFAULT_VALID_BYTES, checkpoint_every=250,
     ),
+    # schedules: the SCHEDULES rows at the default sizes, three seeds; run without a task, it is
+    # followed by its recall companion (COMPANIONS), the same rows and model at the recall preset's
+    # training (1500 steps, lr 3e-3), so one command gives perplexity and recall.
+    "schedules": dict(
+        task="lm", methods=list(SCHEDULES), seeds=3,
+        dim=128, depth=4, num_heads=4, train_length=64, eval_lengths=[64, 128, 256, 512, 1024],
+        steps=800, batch_size=32, lr=2e-3, valid_bytes=DEFAULT_VALID_BYTES, checkpoint_every=100,
+    ),
+    "schedules-recall": dict(
+        task="recall", methods=list(SCHEDULES), seeds=3,
+        dim=128, depth=4, num_heads=4, train_length=64, eval_lengths=[64, 128, 256, 512, 1024],
+        steps=1500, batch_size=32, lr=3e-3, valid_bytes=DEFAULT_VALID_BYTES, checkpoint_every=250,
+    ),
     "paper": dict(
         task="lm", methods=[*CLASSIC, *ROPE_SCALINGS],
         dim=512, depth=8, num_heads=8, train_length=512, eval_lengths=[512, 1024, 2048, 4096, 8192],
@@ -70,8 +95,17 @@ PRESET_DESCRIPTIONS = {
     "default": "the main job, ~13 min on 2 CPU cores",
     "modern": "the newer methods, ~15 min on 2 CPU cores",
     "recall": "associative recall, ~12 min on 2 CPU cores",
+    "schedules": "layer schedules, 3 seeds, then its recall half: ~80 min on 2 CPU cores (estimated)",
+    "schedules-recall": "the recall half of schedules alone",
     "paper": "train at 512, test to 16x, a GPU",
 }
+# A preset run without a task that is followed by a recall study of the same rows (one command,
+# perplexity and recall): the first into OUT/lm, the companion into OUT/recall (PAIR_PARTS), each
+# half given only the options of its task.
+COMPANIONS = {"schedules": "schedules-recall"}
+PAIR_PARTS = ("lm", "recall")
+LM_ONLY = ("data", "valid_bytes", "sliding", "pack_documents")  # options that only the lm task reads
+RECALL_ONLY = ("recall_sequences",)  # and only the recall task
 TASKS = ("lm", "recall")
 MAX_RECALL_BYTES = 2**30  # one recall evaluation set or training batch of int64 tokens
 DROP_DEFAULT = 0.12  # DroPE's share of training without positions
@@ -114,9 +148,9 @@ class StudyConfig:
     methods: list[str] = _sized("methods", "rows to study: METHOD[:KEY=VALUE,...][+VARIANT...] (see posenc.study.rows)",
                                 metavar="METHOD")
     data: str = _plain("default", "'default' (Python stdlib source), a text file or folder, or hf:NAME[:CONFIG]")
-    dim: int = _sized("dim", "model width")
-    depth: int = _sized("depth", "layers")
-    num_heads: int = _sized("num_heads", "attention heads")
+    dim: int | None = _sized("dim", "model width (not with hf_config: the file sets it)")
+    depth: int | None = _sized("depth", "layers (not with hf_config)")
+    num_heads: int | None = _sized("num_heads", "attention heads (not with hf_config)")
     train_length: int = _sized("train_length", "training sequence length in bytes")
     eval_lengths: list[int] = _sized("eval_lengths", "evaluation window lengths", metavar="L")
     steps: int = _sized("steps", "training steps per method")
@@ -143,6 +177,11 @@ class StudyConfig:
                                     "as a +ft row (PI/YaRN protocol; 0: off)")
     finetune_length: int | None = _plain(None, "fine-tuning length of +ft rows (default: twice train_length)")
     recall_sequences: int = _plain(64, "recall task: evaluation sequences per length and distance")
+    hf_config: str | None = _plain(
+        None, "a transformers config.json (model_type llama, mistral, qwen2 or qwen3): every row trains "
+        "AutoModelForCausalLM.from_config(FILE) from random weights with posenc.hf.use(model, METHOD) (the row hf: "
+        "the model's own attention, untouched); the sizes come from the file, so leave out dim, depth and num_heads; "
+        "vocab_size must be >= 256 (bytes; 256 when the file has none); see docs/hf.md", metavar="FILE")
     pack_documents: bool = _plain(False, "lm task: each file of the corpus is a document; training windows that span "
                                          "files are packed rows (document_ids: no attention across files, no target "
                                          "across a boundary)")
@@ -170,7 +209,19 @@ class StudyConfig:
         parsed = [rows.parse(m) for m in self.methods]  # unknown methods, options and variants
         if len(set(self.methods)) != len(self.methods):
             raise UsageError(f"methods has duplicates: {self.methods}")
-        for name in ("dim", "depth", "num_heads", "train_length", "steps", "batch_size", "valid_bytes", "checkpoint_every"):
+        sizes = ("dim", "depth", "num_heads")
+        if self.hf_config is not None:
+            self._validate_hf_sizes(sizes)
+            scheduled = [r.name for r in parsed if r.schedule is not None]
+            if scheduled:
+                raise UsageError(f"methods: {scheduled[0]!r} is a layer schedule, a row of posenc's own model; with "
+                                 "hf_config every layer of the transformers model takes one method (posenc.hf.use)")
+        else:
+            native = [r.name for r in parsed if r.method == rows.NATIVE]
+            if native:
+                raise UsageError(f"methods: {native[0]!r} is the own attention of a transformers model; it needs "
+                                 "hf_config (a config.json to build the model from)")
+        for name in (*(() if self.hf_config is not None else sizes), "train_length", "steps", "batch_size", "valid_bytes", "checkpoint_every"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise UsageError(f"{name} must be an integer >= 1, got {v!r}")
@@ -201,9 +252,33 @@ class StudyConfig:
             raise UsageError("device 'cuda' was asked for but torch sees no CUDA device; use device 'cpu'")
         self.eval_lengths = sorted(set(self.eval_lengths))
         self.methods = rows.expand(self.methods, self.finetune_steps > 0)
+        stems: dict[str, str] = {}
+        for m in self.methods:
+            other = stems.setdefault(rows.parse(m).stem, m)
+            if other != m:
+                raise UsageError(f"methods: {other!r} and {m!r} would share the file name {rows.parse(m).stem!r}; "
+                                 "write them apart (or give one of them once)")
+        if self.hf_config is not None:
+            from .builders import hf_study
+
+            hf_study().check(self)  # the file, its family and vocab, and every row built on the meta device
+            return self
         for m in self.methods:
             self.check_row(m)
         return self
+
+    def _validate_hf_sizes(self, sizes: tuple[str, ...]) -> None:
+        """With hf_config the model's sizes come from the file: a size set to anything but the
+        preset's value (the command line refuses the options even then) is a UsageError, and the
+        fields become None, so results.json does not show sizes the model does not have."""
+        if not isinstance(self.hf_config, str) or not self.hf_config:
+            raise UsageError(f"hf_config must be the path of a config.json, got {self.hf_config!r}")
+        given = [n for n in sizes if getattr(self, n) is not None and getattr(self, n) != PRESETS[self.preset][n]]
+        if given:
+            raise UsageError(f"{given[0]}: the model's sizes come from hf_config ({self.hf_config}: hidden_size, "
+                             f"num_hidden_layers, num_attention_heads); leave out {' and '.join(given)}")
+        for n in sizes:
+            setattr(self, n, None)
 
     def check_row(self, name: str) -> None:
         """UsageError now, before any directory or file exists, if row ``name`` could not be built,
@@ -314,17 +389,31 @@ class StudyConfig:
             from ..encodings import build
             from .variants import scaling_block
 
+            factor = self.ft_length / self.train_length
+            if base.schedule is not None:  # the scaling on every RoPE layer, from that layer's own base
+                layers = []
+                for layer in base.schedule:
+                    options = dict(layer.get("options") or {})
+                    if issubclass(get_class(layer["encoding"]), RoPE):
+                        rope = build(layer["encoding"], num_heads=base.num_heads, head_dim=base.head_dim, **options)
+                        options["scaling"] = scaling_block(row.eval, factor, self.train_length, rope.base, rope.rotary_dim)
+                    layers.append({**layer, "options": options})
+                return LMConfig(**{**base.to_dict(), "schedule": layers})
             rope = build(base.encoding, num_heads=base.num_heads, head_dim=base.head_dim, **base.encoding_options)
-            block = scaling_block(row.eval, self.ft_length / self.train_length, self.train_length, rope.base,
-                                  rope.rotary_dim)
+            block = scaling_block(row.eval, factor, self.train_length, rope.base, rope.rotary_dim)
             return LMConfig(**{**base.to_dict(), "encoding_options": {**base.encoding_options, "scaling": block}})
+        extra = {}
+        if "random" in row.train:
+            extra["random_positions"] = self.random_positions or RANDOM_SPAN * max(self.eval_lengths)
+        if row.schedule is not None:
+            layers = rows.fair_schedule(row, self.train_length, self.depth)
+            bounded = any(not get_class(layer["encoding"]).extrapolates for layer in layers)
+            return LMConfig(schedule=layers, dim=self.dim, depth=self.depth, num_heads=self.num_heads,
+                            max_positions=self.train_length if bounded else None, **extra)
         options = rows.fair_options(row, self.train_length)
         # A bounded method (a learned table) gets exactly the training length: the paper's
         # setting, and what makes "cannot run past N" show at the first longer evaluation length.
         bounded = not get_class(row.method).extrapolates
-        extra = {}
-        if "random" in row.train:
-            extra["random_positions"] = self.random_positions or RANDOM_SPAN * max(self.eval_lengths)
         return LMConfig(
             encoding=row.method, dim=self.dim, depth=self.depth, num_heads=self.num_heads,
             max_positions=options.get("max_positions", self.train_length) if bounded else None,
@@ -332,8 +421,10 @@ class StudyConfig:
         )
 
     def comparable(self) -> dict:
-        """The fields a resumed run must share with the original (methods and seeds may be added)."""
+        """The fields a resumed run must share with the original (methods and seeds may be added;
+        hf_config's path may change: the file itself is compared by its sha256, see run.py)."""
         d = asdict(self)
         d.pop("methods")
         d.pop("seeds")
+        d.pop("hf_config")
         return d
