@@ -91,6 +91,7 @@ class AxialRoPE(PositionalEncoding):
     description = "2-D RoPE for patch grids, frequencies split over x and y (Heo et al. 2024, RoPE-Axial)"
     extrapolates = True
     shift_invariant = True  # moving every patch by the same (dx, dy) leaves every difference
+    position_axes, axis_first = 2, False  # (x, y) per patch, axis last: (T, 2) or (B, T, 2)
 
     def __init__(
         self, num_heads: int, head_dim: int, causal: bool = True, base: float = 100.0, layout: str = "interleaved",
@@ -156,6 +157,7 @@ class RoPEMixed(PositionalEncoding):
     extrapolates = True
     # not shared across layers (derived from its learned parameters): every layer learns its own frequencies
     shift_invariant = True  # angles are linear in the positions: a common shift cancels in every score
+    position_axes, axis_first = 2, False  # (x, y) per patch, axis last: (T, 2) or (B, T, 2)
 
     def __init__(
         self, num_heads: int, head_dim: int, causal: bool = True, base: float = 10.0, layout: str = "interleaved",

@@ -57,15 +57,19 @@ AXES = ("temporal", "height", "width")
 
 
 def axis_positions(
-    encoding: PositionalEncoding, label: str, positions: torch.Tensor, x: torch.Tensor, num_axes: int, axis_first: bool
+    encoding: PositionalEncoding, label: str, positions: torch.Tensor, x: torch.Tensor, num_axes: int | None = None,
+    axis_first: bool | None = None,
 ) -> tuple[torch.Tensor, int]:
     """Positions of ``x`` (B, H, T, D) as an (A, B', T) LongTensor, B' = 1 or B, and the largest id
     + 1 (one device sync; None while ``torch.compile`` traces, which reads nothing on the host);
     UsageError otherwise.
 
     Accepted: (T,) (the same id on every axis), one set for all rows, (A, T) axis-first or (T, A)
-    axis-last, and per row (A, B, T) or (B, T, A). ``label`` names the argument in messages.
+    axis-last, and per row (A, B, T) or (B, T, A). ``label`` names the argument in messages;
+    ``num_axes`` and ``axis_first`` default to the encoding's ``position_axes`` and ``axis_first``.
     """
+    num_axes = encoding.position_axes if num_axes is None else num_axes
+    axis_first = encoding.axis_first if axis_first is None else axis_first
     name, batch, length = encoding.name, x.shape[0], x.shape[-2]
     if x.shape[-1] != encoding.head_dim:
         raise UsageError(f"{name}: {label} has {x.shape[-1]} features per head, but the encoding was built for head_dim={encoding.head_dim}")
@@ -158,6 +162,8 @@ class MRoPE(PositionalEncoding):
     description = "RoPE with frequencies split over (temporal, height, width) ids (Wang et al. 2024, Qwen2-VL; Qwen3-VL interleaved)"
     extrapolates = True
     shift_invariant = True  # shifting every id of a row by one amount leaves every id difference unchanged
+    position_axes = 3  # (temporal, height, width) ids per token,
+    axis_first = True  # axis first, (3, T) or (3, B, T), as Qwen2-VL passes them
 
     def __init__(
         self,
