@@ -360,6 +360,10 @@ def test_decoding_after_axis_ids_refuses_slots_and_other_layers_refuse_axes() ->
         assert fresh.next_positions() is None
         model(tokens[:, 3:5], cache=fresh, positions=torch.arange(3, 5).expand(3, 2, 2) + torch.tensor([[0], [4]]))
         assert fresh.next_positions().tolist() == [5, 9]
+    rope = lm("rope")
+    with torch.no_grad(), pytest.raises(posenc.UsageError, match=r"with a KV cache, positions must be 1-D \(1,\), continuing the cache at "
+                                                                r"0, got shape \(3, 2, 1\) \(rope reads one position per token"):
+        rope(tokens[:, :1], cache=rope.new_cache(2), positions=torch.zeros(3, 2, 1, dtype=torch.long))
     mixed = posenc.LM(posenc.LMConfig(schedule="1x[mrope] 1x[t5]", vocab_size=32, dim=32, depth=2, num_heads=2))
     with pytest.raises(posenc.UsageError, match=r"positions with an axis dimension \(3 ids per token\) cannot be read by t5, which reads "
                                                 r"one position per token \(position_axes = 1\)"):

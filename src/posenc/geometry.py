@@ -499,6 +499,9 @@ class Geometry:
                 f"max(id) + 1), so 1-D positions, read as cache slots {past}..{past + t - 1}, would not be the tokens' "
                 f"positions; give them with the axis dimension, or none to continue every row at its next id"
             )
+        if isinstance(positions, torch.Tensor) and positions.dim() > 1:
+            raise UsageError(f"with a KV cache, positions must be 1-D ({t},), continuing the cache at {past}, "
+                             f"got shape {tuple(positions.shape)}" + _one_axis(encoding, positions))
         consecutive = check_positions(positions, t, past)
         return cls(batch, t, past + t, True, positions, positions, consecutive, None, past, 0, True)
 
@@ -594,7 +597,7 @@ class Geometry:
 
 def _one_axis(encoding: nn.Module | None, positions: torch.Tensor) -> str:
     """The hint of a shape error for an encoding that reads one position per token."""
-    if encoding is None or positions.dim() < 2:
+    if encoding is None or positions.dim() < 2 or position_axes_of(encoding)[0] > 1:
         return ""
     return (f" ({_label(encoding)} reads one position per token: positions with an axis dimension are for an "
             "encoding with position_axes > 1)")
