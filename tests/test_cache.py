@@ -15,6 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 import posenc
+from models import tiny as model_of
 from posenc import backends
 from posenc.attention import LayerCache
 from posenc.backends import blocked, eager, flex, sdpa, terms
@@ -33,16 +34,10 @@ def _toys_and_one_thread(monkeypatch, one_thread):  # one_thread: conftest.py
 
 
 def tiny(method: str, backend: str = "auto", depth: int = 2) -> posenc.LM:
-    """dim 32, 4 heads; every weight matrix and position parameter redrawn large, so that a wrong
+    """Every weight matrix and position parameter redrawn large (tests/models.py), so that a wrong
     key or position shows far above rounding."""
-    config = posenc.LMConfig(encoding=method, vocab_size=64, dim=32, depth=depth, num_heads=4, attention_backend=backend,
-                             max_positions=1024 if method == "learned" else None)
-    model = posenc.LM(config)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() == 2 or "encoding" in name:
-                p.normal_(std=0.3)
-    return model.eval()
+    return model_of(method, depth=depth, attention_backend=backend, weights_std=0.3,
+                    max_positions=1024 if method == "learned" else None)
 
 
 class ConcatLayerCache(LayerCache):

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import posenc
+from models import tiny as model_of
 from posenc.attention import Attention
 from posenc.backends import eager, flex
 from posenc.backends.parts import single
@@ -40,15 +41,8 @@ def enc_for(method: str, causal: bool = True):
 
 
 def tiny(method: str, dtype=torch.float32) -> posenc.LM:
-    torch.manual_seed(0)
-    config = posenc.LMConfig(encoding=method, vocab_size=64, dim=64, depth=2, num_heads=4,
-                             max_positions=512 if method == "learned" else None)
-    model = posenc.LM(config)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() == 2 or "encoding" in name:
-                p.normal_(std=0.2)
-    return model.eval()
+    return model_of(method, dim=64, positions_std=0.2, weights_std=0.2, seed=0,
+                    max_positions=512 if method == "learned" else None)
 
 
 # --- flex: training on CUDA ------------------------------------------------------------------------

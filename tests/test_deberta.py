@@ -78,6 +78,7 @@ def test_one_layer_equals_hugging_face_disentangled_self_attention(share, pos_at
         want = hf_layer(enc, 1, x, mask)
         attn = deberta_from_hf(enc, layer=1)
         got = attn(x, attention_mask=mask)
+    assert attn.last_backend == "terms"  # the fast path (tests below check it is the one taken)
     real = mask.bool()
     # float64: Hugging Face computes sqrt(D (1 + n)) in float32 (`scaled_size_sqrt`): exact for one
     # term (sqrt(16) here), ~3e-8 relative off for both (sqrt(24)), so 1e-6 there, 1e-12 otherwise.
@@ -110,9 +111,10 @@ def test_the_paper_p2c_index_would_differ_from_the_code():
     with torch.no_grad():
         want = hf_layer(enc, 0, x, mask)
         attn = deberta_from_hf(enc, layer=0)
-        mirrored = attn.encoding.index
-        attn.encoding.index = lambda qp, kp: mirrored(kp, qp).t()  # idx of delta(j, i)
+        mirrored = attn.encoding.relative_rows  # index() and the fast backend both read it
+        attn.encoding.relative_rows = lambda r: mirrored(-r)  # idx of delta(j, i)
         assert (attn(x) - want).abs().max() > 1e-2
+        assert attn.last_backend == "terms"
 
 
 def test_the_importer_refuses_what_it_cannot_express():
@@ -208,3 +210,165 @@ def test_the_content_scale_counts_the_position_terms():
 def test_bad_options_name_the_parameter(options, message):
     with pytest.raises(UsageError, match=re.escape(message)):
         posenc.build("deberta", num_heads=2, head_dim=8, **options)
+
+
+# --------------------------------------------------------------------------------------------
+# The fast path (terms' DisentangledTables path, backends/parts/disentangled.py).
+
+FAST = [  # (position_buckets, max_relative_positions, pos_att_type): log buckets, v1, b < 4, odd b
+    (8, 20, "c2p|p2c"), (16, 24, "p2c"), (6, 12, "c2p"), (0, 6, "c2p|p2c"), (2, 5, "c2p|p2c"), (5, 14, "p2c|c2p"),
+]
+
+
+def spied(monkeypatch):
+    """Record the calls of the fast full pass and the fast decode step."""
+    from posenc.backends.parts import disentangled
+
+    taken = []
+    for name in ("attention", "step"):
+        original = getattr(disentangled, name)
+        monkeypatch.setattr(disentangled, name, lambda *a, _f=original, _n=name: taken.append(_n) or _f(*a))
+    return taken
+
+
+def built(causal, buckets, max_position, pos_att_type, heads=2, dim=8, seed=4):
+    torch.manual_seed(seed)
+    enc = posenc.build("deberta", num_heads=heads, head_dim=dim, causal=causal, position_buckets=buckets,
+                       max_relative_positions=max_position, pos_att_type=pos_att_type)
+    with torch.no_grad():  # larger than the init, so a wrong row or index shows
+        for p in enc.parameters():
+            p.normal_(0, 0.5)
+    return enc
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("buckets, max_position, pos_att_type", FAST)
+@pytest.mark.parametrize("tq, tk", [(70, 70), (23, 70), (3, 3)])
+def test_the_fast_path_equals_the_formula_outputs_and_gradients_in_float64(causal, buckets, max_position, pos_att_type, tq, tk,
+                                                                         monkeypatch):
+    """70 keys: far past every bucket range above (both sides, for encoders), so the band, the far
+    past and the far future all take part; (23, 70): queries after a KV cache; outputs and the
+    gradients of q, k, v and every encoding parameter against eager and the pair-by-pair formula."""
+    from posenc.backends import eager, terms
+    from posenc.backends.parts.base import ScoreSpec
+
+    enc = built(causal, buckets, max_position, pos_att_type).double()
+    kp = torch.arange(3, 3 + tk)
+    qp = kp[tk - tq:]
+    spec = ScoreSpec(enc, qp, kp, causal, enc.content_scale)
+    q, k, v = (torch.randn(2, 2, n, 8, dtype=torch.float64, requires_grad=True) for n in (tq, tk, tk))
+    assert backends_choice(spec, q) == "terms"
+    taken = spied(monkeypatch)
+    got = terms.attend(q, k, v, spec)
+    assert taken == ["attention"]
+    want = eager.attend(q, k, v, spec, block=10**6)
+    with torch.no_grad():
+        torch.testing.assert_close(got, pairwise(enc, q, k, v, qp, kp, causal), rtol=1e-10, atol=1e-10)
+    grad = torch.randn_like(got)
+    params = [q, k, v, *enc.parameters()]
+    for g, w in zip(torch.autograd.grad(got, params, grad), torch.autograd.grad(want, params, grad)):
+        torch.testing.assert_close(g, w, rtol=1e-9, atol=1e-9)
+
+
+def backends_choice(spec, q) -> str:
+    from posenc import backends
+
+    with torch.enable_grad():
+        return backends.choose("auto", spec, q)[0]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_the_fast_path_agrees_with_eager_in_float32_across_block_boundaries(causal):
+    """check_backends: 300 tokens (several band blocks of 64 and far regions), cached shapes, a
+    decode step; float32 and float64, outputs and gradients of q, k, v and the parameters."""
+    enc = built(causal, 16, 64, "c2p|p2c", heads=4, dim=16)
+    assert "terms" in check_backends(enc, causal)
+
+
+def test_left_padded_rows_take_the_fast_path(monkeypatch):
+    """A left-padded causal call (batched generation) is split by rows, and each row's parts run the
+    fast path: equal to eager with the padding mask."""
+    from posenc.backends import eager, terms
+    from posenc.backends.parts.base import ScoreSpec
+
+    enc = built(True, 8, 20, "c2p|p2c").double()
+    pos = torch.arange(60)
+    spec = ScoreSpec(enc, pos, pos, True, enc.content_scale, starts=torch.tensor([0, 9, 41]))
+    q, k, v = (torch.randn(3, 2, 60, 8, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    taken = spied(monkeypatch)
+    got = terms.attend(q, k, v, spec)
+    assert taken and set(taken) == {"attention"}
+    want = eager.attend(q, k, v, spec)
+    real = (pos[None, :] >= spec.starts[:, None])[:, None, :, None]  # padding queries' outputs are never used
+    torch.testing.assert_close(got * real, want * real, rtol=1e-10, atol=1e-10)
+    grad = torch.randn_like(got) * real
+    for g, w in zip(torch.autograd.grad(got, [q, k, v], grad), torch.autograd.grad(want, [q, k, v], grad)):
+        torch.testing.assert_close(g, w, rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize("buckets, max_position, pos_att_type", FAST[:4])
+@pytest.mark.parametrize("padded", [False, True])
+def test_a_decode_step_takes_the_fast_step_and_equals_eager(buckets, max_position, pos_att_type, padded, monkeypatch):
+    """One query at the last of 70 keys, no gradient: the fast step (band written out, far keys one
+    fused call); with left padding, row 2's far keys are all padding."""
+    from posenc.backends import eager, terms
+    from posenc.backends.parts import single
+    from posenc.backends.parts.base import ScoreSpec
+
+    enc = built(True, buckets, max_position, pos_att_type, heads=4)
+    q, k, v = torch.randn(3, 4, 1, 8), torch.randn(3, 4, 70, 8), torch.randn(3, 4, 70, 8)
+    pos = torch.arange(70)
+    starts = torch.tensor([0, 12, 66]) if padded else None
+    spec = ScoreSpec(enc, pos[-1:], pos, True, enc.content_scale, starts=starts, workspace=single.Workspace(capacity=96))
+    ref = ScoreSpec(enc.double(), pos[-1:], pos, True, enc.content_scale, starts=starts)
+    want = eager.attend(q.double(), k.double(), v.double(), ref)
+    enc.float()
+    taken = spied(monkeypatch)
+    with torch.no_grad():
+        got = terms.attend(q, k, v, spec)
+    assert taken == ["step"]
+    torch.testing.assert_close(got.double(), want, rtol=0, atol=1e-5)
+
+
+def test_cached_decoding_of_the_causal_form_takes_the_fast_paths(monkeypatch):
+    """An LM (causal deberta, 20 tokens past the 12-token bucket range): cached decoding token by
+    token and in chunks equals the full pass, and the full pass, the cached chunks and the single
+    tokens all ran the fast functions."""
+    config = posenc.LMConfig(vocab_size=32, dim=32, depth=2, num_heads=4, encoding="deberta",
+                             encoding_options={"position_buckets": 8, "max_relative_positions": 12})
+    torch.manual_seed(5)
+    taken = spied(monkeypatch)
+    assert_decoding_equals_full(posenc.LM(config).eval(), backend="terms")
+    assert {"attention", "step"} <= set(taken)
+
+
+def test_no_quadratic_tensor_in_the_fast_backend(monkeypatch):
+    """Forward and backward of one layer at N=1024 and 2048 (auto: terms): the largest tensor grows
+    linearly and stays far below one head's (N, N), let alone (H, N, N); the probe sees eager's
+    (B, H, N, N) scores when eager runs one block."""
+    from agreement import MaxTensor
+    from posenc.backends import eager
+    from posenc.backends.parts import regions
+    from posenc.backends.parts.base import ScoreSpec
+
+    def largest_tensor(length, causal):
+        enc = posenc.build("deberta", num_heads=4, head_dim=16, causal=causal, position_buckets=16, max_relative_positions=64)
+        layer = posenc.Attention(64, 4, enc, causal=causal)
+        x = torch.randn(1, length, 64, requires_grad=True)
+        with MaxTensor() as seen:
+            layer(x).sum().backward()
+        assert layer.last_backend == "terms"
+        return seen.largest
+
+    n = 1024
+    monkeypatch.setattr(regions.FLUSHED, "available", False)  # the kernel loops run here, where the mode sees them
+    for causal in (True, False):
+        largest = {length: largest_tensor(length, causal) for length in (n, 2 * n)}
+        # Linear in N (band blocks, the (B, H, N, R) products), far below one head's (N, N).
+        assert largest[2 * n] <= (2 * n) ** 2 // 4 and largest[2 * n] <= 2.1 * largest[n], largest
+    enc = posenc.build("deberta", num_heads=4, head_dim=16, position_buckets=16, max_relative_positions=64)
+    q, k, v = (torch.randn(1, 4, n, 16, requires_grad=True) for _ in range(3))
+    pos = torch.arange(n)
+    with MaxTensor() as seen:
+        eager.attend(q, k, v, ScoreSpec(enc, pos, pos, False, enc.content_scale), block=n).sum().backward()
+    assert seen.largest >= 4 * n * n

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import posenc
+from models import tiny as model_of
 from posenc import generate as gen
 from posenc.checkpoint import save_checkpoint
 from posenc.cli import main
@@ -22,14 +23,7 @@ from posenc.errors import UsageError
 
 
 def tiny(method: str = "alibi", vocab: int = 64, max_positions: int | None = None) -> posenc.LM:
-    torch.manual_seed(0)
-    model = posenc.LM(posenc.LMConfig(encoding=method, vocab_size=vocab, dim=32, depth=2, num_heads=4,
-                                      max_positions=max_positions))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() == 2 or "encoding" in name:
-                p.normal_(std=0.3)
-    return model.eval()
+    return model_of(method, vocab_size=vocab, weights_std=0.3, seed=0, max_positions=max_positions)
 
 
 def raises(message: str):

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import posenc
+from models import tiny as model_of
 from posenc import generate as gen
 from posenc.checkpoint import save_checkpoint
 from posenc.cli import main
@@ -28,14 +29,9 @@ def _toys_and_one_thread(monkeypatch, one_thread):  # one_thread: conftest.py
 
 
 def tiny(method: str, vocab: int = 64, max_positions: int | None = None) -> posenc.LM:
-    config = posenc.LMConfig(encoding=method, vocab_size=vocab, dim=32, depth=2, num_heads=4,
-                             max_positions=max_positions or (64 if method == "learned" else None))
-    model = posenc.LM(config)
-    with torch.no_grad():  # logits of several units: argmax ties are out of the question
-        for name, p in model.named_parameters():
-            if p.dim() == 2 or "encoding" in name:
-                p.normal_(std=0.3)
-    return model.eval()
+    # weights redrawn large: logits of several units, argmax ties are out of the question
+    return model_of(method, vocab_size=vocab, weights_std=0.3,
+                    max_positions=max_positions or (64 if method == "learned" else None))
 
 
 def run(model, prompts, new=6, **options):

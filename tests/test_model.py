@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 import posenc
+from models import tiny as model_of
 
 METHODS = posenc.available()
 # Methods with a bidirectional form (xPos is causal only: its decay would grow toward future keys).
@@ -27,20 +28,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: tiny tensors 
 
 
 def tiny(method: str, causal: bool = True, backend: str = "auto", std: float | None = None, **options) -> posenc.LM:
-    """dim 32, depth 2, 4 heads; ``std`` re-draws every weight matrix larger than the init, so that
-    one token's influence on another position is far above rounding noise."""
-    config = posenc.LMConfig(
-        encoding=method, vocab_size=64, dim=32, depth=2, num_heads=4, causal=causal,
-        encoding_options=options, attention_backend=backend,
-    )
-    model = posenc.LM(config)
-    with torch.no_grad():  # position parameters larger than their init, so positions matter
-        for name, p in model.named_parameters():
-            if ".encoding." in f".{name}" or name.startswith("encoding."):
-                p.normal_(std=0.3)
-            elif std is not None and p.dim() == 2:
-                p.normal_(std=std)
-    return model.eval()
+    """``std`` re-draws every weight matrix larger than the init (tests/models.py)."""
+    return model_of(method, causal=causal, encoding_options=options, attention_backend=backend, weights_std=std)
 
 
 def test_every_registered_method_is_tested() -> None:

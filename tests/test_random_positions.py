@@ -8,14 +8,16 @@ import torch
 import torch.nn.functional as F
 
 import posenc
+from models import tiny as model_of
 from posenc import backends
 from posenc.errors import UsageError
 
 
 def tiny(method: str = "alibi", random_positions: int | None = 64, **config) -> posenc.LM:
+    """Positions at their init: these tests read which positions are drawn, not their effect."""
     options = {"max_positions": 64} if method == "learned" else {}
-    return posenc.LM(posenc.LMConfig(encoding=method, vocab_size=32, dim=16, depth=2, num_heads=2,
-                                     random_positions=random_positions, **options, **config))
+    return model_of(method, vocab_size=32, dim=16, num_heads=2, positions_std=None,
+                    random_positions=random_positions, **options, **config)
 
 
 def spy_positions(monkeypatch) -> list[tuple[torch.Tensor, torch.Tensor]]:

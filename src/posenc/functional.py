@@ -191,9 +191,11 @@ def _segments(q, k, v, encoding, geometry: Geometry, scale: float, memo: Forward
     for seg in geometry.runs:
         n, lq = seg.q_index.shape
         lk = seg.k_index.shape[1]
-        qs = qf[seg.q_index.reshape(-1)].view(n, lq, h, d).transpose(1, 2)  # (n, H, Lq, D)
-        ks = kf[seg.k_index.reshape(-1)].view(n, lk, hkv, d).transpose(1, 2)  # (n, Hkv, Lk, D)
-        vs = vf[seg.k_index.reshape(-1)].view(n, lk, hkv, -1).transpose(1, 2)
+        # Contiguous (n, H, L, D) copies: the rotation and the fused kernels run on them without
+        # strided reads (the kernels would copy a transposed view themselves).
+        qs = qf[seg.q_index.reshape(-1)].view(n, lq, h, d).transpose(1, 2).contiguous()  # (n, H, Lq, D)
+        ks = kf[seg.k_index.reshape(-1)].view(n, lk, hkv, d).transpose(1, 2).contiguous()  # (n, Hkv, Lk, D)
+        vs = vf[seg.k_index.reshape(-1)].view(n, lk, hkv, -1).transpose(1, 2).contiguous()
         gs = None if gf is None else gf[seg.k_index.reshape(-1)].view(n, lk, h).transpose(1, 2)  # (n, H, Lk)
         spec = ScoreSpec(encoding, seg.q_positions, seg.k_positions, geometry.causal, scale, memo, seg.consecutive,
                          q_start=seg.q_start, k_start=seg.k_start, aligned=seg.aligned, log_gates=gs)

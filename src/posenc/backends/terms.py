@@ -1,4 +1,4 @@
-"""Fast attention for encodings with query/value score terms (Shaw, Transformer-XL).
+"""Fast attention for encodings with query/value score terms (Shaw, Transformer-XL, DeBERTa).
 
 Backend name ``terms``. The eager formula builds (B, H, Tq, Tk) scores, terms and probabilities;
 here nothing of that size exists in forward or backward (memory O(N x block)), and the result
@@ -21,6 +21,10 @@ to float rounding. Two fast paths, picked from what the encoding offers (never f
 - ``distance_key_form()`` (Dai et al. 2019, "Transformer-XL", §3.3): one position key per distance,
   scored per tile of queries against the distances and moved into place by a strided view (the
   relative shift without a copy), with a written-out backward: :mod:`posenc.backends.parts.distance`.
+- ``disentangled_tables()`` (He et al. 2020, "DeBERTa", eq. 4: c2p ``q_i . A[t]`` and p2c
+  ``k_j . B[t]`` at row t = rows(j - i), constant past the last bucket on each side): far keys are
+  plain attention of q + B[t] with the per-query constant q_i . A[t]; the band of distinct rows is
+  written out from two (T x R) products and their gathers: :mod:`posenc.backends.parts.disentangled`.
 
 Anything else (another dtype or device, a bias as well, queries outside the keys' positions,
 another encoding with query/value terms) runs the eager formula (blocked, checkpointed).
@@ -31,9 +35,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..encodings.protocol import ClippedTables, DistanceKeys, offers
+from ..encodings.protocol import ClippedTables, DisentangledTables, DistanceKeys, offers
 from . import eager
-from .parts import distance, padding, single
+from .parts import disentangled, distance, padding, single
 from .parts.base import ScoreSpec
 from .parts.regions import FLASH_OPS, call_order, flushed, kernel_forward, keys_of, lower, region_backward, rows_of, upper
 
@@ -49,6 +53,8 @@ def _path(spec: ScoreSpec, q: torch.Tensor):
             return single.shaw
         if offers(enc, DistanceKeys):
             return single.distance_keys
+        if offers(enc, DisentangledTables) and not spec.has_value_terms:
+            return disentangled.step
     if spec.starts is not None:
         return None
     if not FLASH_OPS or not spec.consecutive or q.device.type != "cpu" or q.dtype not in FAST_DTYPES or spec.has_bias or not spec.contained:
@@ -57,6 +63,8 @@ def _path(spec: ScoreSpec, q: torch.Tensor):
         return shaw_attention
     if offers(enc, DistanceKeys):
         return distance.distance_key_attention
+    if offers(enc, DisentangledTables) and not spec.has_value_terms:
+        return disentangled.attention
     return None
 
 

@@ -50,6 +50,15 @@ The paper's model is an encoder (bidirectional); ``causal=True`` masks keys afte
 keeps the same terms (the future rows of the table are then never read). No (Tq, Tk, D) tensor is
 built: q and k are multiplied with the 2k position keys/queries once, (B, H, T, 2k), and gathered
 per pair (for one query against a cache, the p2c rows are gathered per key instead).
+
+Backends. ``query_terms`` is the reference (``eager``: (B, H, 256, Tk) per query block). The
+encoding also offers ``DisentangledTables`` (``disentangled_tables`` and ``relative_rows``), which
+``terms`` serves on CPU in float32/float64 (``backends/parts/disentangled.py``, docs/backends.md):
+every key past the last bucket on one side reads one row t (2k - 1 in the past, 0 in the future),
+so for those keys A_ij / sqrt(D (1 + n)) = ((q_i + Q_r[t]) . k_j + q_i . K_r[t]) / sqrt(D (1 + n)),
+plain attention of a shifted query plus a per-query constant (the flash kernel); only the band of
+distinct buckets is written out, from the two (T x 2k) products and their gathers; a decode step
+(causal form, KV cache) is the same split for one query.
 """
 
 from __future__ import annotations
@@ -138,11 +147,19 @@ class DeBERTa(PositionalEncoding):
         """The factor of q . k: 1 / sqrt(D * (1 + number of position terms)) (eq. 4)."""
         return 1.0 / math.sqrt(self.head_dim * (1 + self.num_terms))
 
+    def relative_rows(self, relative: torch.Tensor) -> torch.Tensor:
+        """Table rows of integer r = j - i (posenc's sign, any shape): clamp(bucket(-r) + k, 0, 2k - 1).
+
+        Non-increasing in r and constant on each side far enough out (row 2k - 1 in the past,
+        row 0 in the future, or the rows the buckets saturate at when b < 4): the fast backend
+        finds those ends per call from this function alone (``backends/parts/disentangled.py``).
+        """
+        bucket = log_bucket(-relative, self.position_buckets, self.max_relative_positions)
+        return (bucket + self.span).clamp(0, 2 * self.span - 1)
+
     def index(self, q_positions: torch.Tensor, k_positions: torch.Tensor) -> torch.Tensor:
         """(Tq, Tk) table rows idx_ij = clamp(bucket(i - j) + k, 0, 2k - 1)."""
-        delta = q_positions[:, None] - k_positions[None, :]  # (Tq, Tk): i - j
-        bucket = log_bucket(delta, self.position_buckets, self.max_relative_positions)
-        return (bucket + self.span).clamp(0, 2 * self.span - 1)
+        return self.relative_rows(k_positions[None, :] - q_positions[:, None])  # r = j - i = -delta
 
     def table(self) -> torch.Tensor:
         """The relative table as the projections see it: LayerNorm(P) (2k, dim), or P."""
@@ -157,6 +174,15 @@ class DeBERTa(PositionalEncoding):
         kr = None if self.pos_key_proj is None else self._heads(self.pos_key_proj(p))
         qr = None if self.pos_query_proj is None else self._heads(self.pos_query_proj(p))
         return kr, qr
+
+    def disentangled_tables(self) -> tuple[torch.Tensor | None, torch.Tensor | None, float]:
+        """What ``query_terms`` is made of, for the fast backend (:class:`DisentangledTables`).
+
+        Returns (K_r (H, 2k, D) or None, Q_r (H, 2k, D) or None, scale): the pair (i, j) reads row
+        t = ``relative_rows(j - i)`` and its term is (q_i . K_r[t] + k_j . Q_r[t]) * scale.
+        """
+        kr, qr = self.position_tables()
+        return kr, qr, self.content_scale
 
     def query_terms(
         self, q: torch.Tensor, k: torch.Tensor, q_positions: torch.Tensor, k_positions: torch.Tensor

@@ -44,6 +44,11 @@ tested against.
 - :class:`ClippedTables`: ``clipped_tables()`` (Shaw): clip k, key and value tables, scale.
 - :class:`DistanceKeys`: ``distance_key_form()`` and ``position_keys(distances, dtype)``
   (Transformer-XL): one position key per distance (``backends/terms.py``).
+- :class:`DisentangledTables`: ``disentangled_tables() -> (query_table (H, R, D) or None,
+  key_table (H, R, D) or None, scale)`` and ``relative_rows(r) -> rows`` (DeBERTa): query terms
+  ``(q_i . query_table[t] + k_j . key_table[t]) * scale`` at row t = relative_rows(j - i); the
+  backend finds, per call, where the rows stop changing on each side, so far keys are plain
+  attention with a per-query constant and a per-head shift of q (``backends/parts/disentangled.py``).
 - :class:`BiasFeatures`: ``bias_features(q_positions, k_positions) -> (qf (H, Tq, F), kf (H, Tk,
   F))`` with ``bias = qf @ kf^T`` up to a per-query constant: an exactly low-rank bias that plain
   SDPA runs as F extra features on q and k (``backends/features.py``).
@@ -149,6 +154,13 @@ class DistanceKeys(Protocol):
 
 
 @runtime_checkable
+class DisentangledTables(Protocol):
+    def disentangled_tables(self) -> tuple[torch.Tensor | None, torch.Tensor | None, float]: ...
+
+    def relative_rows(self, relative: torch.Tensor) -> torch.Tensor: ...
+
+
+@runtime_checkable
 class BiasFeatures(Protocol):
     def bias_features(self, q_positions: torch.Tensor, k_positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
 
@@ -160,7 +172,7 @@ class ContextualPositions(Protocol):
 
 HOOKS: tuple[type, ...] = (Embeds, Rotates, Biases, QueryTerms, ValueTerms, Gates)
 CAPABILITIES: tuple[type, ...] = (
-    Scores, DistanceBias, RelativeBias, ClippedTables, DistanceKeys, BiasFeatures, ContextualPositions,
+    Scores, DistanceBias, RelativeBias, ClippedTables, DistanceKeys, DisentangledTables, BiasFeatures, ContextualPositions,
 )
 
 
@@ -182,7 +194,8 @@ def offers(encoding: object, capability: type) -> bool:
 
 
 __all__ = [
-    "CAPABILITIES", "HOOKS", "BiasFeatures", "BiasTails", "Biases", "ClippedTables", "ContextualPositions", "DistanceBias", "DistanceKeys",
+    "CAPABILITIES", "HOOKS", "BiasFeatures", "BiasTails", "Biases", "ClippedTables", "ContextualPositions", "DisentangledTables",
+    "DistanceBias", "DistanceKeys",
     "Embeds", "Gates",
     "QueryTerms", "RelativeBias", "Rotates", "Scores", "ValueTerms", "members", "offers",
 ]
