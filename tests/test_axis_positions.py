@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import posenc
+from models import tiny
 from posenc.cache import LayerCache
 from posenc.encodings.axial_rope import patch_positions
 from posenc.encodings.mrope import continue_positions, mrope_from_hf, vision_text_positions
@@ -172,9 +173,10 @@ def test_patch_grid_attend_equals_timm_rotation_and_plain_attention(timm_sincos,
     assert (got - attn.proj(want.transpose(1, 2).reshape(2, 6, -1))).abs().max() < 1e-5
 
 
-def lm(encoding: str = "mrope", **options) -> posenc.LM:
-    config = posenc.LMConfig(encoding=encoding, vocab_size=32, dim=32, depth=2, num_heads=2, **options)
-    return posenc.LM(config).double().eval()
+def lm(encoding: str = "mrope", **config) -> posenc.LM:
+    """The tests' tiny LM (tests/models.py) in float64, weights redrawn large enough that a wrong
+    rotation shows far above rounding."""
+    return tiny(encoding, vocab_size=32, num_heads=2, weights_std=0.3, **config).double()
 
 
 def test_cached_decoding_with_per_row_offsets_equals_the_full_pass() -> None:
@@ -210,7 +212,7 @@ def test_cached_decoding_with_per_row_offsets_equals_the_full_pass() -> None:
 def test_windowed_cache_decoding_with_axis_ids_equals_the_full_pass() -> None:
     """Sliding-window layers keep O(W) keys and count the window in tokens (cache slots): decoding
     18 tokens one at a time after a prefill at (3, B, T) ids equals the full pass."""
-    model = posenc.LM(posenc.LMConfig(schedule="2x[mrope window=5]", vocab_size=32, dim=32, depth=2, num_heads=2)).double().eval()
+    model = lm(schedule="2x[mrope window=5]")
     tokens = torch.randint(0, 32, (2, 32))
     ids = torch.cat([prompt_ids(), continue_positions(prompt_ids(), 18)], dim=-1)  # (3, 2, 32)
     with torch.no_grad():
@@ -364,15 +366,15 @@ def test_decoding_after_axis_ids_refuses_slots_and_other_layers_refuse_axes() ->
     with torch.no_grad(), pytest.raises(posenc.UsageError, match=r"with a KV cache, positions must be 1-D \(1,\), continuing the cache at "
                                                                 r"0, got shape \(3, 2, 1\) \(rope reads one position per token"):
         rope(tokens[:, :1], cache=rope.new_cache(2), positions=torch.zeros(3, 2, 1, dtype=torch.long))
-    mixed = posenc.LM(posenc.LMConfig(schedule="1x[mrope] 1x[t5]", vocab_size=32, dim=32, depth=2, num_heads=2))
+    mixed = lm(schedule="1x[mrope] 1x[t5]")
     with pytest.raises(posenc.UsageError, match=r"positions with an axis dimension \(3 ids per token\) cannot be read by t5, which reads "
                                                 r"one position per token \(position_axes = 1\)"):
         mixed(tokens[:, :14], positions=prompt_ids())
-    with_nope = posenc.LM(posenc.LMConfig(schedule="1x[nope] 1x[mrope]", vocab_size=32, dim=32, depth=2, num_heads=2))
+    with_nope = lm(schedule="1x[nope] 1x[mrope]")
     assert with_nope.position_encoding is with_nope.blocks[1].attn.encoding
     assert torch.isfinite(with_nope(tokens[:, :14], positions=prompt_ids())).all()
     with pytest.raises(posenc.UsageError, match=r"read different numbers of position axes \(\[\(2, False\), \(3, True\)\]\)"):
-        posenc.LM(posenc.LMConfig(schedule="1x[mrope] 1x[axial_rope]", vocab_size=32, dim=32, depth=2, num_heads=2))
+        lm(schedule="1x[mrope] 1x[axial_rope]")
 
 
 def test_declared_axes() -> None:
