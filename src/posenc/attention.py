@@ -13,12 +13,13 @@ import torch
 from torch import nn
 
 from . import backends
+from .axes import as_taken, check_takes_axes
 from .cache import LayerCache
 from .encodings.base import content_scale
 from .encodings.protocol import Gates, Rotates, offers
 from .errors import UsageError, check_positive
 from .functional import _attend, run
-from .geometry import Geometry, ScoreSpec, as_taken, check_positions, check_takes_axes
+from .geometry import Geometry, ScoreSpec, check_positions
 from .local import Extras
 from .memo import ForwardMemo
 from .query_scale import QueryScale

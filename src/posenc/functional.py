@@ -25,11 +25,12 @@ from __future__ import annotations
 import torch
 
 from . import backends, local
+from .axes import as_taken, check_takes_axes
 from .backends.parts import single
 from .encodings.base import content_scale
 from .encodings.protocol import Gates, Rotates, offers
 from .errors import UsageError
-from .geometry import Geometry, ScoreSpec, as_taken, check_takes_axes
+from .geometry import Geometry, ScoreSpec
 from .local import Extras
 from .memo import ForwardMemo
 from .query_scale import QueryScale, scaled_queries

@@ -48,22 +48,13 @@ from dataclasses import dataclass, field, replace
 import torch
 from torch import nn
 
+from .axes import check_axis_positions, label, one_axis_hint, text_continuation
+from .axes import describe as _describe
+from .axes import integer_tensor as _integer
 from .encodings.base import position_axes_of
-from .encodings.protocol import Biases, Embeds, QueryTerms, Rotates, Scores, ValueTerms, offers
+from .encodings.protocol import Biases, QueryTerms, Scores, ValueTerms, offers
 from .errors import UsageError
 from .memo import ForwardMemo, Workspace
-
-
-def _describe(x) -> str:
-    if isinstance(x, torch.Tensor):
-        return f"a {x.dim()}-D {str(x.dtype).removeprefix('torch.')} tensor of shape {tuple(x.shape)}"
-    return type(x).__name__
-
-
-def _integer(name: str, x, shapes: str) -> torch.Tensor:
-    if not isinstance(x, torch.Tensor) or x.is_floating_point() or x.is_complex() or x.dtype == torch.bool:
-        raise UsageError(f"{name} must be an integer tensor of shape {shapes}, got {_describe(x)}")
-    return x
 
 
 def check_positions(positions: torch.Tensor, length: int, past: int | None = None) -> bool:
@@ -98,88 +89,6 @@ def _check_run(values: list[int], past: int | None = None, name: str = "position
             f"got {values[0]}..{values[-1]}"
         )
     return consecutive
-
-
-def _label(encoding: nn.Module | None) -> str:
-    return getattr(encoding, "name", "") or type(encoding).__name__
-
-
-def check_axis_positions(encoding: nn.Module | None, positions: torch.Tensor, batch: int, length: int,
-                         name: str = "positions") -> torch.Tensor | None:
-    """Positions with an axis dimension for ``encoding`` as an (A, B', T) LongTensor (B' = 1 or B),
-    or None when they have a 1-D form, (T,) or (B, T) (checked by the caller, as before).
-
-    The forms, for an encoding with ``position_axes`` A > 1 (:mod:`posenc.encodings.base`):
-    axis first (M-RoPE) (A, T) for every row or (A, B', T); axis last (a patch grid) (T, A) or
-    (B', T, A). An encoding with A = 1 takes none of them (None is returned for every tensor).
-
-    Raises:
-        UsageError: not an integer tensor, a shape that is none of the forms (naming ``name`` and
-            every allowed shape), a 2-D shape that reads both as (B, T) and as (A, T) / (T, A)
-            (ambiguous), or a negative id.
-    """
-    axes, first = position_axes_of(encoding)
-    if axes == 1:
-        return None
-    one = f"({length},) or ({batch}, {length})"
-    shared, per_row = ((f"({axes}, {length})", f"({axes}, B, {length})") if first else
-                       (f"({length}, {axes})", f"(B, {length}, {axes})"))
-    forms = (f"{one} (one position per token) or {shared}, {per_row} with B = 1 or {batch} "
-             f"({axes} ids per token for {_label(encoding)}, axis {'first' if first else 'last'})")
-    _integer(name, positions, forms)
-    shape = tuple(positions.shape)
-    flat = shape in ((length,), (batch, length))
-    if positions.dim() == 2:
-        axis_form = shape == ((axes, length) if first else (length, axes))
-        if axis_form and flat:
-            raise UsageError(f"{name} of shape {shape} is ambiguous for {_label(encoding)}: {batch} rows of one position per "
-                             f"token, or {axes} ids per token for every row; give them per row, shape {per_row} with B = {batch} "
-                             "(a 1-D position p is the id p on every axis)")
-        if not axis_form:
-            if flat:
-                return None
-            raise UsageError(f"{name} must have shape {forms}, got {shape}")
-        out = (positions if first else positions.t()).unsqueeze(1)  # (A, 1, T)
-    elif positions.dim() == 3:
-        out = positions if first else positions.movedim(-1, 0)  # (A, B', T)
-        if out.shape[0] != axes or out.shape[1] not in (1, batch) or out.shape[2] != length:
-            raise UsageError(f"{name} must have shape {forms}, got {shape}")
-    elif flat:
-        return None
-    else:
-        raise UsageError(f"{name} must have shape {forms}, got {shape}")
-    if out.numel() and not torch.compiler.is_compiling():  # (a compiled graph reads nothing on the host)
-        low = int(out.min())
-        if low < 0:
-            raise UsageError(f"{name} must be >= 0, got {low}")
-    return out.long()
-
-
-def check_takes_axes(encoding: nn.Module | None, axes: torch.Tensor | None) -> None:
-    """UsageError when positions with an axis dimension (A, B', T) reach an encoding that reads
-    positions and declares another number of axes (a 1-D RoPE, a bias or relative method, an
-    absolute table); an encoding that reads no positions (NoPE) ignores them (its masks read the
-    sequence index)."""
-    if axes is None:
-        return
-    count, (mine, _) = axes.shape[0], position_axes_of(encoding)
-    if mine != count and any(offers(encoding, hook) for hook in (Embeds, Rotates, Biases, QueryTerms, ValueTerms)):
-        what = "one position per token" if mine == 1 else f"{mine} ids per token"
-        raise UsageError(f"positions with an axis dimension ({count} ids per token) cannot be read by {_label(encoding)}, "
-                         f"which reads {what} (position_axes = {mine}): give it positions (T,) or (B, T)")
-
-
-def as_taken(encoding: nn.Module, axes: torch.Tensor) -> torch.Tensor:
-    """(A, B', T) ids in the form ``encoding.rotate`` takes them: as they are (axis first), or
-    (B', T, A) (axis last)."""
-    return axes if position_axes_of(encoding)[1] else axes.movedim(0, -1)
-
-
-def text_continuation(next_positions: torch.Tensor, length: int, axes: int) -> torch.Tensor:
-    """(A, B, length) ids of ``length`` tokens after ``next_positions`` (B,): row b's tokens at
-    next_positions[b], next_positions[b] + 1, ... on every axis (M-RoPE's text after an image)."""
-    ids = next_positions[:, None] + torch.arange(length, device=next_positions.device)  # (B, T)
-    return ids.expand(axes, *ids.shape)
 
 
 @dataclass
@@ -393,7 +302,7 @@ class Geometry:
             batch, tq, tk: rows B, queries Tq and keys Tk (queries are the last Tq keys when Tq < Tk).
             positions: the queries' positions, (Tq,) or (B, Tq); None: see the module docstring. For
                 an ``encoding`` with ``position_axes`` A > 1 also with an axis dimension
-                (:func:`check_axis_positions`: (A, Tq) or (A, B, Tq) axis first, (Tq, A) or
+                (:func:`posenc.axes.check_axis_positions`: (A, Tq) or (A, B, Tq) axis first, (Tq, A) or
                 (B, Tq, A) axis last): the ids it rotates at; the masks then read the sequence
                 index (the positions of a call without ``positions``).
             k_positions: the keys' positions, (Tk,) or (B, Tk); None: the queries' when Tq == Tk,
@@ -418,7 +327,7 @@ class Geometry:
             if q_axes is not None or k_axes is not None:
                 if k_positions is not None and (q_axes is None) != (k_axes is None):
                     raise UsageError("positions and k_positions must both have the axis dimension, or neither "
-                                     f"({_label(encoding)}: a 1-D position p is the id p on every axis)")
+                                     f"({label(encoding)}: a 1-D position p is the id p on every axis)")
                 if k_axes is None:
                     if tq != tk:
                         raise UsageError(f"k_positions (the keys' ids, with the axis dimension) are needed: positions have an "
@@ -443,12 +352,12 @@ class Geometry:
             _integer("positions", positions, f"({tq},) or ({batch}, {tq})")
             if positions.shape not in ((tq,), (batch, tq)):
                 raise UsageError(f"positions must have shape ({tq},) or (batch, {tq}) = ({batch}, {tq}), got {tuple(positions.shape)}"
-                                 + _one_axis(encoding, positions))
+                                 + one_axis_hint(encoding, positions))
         if k_positions is not None:
             _integer("k_positions", k_positions, f"({tk},) or ({batch}, {tk})")
             if k_positions.shape not in ((tk,), (batch, tk)):
                 raise UsageError(f"k_positions must have shape ({tk},) or (batch, {tk}) = ({batch}, {tk}), got {tuple(k_positions.shape)}"
-                                 + _one_axis(encoding, k_positions))
+                                 + one_axis_hint(encoding, k_positions))
             shared = shared and k_positions.dim() == 1
         if document_ids is None and key_padding_mask is None and shared:
             return cls._uniform(batch, tq, tk, device, positions, k_positions, causal)
@@ -501,7 +410,7 @@ class Geometry:
             )
         if isinstance(positions, torch.Tensor) and positions.dim() > 1:
             raise UsageError(f"with a KV cache, positions must be 1-D ({t},), continuing the cache at {past}, "
-                             f"got shape {tuple(positions.shape)}" + _one_axis(encoding, positions))
+                             f"got shape {tuple(positions.shape)}" + one_axis_hint(encoding, positions))
         consecutive = check_positions(positions, t, past)
         return cls(batch, t, past + t, True, positions, positions, consecutive, None, past, 0, True)
 
@@ -595,14 +504,6 @@ class Geometry:
         return cls(batch, tq, tk, causal, q_rows, k_rows, all(r.consecutive for r in runs), tuple(runs))
 
 
-def _one_axis(encoding: nn.Module | None, positions: torch.Tensor) -> str:
-    """The hint of a shape error for an encoding that reads one position per token."""
-    if encoding is None or positions.dim() < 2 or position_axes_of(encoding)[0] > 1:
-        return ""
-    return (f" ({_label(encoding)} reads one position per token: positions with an axis dimension are for an "
-            "encoding with position_axes > 1)")
-
-
 def _documents(positions: list[int] | None, docs: list | None, start: int, end: int, self_attention: bool):
     """(a0, a1) key-index ranges of the documents in [start, end): split where the document id
     changes or (self-attention) where the positions do not increase."""
@@ -620,5 +521,4 @@ def _documents(positions: list[int] | None, docs: list | None, start: int, end: 
     return out
 
 
-__all__ = ["Geometry", "Run", "ScoreSpec", "as_taken", "check_axis_positions", "check_positions", "check_takes_axes", "gate_decay",
-           "text_continuation"]
+__all__ = ["Geometry", "Run", "ScoreSpec", "check_positions", "gate_decay"]

@@ -23,12 +23,13 @@ from torch import nn
 
 from . import backends
 from .attention import Attention, _padding_mask
+from .axes import check_takes_axes
 from .cache import Cache, check_padding
 from .encodings import build, get_class, options_of
 from .encodings.base import position_axes_of
 from .encodings.protocol import Embeds, offers
 from .errors import UsageError, check_positive
-from .geometry import Geometry, check_takes_axes
+from .geometry import Geometry
 from .memo import ForwardMemo
 from .schedule import Layer, Schedule
 
