@@ -20,6 +20,8 @@ The modules, in the order a run meets them:
     cli.py         the command line, derived from StudyConfig's fields
     run.py         run_experiment: checks, then every row at every seed, saved as it goes
     execute.py     one row at one seed: train, fine-tune or load its model, score each length
+    builders.py    how each row's model is made, saved and loaded: posenc's LM, or (hf_config) a
+                   transformers architecture through posenc.hf.study
     train.py       the training loop, optimizer and schedule, clean stop on Ctrl-C, RNG state
     variants.py    evaluation variants: RoPE scalings, blockwise attention
     evaluation.py  windows and scoring at one length (perplexity, or recall accuracy)

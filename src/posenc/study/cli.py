@@ -82,6 +82,12 @@ def config_from_args(args: argparse.Namespace, saved: dict | None = None) -> Stu
     """Preset defaults, then (when resuming) the saved run's config, then the options given."""
     names = [f.name for f in fields(StudyConfig) if f.name not in _SPECIAL]
     given = {k: getattr(args, k) for k in names if getattr(args, k, None) is not None}
+    if given.get("hf_config") or (saved or {}).get("hf_config"):
+        sizes = [k for k in ("dim", "depth", "num_heads") if k in given]
+        if sizes:  # (even at the preset's values, which StudyConfig cannot tell from not given)
+            flags = " and ".join("--" + k.replace("_", "-") for k in sizes)
+            raise UsageError(f"{sizes[0]}: with --hf-config the model's sizes come from the config file (hidden_size, "
+                             f"num_hidden_layers, num_attention_heads); leave out {flags}")
     preset = preset_of(args, saved)
     base = dict(PRESETS.get(preset, {}))
     if saved is not None:

@@ -114,9 +114,9 @@ class StudyConfig:
     methods: list[str] = _sized("methods", "rows to study: METHOD[:KEY=VALUE,...][+VARIANT...] (see posenc.study.rows)",
                                 metavar="METHOD")
     data: str = _plain("default", "'default' (Python stdlib source), a text file or folder, or hf:NAME[:CONFIG]")
-    dim: int = _sized("dim", "model width")
-    depth: int = _sized("depth", "layers")
-    num_heads: int = _sized("num_heads", "attention heads")
+    dim: int | None = _sized("dim", "model width (not with hf_config: the file sets it)")
+    depth: int | None = _sized("depth", "layers (not with hf_config)")
+    num_heads: int | None = _sized("num_heads", "attention heads (not with hf_config)")
     train_length: int = _sized("train_length", "training sequence length in bytes")
     eval_lengths: list[int] = _sized("eval_lengths", "evaluation window lengths", metavar="L")
     steps: int = _sized("steps", "training steps per method")
@@ -143,6 +143,11 @@ class StudyConfig:
                                     "as a +ft row (PI/YaRN protocol; 0: off)")
     finetune_length: int | None = _plain(None, "fine-tuning length of +ft rows (default: twice train_length)")
     recall_sequences: int = _plain(64, "recall task: evaluation sequences per length and distance")
+    hf_config: str | None = _plain(
+        None, "a transformers config.json (model_type llama, mistral, qwen2 or qwen3): every row trains "
+        "AutoModelForCausalLM.from_config(FILE) from random weights with posenc.hf.use(model, METHOD) (the row hf: "
+        "the model's own attention, untouched); the sizes come from the file, so leave out dim, depth and num_heads; "
+        "vocab_size must be >= 256 (bytes; 256 when the file has none); see docs/hf.md", metavar="FILE")
     pack_documents: bool = _plain(False, "lm task: each file of the corpus is a document; training windows that span "
                                          "files are packed rows (document_ids: no attention across files, no target "
                                          "across a boundary)")
@@ -170,7 +175,15 @@ class StudyConfig:
         parsed = [rows.parse(m) for m in self.methods]  # unknown methods, options and variants
         if len(set(self.methods)) != len(self.methods):
             raise UsageError(f"methods has duplicates: {self.methods}")
-        for name in ("dim", "depth", "num_heads", "train_length", "steps", "batch_size", "valid_bytes", "checkpoint_every"):
+        sizes = ("dim", "depth", "num_heads")
+        if self.hf_config is not None:
+            self._validate_hf_sizes(sizes)
+        else:
+            native = [r.name for r in parsed if r.method == rows.NATIVE]
+            if native:
+                raise UsageError(f"methods: {native[0]!r} is the own attention of a transformers model; it needs "
+                                 "hf_config (a config.json to build the model from)")
+        for name in (*(() if self.hf_config is not None else sizes), "train_length", "steps", "batch_size", "valid_bytes", "checkpoint_every"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise UsageError(f"{name} must be an integer >= 1, got {v!r}")
@@ -201,9 +214,27 @@ class StudyConfig:
             raise UsageError("device 'cuda' was asked for but torch sees no CUDA device; use device 'cpu'")
         self.eval_lengths = sorted(set(self.eval_lengths))
         self.methods = rows.expand(self.methods, self.finetune_steps > 0)
+        if self.hf_config is not None:
+            from .builders import hf_study
+
+            hf_study().check(self)  # the file, its family and vocab, and every row built on the meta device
+            return self
         for m in self.methods:
             self.check_row(m)
         return self
+
+    def _validate_hf_sizes(self, sizes: tuple[str, ...]) -> None:
+        """With hf_config the model's sizes come from the file: a size set to anything but the
+        preset's value (the command line refuses the options even then) is a UsageError, and the
+        fields become None, so results.json does not show sizes the model does not have."""
+        if not isinstance(self.hf_config, str) or not self.hf_config:
+            raise UsageError(f"hf_config must be the path of a config.json, got {self.hf_config!r}")
+        given = [n for n in sizes if getattr(self, n) is not None and getattr(self, n) != PRESETS[self.preset][n]]
+        if given:
+            raise UsageError(f"{given[0]}: the model's sizes come from hf_config ({self.hf_config}: hidden_size, "
+                             f"num_hidden_layers, num_attention_heads); leave out {' and '.join(given)}")
+        for n in sizes:
+            setattr(self, n, None)
 
     def check_row(self, name: str) -> None:
         """UsageError now, before any directory or file exists, if row ``name`` could not be built,
@@ -332,8 +363,10 @@ class StudyConfig:
         )
 
     def comparable(self) -> dict:
-        """The fields a resumed run must share with the original (methods and seeds may be added)."""
+        """The fields a resumed run must share with the original (methods and seeds may be added;
+        hf_config's path may change: the file itself is compared by its sha256, see run.py)."""
         d = asdict(self)
         d.pop("methods")
         d.pop("seeds")
+        d.pop("hf_config")
         return d

@@ -20,11 +20,11 @@ from functools import partial
 
 import torch
 
-from ..checkpoint import load_checkpoint, save_checkpoint
 from ..errors import UsageError
 from ..files import write_json
 from ..model import LM
 from . import bootstrap, distributed, fairness, recall, rows, seeds, variants
+from .builders import models_for
 from .config import StudyConfig
 from .data import Corpus, train_batch
 from .evaluation import cannot_run, evaluate, evaluate_recall
@@ -43,6 +43,7 @@ class Runner:
                  ctx: distributed.Context, ui: Progress, on_step: StepCallback | None) -> None:
         self.cfg, self.corpus, self.results, self.paths = cfg, corpus, results, paths
         self.ctx, self.ui, self.on_step = ctx, ui, on_step
+        self.models = models_for(cfg)  # posenc's LM, or a transformers architecture (hf_config)
         self._last: tuple[str, int, LM] | None = None
         for entry in results["methods"].values():  # (a study from before seeds: its one seed)
             entry.setdefault("seed", results.get("seed", 0))
@@ -78,8 +79,7 @@ class Runner:
 
     def initial(self, name: str, seed: int) -> LM:
         """A trained row's model at initialization: the same at every call for this seed."""
-        torch.manual_seed(seed)
-        return LM(self.cfg.lm_config(name))
+        return self.models.initial(name, seed)
 
     def model(self, row: rows.Row, index: int) -> LM | None:
         """The final model of ``row`` at the ``index``-th seed: in memory, from its checkpoint, or
@@ -100,7 +100,7 @@ class Runner:
         if run is not None and run.get("status") in ("trained", "done"):
             if checkpoint.exists():
                 try:
-                    model = load_checkpoint(checkpoint, self.ctx.device)
+                    model = self.models.load(checkpoint, row.name, self.ctx.device)
                 except UsageError as err:
                     raise UsageError(f"{err}; delete {checkpoint} and continue with resume to train {label} "
                                      "again") from None
@@ -120,7 +120,7 @@ class Runner:
             weights = {k: v.detach().clone() for k, v in base.state_dict().items()}
 
             def make() -> LM:
-                model = LM(cfg.lm_config(row.name))
+                model = self.models.build(row.name)
                 model.load_state_dict(weights)
                 return model
 
@@ -165,13 +165,13 @@ class Runner:
         if row.kind == "finetune":
             record["from"] = row.base
         run = {
-            "status": "trained", "seed": seed, "model": model.config.to_dict(),
+            "status": "trained", "seed": seed, "model": self.models.record(model),
             "parameters": sum(p.numel() for p in model.parameters()),
             "checkpoint": str(checkpoint.relative_to(self.paths.root)), "train": record, "eval": [],
         }
         self._set_run(row, index, run)
         if self.ctx.main:
-            save_checkpoint(model, checkpoint)
+            self.models.save(model, checkpoint)
             self.save()
             state.unlink(missing_ok=True)  # the final checkpoint replaces it
         self.ui.log(f"[{label}] trained {record['steps']} steps in {record['time_s']:.1f}s "
@@ -181,7 +181,7 @@ class Runner:
     def _diverged(self, row: rows.Row, index: int, train: dict) -> None:
         """Record the run of ``row`` at the ``index``-th seed as diverged (no model, no evaluation)."""
         seed, label = self.cfg.seed + index, self.label(row, index)
-        self._set_run(row, index, {"status": "diverged", "seed": seed, "model": self.cfg.lm_config(row.name).to_dict(),
+        self._set_run(row, index, {"status": "diverged", "seed": seed, "model": self.models.planned(row.name),
                                    "checkpoint": None, "train": train, "eval": []})
         self.ui.warn(f"[{label}] diverged: {train['reason']}; recorded as diverged, going on with the other rows")
         self.save()

@@ -24,6 +24,10 @@ A row is ``METHOD[:KEY=VALUE,...][+VARIANT...]``:
 Which variant applies to which method is decided by what the method is (a RoPE class, an option it
 accepts), never by its name.
 
+``hf`` (:data:`NATIVE`) is not an encoding: on a study of a ``transformers`` architecture
+(``hf_config``, :mod:`posenc.hf.study`) it is the model's own attention, untouched, the baseline of
+the posenc rows; it takes no options and no variants, and a study of posenc's own model refuses it.
+
 The fair-table rule (:func:`fair_options`): an option that bounds a relative distance range,
 T5's ``max_distance`` (where the last, shared bucket starts) and Shaw's ``max_relative_position``
 (the clip), is capped so that the range fits in the training length. Otherwise the entries for
@@ -49,6 +53,7 @@ TRAIN_VARIANTS = ("random", "drop")
 SCALINGS = ("linear", "ntk", "dynamic", "yarn", "llama3", "longrope")
 EVAL_VARIANTS = (*SCALINGS, "blockwise")
 FINETUNE = "ft"
+NATIVE = "hf"  # the row of a transformers model's own attention (hf_config studies only)
 
 # Options bounding a relative distance range, and the largest value that still lets every entry be
 # reached by a training sequence of length T (distances 0..T-1).
@@ -115,6 +120,12 @@ def parse(name: str) -> Row:
         raise UsageError(f"methods: each entry must be a method name, got {name!r}")
     head, *suffixes = name.split("+")
     method, _, opts = head.partition(":")
+    if method == NATIVE:
+        if opts or suffixes:
+            raise UsageError(f"methods: {name!r}: the row {NATIVE} is the model's own attention as its config builds it, "
+                             "with no options or variants; for variants use rope (posenc's RoPE with the model's own "
+                             "parameters, equal to hf at initialisation), e.g. rope+yarn or rope+drop")
+        return Row(name, NATIVE)
     try:
         cls = get_class(method)
     except ValueError as err:
@@ -164,6 +175,8 @@ def _check_applies(row: Row, cls) -> None:
 def fair_options(row: Row, train_length: int) -> dict:
     """The encoding options a row trains with: its own, and every distance bound the method has
     capped at what the training length reaches (see the module docstring)."""
+    if row.method == NATIVE:
+        return {}
     cls = get_class(row.method)
     options = dict(row.options)
     params = inspect.signature(cls.__init__).parameters
@@ -199,5 +212,5 @@ def expand(names: list[str], finetune: bool) -> list[str]:
     return out
 
 
-__all__ = ["DISTANCE_BOUNDS", "EVAL_VARIANTS", "FINETUNE", "Row", "SCALINGS", "TRAIN_VARIANTS", "expand",
+__all__ = ["DISTANCE_BOUNDS", "EVAL_VARIANTS", "FINETUNE", "NATIVE", "Row", "SCALINGS", "TRAIN_VARIANTS", "expand",
            "fair_options", "parse"]

@@ -55,8 +55,16 @@ _ADDED = {"task": "lm", "drop_positions_after": None, "random_positions": None, 
           "finetune_length": None, "recall_sequences": 64}
 
 
-def _check_same(saved: dict, cfg: StudyConfig, fingerprint: dict, out: Path) -> None:
-    old = {**_ADDED, **{k: v for k, v in saved["config"].items() if k not in ("methods", "seeds")}}
+def _check_same(saved: dict, cfg: StudyConfig, fingerprint: dict, out: Path, hf: dict | None) -> None:
+    before = saved.get("hf") or {}
+    if before.get("sha256") != (hf or {}).get("sha256"):
+        was = (f"hf_config {before.get('path')} (model_type {before.get('model_type')!r}, sha256 {before.get('sha256')})"
+               if before else "posenc's own model (no hf_config)")
+        now = (f"hf_config {hf['path']} (model_type {hf['model_type']!r}, sha256 {hf['sha256']})" if hf
+               else "posenc's own model (no hf_config)")
+        raise UsageError(f"resume: {out} was trained on {was}, this run asks for {now}; use the original "
+                         "config file or another out")
+    old = {**_ADDED, **{k: v for k, v in saved["config"].items() if k not in ("methods", "seeds", "hf_config")}}
     new = cfg.comparable()
     diff = [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
     if diff:
@@ -109,8 +117,13 @@ def prepare(cfg: StudyConfig, out: Path, resume: bool, ctx: distributed.Context
                     f"(valid_bytes={cfg.valid_bytes}, or a small corpus); use shorter eval_lengths or more data"
                 )
         fingerprint = corpus.fingerprint if corpus is not None else _fingerprint_recall(cfg)
+        hf = None
+        if cfg.hf_config is not None:
+            from .builders import hf_study
+
+            hf = hf_study().load_architecture(cfg.hf_config).record()
         if saved is not None:
-            _check_same(saved, cfg, fingerprint, out)
+            _check_same(saved, cfg, fingerprint, out, hf)
     except BaseException:
         if rundir is not None:
             rundir.discard()  # a directory made for this run alone is removed again
@@ -127,6 +140,8 @@ def prepare(cfg: StudyConfig, out: Path, resume: bool, ctx: distributed.Context
             "config": asdict(cfg), "seed": cfg.seed,
             "corpus": fingerprint, "methods": {},
         }
+        if hf is not None:
+            results["hf"] = hf  # the architecture: the file's path, sha256, model_type and contents
     results["versions"] = versions(ctx)
     return corpus, results, rundir
 
@@ -191,6 +206,11 @@ def _run(cfg: StudyConfig, out: Path, corpus: Corpus | None, results: dict, rund
             f"{cfg.steps} steps of {cfg.batch_size} recall sequences of {cfg.train_length}")
     ui.log(f"posenc study: {len(todo)} row(s) x {cfg.seeds} seed(s), task {cfg.task}, train length "
            f"{cfg.train_length}, eval {cfg.eval_lengths}, {what}, out {out}")
+    if results.get("hf"):
+        hf = results["hf"]
+        ui.log(f"model: {hf['model_type']} from {hf['path']} (sha256 {hf['sha256'][:12]}), "
+               f"{hf['num_hidden_layers']} layers, hidden {hf['hidden_size']}, {hf['num_attention_heads']} heads "
+               f"({hf['num_key_value_heads']} key/value), vocab {hf['vocab_size']}, random initialisation")
     if corpus is not None:
         ui.log(corpus.summary())
         for s in corpus.skipped:

@@ -38,6 +38,7 @@ import contextlib
 import math
 from typing import Iterator
 
+from ..encodings.base import PositionalEncoding
 from ..model import LM
 from .rows import Row
 
@@ -65,10 +66,18 @@ def scaling_block(kind: str, factor: float, train_length: int, base: float, rota
 
 
 def encodings(model: LM) -> list:
-    """The distinct encoding instances of the model's attention layers (one when shared)."""
+    """The distinct encoding instances of the model's attention layers (one when shared): those of
+    its blocks for posenc's :class:`~posenc.model.LM`, else every
+    :class:`~posenc.encodings.base.PositionalEncoding` module it holds (a ``transformers`` model
+    after ``posenc.hf.use``, whose encodings sit in ``posenc_encodings``)."""
     seen: dict[int, object] = {}
-    for block in model.blocks:
-        seen.setdefault(id(block.attn.encoding), block.attn.encoding)
+    if isinstance(model, LM):
+        for block in model.blocks:
+            seen.setdefault(id(block.attn.encoding), block.attn.encoding)
+    else:
+        for module in model.modules():
+            if isinstance(module, PositionalEncoding):
+                seen.setdefault(id(module), module)
     return list(seen.values())
 
 
