@@ -150,6 +150,9 @@ class Attention(nn.Module):
         # must rotate every key with the current length: the cache keeps such keys un-rotated and
         # they are rotated at each step (O(T x D) per step), so decoding equals the full pass.
         late = rotates and getattr(self.encoding, "rotation_depends_on_length", False)
+        if late and axes is not None:  # its keys would be re-rotated at the slots: refuse, never a silent wrong rotation
+            raise UsageError(f"positions with an axis dimension cannot decode with {type(self.encoding).__name__}, whose rotation "
+                             "depends on the length (its cached keys are rotated again at every step, at the cache slots)")
         if rotates and not late:
             # New q and k at their own ids (the slots with 1-D positions); cached keys keep theirs.
             at = positions if axes is None else as_taken(self.encoding, axes)
