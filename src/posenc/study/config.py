@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from ..encodings import available, get_class
+from ..encodings.rope import RoPE
 from ..errors import UsageError
 from ..model import LM, LMConfig
 from . import rows
@@ -30,6 +31,17 @@ MODERN = ["xpos", "xpos+blockwise", "kerple", "sandwich", "fire", "cope", "deber
 # The recall task asks the classic line and RoPE's scalings, and the two training protocols whose papers
 # claim longer reach (DroPE, randomized positions).
 RECALL = [*CLASSIC, *ROPE_SCALINGS, "rope+random", "rope+drop"]
+
+# The layer-schedule question (issue 19): does a NoPE layer every fourth layer, a sliding window, or
+# a local/global split let RoPE run past its training length (64), and at what cost in recall? Rows
+# in the schedule text form (posenc.schedule), depth 4: RoPE; RoPE + NoPE 3:1 (Llama 4's and
+# SmolLM3's interleaving); the same with Llama 4's temperature on the NoPE layer, its floor at a
+# quarter of the training length (the scale steps up at the 16th, 32nd, 48th and 64th token, from 1
+# to 1.16 in training, and keeps rising past it, 1.42 at 1024, as Llama 4 trains far past its floor of 8192); RoPE with a
+# window of half the training length on every layer; Gemma 3's local/global split (3 windowed
+# layers of base 1e4, 1 full layer of base 1e6); ALiBi and NoPE as anchors.
+SCHEDULES = ["rope", "3x[rope] 1x[nope]", "3x[rope] 1x[nope temp=0.1/16]", "[rope window=32]",
+             "3x[rope:base=1e4 window=32] 1x[rope:base=1e6]", "alibi", "nope"]
 
 # Model and training sizes per preset, and the rows each one studies (named here, not "every
 # registered method": a new method must not change what a preset costs). smoke: CI, seconds per
@@ -59,6 +71,19 @@ PRESETS: dict[str, dict[str, Any]] = {
         dim=128, depth=2, num_heads=4, train_length=64, eval_lengths=[64, 128, 256, 512],
         steps=1500, batch_size=32, lr=3e-3, valid_bytes=DEFAULT_VALID_BYTES, checkpoint_every=250,
     ),
+    # schedules: the SCHEDULES rows at the default sizes, three seeds; run without a task, it is
+    # followed by its recall companion (COMPANIONS), the same rows and model at the recall preset's
+    # training (1500 steps, lr 3e-3), so one command gives perplexity and recall.
+    "schedules": dict(
+        task="lm", methods=list(SCHEDULES), seeds=3,
+        dim=128, depth=4, num_heads=4, train_length=64, eval_lengths=[64, 128, 256, 512, 1024],
+        steps=800, batch_size=32, lr=2e-3, valid_bytes=DEFAULT_VALID_BYTES, checkpoint_every=100,
+    ),
+    "schedules-recall": dict(
+        task="recall", methods=list(SCHEDULES), seeds=3,
+        dim=128, depth=4, num_heads=4, train_length=64, eval_lengths=[64, 128, 256, 512, 1024],
+        steps=1500, batch_size=32, lr=3e-3, valid_bytes=DEFAULT_VALID_BYTES, checkpoint_every=250,
+    ),
     "paper": dict(
         task="lm", methods=[*CLASSIC, *ROPE_SCALINGS],
         dim=512, depth=8, num_heads=8, train_length=512, eval_lengths=[512, 1024, 2048, 4096, 8192],
@@ -70,8 +95,17 @@ PRESET_DESCRIPTIONS = {
     "default": "the main job, ~13 min on 2 CPU cores",
     "modern": "the newer methods, ~15 min on 2 CPU cores",
     "recall": "associative recall, ~12 min on 2 CPU cores",
+    "schedules": "layer schedules, 3 seeds, then its recall half: ~80 min on 2 CPU cores (estimated)",
+    "schedules-recall": "the recall half of schedules alone",
     "paper": "train at 512, test to 16x, a GPU",
 }
+# A preset run without a task that is followed by a recall study of the same rows (one command,
+# perplexity and recall): the first into OUT/lm, the companion into OUT/recall (PAIR_PARTS), each
+# half given only the options of its task.
+COMPANIONS = {"schedules": "schedules-recall"}
+PAIR_PARTS = ("lm", "recall")
+LM_ONLY = ("data", "valid_bytes", "sliding", "pack_documents")  # options that only the lm task reads
+RECALL_ONLY = ("recall_sequences",)  # and only the recall task
 TASKS = ("lm", "recall")
 MAX_RECALL_BYTES = 2**30  # one recall evaluation set or training batch of int64 tokens
 DROP_DEFAULT = 0.12  # DroPE's share of training without positions
@@ -178,6 +212,10 @@ class StudyConfig:
         sizes = ("dim", "depth", "num_heads")
         if self.hf_config is not None:
             self._validate_hf_sizes(sizes)
+            scheduled = [r.name for r in parsed if r.schedule is not None]
+            if scheduled:
+                raise UsageError(f"methods: {scheduled[0]!r} is a layer schedule, a row of posenc's own model; with "
+                                 "hf_config every layer of the transformers model takes one method (posenc.hf.use)")
         else:
             native = [r.name for r in parsed if r.method == rows.NATIVE]
             if native:
@@ -214,6 +252,12 @@ class StudyConfig:
             raise UsageError("device 'cuda' was asked for but torch sees no CUDA device; use device 'cpu'")
         self.eval_lengths = sorted(set(self.eval_lengths))
         self.methods = rows.expand(self.methods, self.finetune_steps > 0)
+        stems: dict[str, str] = {}
+        for m in self.methods:
+            other = stems.setdefault(rows.parse(m).stem, m)
+            if other != m:
+                raise UsageError(f"methods: {other!r} and {m!r} would share the file name {rows.parse(m).stem!r}; "
+                                 "write them apart (or give one of them once)")
         if self.hf_config is not None:
             from .builders import hf_study
 
@@ -345,17 +389,31 @@ class StudyConfig:
             from ..encodings import build
             from .variants import scaling_block
 
+            factor = self.ft_length / self.train_length
+            if base.schedule is not None:  # the scaling on every RoPE layer, from that layer's own base
+                layers = []
+                for layer in base.schedule:
+                    options = dict(layer.get("options") or {})
+                    if issubclass(get_class(layer["encoding"]), RoPE):
+                        rope = build(layer["encoding"], num_heads=base.num_heads, head_dim=base.head_dim, **options)
+                        options["scaling"] = scaling_block(row.eval, factor, self.train_length, rope.base, rope.rotary_dim)
+                    layers.append({**layer, "options": options})
+                return LMConfig(**{**base.to_dict(), "schedule": layers})
             rope = build(base.encoding, num_heads=base.num_heads, head_dim=base.head_dim, **base.encoding_options)
-            block = scaling_block(row.eval, self.ft_length / self.train_length, self.train_length, rope.base,
-                                  rope.rotary_dim)
+            block = scaling_block(row.eval, factor, self.train_length, rope.base, rope.rotary_dim)
             return LMConfig(**{**base.to_dict(), "encoding_options": {**base.encoding_options, "scaling": block}})
+        extra = {}
+        if "random" in row.train:
+            extra["random_positions"] = self.random_positions or RANDOM_SPAN * max(self.eval_lengths)
+        if row.schedule is not None:
+            layers = rows.fair_schedule(row, self.train_length, self.depth)
+            bounded = any(not get_class(layer["encoding"]).extrapolates for layer in layers)
+            return LMConfig(schedule=layers, dim=self.dim, depth=self.depth, num_heads=self.num_heads,
+                            max_positions=self.train_length if bounded else None, **extra)
         options = rows.fair_options(row, self.train_length)
         # A bounded method (a learned table) gets exactly the training length: the paper's
         # setting, and what makes "cannot run past N" show at the first longer evaluation length.
         bounded = not get_class(row.method).extrapolates
-        extra = {}
-        if "random" in row.train:
-            extra["random_positions"] = self.random_positions or RANDOM_SPAN * max(self.eval_lengths)
         return LMConfig(
             encoding=row.method, dim=self.dim, depth=self.depth, num_heads=self.num_heads,
             max_positions=options.get("max_positions", self.train_length) if bounded else None,

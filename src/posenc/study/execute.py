@@ -23,6 +23,7 @@ import torch
 from ..errors import UsageError
 from ..files import write_json
 from ..model import LM
+from ..schedule import Schedule
 from . import bootstrap, distributed, fairness, recall, rows, seeds, variants
 from .builders import models_for
 from .config import StudyConfig
@@ -293,6 +294,10 @@ def _recall_row(length: int, res: dict, windows: dict) -> dict:
 def describe(row: rows.Row, cfg: StudyConfig) -> dict:
     """What a row is, for results.json."""
     out = {"method": row.method, "kind": row.kind, "options": rows.fair_options(row, cfg.train_length)}
+    if row.schedule is not None:  # per layer, as trained (its first layer's method is "method")
+        layers = rows.fair_schedule(row, cfg.train_length, cfg.depth)
+        out["schedule"] = Schedule(tuple(layers)).to_text()
+        out["layers"] = layers
     if row.train:
         out["train_variants"] = list(row.train)
     if "drop" in row.train:

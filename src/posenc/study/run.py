@@ -160,6 +160,7 @@ def run_experiment(cfg: StudyConfig, out: str | Path, *, resume: bool = False, p
     """
     ctx = ctx or distributed.Context(torch.device(cfg.device))
     out = Path(out)
+    started = time.perf_counter()
     failure = None
     try:
         corpus, results, rundir = prepare(cfg, out, resume, ctx)
@@ -176,7 +177,7 @@ def run_experiment(cfg: StudyConfig, out: str | Path, *, resume: bool = False, p
     if failure is not None:
         raise failure
     try:
-        return _run(cfg, out, corpus, results, rundir, ctx, Progress(progress, main=ctx.main), on_step)
+        return _run(cfg, out, corpus, results, rundir, ctx, Progress(progress, main=ctx.main), on_step, started)
     except WriteError as err:
         raise WriteError(f"{err}; finished work is in {out}: make room, then continue with resume") from err
     finally:
@@ -185,7 +186,7 @@ def run_experiment(cfg: StudyConfig, out: str | Path, *, resume: bool = False, p
 
 
 def _run(cfg: StudyConfig, out: Path, corpus: Corpus | None, results: dict, rundir: RunDir | None,
-         ctx: distributed.Context, ui: Progress, on_step: StepCallback | None) -> dict:
+         ctx: distributed.Context, ui: Progress, on_step: StepCallback | None, started: float) -> dict:
     paths = Paths(out)
     if rundir is not None and rundir.notice:
         ui.warn(rundir.notice)
@@ -229,6 +230,8 @@ def _run(cfg: StudyConfig, out: Path, corpus: Corpus | None, results: dict, rund
     every = [rows.parse(m) for m in results["config"]["methods"]]
     results["status"] = "done" if all(finished(row, i) for row in every
                                       for i in range(results["config"].get("seeds", 1))) else "partial"
+    # Wall time of the study: this run's, plus that of the earlier runs of a resumed study that finished.
+    results["wall_s"] = round(results.get("wall_s", 0.0) + time.perf_counter() - started, 1)
     if ctx.main:
         write_json(paths.results, results)
         write_outputs(results, out, table=True)
