@@ -128,6 +128,8 @@ class ScoreSpec:
 
     def __post_init__(self) -> None:
         tq, tk = self.q_positions.numel(), self.k_positions.numel()
+        if self.workspace is None:
+            self.workspace = self.memo.workspace  # a caller's cache outside posenc (posenc.hf), or None
         if self.q_start is None:
             self.q_start = int(self.q_positions[0]) if tq else 0
         if self.k_start is None:
