@@ -109,9 +109,9 @@ def diverging(monkeypatch):
     state = {"label": None, "step": 0}
     real_train = train_module.train
 
-    def train(job, *args, **kwargs):
-        state["label"], state["step"] = job.label, 0
-        return real_train(job, *args, **kwargs)
+    def train(label, *args, **kwargs):
+        state["label"], state["step"] = label, 0
+        return real_train(label, *args, **kwargs)
 
     def cross_entropy(*args, **kwargs):
         state["step"] += 1
@@ -119,7 +119,7 @@ def diverging(monkeypatch):
         return loss * math.nan if state["label"] in names and state["step"] >= 3 else loss
 
     monkeypatch.setattr(train_module, "F", types.SimpleNamespace(cross_entropy=cross_entropy))
-    monkeypatch.setattr("posenc.study.execute.train", train)
+    monkeypatch.setattr("posenc.study.pipeline.train", train)
     return names
 
 
