@@ -291,4 +291,4 @@ def test_row_names_from_files_never_become_paths_outside_the_run(finished, tmp_p
     assert rows.parse(name).stem == "rope_layout-.._.._.._secret"
     with pytest.raises(UsageError, match=re.escape("the file name '..' (from a row name or seed in it) is not a plain "
                                                    "file name; it was edited or damaged")):
-        Paths(a).windows("..", 0, 32)
+        Paths(a).window_scores("..", 0, 32)

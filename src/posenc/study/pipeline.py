@@ -259,7 +259,7 @@ class Stages:
                 return {"length": length, "accuracy": None, "status": reason}
             return {"length": length, "perplexity": None, "bits_per_byte": None, "loss": None,
                     "tokens": self.corpus.valid_tokens, "status": reason}
-        on_batch, done = self.ui.windows(run.label, length)
+        on_batch, done = self.ui.window_bar(run.label, length)
         try:
             if self.corpus is None:
                 res = evaluate_recall(model, length, cfg.train_length, cfg.recall_sequences, self.ctx, on_batch)
@@ -277,7 +277,7 @@ class Stages:
                    "bits_per_byte": res["bits_per_byte"], "loss": res["loss"], "tokens": res["tokens"],
                    "windows": len(windows["count"]), "status": "ok"}
         if self.ctx.main:
-            write_json(self.book.paths.windows(run.row.stem, run.seed, length),
+            write_json(self.book.paths.window_scores(run.row.stem, run.seed, length),
                        {"row": run.row.name, "seed": run.seed, "length": length, **windows})
         return out
 
