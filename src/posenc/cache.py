@@ -24,7 +24,15 @@ forgotten: one copy of W - 1 keys about every W steps, O(D) per step amortised. 
 thus always one contiguous, ordered view: ``start`` is the position of the first kept key,
 ``length`` still counts every token seen, and memory is O(W) whatever the length.
 
-Shape legend: B batch, H heads, C capacity, T tokens, D head dim, W window.
+Positions with an axis dimension (M-RoPE's (3, B, T), a patch grid's (B, T, 2)) are not cache
+slots: after an image, M-RoPE's text goes on at max(id) + 1, fewer than the tokens before it. A
+layer cache that has been given such ids keeps, per row and slot, the next id after the row's real
+tokens so far, 1 + the largest id on any axis (``note_positions``, a (B, C) integer buffer; O(1)
+per token); ``next_positions()`` reads it at the current length, so a step without positions
+continues every row at its own next id (Hugging Face's ``rope_deltas`` added to the slot), and
+``crop`` needs nothing more: the entry at the new length is the prefix's.
+
+Shape legend: B batch, H heads, C capacity, T tokens, D head dim, W window, A position axes.
 """
 
 from __future__ import annotations
@@ -86,6 +94,11 @@ class LayerCache:
         self._positions: torch.Tensor | None = None  # arange(C): key positions, viewed, not rebuilt
         self._starts: torch.Tensor | None = None
         self._owner: weakref.ref | None = None
+        # After positions with an axis dimension: entry s - _next_base is 1 + the largest id of the
+        # row's real tokens up to slot s (B, C'); valid from slot _axes_start (see note_positions).
+        self._next: torch.Tensor | None = None
+        self._next_base = 0
+        self._axes_start = 0
 
     @property
     def capacity(self) -> int:
@@ -169,6 +182,47 @@ class LayerCache:
             self.g[..., start:end] = g
         return self.g[..., :end]
 
+    def note_positions(self, axes: torch.Tensor) -> None:
+        """Keep each row's next id after the tokens just appended (call right after :meth:`append`),
+        ``axes`` (A, B', T) their ids with an axis dimension (B' = 1 or B): entry s is 1 + the
+        largest id, on any axis, of the row's real tokens up to slot s (left padding does not count).
+        Tokens before the first noted step were at 1-D positions, their slots: the next id after
+        them is the slot after them."""
+        end, t = self.length, axes.shape[-1]
+        start, batch = end - t, self.k.shape[0]
+        top = axes.amax(dim=0).expand(batch, t) + 1  # (B, T): next id after each token alone
+        if self.padding is not None:
+            slots = torch.arange(start, end, device=axes.device)
+            top = top.masked_fill(slots[None, :] < self.starts(axes.device)[:, None], 0)  # padding: no id
+        if self._next is None or start <= self._axes_start:  # (re)start: the tokens before were at their slots
+            self._next, self._next_base, self._axes_start = None, start, start
+            before = torch.full((batch,), start, dtype=top.dtype, device=top.device)  # (B,)
+        else:
+            before = self._next[:, start - 1 - self._next_base]
+        new = torch.maximum(top, before[:, None]).cummax(dim=-1).values  # (B, T)
+        self._keep_next(end, new)
+        self._next[:, start - self._next_base : end - self._next_base] = new
+
+    def _keep_next(self, end: int, new: torch.Tensor) -> None:
+        """Room in the next-id buffer for slots up to ``end`` (entries a windowed cache can no longer
+        crop back to are dropped when it grows)."""
+        have = 0 if self._next is None else self._next.shape[-1]
+        if self._next is not None and end - self._next_base <= have and not (self._next.is_inference() and not torch.is_inference_mode_enabled()):
+            return
+        low = self._next_base if self.window is None else max(self._next_base, self.start - 1, 0)
+        keep = end - new.shape[-1] - low  # entries kept: slots low .. end - T - 1
+        buffer = new.new_empty(new.shape[0], max(2 * (end - low), MIN_CAPACITY))  # (B, C')
+        if self._next is not None and keep > 0:
+            buffer[:, :keep] = self._next[:, low - self._next_base : low - self._next_base + keep]
+        self._next, self._next_base = buffer, low
+
+    def next_positions(self) -> torch.Tensor | None:
+        """(B,) each row's next id after its cached tokens when they were given positions with an
+        axis dimension (M-RoPE: max(id) + 1 over the row's real tokens), None otherwise."""
+        if self._next is None or self.length <= self._axes_start:
+            return None
+        return self._next[:, self.length - 1 - self._next_base]
+
     def _check(self, k: torch.Tensor, v: torch.Tensor) -> None:
         if self.k is None or self.length == 0:
             if self.padding is not None and len(self.padding) != k.shape[0]:
@@ -243,6 +297,7 @@ class LayerCache:
         self.length = self.start = 0
         self.padding = None if padding is None else check_padding(padding, len(padding))
         self._starts = None
+        self._next, self._next_base, self._axes_start = None, 0, 0
 
 
 class Cache:
@@ -295,6 +350,11 @@ class Cache:
 
     def starts(self, device: torch.device) -> torch.Tensor | None:
         return self.layers[0].starts(device) if self.layers else None
+
+    def next_positions(self) -> torch.Tensor | None:
+        """(B,) each row's next id after positions with an axis dimension (every layer keeps the
+        same; :meth:`LayerCache.next_positions`), or None."""
+        return self.layers[0].next_positions() if self.layers else None
 
     def embed_positions(self, positions: torch.Tensor) -> torch.Tensor:
         """Positions for ``embed`` (absolute methods): (T,) shared, or (B, T) each row counted from

@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 
 from . import backends, local
+from .axes import as_taken, check_takes_axes
 from .backends.parts import single
 from .encodings.base import content_scale
 from .encodings.protocol import Gates, Rotates, offers
@@ -67,9 +68,15 @@ def attend(
             is NoPE. Its ``embed`` hook (absolute methods) is not applied here: it acts on token
             embeddings, before the projections.
         positions: the queries' positions, (Tq,) or (B, Tq) integers; None: 0..T-1 (restarting at
-            each document, counted from each row's first real token).
+            each document, counted from each row's first real token). For an encoding with
+            ``position_axes`` A > 1, also ids with an axis dimension: (A, Tq) or (A, B, Tq) for
+            M-RoPE (temporal, height, width, as Qwen2-VL passes them), (Tq, A) or (B, Tq, A) for a
+            patch grid (x, y). q is rotated at them and k at ``k_positions``; the masks (causal,
+            documents, padding, window, chunks) and a query scale read the sequence index, the
+            positions of the same call without ``positions``. Other encodings refuse them.
         k_positions: the keys' positions, (Tk,) or (B, Tk); None: the queries' when Tq == Tk,
             else consecutive, ending at each row's last query (the queries are the last keys).
+            With an axis dimension when ``positions`` have one (then required if Tq < Tk).
         causal: a query sees only keys at or before it.
         scale: the factor of q . k; None: the encoding's ``content_scale``, else 1 / sqrt(D).
         document_ids: (B, T) integers (Tq == Tk): packed rows, no attention across documents
@@ -114,7 +121,7 @@ def attend(
     scale = content_scale(encoding, d) if scale is None else float(scale)
     if geometry is None:
         geometry = Geometry.of(b, tq, tk, q.device, positions=positions, k_positions=k_positions, causal=causal,
-                               document_ids=document_ids, key_padding_mask=key_padding_mask)
+                               document_ids=document_ids, key_padding_mask=key_padding_mask, encoding=encoding)
     elif (geometry.batch, geometry.tq, geometry.tk) != (b, tq, tk):
         raise UsageError(f"geometry was built for (batch, queries, keys) = {(geometry.batch, geometry.tq, geometry.tk)}, got {(b, tq, tk)}")
     extras = None
@@ -129,6 +136,14 @@ def attend(
 def _attend(q, k, v, encoding, geometry: Geometry, scale: float, memo: ForwardMemo, backend: str, rotate: bool,
             extras: Extras | None = None, log_gates: torch.Tensor | None = None) -> tuple[torch.Tensor, str]:
     """(out, the registered name of the backend that ran): a uniform call, or its runs of segments."""
+    if geometry.q_axes is not None:
+        # Ids with an axis dimension: q and k rotated once, each token at its own ids, before the
+        # call is cut into segments (a rotation acts token by token); the segments' 1-D positions
+        # are the sequence index, which only the masks read.
+        check_takes_axes(encoding, geometry.q_axes)
+        if rotate and offers(encoding, Rotates):
+            q, k = encoding.rotate(q, k, as_taken(encoding, geometry.q_axes), as_taken(encoding, geometry.k_axes))
+        rotate = False
     if geometry.uniform:
         return run(q, k, v, geometry.spec(encoding, scale, memo, log_gates), backend, rotate, extras)
     return _segments(q, k, v, encoding, geometry, scale, memo, backend, rotate, extras, log_gates)

@@ -29,6 +29,13 @@ Definitions (shape legend: B batch, T tokens, Tq queries, Tk keys):
   document (with a padding mask, HF's ``cumsum(mask) - 1``). Queries of a call with Tq < Tk (a
   cached step) are the last Tq keys; default key positions then end at each row's last query.
 - Segments of a causal call are *aligned*: their queries are the last keys of the segment.
+- *Positions with an axis dimension* (an encoding with ``position_axes`` A > 1: M-RoPE's
+  (3, B, T), a patch grid's (T, 2)) are the ids ``rotate`` reads, and only that: ``q_axes`` /
+  ``k_axes`` hold them as (A, B', T), and ``q_positions`` / ``k_positions`` are then the *sequence
+  index* (the default positions above: each row's token count, restarting at every document; with a
+  KV cache, the cache slot), which every mask reads (causal, documents, padding, windows, chunks).
+  A token's ids need not increase, nor be distinct, nor follow its slot: after an image, M-RoPE's
+  text continues at max(id) + 1 (:meth:`Geometry.step` carries that per row through decoding).
 
 Invariants the tests check: a packed row equals each document run alone; a padded batch equals
 each row run alone; a uniform batch gives the same segments as the same positions given (B, T).
@@ -36,26 +43,18 @@ each row run alone; a uniform batch gives the same segments as the same position
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
 
+from .axes import check_axis_positions, label, one_axis_hint, text_continuation
+from .axes import describe as _describe
+from .axes import integer_tensor as _integer
+from .encodings.base import position_axes_of
 from .encodings.protocol import Biases, QueryTerms, Scores, ValueTerms, offers
 from .errors import UsageError
 from .memo import ForwardMemo, Workspace
-
-
-def _describe(x) -> str:
-    if isinstance(x, torch.Tensor):
-        return f"a {x.dim()}-D {str(x.dtype).removeprefix('torch.')} tensor of shape {tuple(x.shape)}"
-    return type(x).__name__
-
-
-def _integer(name: str, x, shapes: str) -> torch.Tensor:
-    if not isinstance(x, torch.Tensor) or x.is_floating_point() or x.is_complex() or x.dtype == torch.bool:
-        raise UsageError(f"{name} must be an integer tensor of shape {shapes}, got {_describe(x)}")
-    return x
 
 
 def check_positions(positions: torch.Tensor, length: int, past: int | None = None) -> bool:
@@ -129,6 +128,8 @@ class ScoreSpec:
 
     def __post_init__(self) -> None:
         tq, tk = self.q_positions.numel(), self.k_positions.numel()
+        if self.workspace is None:
+            self.workspace = self.memo.workspace  # a caller's cache outside posenc (posenc.hf), or None
         if self.q_start is None:
             self.q_start = int(self.q_positions[0]) if tq else 0
         if self.k_start is None:
@@ -244,6 +245,9 @@ class Geometry:
     ``q_positions`` / ``k_positions`` are (T,) when shared by every row, else (B, T); ``runs`` is
     None for a uniform call (one backend call for the whole batch), else the stacked segments.
     ``embed_positions`` are the positions an absolute encoding adds to the token embeddings.
+    ``q_axes`` / ``k_axes``: positions with an axis dimension, (A, B', T), the ids a multi-axis
+    rotation reads (``q_positions`` / ``k_positions`` are then the sequence index the masks read);
+    None for 1-D positions.
     """
 
     batch: int
@@ -274,6 +278,10 @@ class Geometry:
     _q_start: int = 0
     _k_start: int = 0
     _aligned: bool = True
+    # Positions with an axis dimension (A, B', T), B' = 1 or B: the ids ``rotate`` reads (the masks
+    # read q_positions / k_positions, then the sequence index). None: 1-D positions.
+    q_axes: torch.Tensor | None = None
+    k_axes: torch.Tensor | None = None
 
     @classmethod
     def of(
@@ -288,17 +296,25 @@ class Geometry:
         causal: bool = True,
         document_ids: torch.Tensor | None = None,
         key_padding_mask: torch.Tensor | None = None,
+        encoding: nn.Module | None = None,
     ) -> Geometry:
         """Validate a call's positions, documents and padding, and plan its backend calls.
 
         Args:
             batch, tq, tk: rows B, queries Tq and keys Tk (queries are the last Tq keys when Tq < Tk).
-            positions: the queries' positions, (Tq,) or (B, Tq); None: see the module docstring.
+            positions: the queries' positions, (Tq,) or (B, Tq); None: see the module docstring. For
+                an ``encoding`` with ``position_axes`` A > 1 also with an axis dimension
+                (:func:`posenc.axes.check_axis_positions`: (A, Tq) or (A, B, Tq) axis first, (Tq, A) or
+                (B, Tq, A) axis last): the ids it rotates at; the masks then read the sequence
+                index (the positions of a call without ``positions``).
             k_positions: the keys' positions, (Tk,) or (B, Tk); None: the queries' when Tq == Tk,
-                else consecutive, ending at each row's last query.
+                else consecutive, ending at each row's last query. With an axis dimension when
+                ``positions`` have one (required then when Tq < Tk).
             causal: a query sees only keys at or before its own position.
             document_ids: (B, T) integers, documents of packed rows (only when Tq == Tk).
             key_padding_mask: (B, Tk) bool, True on real tokens (one contiguous run per row).
+            encoding: the encoding the positions are for (its ``position_axes`` and ``axis_first``);
+                None: one position per token.
 
         Raises:
             UsageError: a shape, dtype or value outside what is described above, naming the argument.
@@ -307,6 +323,21 @@ class Geometry:
             raise UsageError(f"queries ({tq}) must not outnumber keys ({tk}): the queries are the last keys")
         if positions is None and k_positions is not None:
             raise UsageError("k_positions needs positions (the queries' positions) as well")
+        if position_axes_of(encoding)[0] > 1 and positions is not None:
+            q_axes = check_axis_positions(encoding, positions, batch, tq)
+            k_axes = None if k_positions is None else check_axis_positions(encoding, k_positions, batch, tk, "k_positions")
+            if q_axes is not None or k_axes is not None:
+                if k_positions is not None and (q_axes is None) != (k_axes is None):
+                    raise UsageError("positions and k_positions must both have the axis dimension, or neither "
+                                     f"({label(encoding)}: a 1-D position p is the id p on every axis)")
+                if k_axes is None:
+                    if tq != tk:
+                        raise UsageError(f"k_positions (the keys' ids, with the axis dimension) are needed: positions have an "
+                                         f"axis dimension and there are fewer queries ({tq}) than keys ({tk})")
+                    k_axes = q_axes
+                # The masks read the sequence index: the geometry of the same call without positions.
+                frame = cls.of(batch, tq, tk, device, causal=causal, document_ids=document_ids, key_padding_mask=key_padding_mask)
+                return replace(frame, q_axes=q_axes, k_axes=k_axes)
         if document_ids is not None:
             document_ids = _integer("document_ids", document_ids, f"(batch, length) = ({batch}, {tk})")
             if tq != tk:
@@ -322,15 +353,68 @@ class Geometry:
         if positions is not None:
             _integer("positions", positions, f"({tq},) or ({batch}, {tq})")
             if positions.shape not in ((tq,), (batch, tq)):
-                raise UsageError(f"positions must have shape ({tq},) or (batch, {tq}) = ({batch}, {tq}), got {tuple(positions.shape)}")
+                raise UsageError(f"positions must have shape ({tq},) or (batch, {tq}) = ({batch}, {tq}), got {tuple(positions.shape)}"
+                                 + one_axis_hint(encoding, positions))
         if k_positions is not None:
             _integer("k_positions", k_positions, f"({tk},) or ({batch}, {tk})")
             if k_positions.shape not in ((tk,), (batch, tk)):
-                raise UsageError(f"k_positions must have shape ({tk},) or (batch, {tk}) = ({batch}, {tk}), got {tuple(k_positions.shape)}")
+                raise UsageError(f"k_positions must have shape ({tk},) or (batch, {tk}) = ({batch}, {tk}), got {tuple(k_positions.shape)}"
+                                 + one_axis_hint(encoding, k_positions))
             shared = shared and k_positions.dim() == 1
         if document_ids is None and key_padding_mask is None and shared:
             return cls._uniform(batch, tq, tk, device, positions, k_positions, causal)
         return cls._segmented(batch, tq, tk, device, positions, k_positions, causal, document_ids, key_padding_mask)
+
+    @classmethod
+    def step(
+        cls,
+        batch: int,
+        t: int,
+        past: int,
+        device: torch.device | str = "cpu",
+        *,
+        positions: torch.Tensor | None = None,
+        encoding: nn.Module | None = None,
+        next_positions: torch.Tensor | None = None,
+    ) -> Geometry:
+        """The geometry of a step of ``t`` tokens after a KV cache holding ``past``: the queries at the
+        cache slots past..past+t-1 (what every mask reads), the keys at 0..past+t-1 (each layer's
+        cache gives the positions of the keys it keeps).
+
+        Args:
+            positions: None; 1-D (t,), which must continue the cache (past..past+t-1); or, for an
+                ``encoding`` with ``position_axes`` A > 1, ids with an axis dimension (as
+                :meth:`of` takes them, e.g. (3, B, t) for M-RoPE): what ``rotate`` reads, free of
+                the slots (``q_axes``).
+            next_positions: (B,) each row's next id after positions with an axis dimension, as the
+                cache recorded it (:meth:`posenc.cache.LayerCache.next_positions`), or None. With
+                it, ``positions=None`` continues every row at its own next id, the same on every
+                axis (M-RoPE's text after an image: max(id) + 1 over the row), and 1-D positions are
+                refused: they would be cache slots, and a slot is not that row's position.
+
+        Raises:
+            UsageError: positions of another shape, 1-D positions that do not continue the cache,
+                or 1-D positions after positions with an axis dimension.
+        """
+        axes = None
+        if positions is not None:
+            axes = check_axis_positions(encoding, positions, batch, t)
+        elif next_positions is not None:
+            axes = text_continuation(next_positions.to(device), t, position_axes_of(encoding)[0])  # (A, B, t)
+        if axes is not None or positions is None:
+            slots = torch.arange(past, past + t, device=device)  # (t,) cache slots
+            return cls(batch, t, past + t, True, slots, slots, True, None, past, 0, True, axes, None)
+        if next_positions is not None:
+            raise UsageError(
+                "positions: this cache continues positions with an axis dimension (each row at its own next id, "
+                f"max(id) + 1), so 1-D positions, read as cache slots {past}..{past + t - 1}, would not be the tokens' "
+                f"positions; give them with the axis dimension, or none to continue every row at its next id"
+            )
+        if isinstance(positions, torch.Tensor) and positions.dim() > 1:
+            raise UsageError(f"with a KV cache, positions must be 1-D ({t},), continuing the cache at {past}, "
+                             f"got shape {tuple(positions.shape)}" + one_axis_hint(encoding, positions))
+        consecutive = check_positions(positions, t, past)
+        return cls(batch, t, past + t, True, positions, positions, consecutive, None, past, 0, True)
 
     @classmethod
     def _uniform(cls, batch, tq, tk, device, positions, k_positions, causal) -> Geometry:

@@ -25,11 +25,17 @@ T = TypeVar("T")
 
 
 class ForwardMemo:
-    """Per-forward cache of position-only tensors, shared by the layers of one model forward."""
+    """Per-forward cache of position-only tensors, shared by the layers of one model forward.
 
-    def __init__(self) -> None:
+    ``workspace``: the decode-step buffers of a caller whose KV cache is not posenc's (posenc.hf:
+    a ``transformers`` cache), kept by that caller across forwards and handed to every call of this
+    forward that has none of its own (see :class:`Workspace`); None: each call's own.
+    """
+
+    def __init__(self, workspace: Workspace | None = None) -> None:
         self._values: dict[tuple, object] = {}
         self._held: dict[int, nn.Module] = {}
+        self.workspace = workspace
 
     def _get(self, encoding: nn.Module, key: tuple, make: Callable[[], T]) -> T:
         full = (id(encoding), *key)

@@ -23,11 +23,13 @@ from torch import nn
 
 from . import backends
 from .attention import Attention, _padding_mask
+from .axes import check_takes_axes
 from .cache import Cache, check_padding
 from .encodings import build, get_class, options_of
+from .encodings.base import position_axes_of
 from .encodings.protocol import Embeds, offers
 from .errors import UsageError, check_positive
-from .geometry import Geometry, check_positions
+from .geometry import Geometry
 from .memo import ForwardMemo
 from .schedule import Layer, Schedule
 
@@ -155,6 +157,14 @@ class LM(nn.Module):
             first = make()
             encodings = [first] + [first if first.shares_across_layers else make() for _ in range(config.depth - 1)]
         self.encoding = encodings[0]  # the one whose embed() is applied to the input (none in a schedule)
+        # The encoding whose position axes ``positions`` may carry: the first layer's with more
+        # than one (M-RoPE, a patch grid), else the first layer's. Layers that read other axes
+        # refuse positions with an axis dimension when they come (check_takes_axes).
+        axes = {position_axes_of(enc) for enc in encodings if position_axes_of(enc)[0] > 1}
+        if len({count for count, _ in axes}) > 1:
+            raise UsageError(f"the layers' encodings read different numbers of position axes ({sorted(axes)}): "
+                             "one model takes one kind of positions")
+        self._position_layer = next((i for i, enc in enumerate(encodings) if position_axes_of(enc)[0] > 1), 0)
         self.tok = nn.Embedding(config.vocab_size, config.dim)
         self.blocks = nn.ModuleList(Block(config, enc, layer) for enc, layer in zip(encodings, layers))
         self.ln_f = nn.LayerNorm(config.dim)
@@ -177,6 +187,11 @@ class LM(nn.Module):
             nn.init.normal_(module.weight, std=0.02)
         if isinstance(module, nn.Linear) and module.bias is not None:
             nn.init.zeros_(module.bias)
+
+    @property
+    def position_encoding(self) -> nn.Module:
+        """The encoding whose position axes ``positions`` may carry (see ``__init__``)."""
+        return self.blocks[self._position_layer].attn.encoding
 
     @property
     def max_length(self) -> int | None:
@@ -255,7 +270,12 @@ class LM(nn.Module):
             positions: (T,) or (B, T) token positions (distinct and increasing within a document,
                 >= 0; with a cache, (T,) continuing it); default 0..T-1 after the cache (per
                 document, per row's first real token), or randomized positions in a training
-                forward when ``random_positions`` is set.
+                forward when ``random_positions`` is set. For a model whose encoding has
+                ``position_axes`` > 1, also ids with an axis dimension ((3, B, T) for M-RoPE,
+                (B, T, 2) for a patch grid), with or without a cache: the ids the rotation reads;
+                the masks read the sequence index (with a cache, the slots). After such ids, a
+                step without positions continues each row at its own next id, the same on every
+                axis (``Cache.next_positions()``: M-RoPE's max(id) + 1 over the row).
             document_ids: (B, T) packed documents: no attention across documents, positions
                 restarting at each (see :mod:`posenc.geometry`); no cache.
             attention_mask: (B, T) 1 on real tokens, 0 on padding (left or right, one contiguous
@@ -283,6 +303,7 @@ class LM(nn.Module):
         geometry = self._geometry(tokens, cache, positions, document_ids, attention_mask)
         x = self.tok(tokens)  # (B, T, dim)
         if offers(self.encoding, Embeds):
+            check_takes_axes(self.encoding, geometry.q_axes)
             # With a left-padded cache, each row's own positions (B, T): see Cache.embed_positions.
             embed = geometry.embed_positions
             x = self.encoding.embed(x, embed if cache is None else cache.embed_positions(embed))
@@ -306,17 +327,13 @@ class LM(nn.Module):
         b, t = tokens.shape
         device = tokens.device
         if cache is not None:  # the queries continue the cache; each layer's cache gives the key positions
-            past = cache.length
-            if positions is None:
-                positions, consecutive = torch.arange(past, past + t, device=device), True  # (T,)
-            else:
-                consecutive = check_positions(positions, t, past)
-            return Geometry(b, t, past + t, True, positions, positions, consecutive, None, past, 0, True)
+            return Geometry.step(b, t, cache.length, device, positions=positions, encoding=self.position_encoding,
+                                 next_positions=cache.next_positions())
         mask = None if attention_mask is None else _padding_mask(attention_mask)
         if positions is None and self.training and self.config.random_positions is not None:
             positions = self._random_positions(b, t, device, document_ids, mask)
         return Geometry.of(b, t, t, device, positions=positions, causal=self.config.causal, document_ids=document_ids,
-                           key_padding_mask=mask)
+                           key_padding_mask=mask, encoding=self.position_encoding)
 
     def _random_positions(self, b, t, device, document_ids, mask) -> torch.Tensor:
         """Randomized positions: one sorted draw, indexed by each token's in-document position."""

@@ -57,6 +57,13 @@ class PositionalEncoding(nn.Module):
       rotates all of them at every step, so cached decoding equals the full pass.
     - ``content_scale``: the factor of the content product q . k the attention uses (None:
       1 / sqrt(head_dim)); DeBERTa's is 1 / sqrt(D * (1 + number of position terms)).
+    - ``position_axes``: how many position ids per token ``rotate`` reads: 1 (one position per
+      token, every method but the multi-axis rotations), 3 for M-RoPE (temporal, height, width), 2
+      for the patch-grid rotations (x, y). ``axis_first`` says where the axis dimension of such
+      positions sits: first, (A, T) or (A, B, T), as Qwen2-VL passes them, or last, (T, A) or
+      (B, T, A), as a patch grid is written. :class:`posenc.Geometry` checks positions against
+      them; an encoding that reads positions with ``position_axes = 1`` refuses positions with an
+      axis dimension (see :func:`position_axes_of`).
     - ``shift_invariant``: the model's output does not change when every position of a row is
       shifted by the same amount (attention depends on i - j only, and nothing is absolute):
       NoPE, ALiBi, T5, RoPE (without length-dependent scaling), Shaw, Transformer-XL. Generation
@@ -81,6 +88,10 @@ class PositionalEncoding(nn.Module):
     rotation_depends_on_length: bool = False
     # True when positions enter only as differences i - j (see the class docstring).
     shift_invariant: ClassVar[bool] = False
+    # Position ids per token that ``rotate`` reads, and whether their axis dimension comes first
+    # ((A, T), (A, B, T)) or last ((T, A), (B, T, A)); see the class docstring.
+    position_axes: ClassVar[int] = 1
+    axis_first: ClassVar[bool] = True
     # The factor of the content product q . k; None: 1 / sqrt(head_dim). DeBERTa scales it by
     # 1 / sqrt(D * (1 + its number of position terms)); read through :func:`content_scale`.
     content_scale: float | None = None
@@ -121,6 +132,12 @@ def check_bias_positions(encoding: nn.Module, q_positions: torch.Tensor, k_posit
                 f"{getattr(encoding, 'name', type(encoding).__name__)}.bias: {label} must be 1-D (T,), got {shape}; "
                 "for positions per row (B, T) call posenc.attend(q, k, v, encoding, positions=...)"
             )
+
+
+def position_axes_of(encoding: nn.Module | None) -> tuple[int, bool]:
+    """(``position_axes``, ``axis_first``) of ``encoding``: (1, True) for None or an object that
+    does not declare them (one position per token)."""
+    return int(getattr(encoding, "position_axes", 1)), bool(getattr(encoding, "axis_first", True))
 
 
 def content_scale(encoding: nn.Module | None, head_dim: int) -> float:

@@ -32,7 +32,12 @@ max + 1; Hugging Face keeps that offset as ``rope_deltas``).
 Positions with an axis dimension, as every multi-axis rotation here takes them (M-RoPE puts the
 axis first, as Qwen2-VL passes them; the patch-grid rotations of :mod:`.axial_rope` put it last):
 (T,) one id per token, used on every axis; (A, T) one set for every batch row; (A, B, T) per row.
-They are non-negative integers; they need not increase, nor be distinct, along T.
+They are non-negative integers; they need not increase, nor be distinct, along T. The encoding
+declares them (``position_axes = 3``, ``axis_first = True``), so ``posenc.attend``,
+``posenc.Attention`` and ``posenc.LM`` take them as ``positions`` too (:mod:`posenc.geometry`):
+q and k are rotated at their ids while the masks read the sequence index (the cache slot when
+decoding), and a KV cache that has seen such ids continues each row without positions at its own
+max(id) + 1 (:meth:`posenc.cache.LayerCache.next_positions`).
 
 Precision: as :mod:`.rope`: float32 cos/sin tables of float64 angles (``RotaryTable``), the rotation
 in float32, cast back once. Under ``torch.compile`` the ids are not read on the host (no graph
@@ -57,15 +62,19 @@ AXES = ("temporal", "height", "width")
 
 
 def axis_positions(
-    encoding: PositionalEncoding, label: str, positions: torch.Tensor, x: torch.Tensor, num_axes: int, axis_first: bool
+    encoding: PositionalEncoding, label: str, positions: torch.Tensor, x: torch.Tensor, num_axes: int | None = None,
+    axis_first: bool | None = None,
 ) -> tuple[torch.Tensor, int]:
     """Positions of ``x`` (B, H, T, D) as an (A, B', T) LongTensor, B' = 1 or B, and the largest id
     + 1 (one device sync; None while ``torch.compile`` traces, which reads nothing on the host);
     UsageError otherwise.
 
     Accepted: (T,) (the same id on every axis), one set for all rows, (A, T) axis-first or (T, A)
-    axis-last, and per row (A, B, T) or (B, T, A). ``label`` names the argument in messages.
+    axis-last, and per row (A, B, T) or (B, T, A). ``label`` names the argument in messages;
+    ``num_axes`` and ``axis_first`` default to the encoding's ``position_axes`` and ``axis_first``.
     """
+    num_axes = encoding.position_axes if num_axes is None else num_axes
+    axis_first = encoding.axis_first if axis_first is None else axis_first
     name, batch, length = encoding.name, x.shape[0], x.shape[-2]
     if x.shape[-1] != encoding.head_dim:
         raise UsageError(f"{name}: {label} has {x.shape[-1]} features per head, but the encoding was built for head_dim={encoding.head_dim}")
@@ -141,8 +150,13 @@ class MRoPE(PositionalEncoding):
 
     Matches Hugging Face ``transformers``' Qwen2-VL / Qwen2.5-VL text rotary embedding
     (contiguous sections) and Qwen3-VL's (``mrope_interleaved=True``) followed by its
-    ``apply_rotary_pos_emb``, which use ``layout="half"`` (tests/test_mrope.py). Only the default
-    frequencies (no long-context scaling).
+    ``apply_rotary_pos_emb``, which use ``layout="half"`` (tests/test_mrope.py; through
+    ``posenc.attend`` and ``posenc.Attention`` with Qwen2-VL's ``get_rope_index`` ids,
+    tests/test_axis_positions.py). Only the default frequencies (no long-context scaling).
+
+    Positions: (T,) text ids, (3, T) or (3, B, T) ids (temporal, height, width) per token, in
+    ``rotate`` and as ``positions`` of ``posenc.attend`` / ``posenc.Attention`` / ``posenc.LM``
+    (``position_axes = 3``, axis first).
 
     Args:
         base: theta base (default 10000; transformers' config defaults: Qwen2-VL 1e6, Qwen3-VL 5e5).
@@ -158,6 +172,8 @@ class MRoPE(PositionalEncoding):
     description = "RoPE with frequencies split over (temporal, height, width) ids (Wang et al. 2024, Qwen2-VL; Qwen3-VL interleaved)"
     extrapolates = True
     shift_invariant = True  # shifting every id of a row by one amount leaves every id difference unchanged
+    position_axes = 3  # (temporal, height, width) ids per token,
+    axis_first = True  # axis first, (3, T) or (3, B, T), as Qwen2-VL passes them
 
     def __init__(
         self,

@@ -56,7 +56,7 @@ from ..encodings.rope import RoPE
 from ..errors import UsageError
 from ..functional import attend
 from ..geometry import Geometry
-from ..memo import ForwardMemo
+from ..memo import ForwardMemo, Workspace
 
 NAME = "posenc"
 
@@ -185,7 +185,7 @@ def posenc_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
             or forward.key[2] is not position_ids):
         state = (sizes, attention_mask, position_ids)
         key_end = _key_end(query.shape[2], key.shape[2], attention_mask)
-        forward.key, forward.key_end, forward.memo = state, key_end, ForwardMemo()
+        forward.key, forward.key_end, forward.memo = state, key_end, ForwardMemo(forward.workspace)
         forward.geometry = _geometry(query, key_end, attention_mask, position_ids, bool(getattr(module, "is_causal", True)))
     if forward.key_end < key.shape[2]:  # a static cache's unwritten slots
         key, value = key[:, :, : forward.key_end], value[:, :, : forward.key_end]
@@ -218,6 +218,10 @@ class _Forward:
         self.key_end = 0
         self.geometry: Geometry | None = None
         self.memo: ForwardMemo | None = None
+        # The single-query paths' buffers between decode steps (a relative bias vector, a padding
+        # mask), kept across forwards as posenc's own KV cache keeps them: every entry is rebuilt
+        # when what made it (sizes, padding, the encoding's parameter versions) changes.
+        self.workspace = Workspace()
         self.pre_rotated = False  # q and k came rotated by the model (see RotaryStandIn)
 
 
