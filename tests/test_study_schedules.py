@@ -20,6 +20,7 @@ from posenc import cli
 from posenc.encodings.rope import RoPE
 from posenc.errors import UsageError
 from posenc.study import rows, variants
+from posenc.study.builders import lm_config
 from posenc.study.cli import config_from_args, run_study
 from posenc.study.config import COMPANIONS, PRESETS, SCHEDULES, StudyConfig
 
@@ -63,9 +64,9 @@ def test_a_window_and_a_temperature_that_mean_something_at_length_64():
     """The window is shorter than the training length; the temperature varies inside training and
     keeps growing past it (Llama 4's formula written out)."""
     cfg = StudyConfig.from_preset("schedules")
-    windowed = cfg.lm_config("[rope window=32]").layers
+    windowed = lm_config(cfg, rows.parse("[rope window=32]")).layers
     assert {layer.window for layer in windowed.layers} == {32} and 32 < cfg.train_length
-    scale = cfg.lm_config(TEMPERATURE).layers.layers[3].query_scale
+    scale = lm_config(cfg, rows.parse(TEMPERATURE)).layers.layers[3].query_scale
     pos = torch.tensor([0, 14, 15, 63, 1023])
     expected = [1 + 0.1 * math.log1p(math.floor((p + 1) / 16)) for p in pos.tolist()]
     assert torch.allclose(scale.factor(pos), torch.tensor(expected, dtype=torch.float64), atol=1e-12)
@@ -126,7 +127,7 @@ def test_rows_that_would_share_files_are_refused():
 
 def test_a_scaling_acts_on_the_rope_layers_each_from_its_own_base():
     cfg = StudyConfig.from_preset("schedules", dim=32, num_heads=2, methods=[LOCAL_GLOBAL, "3x[rope] 1x[nope]"])
-    model = posenc.LM(cfg.lm_config(LOCAL_GLOBAL))
+    model = posenc.LM(lm_config(cfg, rows.parse(LOCAL_GLOBAL)))
     encs = variants.encodings(model)
     assert [e.base for e in encs] == [1e4, 1e6]
     plain = [e.scaling for e in encs]
@@ -136,7 +137,7 @@ def test_a_scaling_acts_on_the_rope_layers_each_from_its_own_base():
         assert blocks == [variants.scaling_block("longrope", 4.0, 64, e.base, e.rotary_dim) for e in encs]
         assert sum(blocks[1]["long_factor"]) > sum(blocks[0]["long_factor"])  # base 1e6: more pairs never turn in 64
     assert [e.scaling for e in encs] == plain
-    model = posenc.LM(cfg.lm_config("3x[rope] 1x[nope]"))
+    model = posenc.LM(lm_config(cfg, rows.parse("3x[rope] 1x[nope]")))
     rope = model.blocks[0].attn.encoding
     plain = rope.scaling
     with variants.applied(model, rows.parse("3x[rope] 1x[nope]+linear"), 256, 64) as applied:
@@ -149,7 +150,7 @@ def test_a_scaling_acts_on_the_rope_layers_each_from_its_own_base():
 def test_a_fine_tuned_schedule_row_scales_every_rope_layer():
     cfg = StudyConfig.from_preset("schedules", dim=32, num_heads=2, finetune_steps=2,
                                   methods=["3x[rope] 1x[nope]+yarn+ft"]).validate()
-    layers = cfg.lm_config("3x[rope] 1x[nope]+yarn+ft").schedule
+    layers = lm_config(cfg, rows.parse("3x[rope] 1x[nope]+yarn+ft")).schedule
     assert [layer.get("options", {}).get("scaling", {}).get("factor") for layer in layers] == [2.0, 2.0, 2.0, None]
 
 

@@ -174,15 +174,32 @@ class RoPE(PositionalEncoding):
         self.initial_cache_length = check_positive("cache_length", cache_length)
         self._configure(base, rotary_dim, scaling)
 
-    def _configure(self, base: float | None, rotary_dim: int | None, scaling: dict[str, Any] | RopeScaling | None) -> None:
+    DEFAULT_BASE = 10000.0
+
+    @classmethod
+    def geometry(cls, head_dim: int, base: float | None = None, rotary_dim: int | None = None,
+                 scaling: dict[str, Any] | RopeScaling | None = None) -> tuple[float, int]:
+        """(base, rotated features) of an encoding built with these options, from the options and
+        the declared defaults alone (nothing is built): ``base``, else the block's ``rope_theta``,
+        else :attr:`DEFAULT_BASE`; ``rotary_dim``, else ``head_dim * partial_rotary_factor``, else
+        ``head_dim``.
+
+        Raises:
+            UsageError: when ``base`` and the block's ``rope_theta``, or ``rotary_dim`` and its
+                ``partial_rotary_factor``, disagree, or the base is outside (1, MAX_BASE].
+        """
         cfg = parse_scaling(scaling)
         if base is not None and cfg.rope_theta is not None and float(base) != cfg.rope_theta:
             raise UsageError(f"base={base} disagrees with the scaling block's rope_theta={cfg.rope_theta}; give one of them")
         base = cfg.rope_theta if base is None else base
-        base = 10000.0 if base is None else base
+        base = cls.DEFAULT_BASE if base is None else base
         if isinstance(base, bool) or not isinstance(base, (int, float)) or not 1 < base <= MAX_BASE:
             raise UsageError(f"base must be a finite number in (1, {MAX_BASE:g}], got {base!r}")
-        rotary_dim = rotary_dim_of(cfg, self.head_dim, rotary_dim)
+        return float(base), rotary_dim_of(cfg, head_dim, rotary_dim)
+
+    def _configure(self, base: float | None, rotary_dim: int | None, scaling: dict[str, Any] | RopeScaling | None) -> None:
+        cfg = parse_scaling(scaling)
+        base, rotary_dim = self.geometry(self.head_dim, base, rotary_dim, cfg)
         if isinstance(rotary_dim, bool) or not isinstance(rotary_dim, int) or not 2 <= rotary_dim <= self.head_dim or rotary_dim % 2:
             raise UsageError(f"rotary_dim must be an even integer in [2, head_dim={self.head_dim}], got {rotary_dim!r}")
         cfg.check_rotary_dim(rotary_dim)

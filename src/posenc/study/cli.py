@@ -116,7 +116,8 @@ def _saved_config(out: Path) -> dict | None:
 
 
 def study_parts(args: argparse.Namespace, out: Path) -> list[tuple[StudyConfig, Path, bool]]:
-    """The studies one command runs, each ``(config, out, resume)``, every config validated.
+    """The studies one command runs, each ``(config, out, resume)``, every config checked (as it is
+    made: the device string is valid before a process group is joined).
 
     One, usually. A preset with a recall companion (:data:`COMPANIONS`, ``schedules``) run without
     ``--task`` is two: the language-model study into ``out/lm``, then the recall study of the same
@@ -127,16 +128,14 @@ def study_parts(args: argparse.Namespace, out: Path) -> list[tuple[StudyConfig, 
     if getattr(args, "task", None) is not None or preset not in COMPANIONS:
         if saved is not None and not (out / "results.json").exists():
             saved = None  # (out holds a paired study; this command names one task of it: out/TASK)
-        cfg = config_from_args(args, saved)
-        cfg.validate()  # the device string must be valid before a process group is joined
-        return [(cfg, out, args.resume)]
+        return [(config_from_args(args, saved), out, args.resume)]
     parts = []
     for part, (name, drop) in zip(PAIR_PARTS, ((preset, RECALL_ONLY), (COMPANIONS[preset], LM_ONLY))):
         where = out / part
         resume = bool(args.resume) and (where / "results.json").exists()
         mine = argparse.Namespace(**{**vars(args), "preset": name, **{k: None for k in drop}})
         cfg = config_from_args(mine, _saved_config(where) if resume else None)
-        parts.append((cfg.validate(), where, resume))
+        parts.append((cfg, where, resume))
     if args.resume and not any(resume for _, _, resume in parts):
         raise UsageError(f"resume: {out} holds no study (neither {out / PAIR_PARTS[0]} nor {out / PAIR_PARTS[1]}); "
                          "leave out resume to start one")

@@ -48,7 +48,7 @@ from __future__ import annotations
 import inspect
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ..encodings import get_class, options_of
 from ..encodings.rope import RoPE
@@ -97,6 +97,19 @@ class Row:
     eval: str | None = None  # evaluation variant
     finetune: bool = False
     schedule: str | None = None  # a schedule row: its text form, as written (repeated to the depth)
+    pattern: Schedule | None = field(default=None, compare=False, repr=False)  # that text, read once
+    base_row: Row | None = field(default=None, compare=False, repr=False)  # :attr:`base`, parsed with this row
+
+    @property
+    def trained(self) -> Row:
+        """The row whose training run makes this row's model: itself, or its base's (an evaluated
+        row's base is a trained or fine-tuned row; a fine-tuned row trains itself)."""
+        return self.base_row.trained if self.kind == "eval" else self
+
+    @property
+    def ancestor(self) -> Row:
+        """The trained-from-scratch row at the root of this one (its initial weights)."""
+        return self if self.base_row is None else self.base_row.ancestor
 
     @property
     def kind(self) -> str:
@@ -128,7 +141,15 @@ class Row:
 
 
 def parse(name: str) -> Row:
-    """The :class:`Row` of a ``methods`` entry; UsageError naming what is wrong."""
+    """The :class:`Row` of a ``methods`` entry, with its base row parsed too (``base_row``): the
+    one reader of the row text form; UsageError naming what is wrong."""
+    row = _parse(name)
+    if row.base is None:
+        return row
+    return replace(row, base_row=parse(row.base))
+
+
+def _parse(name: str) -> Row:
     if not isinstance(name, str) or not name:
         raise UsageError(f"methods: each entry must be a method name, got {name!r}")
     if "[" in name:
@@ -191,7 +212,7 @@ def _parse_schedule(name: str) -> Row:
     except UsageError as err:
         raise UsageError(f"methods: {name!r}: {err}") from None
     train, evaluation, finetune = _variants(name, tail.split("+")[1:])
-    row = Row(name, pattern.layers[0].encoding, {}, tuple(train), evaluation, finetune, schedule=text)
+    row = Row(name, pattern.layers[0].encoding, {}, tuple(train), evaluation, finetune, schedule=text, pattern=pattern)
     _check_applies(row, *(get_class(layer.encoding) for layer in pattern.layers))
     return row
 
@@ -224,7 +245,7 @@ def fair_options(row: Row, train_length: int) -> dict:
 def fair_schedule(row: Row, train_length: int, depth: int) -> list[dict]:
     """A schedule row's layers at ``depth`` (the json form, one dict per layer), each layer's
     options under the fair-table rule. UsageError when the pattern is longer than ``depth``."""
-    layers = Schedule.parse(row.schedule, depth).to_list()
+    layers = Schedule.repeated(row.pattern.layers, depth).to_list()
     for layer in layers:
         options = _capped(layer["encoding"], layer.get("options") or {}, train_length)
         if options:
