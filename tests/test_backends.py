@@ -472,3 +472,46 @@ def test_without_flash_ops_bias_methods_fall_back_to_public_sdpa():
     ''')
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-2000:]
+
+
+@pytest.mark.parametrize("method", ["alibi", "t5", "shaw", "transformer_xl", "cope", "sandwich", "rope", "fire"])
+def test_selection_fills_nothing(method):
+    """Choosing a path only reads the call: every backend's supports and preferred, auto's choice
+    and the decode-step predicate (single.applies, which posenc.attend and terms ask before choosing
+    a single-query path) leave the decode workspace and the forward memo as they were on a
+    left-padded decode step (single.applies used to fill the workspace's padding mask)."""
+    enc = build(method, num_heads=H, head_dim=D)
+    positions = torch.arange(40)
+    workspace, memo = backends.parts.single.Workspace(capacity=16), ForwardMemo()
+    spec = ScoreSpec(enc, positions[-1:], positions, True, 0.25, memo, starts=torch.tensor([0, 7]), workspace=workspace)
+    q, k, v = torch.randn(2, H, 1, D), torch.randn(2, H, 40, D), torch.randn(2, H, 40, D)
+    with torch.no_grad():
+        assert backends.parts.single.applies(spec, q, k, v)  # a decode step: row 1's query is real
+        names = backends.allowed(spec, q)
+        preferred = [name for name, backend in backends.BACKENDS.items() if backend.preferred(spec, q)]
+        chosen, _ = backends.choose("auto", spec, q)
+    assert chosen in names and chosen in preferred + ["eager"]
+    assert workspace._entries == {} and workspace.capacity == 16  # no padding mask, no f(r) vector, no scratch
+    assert memo._values == {}
+    # The check can see a fill: the decode step itself makes the padding mask (CoPE's rows are split
+    # into unpadded calls instead, which keep nothing).
+    with torch.no_grad():
+        backends.BACKENDS[chosen].attend(q, k, v, spec)
+    assert (workspace._entries != {}) == (method != "cope")
+
+
+@pytest.mark.parametrize("backend", ["contextual", "eager"])
+def test_contextual_runs_left_padded_rows_as_eager_does(backend):
+    """CoPE with a left-padded KV cache: the contextual backend splits the rows (padding.by_rows) and
+    gives eager's result; its band path alone knows no padding (it gave another result before)."""
+    torch.manual_seed(0)
+    model = LM(LMConfig(encoding="cope", dim=32, depth=1, num_heads=2, attention_backend=backend)).eval()
+    reference = copy.deepcopy(model)
+    reference.blocks[0].attn.backend = "eager"
+    tokens = torch.randint(0, 256, (2, 12))
+    with torch.no_grad():
+        out = model(tokens, cache=model.new_cache(batch_size=2, padding=[0, 5]))
+        want = reference.double()(tokens, cache=reference.new_cache(batch_size=2, padding=[0, 5]))
+    assert model.blocks[0].attn.last_backend == backend
+    torch.testing.assert_close(out[1, 5:].double(), want[1, 5:], **TOL)  # the padded row's real tokens
+    torch.testing.assert_close(out[0].double(), want[0], **TOL)

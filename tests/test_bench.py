@@ -367,3 +367,86 @@ def test_several_lengths_are_lines_with_error_bars(tmp_path):
     plt.close(fig)
     plots.plot(cells, tmp_path / "p.png")
     assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# --- benchmarks/schedule.py: the layer-schedule checks of issue 19, in its --quick mode ------------
+
+
+def test_the_schedule_benchmark_writes_its_three_tables(tmp_path, capsys):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "schedule.py"
+    spec = importlib.util.spec_from_file_location("schedule_benchmark", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    out = tmp_path / "schedule"
+    script.main(["--quick", "--in-process", "--methods", "rope", "--out", str(out)])
+    table = (out / "table.md").read_text()
+    assert table.strip() in capsys.readouterr().out  # printed too
+    assert table.startswith("Machine: ") and script.cpu_model() in table and "Quick mode" in table
+    for title in ("### Sliding window W=32 vs full causal", "### Decoding a windowed layer (W=32",
+                  "### 3 local (W=32) : 1 global layers"):
+        assert title in table, title
+    assert sum(line.startswith("| rope | ") for line in table.splitlines()) == 3
+    data = json.loads((out / "results.json").read_text())
+    assert data["quick"] is True and data["rounds"] == 1 and data["command"].startswith("python benchmarks/schedule.py --quick")
+    assert set(data["ratios"]) == {"window", "decode", "schedule"} == set(data["jobs"])
+    for name, per in data["ratios"].items():
+        got = per["rope"]
+        assert got["target"] == script.TARGETS[name] and len(got["rounds"]) == 1
+        assert got["min"] <= got["median"] <= got["max"] and got["median"] > 0
+        assert got["meets_target"] == (got["median"] <= got["target"])
+    jobs = {(j["table"], j["variant"]): j for round_ in data["jobs"].values() for j in round_[0]}
+    assert {k for k in jobs} == {("window", "full"), ("window", "window"), ("decode", "cache 64"), ("decode", "cache 512"),
+                                 ("schedule", "local"), ("schedule", "global"), ("schedule", "mixed")}
+    # the ratios are the jobs' own figures
+    window = data["ratios"]["window"]["rope"]["median"]
+    assert window == pytest.approx(jobs[("window", "window")]["seconds"] / jobs[("window", "full")]["seconds"])
+    decode = data["ratios"]["decode"]["rope"]["median"]
+    assert decode == pytest.approx(jobs[("decode", "cache 512")]["per_token_s"] / jobs[("decode", "cache 64")]["per_token_s"])
+    s = {v: jobs[("schedule", v)]["seconds"] for v in ("local", "global", "mixed")}
+    assert data["ratios"]["schedule"]["rope"]["median"] == pytest.approx(s["mixed"] / (0.75 * s["local"] + 0.25 * s["global"]))
+    # what was timed is what the table says: a windowed cache keeps O(W) keys; the 3:1 LM has its kinds
+    assert jobs[("decode", "cache 512")]["kept_keys"] <= 2 * 32 and jobs[("decode", "cache 512")]["cache_capacity"] <= 2 * 32
+    assert jobs[("schedule", "mixed")]["windows"] == [32, 32, 32, None]
+    assert jobs[("schedule", "local")]["windows"] == [32] * 4 and jobs[("schedule", "global")]["windows"] == [None] * 4
+
+
+# --- schedule rows: a method written as a layer schedule -----------------------------------------
+
+
+def test_schedule_rows_are_checked_before_any_work(no_workers):
+    with pytest.raises(UsageError, match=r"'3x\[rope window=8\] 1x\[rope\]'.*more than depth=1"):
+        harness.bench(methods=["3x[rope window=8] 1x[rope]"], lengths=[32], level="attention", progress=False)
+    with pytest.raises(UsageError, match="no option"):
+        harness.bench(methods=["[rope windw=8]"], lengths=[32], level="model", progress=False)
+    with pytest.raises(UsageError, match="head dim"):
+        harness.bench(methods=["[rope:rotary_dim=10 window=8]"], lengths=[32], level="attention", dim=32, heads=4, progress=False)
+
+
+def test_a_one_layer_schedule_is_that_layer_at_the_attention_level():
+    from posenc.bench.levels import attention as level
+
+    job = Job(level="attention", mode="infer", method="[rope window=16]", length=48, dim=32, heads=4, batch=1)
+    work = level.build(job, torch.device("cpu"), torch.float32)
+    assert work.module.window == 16
+    qkv = torch.randn(1, 48, 96)  # (B, T, 3 x H x D)
+    q, k, v = (t.view(1, 48, 4, 8).transpose(1, 2) for t in qkv.split(32, dim=-1))
+    expected = posenc.attend(q, k, v, posenc.build("rope", num_heads=4, head_dim=8), window=16)  # (B, H, T, D)
+    with torch.no_grad():
+        got = work.module(qkv)  # (B, T, H x D)
+    torch.testing.assert_close(got, expected.transpose(1, 2).reshape(1, 48, 32))
+
+
+@pytest.mark.parametrize("level, method, mode", [
+    ("attention", "[alibi window=8]", "train"),
+    ("model", "3x[rope window=8] 1x[nope]", "train"),
+    ("decode", "3x[rope window=8] 1x[rope]", "single"),
+])
+def test_schedule_rows_run_in_the_bench(level, method, mode):
+    results = harness.bench(methods=[method], lengths=[32], level=level, mode=mode, rounds=1, isolate=False,
+                            **{**TINY, "depth": 4 if level != "attention" else 1})
+    row = next(r for r in results.cells if r["label"] == method)
+    assert row["status"] == "ok" and row["median_s"] > 0 and row["median_s_vs_nope"] > 0, row
+    assert cli.main(["bench", "--methods", method, "--level", level, "--lengths", "8", "--rounds", "0"]) == 2  # (checked first)

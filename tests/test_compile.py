@@ -21,7 +21,7 @@ BREAKS = {
     "nope": 0, "sinusoidal": 0, "learned": 0, "rope": 0, "sandwich": 0,
     "mrope": 0, "axial_rope": 0, "rope_mixed": 0,  # the ids index the precomputed table, as RoPE's
     "fox": 0,  # gated SDPA blocks: plain tensor code
-    "deberta": 8,         # terms' disentangled path: the rows read once (host), the band + far kernel loop
+    "deberta": 0,         # T=64 is below the disentangled path's MIN_PAIRS: eager (a long call: its rows read once, the band + far loop)
     "shaw": 5,            # terms: the band + far kernel loop (regions.flushed, opaque)
     "transformer_xl": 8,  # distance: per-distance keys through as_strided views
     "alibi": 9,           # blocked: the plan reads a bound on |q.k| and the slopes; the kernel loop

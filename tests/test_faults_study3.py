@@ -109,9 +109,9 @@ def diverging(monkeypatch):
     state = {"label": None, "step": 0}
     real_train = train_module.train
 
-    def train(job, *args, **kwargs):
-        state["label"], state["step"] = job.label, 0
-        return real_train(job, *args, **kwargs)
+    def train(label, *args, **kwargs):
+        state["label"], state["step"] = label, 0
+        return real_train(label, *args, **kwargs)
 
     def cross_entropy(*args, **kwargs):
         state["step"] += 1
@@ -119,7 +119,7 @@ def diverging(monkeypatch):
         return loss * math.nan if state["label"] in names and state["step"] >= 3 else loss
 
     monkeypatch.setattr(train_module, "F", types.SimpleNamespace(cross_entropy=cross_entropy))
-    monkeypatch.setattr("posenc.study.execute.train", train)
+    monkeypatch.setattr("posenc.study.pipeline.train", train)
     return names
 
 
@@ -291,4 +291,4 @@ def test_row_names_from_files_never_become_paths_outside_the_run(finished, tmp_p
     assert rows.parse(name).stem == "rope_layout-.._.._.._secret"
     with pytest.raises(UsageError, match=re.escape("the file name '..' (from a row name or seed in it) is not a plain "
                                                    "file name; it was edited or damaged")):
-        Paths(a).windows("..", 0, 32)
+        Paths(a).window_scores("..", 0, 32)

@@ -127,6 +127,25 @@ def test_cached_generate_equals_full_forward(method: str) -> None:
 
 
 @pytest.mark.parametrize("method", BIASES)
+def test_decode_steps_reuse_the_relative_bias_vector(method: str, monkeypatch) -> None:
+    """A decode step reads the per-distance bias from buffers kept across forwards (as posenc's own
+    KV cache keeps them), not recomputed by every layer at every step; the tokens stay those of
+    the full forward (test above)."""
+    model = setup_model(method)
+    encodings = {id(layer.self_attn.__dict__["_posenc_encoding"]): layer.self_attn.__dict__["_posenc_encoding"]
+                 for layer in model.model.layers}
+    calls = []
+    for enc in encodings.values():
+        original = enc.relative_bias
+        monkeypatch.setattr(enc, "relative_bias", lambda r, original=original: calls.append(r.numel()) or original(r))
+    ids = tokens(1, 9)
+    model.generate(ids, max_new_tokens=12, do_sample=False)
+    decode_calls = [n for n in calls if n > 1]
+    # a few per encoding (the prefill's, then once per capacity: 16, 32 keys), never once per layer and step
+    assert 0 < len(decode_calls) <= 3 * len(encodings), decode_calls
+
+
+@pytest.mark.parametrize("method", BIASES)
 @pytest.mark.parametrize("use_cache", [True, False])
 def test_packed_equals_documents_alone(method: str, use_cache: bool) -> None:
     model = setup_model(method)

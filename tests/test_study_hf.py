@@ -19,6 +19,7 @@ from posenc import cli  # noqa: E402
 from posenc.errors import UsageError  # noqa: E402
 from posenc.study import StudyConfig, run_experiment  # noqa: E402
 from posenc.study.data import load_corpus  # noqa: E402
+from posenc.study.rows import parse as parse_row  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -109,11 +110,11 @@ def test_rope_row_equals_hf_row_at_initialisation(llama) -> None:
     cfg = StudyConfig.from_preset("smoke", methods=["hf", "rope", "alibi"], hf_config=llama, train_length=16,
                                   eval_lengths=[16, 32]).validate()
     models = HFModels(cfg)
-    hf, rope, alibi = (models.initial(name, 3) for name in ("hf", "rope", "alibi"))
+    hf, rope, alibi = (models.initial(parse_row(name), 3) for name in ("hf", "rope", "alibi"))
     for other in (rope, alibi):  # every row of a seed starts from the same transformer weights
         a, b = hf.state_dict(), other.state_dict()
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    assert not torch.equal(models.initial("hf", 4).model.lm_head.weight, hf.model.lm_head.weight)  # the seed matters
+    assert not torch.equal(models.initial(parse_row("hf"), 4).model.lm_head.weight, hf.model.lm_head.weight)  # the seed matters
     ids = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         ref, got, biased = hf.eval()(ids), rope.eval()(ids), alibi.eval()(ids)
@@ -121,7 +122,7 @@ def test_rope_row_equals_hf_row_at_initialisation(llama) -> None:
     assert (got - ref).abs().max() < 1e-5
     assert (biased - ref).abs().max() > 1e-3  # a test that can fail: another encoding is another model
     # the fair options, as on posenc's own model: a learned table of the training length, T5's bound capped
-    learned, t5 = models.build("learned"), models.build("t5:num_buckets=8")
+    learned, t5 = models.build(parse_row("learned")), models.build(parse_row("t5:num_buckets=8"))
     assert learned.max_length == 16 and hf.max_length is None and t5.config.encoding_options == {"num_buckets": 8, "max_distance": 16}
     from posenc.study.evaluation import cannot_run
 
@@ -155,14 +156,15 @@ def test_qwen2_recall_study_with_drop_and_finetuned_scaling_rows(tmp_path, text)
     models = HFModels(cfg)
     for row in ("rope", "rope+drop"):
         path = out / "checkpoints" / f"{row}.safetensors"
-        model = models.load(path, row, torch.device("cpu"))
+        model = models.load(path, parse_row(row), torch.device("cpu"))
         assert model.model.lm_head.weight is model.model.model.embed_tokens.weight
         saved = load_file(str(path))
         assert all(torch.equal(model.state_dict()[k], v) for k, v in saved.items())
         assert model.config.to_dict() == results["methods"][row]["model"]
     other = write_config(tmp_path / "other.json", Qwen2Config(vocab_size=300, tie_word_embeddings=True, **TINY, rope_theta=500.0))
     with pytest.raises(UsageError, match="trained on another hf_config"):
-        HFModels(cfg, load_architecture(other)).load(out / "checkpoints" / "rope.safetensors", "rope", torch.device("cpu"))
+        HFModels(cfg, load_architecture(other)).load(out / "checkpoints" / "rope.safetensors", parse_row("rope"),
+                                                         torch.device("cpu"))
 
 
 def config_error(tmp_path, **fields) -> str:

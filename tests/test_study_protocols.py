@@ -9,8 +9,9 @@ import pytest
 import torch
 
 import posenc
-from posenc.study import StudyConfig, run_experiment
+from posenc.study import StudyConfig, rows, run_experiment
 from posenc.study import train as train_mod
+from posenc.study.builders import lm_config
 from posenc.study.config import RANDOM_SPAN
 from posenc.study.evaluation import eval_positions
 
@@ -30,8 +31,8 @@ def test_a_drop_row_recalibrates_at_the_peak_learning_rate_without_weight_decay(
     seen = {}
     make = train_mod.make_optimizer
 
-    def spy(model, cfg, factor=None, lr=None):
-        opt, sched = make(model, cfg, factor, lr)
+    def spy(model, settings):
+        opt, sched = make(model, settings)
         seen["opt"], seen["lrs"] = opt, []
         step = opt.step
 
@@ -65,4 +66,4 @@ def test_random_rows_are_evaluated_at_random_positions_drawn_as_in_training():
 
 def test_random_rows_draw_from_four_times_the_longest_evaluation_length():
     cfg = StudyConfig(methods=["rope+random"], eval_lengths=[64, 256])
-    assert cfg.lm_config("rope+random").random_positions == RANDOM_SPAN * 256 == 1024
+    assert lm_config(cfg, rows.parse("rope+random")).random_positions == RANDOM_SPAN * 256 == 1024

@@ -241,6 +241,25 @@ def test_drop_positions_removes_the_hooks_for_the_last_steps(tmp_path, monkeypat
         out / "checkpoints" / "t5+drop.safetensors").state_dict()
 
 
+def test_a_resume_naming_other_rows_keeps_the_drop_option_of_the_saved_rows(tmp_path, capsys):
+    # drop_positions_after is checked against the study's rows, the saved ones too: a resume that
+    # adds a row without +drop is not refused for the option its saved +drop row reads
+    out = tmp_path / "run"
+    args = ["--steps", "4", "--checkpoint-every", "2", "--drop-positions-after", "0.25"]
+    assert study(out, "--methods", "rope+drop", *args) == 0
+    before = load(out)["methods"]["rope+drop"]
+    assert study(out, "--methods", "alibi", *args, "--resume") == 0
+    res = load(out)
+    assert list(res["methods"]) == ["rope+drop", "alibi"] and res["status"] == "done"
+    assert res["config"]["drop_positions_after"] == 0.25
+    assert res["methods"]["rope+drop"]["eval"] == before["eval"]  # the finished row was not run again
+    assert res["methods"]["alibi"]["status"] == "done"
+    # a new study with the option and no +drop row is still refused, before anything is written
+    with pytest.raises(posenc.UsageError, match="drop_positions_after applies to METHOD\\+drop rows"):
+        study(tmp_path / "new", "--methods", "alibi", *args)
+    assert not (tmp_path / "new").exists()
+
+
 # ------------------------------------------------------------------ fair position tables
 
 

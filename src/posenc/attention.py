@@ -13,9 +13,10 @@ import torch
 from torch import nn
 
 from . import backends
+from .axes import as_taken, check_takes_axes
 from .cache import LayerCache
-from .encodings.base import content_scale
-from .encodings.protocol import Gates, Rotates, offers
+from .encodings.base import PositionalEncoding, content_scale
+from .encodings.protocol import Gates, Rotates, offers, require
 from .errors import UsageError, check_positive
 from .functional import _attend, run
 from .geometry import Geometry, ScoreSpec, check_positions
@@ -40,10 +41,14 @@ class Attention(nn.Module):
         query_scale: a per-query factor of the positions (:mod:`posenc.query_scale`).
 
     Raises:
-        UsageError: sizes that do not divide, or an encoding built for other sizes.
+        UsageError: (when built) sizes that are not positive integers or do not divide, an encoding
+            built for other sizes or another ``causal``, an unknown backend name, a window or chunk
+            that is not a positive integer (or both); (when called) positions, documents or an
+            attention mask that do not fit, documents or a mask with a KV cache, a windowed cache
+            for forget gates, or a forced backend that cannot run the call (naming those that can).
     """
 
-    def __init__(self, dim: int, num_heads: int, encoding: nn.Module, causal: bool = True, backend: str = "auto",
+    def __init__(self, dim: int, num_heads: int, encoding: PositionalEncoding, causal: bool = True, backend: str = "auto",
                  num_kv_heads: int | None = None, *, window: int | None = None, chunk: int | None = None,
                  sinks: bool = False, query_scale: QueryScale | None = None) -> None:
         super().__init__()
@@ -97,7 +102,11 @@ class Attention(nn.Module):
 
         Args:
             positions: (T,) or (B, T) token positions (see :func:`posenc.attend`); with a cache,
-                (T,) continuing it.
+                (T,) continuing it. For an encoding with ``position_axes`` > 1 also ids with an
+                axis dimension, e.g. (3, B, T) for M-RoPE, with a cache too (each step's new
+                tokens, free of the cache slots; the masks read the slots). A cache that has seen
+                such ids continues each row at its own next id when ``positions`` is None
+                (:meth:`posenc.cache.LayerCache.next_positions`, M-RoPE's max(id) + 1).
             cache: this layer's KV cache (decoding).
             memo: shared by the layers of one model forward.
             document_ids: (B, T) packed documents (no cache).
@@ -120,7 +129,7 @@ class Attention(nn.Module):
             if geometry is None:
                 mask = None if attention_mask is None else _padding_mask(attention_mask)
                 geometry = Geometry.of(b, t, t, x.device, positions=positions, causal=self.causal,
-                                       document_ids=document_ids, key_padding_mask=mask)
+                                       document_ids=document_ids, key_padding_mask=mask, encoding=self.encoding)
             out, name = _attend(q, k, v, self.encoding, geometry, scale, memo, self.backend, True, self.extras, gates)
         else:
             if document_ids is not None or attention_mask is not None:
@@ -132,38 +141,46 @@ class Attention(nn.Module):
 
     def _cached(self, q, k, v, positions, cache: LayerCache, memo, scale, geometry, gates=None) -> tuple[torch.Tensor, str]:
         """A step after the KV cache: rotate (unless the rotation depends on the length), append, attend."""
-        t = q.shape[-2]
+        b, t = q.shape[0], q.shape[-2]
         past = cache.length
         cache.claim(self)
-        if geometry is not None:
-            positions, consecutive = geometry.q_positions, geometry.consecutive
-        elif positions is None:
-            positions, consecutive = torch.arange(past, past + t, device=q.device), True  # (T,)
-        else:
-            consecutive = check_positions(positions, t, past)
+        if geometry is None:
+            geometry = Geometry.step(b, t, past, q.device, positions=positions, encoding=self.encoding,
+                                     next_positions=cache.next_positions())
+        positions, consecutive, axes = geometry.q_positions, geometry.consecutive, geometry.q_axes
+        check_takes_axes(self.encoding, axes)
         rotates = offers(self.encoding, Rotates)
         # A rotation that depends on the current length (dynamic NTK, LongRoPE's short/long switch)
         # must rotate every key with the current length: the cache keeps such keys un-rotated and
         # they are rotated at each step (O(T x D) per step), so decoding equals the full pass.
         late = rotates and getattr(self.encoding, "rotation_depends_on_length", False)
-        if rotates and not late:
-            q, k = self.encoding.rotate(q, k, positions, positions)
+        rotation = require(self.encoding, Rotates) if rotates else None
+        if late and axes is not None:  # its keys would be re-rotated at the slots: refuse, never a silent wrong rotation
+            raise UsageError(f"positions with an axis dimension cannot decode with {type(self.encoding).__name__}, whose rotation "
+                             "depends on the length (its cached keys are rotated again at every step, at the cache slots)")
+        if rotation is not None and not late:
+            # New q and k at their own ids (the slots with 1-D positions); cached keys keep theirs.
+            at = positions if axes is None else as_taken(self.encoding, axes)
+            q, k = rotation.rotate(q, k, at, at)
         k, v = cache.append(k, v)  # (B, Hkv, past + T, D): views of the cache's buffers
+        if axes is not None:
+            cache.note_positions(axes)  # each row's next id, for a later step without positions
         if gates is not None:
             if cache.window is not None:
                 raise UsageError("an encoding with forget gates (log_gates) cannot decode with a windowed cache (window=...)")
             gates = cache.append_gates(gates)  # (B, H, past + T): every cached key's log gate
         k_positions = cache.positions(q.device)  # start..past+T-1, a view (nothing per step grows with N)
-        if late:
+        if rotation is not None and late:
             # An encoding that keeps cached keys in a frame of its own (xPos's centre) rotates only the new ones.
             # (Not for a windowed cache: it forgets its oldest rows, so rows are no longer positions;
             # its at most 2W keys are rotated afresh each step.)
-            if callable(getattr(self.encoding, "rotate_in_frame", None)) and cache.window is None:
-                q, k = self.encoding.rotate_in_frame(q, k, positions, k_positions, cache)
+            in_frame = getattr(self.encoding, "rotate_in_frame", None)
+            if callable(in_frame) and cache.window is None:
+                q, k = in_frame(q, k, positions, k_positions, cache)
             else:
-                q, k = self.encoding.rotate(q, k, positions, k_positions)
+                q, k = rotation.rotate(q, k, positions, k_positions)
         spec = ScoreSpec(self.encoding, positions, k_positions, self.causal, scale, memo, consecutive,
-                         cache.starts(q.device), cache.workspace, q_start=past, k_start=cache.start, aligned=True,
+                         cache.starts(q.device), cache.workspace, known_q_start=past, known_k_start=cache.start, known_aligned=True,
                          log_gates=gates)
         return run(q, k, v, spec, self.backend, rotate=False, extras=self.extras)
 

@@ -24,7 +24,15 @@ forgotten: one copy of W - 1 keys about every W steps, O(D) per step amortised. 
 thus always one contiguous, ordered view: ``start`` is the position of the first kept key,
 ``length`` still counts every token seen, and memory is O(W) whatever the length.
 
-Shape legend: B batch, H heads, C capacity, T tokens, D head dim, W window.
+Positions with an axis dimension (M-RoPE's (3, B, T), a patch grid's (B, T, 2)) are not cache
+slots: after an image, M-RoPE's text goes on at max(id) + 1, fewer than the tokens before it. A
+layer cache that has been given such ids keeps, per row and slot, the next id after the row's real
+tokens so far, 1 + the largest id on any axis (``note_positions``, a (B, C) integer buffer; O(1)
+per token); ``next_positions()`` reads it at the current length, so a step without positions
+continues every row at its own next id (Hugging Face's ``rope_deltas`` added to the slot), and
+``crop`` needs nothing more: the entry at the new length is the prefix's.
+
+Shape legend: B batch, H heads, C capacity, T tokens, D head dim, W window, A position axes.
 """
 
 from __future__ import annotations
@@ -86,6 +94,11 @@ class LayerCache:
         self._positions: torch.Tensor | None = None  # arange(C): key positions, viewed, not rebuilt
         self._starts: torch.Tensor | None = None
         self._owner: weakref.ref | None = None
+        # After positions with an axis dimension: entry s - _next_base is 1 + the largest id of the
+        # row's real tokens up to slot s (B, C'); valid from slot _axes_start (see note_positions).
+        self._next: torch.Tensor | None = None
+        self._next_base = 0
+        self._axes_start = 0
 
     @property
     def capacity(self) -> int:
@@ -112,21 +125,31 @@ class LayerCache:
         if torch.is_grad_enabled() and (k.requires_grad or v.requires_grad):
             # Autograd keeps earlier views for the backward: new tensors, never a write into them.
             drop = self._forgettable()
-            old_k, old_v = (None, None) if self.k is None else (self.k[:, :, drop : self.held], self.v[:, :, drop : self.held])
+            if self.k is None or self.v is None:
+                self.k, self.v = k, v
+            else:
+                self.k = torch.cat((self.k[:, :, drop : self.held], k), dim=-2)
+                self.v = torch.cat((self.v[:, :, drop : self.held], v), dim=-2)
             self.start += drop
-            self.k = k if old_k is None else torch.cat((old_k, k), dim=-2)
-            self.v = v if old_v is None else torch.cat((old_v, v), dim=-2)
         else:
             if self.held + t > self.capacity and self._forgettable():
                 self._compact(t)
             end = self.held + t
             if end > self.capacity or not self._writable():
                 self._grow(end, k, v)
+            buf_k, buf_v = self._buffers()
             with torch.no_grad():
-                self.k[:, :, self.held : end] = k
-                self.v[:, :, self.held : end] = v
+                buf_k[:, :, self.held : end] = k
+                buf_v[:, :, self.held : end] = v
         self.length += t
-        return self.k[:, :, : self.held], self.v[:, :, : self.held]
+        buf_k, buf_v = self._buffers()
+        return buf_k[:, :, : self.held], buf_v[:, :, : self.held]
+
+    def _buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The key and value buffers (B, H, C, D), which exist from the first append on."""
+        if self.k is None or self.v is None:
+            raise RuntimeError("this layer cache has no buffers before its first append")
+        return self.k, self.v
 
     def _forgettable(self) -> int:
         """Kept keys no later query can see: all but the last W - 1 (0 without a window)."""
@@ -139,14 +162,15 @@ class LayerCache:
         grown past 2W by a long chunk go back to 2W slots when the ``coming`` tokens fit."""
         drop = self._forgettable()
         keep = self.held - drop
+        buf_k, buf_v = self._buffers()
         with torch.no_grad():
             if keep:
-                self.k[:, :, :keep] = self.k[:, :, drop : drop + keep].clone()
-                self.v[:, :, :keep] = self.v[:, :, drop : drop + keep].clone()
+                buf_k[:, :, :keep] = buf_k[:, :, drop : drop + keep].clone()
+                buf_v[:, :, :keep] = buf_v[:, :, drop : drop + keep].clone()
         self.start += drop
-        limit = max(self.reserve, MIN_CAPACITY)
+        limit = max(self.reserve or 0, MIN_CAPACITY)
         if self.capacity > limit and keep + coming <= limit:
-            self.k, self.v = self.k[:, :, :limit].clone(), self.v[:, :, :limit].clone()
+            self.k, self.v = buf_k[:, :, :limit].clone(), buf_v[:, :, :limit].clone()
             self.capacities.append(limit)
 
     def append_gates(self, g: torch.Tensor) -> torch.Tensor:
@@ -155,19 +179,66 @@ class LayerCache:
         keys are (concatenated while autograd records)."""
         end, t = self.length, g.shape[-1]
         start = end - t
-        if torch.is_grad_enabled() and g.requires_grad or (self.g is not None and self.g.requires_grad):
-            self.g = g if start == 0 or self.g is None else torch.cat((self.g[..., :start], g), dim=-1)
-            return self.g[..., :end]
+        old = self.g
+        if torch.is_grad_enabled() and g.requires_grad or (old is not None and old.requires_grad):
+            kept = g if start == 0 or old is None else torch.cat((old[..., :start], g), dim=-1)
+            self.g = kept
+            return kept[..., :end]
         capacity = max(self.capacity, end)
-        if (self.g is None or self.g.shape[-1] < capacity or self.g.shape[:2] != g.shape[:2]
-                or self.g.is_inference() and not torch.is_inference_mode_enabled()):
-            new = g.new_empty(*g.shape[:2], capacity)
-            if self.g is not None and start and self.g.shape[:2] == g.shape[:2]:
-                new[..., :start] = self.g[..., :start]
-            self.g = new
+        buf = old
+        if (buf is None or buf.shape[-1] < capacity or buf.shape[:2] != g.shape[:2]
+                or buf.is_inference() and not torch.is_inference_mode_enabled()):
+            buf = g.new_empty(*g.shape[:2], capacity)
+            if old is not None and start and old.shape[:2] == g.shape[:2]:
+                buf[..., :start] = old[..., :start]
+            self.g = buf
         with torch.no_grad():
-            self.g[..., start:end] = g
-        return self.g[..., :end]
+            buf[..., start:end] = g
+        return buf[..., :end]
+
+    def note_positions(self, axes: torch.Tensor) -> None:
+        """Keep each row's next id after the tokens just appended (call right after :meth:`append`),
+        ``axes`` (A, B', T) their ids with an axis dimension (B' = 1 or B): entry s is 1 + the
+        largest id, on any axis, of the row's real tokens up to slot s (left padding does not count).
+        Tokens before the first noted step were at 1-D positions, their slots: the next id after
+        them is the slot after them."""
+        end, t = self.length, axes.shape[-1]
+        start, batch = end - t, self._buffers()[0].shape[0]
+        top = axes.amax(dim=0).expand(batch, t) + 1  # (B, T): next id after each token alone
+        starts = self.starts(axes.device)
+        if starts is not None:
+            slots = torch.arange(start, end, device=axes.device)
+            top = top.masked_fill(slots[None, :] < starts[:, None], 0)  # padding: no id
+        kept = self._next
+        if kept is None or start <= self._axes_start:  # (re)start: the tokens before were at their slots
+            self._next, self._next_base, self._axes_start = None, start, start
+            before = torch.full((batch,), start, dtype=top.dtype, device=top.device)  # (B,)
+        else:
+            before = kept[:, start - 1 - self._next_base]
+        new = torch.maximum(top, before[:, None]).cummax(dim=-1).values  # (B, T)
+        kept = self._keep_next(end, new)
+        kept[:, start - self._next_base : end - self._next_base] = new
+
+    def _keep_next(self, end: int, new: torch.Tensor) -> torch.Tensor:
+        """The next-id buffer (B, C'), with room for slots up to ``end`` (entries a windowed cache can
+        no longer crop back to are dropped when it grows)."""
+        have = 0 if self._next is None else self._next.shape[-1]
+        if self._next is not None and end - self._next_base <= have and not (self._next.is_inference() and not torch.is_inference_mode_enabled()):
+            return self._next
+        low = self._next_base if self.window is None else max(self._next_base, self.start - 1, 0)
+        keep = end - new.shape[-1] - low  # entries kept: slots low .. end - T - 1
+        buffer = new.new_empty(new.shape[0], max(2 * (end - low), MIN_CAPACITY))  # (B, C')
+        if self._next is not None and keep > 0:
+            buffer[:, :keep] = self._next[:, low - self._next_base : low - self._next_base + keep]
+        self._next, self._next_base = buffer, low
+        return buffer
+
+    def next_positions(self) -> torch.Tensor | None:
+        """(B,) each row's next id after its cached tokens when they were given positions with an
+        axis dimension (M-RoPE: max(id) + 1 over the row's real tokens), None otherwise."""
+        if self._next is None or self.length <= self._axes_start:
+            return None
+        return self._next[:, self.length - 1 - self._next_base]
 
     def _check(self, k: torch.Tensor, v: torch.Tensor) -> None:
         if self.k is None or self.length == 0:
@@ -176,33 +247,36 @@ class LayerCache:
             if self.k is not None and (self.k.shape[0], self.k.shape[1], self.k.shape[3]) != (k.shape[0], k.shape[1], k.shape[3]):
                 self.k = self.v = None  # reset, then another shape: start afresh
             return
-        if k.shape[0] != self.k.shape[0]:
-            raise UsageError(f"cache holds batch_size={self.k.shape[0]} rows, got a batch of {k.shape[0]}")
-        if (k.shape[1], k.shape[3], v.shape[3]) != (self.k.shape[1], self.k.shape[3], self.v.shape[3]) or k.device != self.k.device:
+        buf_k, buf_v = self._buffers()
+        if k.shape[0] != buf_k.shape[0]:
+            raise UsageError(f"cache holds batch_size={buf_k.shape[0]} rows, got a batch of {k.shape[0]}")
+        if (k.shape[1], k.shape[3], v.shape[3]) != (buf_k.shape[1], buf_k.shape[3], buf_v.shape[3]) or k.device != buf_k.device:
             raise UsageError(
-                f"cache holds keys of {self.k.shape[1]} heads x {self.k.shape[3]} features on {self.k.device}, "
+                f"cache holds keys of {buf_k.shape[1]} heads x {buf_k.shape[3]} features on {buf_k.device}, "
                 f"got {k.shape[1]} x {k.shape[3]} on {k.device}"
             )
 
     def _writable(self) -> bool:
         """The buffers may be written in place here (not part of a graph, not an inference tensor
         outside inference mode)."""
-        if self.k.requires_grad or self.v.requires_grad:
+        buf_k, buf_v = self._buffers()
+        if buf_k.requires_grad or buf_v.requires_grad:
             return False
-        return torch.is_inference_mode_enabled() or not (self.k.is_inference() or self.v.is_inference())
+        return torch.is_inference_mode_enabled() or not (buf_k.is_inference() or buf_v.is_inference())
 
     def _grow(self, needed: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """New buffers of max(needed, twice the capacity, the reserve), the cached tokens copied."""
-        first = self.k is None
+        old_k, old_v = self.k, self.v
+        first = old_k is None or old_v is None
         doubled = 2 * self.capacity if self.window is None else 0  # a window's buffers need only what is held
         capacity = max(needed, doubled, self.reserve or 0, MIN_CAPACITY if first else 0)
         b, h, _, d = k.shape
         new_k = k.new_empty(b, h, capacity, d)  # (B, H, C, D)
         new_v = v.new_empty(b, h, capacity, v.shape[-1])
-        if not first and self.held:
+        if old_k is not None and old_v is not None and self.held:
             with torch.no_grad():
-                new_k[:, :, : self.held] = self.k[:, :, : self.held]
-                new_v[:, :, : self.held] = self.v[:, :, : self.held]
+                new_k[:, :, : self.held] = old_k[:, :, : self.held]
+                new_v[:, :, : self.held] = old_v[:, :, : self.held]
         self.k, self.v = new_k, new_v
         self.capacities.append(capacity)
         self.workspace.capacity = max(self.workspace.capacity, capacity)
@@ -234,7 +308,7 @@ class LayerCache:
         """UsageError unless ``crop(length)`` can keep what a query at ``length`` sees."""
         if isinstance(length, bool) or not isinstance(length, int) or not 0 <= length <= self.length:
             raise UsageError(f"crop length must be an integer in [0, {self.length}] (the cached length), got {length!r}")
-        if self.start and length < self.length and length - (self.window - 1) < self.start:
+        if self.window is not None and self.start and length < self.length and length - (self.window - 1) < self.start:
             raise UsageError(f"crop length must be >= {self.start + self.window - 1} here: this windowed cache has forgotten "
                              f"the keys before position {self.start}, which a query at {length} would see")
 
@@ -243,6 +317,7 @@ class LayerCache:
         self.length = self.start = 0
         self.padding = None if padding is None else check_padding(padding, len(padding))
         self._starts = None
+        self._next, self._next_base, self._axes_start = None, 0, 0
 
 
 class Cache:
@@ -295,6 +370,11 @@ class Cache:
 
     def starts(self, device: torch.device) -> torch.Tensor | None:
         return self.layers[0].starts(device) if self.layers else None
+
+    def next_positions(self) -> torch.Tensor | None:
+        """(B,) each row's next id after positions with an axis dimension (every layer keeps the
+        same; :meth:`LayerCache.next_positions`), or None."""
+        return self.layers[0].next_positions() if self.layers else None
 
     def embed_positions(self, positions: torch.Tensor) -> torch.Tensor:
         """Positions for ``embed`` (absolute methods): (T,) shared, or (B, T) each row counted from

@@ -36,7 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
     for name, (module_name, help_text) in COMMANDS.items():
         module = importlib.import_module(module_name)
         p = sub.add_parser(name, help=help_text, description=help_text)
-        getattr(module, f"add_{name}_arguments", getattr(module, "add_arguments", None))(p)
+        add_arguments = getattr(module, f"add_{name}_arguments", None) or getattr(module, "add_arguments")
+        add_arguments(p)
         p.set_defaults(_run=getattr(module, f"run_{name}", getattr(module, "run", None)))
     return parser
 

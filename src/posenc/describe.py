@@ -88,7 +88,7 @@ def bucket_ranges(num_buckets: int, max_distance: int, bidirectional: bool) -> l
     highs = torch.full((num_buckets,), -span - 1).scatter_reduce(0, b, r, "amax")
     per_side = num_buckets // 2 if bidirectional else num_buckets
     exact = per_side // 2
-    rows = []
+    rows: list[tuple[int, int | None, int | None, str]] = []
     for bucket, (lo, hi) in enumerate(zip(lows.tolist(), highs.tolist())):
         if lo > hi:
             rows.append((bucket, 0, 0, "unused"))
@@ -128,7 +128,7 @@ def run_buckets(args: argparse.Namespace) -> int:
             count = str(hi - lo + 1)
             mag = (str(a), str(c))
         else:
-            finite = hi if lo is None else lo
+            finite = lo if lo is not None else (hi if hi is not None else 0)  # one side is bounded
             mag = (str(abs(finite)), "inf")
             count = "inf"
         print(f"{bucket:>6}  {lo_s:>7}  {hi_s:>7}  {mag[0]:>8}  {mag[1]:>7}  {count:>6}  {kind}")

@@ -17,14 +17,22 @@ class UsageError(ValueError):
 
 
 def check_positive(name: str, value: int) -> int:
-    """``value`` if it is a positive integer, else a UsageError naming the parameter."""
+    """``value`` if it is a positive integer, else a UsageError naming the parameter.
+
+    Raises:
+        UsageError: ``value`` is not an int >= 1 (a bool is not), naming ``name``.
+    """
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise UsageError(f"{name} must be a positive integer (>= 1), got {value!r}")
     return value
 
 
 def check_int(name: str, value: object, low: int, high: int, why: str = "") -> int:
-    """``value`` if it is an integer in [low, high], else a UsageError naming ``name`` and the range."""
+    """``value`` if it is an integer in [low, high], else a UsageError naming ``name`` and the range.
+
+    Raises:
+        UsageError: ``value`` is not an int in [low, high] (a bool is not), naming ``name`` and the range.
+    """
     if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
         raise UsageError(f"{name} must be an integer in [{low}, {high}]{why}, got {value!r}")
     return value

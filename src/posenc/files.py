@@ -20,11 +20,13 @@ import os
 import socket
 import time
 from pathlib import Path
+from types import ModuleType
 from typing import Callable
 
 from .errors import UsageError
 from .version import __version__
 
+fcntl: ModuleType | None
 try:
     import fcntl
 except ImportError:  # pragma: no cover - Windows
@@ -47,7 +49,7 @@ def _refused(path: Path, err: OSError, existed: bool) -> WriteError:
     return WriteError(f"cannot write {path}: {err.strerror or err}{kept}")
 
 
-def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
+def atomic_write(path: Path, write: Callable[[Path], object]) -> None:
     """Call ``write(tmp)`` to fill a temporary file beside ``path``, then rename it to ``path``."""
     path = Path(path)
     existed = path.exists()

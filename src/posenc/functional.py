@@ -25,9 +25,10 @@ from __future__ import annotations
 import torch
 
 from . import backends, local
+from .axes import as_taken, check_takes_axes
 from .backends.parts import single
-from .encodings.base import content_scale
-from .encodings.protocol import Gates, Rotates, offers
+from .encodings.base import PositionalEncoding, content_scale
+from .encodings.protocol import Gates, Rotates, offers, require
 from .errors import UsageError
 from .geometry import Geometry, ScoreSpec
 from .local import Extras
@@ -39,7 +40,7 @@ def attend(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    encoding: torch.nn.Module | None = None,
+    encoding: PositionalEncoding | None = None,
     *,
     positions: torch.Tensor | None = None,
     k_positions: torch.Tensor | None = None,
@@ -67,9 +68,15 @@ def attend(
             is NoPE. Its ``embed`` hook (absolute methods) is not applied here: it acts on token
             embeddings, before the projections.
         positions: the queries' positions, (Tq,) or (B, Tq) integers; None: 0..T-1 (restarting at
-            each document, counted from each row's first real token).
+            each document, counted from each row's first real token). For an encoding with
+            ``position_axes`` A > 1, also ids with an axis dimension: (A, Tq) or (A, B, Tq) for
+            M-RoPE (temporal, height, width, as Qwen2-VL passes them), (Tq, A) or (B, Tq, A) for a
+            patch grid (x, y). q is rotated at them and k at ``k_positions``; the masks (causal,
+            documents, padding, window, chunks) and a query scale read the sequence index, the
+            positions of the same call without ``positions``. Other encodings refuse them.
         k_positions: the keys' positions, (Tk,) or (B, Tk); None: the queries' when Tq == Tk,
             else consecutive, ending at each row's last query (the queries are the last keys).
+            With an axis dimension when ``positions`` have one (then required if Tq < Tk).
         causal: a query sees only keys at or before it.
         scale: the factor of q . k; None: the encoding's ``content_scale``, else 1 / sqrt(D).
         document_ids: (B, T) integers (Tq == Tk): packed rows, no attention across documents
@@ -114,7 +121,7 @@ def attend(
     scale = content_scale(encoding, d) if scale is None else float(scale)
     if geometry is None:
         geometry = Geometry.of(b, tq, tk, q.device, positions=positions, k_positions=k_positions, causal=causal,
-                               document_ids=document_ids, key_padding_mask=key_padding_mask)
+                               document_ids=document_ids, key_padding_mask=key_padding_mask, encoding=encoding)
     elif (geometry.batch, geometry.tq, geometry.tk) != (b, tq, tk):
         raise UsageError(f"geometry was built for (batch, queries, keys) = {(geometry.batch, geometry.tq, geometry.tk)}, got {(b, tq, tk)}")
     extras = None
@@ -126,9 +133,19 @@ def attend(
                    log_gates)[0]
 
 
-def _attend(q, k, v, encoding, geometry: Geometry, scale: float, memo: ForwardMemo, backend: str, rotate: bool,
+def _attend(q, k, v, encoding: PositionalEncoding, geometry: Geometry, scale: float, memo: ForwardMemo, backend: str, rotate: bool,
             extras: Extras | None = None, log_gates: torch.Tensor | None = None) -> tuple[torch.Tensor, str]:
     """(out, the registered name of the backend that ran): a uniform call, or its runs of segments."""
+    q_axes, k_axes = geometry.q_axes, geometry.k_axes
+    if q_axes is not None:
+        # Ids with an axis dimension: q and k rotated once, each token at its own ids, before the
+        # call is cut into segments (a rotation acts token by token); the segments' 1-D positions
+        # are the sequence index, which only the masks read.
+        check_takes_axes(encoding, q_axes)
+        if rotate and k_axes is not None and offers(encoding, Rotates):
+            rotation = require(encoding, Rotates)
+            q, k = rotation.rotate(q, k, as_taken(encoding, q_axes), as_taken(encoding, k_axes))
+        rotate = False
     if geometry.uniform:
         return run(q, k, v, geometry.spec(encoding, scale, memo, log_gates), backend, rotate, extras)
     return _segments(q, k, v, encoding, geometry, scale, memo, backend, rotate, extras, log_gates)
@@ -174,7 +191,7 @@ def _segments(q, k, v, encoding, geometry: Geometry, scale: float, memo: Forward
     vf = v.transpose(1, 2).reshape(b * tk, hkv, v.shape[-1])
     gf = None if log_gates is None else log_gates.transpose(1, 2).reshape(b * tk, h)  # (B*Tk, H)
     name, outs, where = backend, [], []
-    for seg in geometry.runs:
+    for seg in geometry.runs or ():  # a segmented geometry has its runs
         n, lq = seg.q_index.shape
         lk = seg.k_index.shape[1]
         # Contiguous (n, H, L, D) copies: the rotation and the fused kernels run on them without
@@ -184,7 +201,7 @@ def _segments(q, k, v, encoding, geometry: Geometry, scale: float, memo: Forward
         vs = vf[seg.k_index.reshape(-1)].view(n, lk, hkv, -1).transpose(1, 2).contiguous()
         gs = None if gf is None else gf[seg.k_index.reshape(-1)].view(n, lk, h).transpose(1, 2)  # (n, H, Lk)
         spec = ScoreSpec(encoding, seg.q_positions, seg.k_positions, geometry.causal, scale, memo, seg.consecutive,
-                         q_start=seg.q_start, k_start=seg.k_start, aligned=seg.aligned, log_gates=gs)
+                         known_q_start=seg.q_start, known_k_start=seg.k_start, known_aligned=seg.aligned, log_gates=gs)
         o, name = run(qs, ks, vs, spec, backend, rotate, extras)  # (n, H, Lq, D)
         outs.append(o.transpose(1, 2).reshape(n * lq, h, -1))
         where.append(seg.q_index.reshape(-1))

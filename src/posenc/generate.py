@@ -52,13 +52,16 @@ from __future__ import annotations
 import math
 import numbers
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import TYPE_CHECKING, Iterator, Sequence
 
 import torch
 from torch import nn
 
 from .encodings.protocol import HOOKS, Embeds, Gates, Scores, offers
 from .errors import UsageError
+
+if TYPE_CHECKING:  # the model imports nothing of this module; the names are for the type checker
+    from .model import LM
 
 # Where positions enter the attention: every hook of the protocol but ``embed`` (it takes each
 # row's own positions) and ``log_gates`` (no positions at all), and a bias's elementwise ``score``.
@@ -83,7 +86,7 @@ def shares_positions(encoding: nn.Module) -> bool:
 
 
 def _token_id(name: str, value, vocab_size: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not 0 <= value < vocab_size:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not 0 <= int(value) < vocab_size:
         raise UsageError(f"{name} must be a token id, an integer in [0, vocab_size={vocab_size}), got {value!r}")
     return int(value)
 
@@ -166,12 +169,12 @@ def check_sampling(max_new_tokens, temperature, top_k, top_p, seed, do_sample: b
     if not isinstance(do_sample, bool):
         raise UsageError(f"do_sample must be True or False, got {do_sample!r}")
     if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real) or not math.isfinite(temperature) \
-            or not temperature > 0:
+            or not float(temperature) > 0:
         why = " (greedy decoding is do_sample=False)" if isinstance(temperature, numbers.Real) and temperature == 0 else ""
         raise UsageError(f"temperature must be a finite number > 0{why}, got {temperature!r}")
     if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
         raise UsageError(f"top_k must be a positive integer (>= 1) or None, got {top_k!r}")
-    if top_p is not None and (isinstance(top_p, bool) or not isinstance(top_p, numbers.Real) or not 0 < top_p <= 1):
+    if top_p is not None and (isinstance(top_p, bool) or not isinstance(top_p, numbers.Real) or not 0 < float(top_p) <= 1):
         raise UsageError(f"top_p must be in (0, 1] or None, got {top_p!r}")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < SEED_RANGE):
         raise UsageError(f"seed must be an integer in [0, 2**64 - 1] or None, got {seed!r}")
@@ -212,7 +215,7 @@ def choose(logits: torch.Tensor, do_sample: bool, temperature: float, top_k: int
 class _Group:
     """Rows decoded together in one KV cache (all rows, or the rows of one prompt length)."""
 
-    def __init__(self, model: nn.Module, rows: list[int], prompts: list[torch.Tensor]) -> None:
+    def __init__(self, model: LM, rows: list[int], prompts: list[torch.Tensor]) -> None:
         self.model, self.rows = model, rows
         length = max(prompts[r].numel() for r in rows)
         padding = [length - prompts[r].numel() for r in rows]
@@ -243,7 +246,7 @@ class _Setup:
     seed: int | None
 
 
-def _setup(model: nn.Module, prompt, max_new_tokens, do_sample, temperature, top_k, top_p, seed, eos_token_id,
+def _setup(model: LM, prompt, max_new_tokens, do_sample, temperature, top_k, top_p, seed, eos_token_id,
            pad_token_id, attention_mask, num_return_sequences) -> _Setup:
     config = model.config
     check_sampling(max_new_tokens, temperature, top_k, top_p, seed, do_sample, num_return_sequences)
@@ -266,7 +269,7 @@ def _setup(model: nn.Module, prompt, max_new_tokens, do_sample, temperature, top
     return _Setup(prompts, eos, pad, do_sample, float(temperature), top_k, top_p, seed)
 
 
-def stream(model: nn.Module, prompt, max_new_tokens: int, *, do_sample: bool = False, temperature: float = 1.0,
+def stream(model: LM, prompt, max_new_tokens: int, *, do_sample: bool = False, temperature: float = 1.0,
            top_k: int | None = None, top_p: float | None = None, seed: int | None = None, eos_token_id=None,
            pad_token_id: int | None = None, attention_mask: torch.Tensor | None = None,
            num_return_sequences: int = 1) -> Iterator[Step]:
@@ -281,7 +284,7 @@ def stream(model: nn.Module, prompt, max_new_tokens: int, *, do_sample: bool = F
     yield from _steps(model, setup, max_new_tokens)
 
 
-def _steps(model: nn.Module, setup: _Setup, max_new_tokens: int) -> Iterator[Step]:
+def _steps(model: LM, setup: _Setup, max_new_tokens: int) -> Iterator[Step]:
     prompts = setup.prompts
     b, vocab = len(prompts), model.config.vocab_size
     device = prompts[0].device
@@ -312,7 +315,7 @@ def _steps(model: nn.Module, setup: _Setup, max_new_tokens: int) -> Iterator[Ste
             group.feed(tokens)
 
 
-def generate(model: nn.Module, prompt, max_new_tokens: int, *, do_sample: bool = False, temperature: float = 1.0,
+def generate(model: LM, prompt, max_new_tokens: int, *, do_sample: bool = False, temperature: float = 1.0,
              top_k: int | None = None, top_p: float | None = None, seed: int | None = None, eos_token_id=None,
              pad_token_id: int | None = None, attention_mask: torch.Tensor | None = None,
              num_return_sequences: int = 1) -> torch.Tensor:
@@ -337,6 +340,11 @@ def generate(model: nn.Module, prompt, max_new_tokens: int, *, do_sample: bool =
         (B * num_return_sequences, T + n) LongTensor: the prompt (a list of prompts left-padded
         with ``pad_token_id``; a tensor as given) then n <= max_new_tokens new tokens, each row
         padded with ``pad_token_id`` after its end token.
+
+    Raises:
+        UsageError: an option outside the range given above (naming it), token ids outside the
+            vocabulary, a prompt and mask that do not fit, or a prompt plus ``max_new_tokens``
+            longer than a bounded encoding's ``max_positions``.
     """
     setup = _setup(model, prompt, max_new_tokens, do_sample, temperature, top_k, top_p, seed, eos_token_id,
                    pad_token_id, attention_mask, num_return_sequences)

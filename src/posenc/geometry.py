@@ -29,6 +29,13 @@ Definitions (shape legend: B batch, T tokens, Tq queries, Tk keys):
   document (with a padding mask, HF's ``cumsum(mask) - 1``). Queries of a call with Tq < Tk (a
   cached step) are the last Tq keys; default key positions then end at each row's last query.
 - Segments of a causal call are *aligned*: their queries are the last keys of the segment.
+- *Positions with an axis dimension* (an encoding with ``position_axes`` A > 1: M-RoPE's
+  (3, B, T), a patch grid's (T, 2)) are the ids ``rotate`` reads, and only that: ``q_axes`` /
+  ``k_axes`` hold them as (A, B', T), and ``q_positions`` / ``k_positions`` are then the *sequence
+  index* (the default positions above: each row's token count, restarting at every document; with a
+  KV cache, the cache slot), which every mask reads (causal, documents, padding, windows, chunks).
+  A token's ids need not increase, nor be distinct, nor follow its slot: after an image, M-RoPE's
+  text continues at max(id) + 1 (:meth:`Geometry.step` carries that per row through decoding).
 
 Invariants the tests check: a packed row equals each document run alone; a padded batch equals
 each row run alone; a uniform batch gives the same segments as the same positions given (B, T).
@@ -36,26 +43,17 @@ each row run alone; a uniform batch gives the same segments as the same position
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field, replace
 
 import torch
-from torch import nn
 
-from .encodings.protocol import Biases, QueryTerms, Scores, ValueTerms, offers
+from .axes import check_axis_positions, label, one_axis_hint, text_continuation
+from .axes import describe as _describe
+from .axes import integer_tensor as _integer
+from .encodings.base import PositionalEncoding, position_axes_of
+from .encodings.protocol import Biases, QueryTerms, Scores, ValueTerms, offers, require
 from .errors import UsageError
 from .memo import ForwardMemo, Workspace
-
-
-def _describe(x) -> str:
-    if isinstance(x, torch.Tensor):
-        return f"a {x.dim()}-D {str(x.dtype).removeprefix('torch.')} tensor of shape {tuple(x.shape)}"
-    return type(x).__name__
-
-
-def _integer(name: str, x, shapes: str) -> torch.Tensor:
-    if not isinstance(x, torch.Tensor) or x.is_floating_point() or x.is_complex() or x.dtype == torch.bool:
-        raise UsageError(f"{name} must be an integer tensor of shape {shapes}, got {_describe(x)}")
-    return x
 
 
 def check_positions(positions: torch.Tensor, length: int, past: int | None = None) -> bool:
@@ -100,7 +98,7 @@ class ScoreSpec:
     not given (one host read); :class:`Geometry` gives them, so a model forward reads positions once.
     """
 
-    encoding: nn.Module
+    encoding: PositionalEncoding
     q_positions: torch.Tensor  # (Tq,) absolute positions of the queries
     k_positions: torch.Tensor  # (Tk,) absolute positions of the keys
     causal: bool
@@ -116,28 +114,35 @@ class ScoreSpec:
     starts: torch.Tensor | None = None
     # Buffers kept between decode steps by the KV cache; None for a lone call.
     workspace: Workspace | None = field(default=None, repr=False)
-    # First query / key position (consecutive positions: query a is key a + q_start - k_start).
-    q_start: int | None = None
-    k_start: int | None = None
-    # Queries are the last Tq keys, position for position (a full pass, or a cached step).
-    aligned: bool | None = None
+    # First query / key position (consecutive positions: query a is key a + q_start - k_start),
+    # and whether the queries are the last Tq keys, position for position (a full pass, or a cached
+    # step): derived from the positions, or given as known_* by a caller that knows them already.
+    q_start: int = field(init=False)
+    k_start: int = field(init=False)
+    aligned: bool = field(init=False)
     # Per-key log forget gates (B, H, Tk) of the keys, in key order (:class:`Gates`, the Forgetting
     # Transformer): the score of query i and key j gains sum of log f_l over the keys l after j up
     # to i. None: no gates. Only backends that know them run such a call (``gated``, ``eager``):
     # they make ``has_query_terms`` true, so every fast path without them steps aside.
     log_gates: torch.Tensor | None = field(default=None, repr=False)
+    known_q_start: InitVar[int | None] = None
+    known_k_start: InitVar[int | None] = None
+    known_aligned: InitVar[bool | None] = None
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, known_q_start: int | None, known_k_start: int | None, known_aligned: bool | None) -> None:
         tq, tk = self.q_positions.numel(), self.k_positions.numel()
-        if self.q_start is None:
-            self.q_start = int(self.q_positions[0]) if tq else 0
-        if self.k_start is None:
-            self.k_start = int(self.k_positions[0]) if tk else 0
-        if self.aligned is None:
+        if self.workspace is None:
+            self.workspace = self.memo.workspace  # a caller's cache outside posenc (posenc.hf), or None
+        if known_q_start is None:
+            known_q_start = int(self.q_positions[0]) if tq else 0
+        if known_k_start is None:
+            known_k_start = int(self.k_positions[0]) if tk else 0
+        if known_aligned is None:
             if tq == 0 or tq > tk:
-                self.aligned = tq == 0
+                known_aligned = tq == 0
             else:
-                self.aligned = bool(self.q_positions[0] == self.k_positions[tk - tq]) and bool(self.q_positions[-1] == self.k_positions[-1])
+                known_aligned = bool(self.q_positions[0] == self.k_positions[tk - tq]) and bool(self.q_positions[-1] == self.k_positions[-1])
+        self.q_start, self.k_start, self.aligned = known_q_start, known_k_start, known_aligned
         # What the encoding offers, asked once per spec (plain attributes: nothing for a compiler to trace).
         self.has_bias = offers(self.encoding, Biases)
         self.has_query_terms = offers(self.encoding, QueryTerms) or self.log_gates is not None
@@ -166,7 +171,7 @@ class ScoreSpec:
         per forward for encodings shared across layers."""
         if q_positions is None or q_positions is self.q_positions:
             return self.memo.dense_bias(self.encoding, self.q_positions, self.k_positions)
-        return self.encoding.bias(q_positions, self.k_positions)
+        return require(self.encoding, Biases).bias(q_positions, self.k_positions)
 
     def allowed(self, q_positions: torch.Tensor | None = None) -> torch.Tensor | None:
         """(Tq, Tk) bool, True where a query may see a key; None when every pair is allowed."""
@@ -184,18 +189,28 @@ class ScoreSpec:
         starts = self.starts[:, None, None, None]  # (B, 1, 1, 1)
         return (self.k_positions[None, None, None, :] < starts) & (q_positions[None, None, :, None] >= starts)
 
-    def query_terms(self, q: torch.Tensor, k: torch.Tensor, q_positions: torch.Tensor, cumulative: torch.Tensor | None = None) -> torch.Tensor | None:
-        """Every query-dependent score term of these queries, (B, H, C, Tk) in logits, or None: the
-        encoding's ``query_terms`` and the gates' decay (``cumulative``: :meth:`cumulative_gates`)."""
-        terms = self.encoding.query_terms(q, k, q_positions, self.k_positions) if offers(self.encoding, QueryTerms) else None
+    def query_terms(self, q: torch.Tensor, k: torch.Tensor, q_positions: torch.Tensor, cumulative: torch.Tensor | None = None) -> torch.Tensor:
+        """Every query-dependent score term of these queries, (B, H, C, Tk) in logits: the
+        encoding's ``query_terms`` and the gates' decay (``cumulative``: :meth:`cumulative_gates`).
+        Only for a call that has them (``has_query_terms``).
+
+        Raises:
+            TypeError: the call has no query terms (a backend's bug, not a user's).
+        """
+        enc = self.encoding
+        terms = enc.query_terms(q, k, q_positions, self.k_positions) if offers(enc, QueryTerms) else None
         if self.log_gates is not None:
             decay = gate_decay(self.cumulative_gates() if cumulative is None else cumulative, q_positions, self.k_positions)
             terms = decay if terms is None else terms.to(decay.dtype) + decay
+        if terms is None:
+            raise TypeError(f"{type(enc).__name__} has no query terms here (ask has_query_terms first)")
         return terms
 
     def cumulative_gates(self) -> torch.Tensor:
         """c = cumsum of the log gates over the keys, (B, H, Tk), in float32 (float64 for float64)."""
         g = self.log_gates
+        if g is None:
+            raise TypeError("cumulative_gates of a call without log gates (ask log_gates first)")
         return g.cumsum(-1, dtype=torch.float64 if g.dtype == torch.float64 else torch.float32)
 
     def part(self, q_positions: torch.Tensor, k_positions: torch.Tensor) -> ScoreSpec:
@@ -244,6 +259,9 @@ class Geometry:
     ``q_positions`` / ``k_positions`` are (T,) when shared by every row, else (B, T); ``runs`` is
     None for a uniform call (one backend call for the whole batch), else the stacked segments.
     ``embed_positions`` are the positions an absolute encoding adds to the token embeddings.
+    ``q_axes`` / ``k_axes``: positions with an axis dimension, (A, B', T), the ids a multi-axis
+    rotation reads (``q_positions`` / ``k_positions`` are then the sequence index the masks read);
+    None for 1-D positions.
     """
 
     batch: int
@@ -263,17 +281,21 @@ class Geometry:
     def embed_positions(self) -> torch.Tensor:
         return self.q_positions
 
-    def spec(self, encoding: nn.Module, scale: float, memo: ForwardMemo | None = None, log_gates: torch.Tensor | None = None) -> ScoreSpec:
+    def spec(self, encoding: PositionalEncoding, scale: float, memo: ForwardMemo | None = None, log_gates: torch.Tensor | None = None) -> ScoreSpec:
         """The one backend call of a uniform geometry (``log_gates`` (B, H, Tk): see :class:`ScoreSpec`)."""
         return ScoreSpec(
             encoding, self.q_positions, self.k_positions, self.causal, scale, ForwardMemo() if memo is None else memo,
-            self.consecutive, q_start=self._q_start, k_start=self._k_start, aligned=self._aligned, log_gates=log_gates,
+            self.consecutive, known_q_start=self._q_start, known_k_start=self._k_start, known_aligned=self._aligned, log_gates=log_gates,
         )
 
     # Filled by ``of`` for a uniform geometry (ints known without reading the device).
     _q_start: int = 0
     _k_start: int = 0
     _aligned: bool = True
+    # Positions with an axis dimension (A, B', T), B' = 1 or B: the ids ``rotate`` reads (the masks
+    # read q_positions / k_positions, then the sequence index). None: 1-D positions.
+    q_axes: torch.Tensor | None = None
+    k_axes: torch.Tensor | None = None
 
     @classmethod
     def of(
@@ -288,17 +310,25 @@ class Geometry:
         causal: bool = True,
         document_ids: torch.Tensor | None = None,
         key_padding_mask: torch.Tensor | None = None,
+        encoding: PositionalEncoding | None = None,
     ) -> Geometry:
         """Validate a call's positions, documents and padding, and plan its backend calls.
 
         Args:
             batch, tq, tk: rows B, queries Tq and keys Tk (queries are the last Tq keys when Tq < Tk).
-            positions: the queries' positions, (Tq,) or (B, Tq); None: see the module docstring.
+            positions: the queries' positions, (Tq,) or (B, Tq); None: see the module docstring. For
+                an ``encoding`` with ``position_axes`` A > 1 also with an axis dimension
+                (:func:`posenc.axes.check_axis_positions`: (A, Tq) or (A, B, Tq) axis first, (Tq, A) or
+                (B, Tq, A) axis last): the ids it rotates at; the masks then read the sequence
+                index (the positions of a call without ``positions``).
             k_positions: the keys' positions, (Tk,) or (B, Tk); None: the queries' when Tq == Tk,
-                else consecutive, ending at each row's last query.
+                else consecutive, ending at each row's last query. With an axis dimension when
+                ``positions`` have one (required then when Tq < Tk).
             causal: a query sees only keys at or before its own position.
             document_ids: (B, T) integers, documents of packed rows (only when Tq == Tk).
             key_padding_mask: (B, Tk) bool, True on real tokens (one contiguous run per row).
+            encoding: the encoding the positions are for (its ``position_axes`` and ``axis_first``);
+                None: one position per token.
 
         Raises:
             UsageError: a shape, dtype or value outside what is described above, naming the argument.
@@ -307,6 +337,21 @@ class Geometry:
             raise UsageError(f"queries ({tq}) must not outnumber keys ({tk}): the queries are the last keys")
         if positions is None and k_positions is not None:
             raise UsageError("k_positions needs positions (the queries' positions) as well")
+        if position_axes_of(encoding)[0] > 1 and positions is not None:
+            q_axes = check_axis_positions(encoding, positions, batch, tq)
+            k_axes = None if k_positions is None else check_axis_positions(encoding, k_positions, batch, tk, "k_positions")
+            if q_axes is not None or k_axes is not None:
+                if k_positions is not None and (q_axes is None) != (k_axes is None):
+                    raise UsageError("positions and k_positions must both have the axis dimension, or neither "
+                                     f"({label(encoding)}: a 1-D position p is the id p on every axis)")
+                if k_axes is None:
+                    if tq != tk:
+                        raise UsageError(f"k_positions (the keys' ids, with the axis dimension) are needed: positions have an "
+                                         f"axis dimension and there are fewer queries ({tq}) than keys ({tk})")
+                    k_axes = q_axes
+                # The masks read the sequence index: the geometry of the same call without positions.
+                frame = cls.of(batch, tq, tk, device, causal=causal, document_ids=document_ids, key_padding_mask=key_padding_mask)
+                return replace(frame, q_axes=q_axes, k_axes=k_axes)
         if document_ids is not None:
             document_ids = _integer("document_ids", document_ids, f"(batch, length) = ({batch}, {tk})")
             if tq != tk:
@@ -322,15 +367,68 @@ class Geometry:
         if positions is not None:
             _integer("positions", positions, f"({tq},) or ({batch}, {tq})")
             if positions.shape not in ((tq,), (batch, tq)):
-                raise UsageError(f"positions must have shape ({tq},) or (batch, {tq}) = ({batch}, {tq}), got {tuple(positions.shape)}")
+                raise UsageError(f"positions must have shape ({tq},) or (batch, {tq}) = ({batch}, {tq}), got {tuple(positions.shape)}"
+                                 + one_axis_hint(encoding, positions))
         if k_positions is not None:
             _integer("k_positions", k_positions, f"({tk},) or ({batch}, {tk})")
             if k_positions.shape not in ((tk,), (batch, tk)):
-                raise UsageError(f"k_positions must have shape ({tk},) or (batch, {tk}) = ({batch}, {tk}), got {tuple(k_positions.shape)}")
+                raise UsageError(f"k_positions must have shape ({tk},) or (batch, {tk}) = ({batch}, {tk}), got {tuple(k_positions.shape)}"
+                                 + one_axis_hint(encoding, k_positions))
             shared = shared and k_positions.dim() == 1
         if document_ids is None and key_padding_mask is None and shared:
             return cls._uniform(batch, tq, tk, device, positions, k_positions, causal)
         return cls._segmented(batch, tq, tk, device, positions, k_positions, causal, document_ids, key_padding_mask)
+
+    @classmethod
+    def step(
+        cls,
+        batch: int,
+        t: int,
+        past: int,
+        device: torch.device | str = "cpu",
+        *,
+        positions: torch.Tensor | None = None,
+        encoding: PositionalEncoding | None = None,
+        next_positions: torch.Tensor | None = None,
+    ) -> Geometry:
+        """The geometry of a step of ``t`` tokens after a KV cache holding ``past``: the queries at the
+        cache slots past..past+t-1 (what every mask reads), the keys at 0..past+t-1 (each layer's
+        cache gives the positions of the keys it keeps).
+
+        Args:
+            positions: None; 1-D (t,), which must continue the cache (past..past+t-1); or, for an
+                ``encoding`` with ``position_axes`` A > 1, ids with an axis dimension (as
+                :meth:`of` takes them, e.g. (3, B, t) for M-RoPE): what ``rotate`` reads, free of
+                the slots (``q_axes``).
+            next_positions: (B,) each row's next id after positions with an axis dimension, as the
+                cache recorded it (:meth:`posenc.cache.LayerCache.next_positions`), or None. With
+                it, ``positions=None`` continues every row at its own next id, the same on every
+                axis (M-RoPE's text after an image: max(id) + 1 over the row), and 1-D positions are
+                refused: they would be cache slots, and a slot is not that row's position.
+
+        Raises:
+            UsageError: positions of another shape, 1-D positions that do not continue the cache,
+                or 1-D positions after positions with an axis dimension.
+        """
+        axes = None
+        if positions is not None:
+            axes = check_axis_positions(encoding, positions, batch, t)
+        elif next_positions is not None:
+            axes = text_continuation(next_positions.to(device), t, position_axes_of(encoding)[0])  # (A, B, t)
+        if axes is not None or positions is None:
+            slots = torch.arange(past, past + t, device=device)  # (t,) cache slots
+            return cls(batch, t, past + t, True, slots, slots, True, None, past, 0, True, axes, None)
+        if next_positions is not None:
+            raise UsageError(
+                "positions: this cache continues positions with an axis dimension (each row at its own next id, "
+                f"max(id) + 1), so 1-D positions, read as cache slots {past}..{past + t - 1}, would not be the tokens' "
+                f"positions; give them with the axis dimension, or none to continue every row at its next id"
+            )
+        if isinstance(positions, torch.Tensor) and positions.dim() > 1:
+            raise UsageError(f"with a KV cache, positions must be 1-D ({t},), continuing the cache at {past}, "
+                             f"got shape {tuple(positions.shape)}" + one_axis_hint(encoding, positions))
+        consecutive = check_positions(positions, t, past)
+        return cls(batch, t, past + t, True, positions, positions, consecutive, None, past, 0, True)
 
     @classmethod
     def _uniform(cls, batch, tq, tk, device, positions, k_positions, causal) -> Geometry:

@@ -45,6 +45,7 @@ import torch
 import torch.nn.functional as F
 
 from .backends.parts.base import accumulation_dtype
+from .encodings.protocol import Biases, QueryTerms, ValueTerms, require
 from .errors import UsageError
 from .geometry import ScoreSpec
 from .query_scale import QueryScale
@@ -154,7 +155,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec, e
     for q0, q1, k0, k1, plain in plan(qv, kv, extras, spec.causal):
         qp, kp = spec.q_positions[q0:q1], spec.k_positions[k0:k1]
         sub = ScoreSpec(spec.encoding, qp, kp, spec.causal, spec.scale, spec.memo, spec.consecutive, spec.starts,
-                        spec.workspace if q1 - q0 == 1 else None, q_start=qv[q0], k_start=kv[k0] if k1 > k0 else 0)
+                        spec.workspace if q1 - q0 == 1 else None, known_q_start=qv[q0], known_k_start=kv[k0] if k1 > k0 else 0)
         qb, kb, vb = q[:, :, q0:q1], k[:, :, k0:k1], v[:, :, k0:k1]
         if plain and extras.sinks is None and k1 > k0:
             o, name = call(qb, kb, vb, sub, backend)
@@ -193,7 +194,7 @@ def formula(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec, 
         # value is zero: exactly the term the softmax needs. Half precision keeps the eager formula,
         # whose scores are accumulated in float32.
         b, h, lq, _ = q.shape
-        mask = enc.bias(qp, kp).to(q.dtype) if spec.has_bias else q.new_zeros(1, lq, kp.numel())  # (H or 1, Lq, Lk)
+        mask = require(enc, Biases).bias(qp, kp).to(q.dtype) if spec.has_bias else q.new_zeros(1, lq, kp.numel())  # (H or 1, Lq, Lk)
         mask = mask.masked_fill(~allowed, float("-inf"))[None]  # (1, H or 1, Lq, Lk)
         if hidden is not None:
             mask = mask.masked_fill(hidden, float("-inf"))  # (B, H or 1, Lq, Lk)
@@ -207,9 +208,9 @@ def formula(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec, 
     acc = accumulation_dtype(q.dtype)
     scores = torch.matmul(q, k.transpose(-1, -2)).to(acc) * spec.scale  # (B, H, Lq, Lk)
     if spec.has_bias:
-        scores = scores + enc.bias(qp, kp).to(acc)
+        scores = scores + require(enc, Biases).bias(qp, kp).to(acc)
     if spec.has_query_terms:
-        scores = scores + enc.query_terms(q, k, qp, kp).to(acc)
+        scores = scores + require(enc, QueryTerms).query_terms(q, k, qp, kp).to(acc)
     scores = scores.masked_fill(~allowed, float("-inf"))
     if hidden is not None:
         scores = scores.masked_fill(hidden, float("-inf"))
@@ -221,7 +222,7 @@ def formula(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec, 
         probs = torch.softmax(scores, dim=-1).to(q.dtype)
     out = torch.matmul(probs, v)  # (B, H, Lq, D)
     if spec.has_value_terms:
-        out = out + enc.value_terms(probs, qp, kp).to(out.dtype)
+        out = out + require(enc, ValueTerms).value_terms(probs, qp, kp).to(out.dtype)
     return out, "eager"
 
 

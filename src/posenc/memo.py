@@ -16,52 +16,62 @@ and the geometry of the call.
 
 from __future__ import annotations
 
-from typing import Callable, TypeVar
+from typing import Callable, TypeVar, cast
 
 import torch
 from torch import nn
+
+from .encodings.protocol import Biases, DistanceBias, require
 
 T = TypeVar("T")
 
 
 class ForwardMemo:
-    """Per-forward cache of position-only tensors, shared by the layers of one model forward."""
+    """Per-forward cache of position-only tensors, shared by the layers of one model forward.
 
-    def __init__(self) -> None:
-        self._values: dict[tuple, object] = {}
+    ``workspace``: the decode-step buffers of a caller whose KV cache is not posenc's (posenc.hf:
+    a ``transformers`` cache), kept by that caller across forwards and handed to every call of this
+    forward that has none of its own (see :class:`Workspace`); None: each call's own.
+    """
+
+    def __init__(self, workspace: Workspace | None = None) -> None:
+        self._values: dict[tuple[object, ...], object] = {}
         self._held: dict[int, nn.Module] = {}
+        self.workspace = workspace
 
-    def _get(self, encoding: nn.Module, key: tuple, make: Callable[[], T]) -> T:
+    def _get(self, encoding: nn.Module, key: tuple[object, ...], make: Callable[[], T]) -> T:
         full = (id(encoding), *key)
         if full not in self._values:
             self._held[id(encoding)] = encoding
             self._values[full] = make()
-        return self._values[full]  # type: ignore[return-value]
+        return cast(T, self._values[full])  # made by `make` for this key
 
     def dense_bias(self, encoding: nn.Module, q_positions: torch.Tensor, k_positions: torch.Tensor) -> torch.Tensor:
         """``encoding.bias(q_positions, k_positions)`` (H, Tq, Tk), computed once per forward when the
         encoding is shared across layers (one instance for all of them), else every time."""
+        biases = require(encoding, Biases)
         if not getattr(encoding, "shares_across_layers", False):
-            return encoding.bias(q_positions, k_positions)
+            return biases.bias(q_positions, k_positions)
         key = ("dense_bias", *_geometry(q_positions, k_positions))
-        return self._get(encoding, key, lambda: encoding.bias(q_positions, k_positions))
+        return self._get(encoding, key, lambda: biases.bias(q_positions, k_positions))
 
     def relative_values(self, encoding: nn.Module, r_lo: int, r_hi: int, device: torch.device) -> torch.Tensor:
         """``encoding.relative_bias(r)`` for r = r_lo..r_hi: (H, R)."""
-        make = lambda: encoding.relative_bias(torch.arange(r_lo, r_hi + 1, device=device))  # noqa: E731  (H, R)
+        relative = require(encoding, DistanceBias)
+        make = lambda: relative.relative_bias(torch.arange(r_lo, r_hi + 1, device=device))  # noqa: E731  (H, R)
         return self._get(encoding, ("relative_values", r_lo, r_hi, device), make)
 
-    def table(self, encoding: nn.Module, name: str, key: tuple, make: Callable[[], T]) -> T:
+    def table(self, encoding: nn.Module, name: str, key: tuple[object, ...], make: Callable[[], T]) -> T:
         """Any other per-forward value a backend derives from positions alone (``name`` says what,
         ``key`` its geometry), e.g. the blocked backend's band biases."""
         return self._get(encoding, (name, *key), make)
 
 
-def _geometry(q_positions: torch.Tensor, k_positions: torch.Tensor) -> tuple:
+def _geometry(q_positions: torch.Tensor, k_positions: torch.Tensor) -> tuple[object, ...]:
     """What fixes a position-only value: (Tq, Tk, first query position, first key position, device)
     for consecutive positions; the positions themselves when they skip values."""
     tq, tk = q_positions.numel(), k_positions.numel()
-    key = (tq, tk, int(q_positions[0]) if tq else 0, int(k_positions[0]) if tk else 0, q_positions.device)
+    key: tuple[object, ...] = (tq, tk, int(q_positions[0]) if tq else 0, int(k_positions[0]) if tk else 0, q_positions.device)
     if (tq > 1 and int(q_positions[-1] - q_positions[0]) != tq - 1) or (tk > 1 and int(k_positions[-1] - k_positions[0]) != tk - 1):
         key += (tuple(q_positions.tolist()), tuple(k_positions.tolist()))
     return key
@@ -76,7 +86,7 @@ class Workspace:
 
     def __init__(self, capacity: int = 0) -> None:
         self.capacity = capacity
-        self._entries: dict[tuple, tuple[tuple, object]] = {}
+        self._entries: dict[tuple[object, ...], tuple[tuple[object, ...], object]] = {}
         self._held: dict[int, nn.Module] = {}  # encodings whose id keys an entry (ids stay unique)
 
     def fit(self, keys: int) -> int:
@@ -85,13 +95,13 @@ class Workspace:
             self.capacity = 1 << max(keys - 1, 1).bit_length()
         return self.capacity
 
-    def get(self, name: tuple, key: tuple, make: Callable[[], object]):
+    def get(self, name: tuple[object, ...], key: tuple[object, ...], make: Callable[[], T]) -> T:
         """The entry ``name``, made again when ``key`` differs from the one it was made with."""
         hit = self._entries.get(name)
         if hit is None or hit[0] != key:
             with torch.no_grad():
                 hit = self._entries[name] = (key, make())
-        return hit[1]
+        return cast(T, hit[1])  # made by `make` (entries are named by what they hold)
 
     def hold(self, encoding: nn.Module) -> int:
         self._held[id(encoding)] = encoding

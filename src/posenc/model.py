@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field, replace
+from typing import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -23,17 +24,28 @@ from torch import nn
 
 from . import backends
 from .attention import Attention, _padding_mask
+from .axes import check_takes_axes
 from .cache import Cache, check_padding
-from .encodings import build, get_class, options_of
+from .encodings import PositionalEncoding, build, get_class, options_of
+from .encodings.base import position_axes_of
 from .encodings.protocol import Embeds, offers
 from .errors import UsageError, check_positive
-from .geometry import Geometry, check_positions
+from .geometry import Geometry
 from .memo import ForwardMemo
 from .schedule import Layer, Schedule
 
 
 @dataclass
 class LMConfig:
+    """A small decoder (or encoder) LM around one encoding or a layer schedule, checked when made.
+
+    Raises:
+        UsageError: an unknown encoding or backend name, a size that is not a positive integer,
+            ``dim`` not divisible by ``num_heads`` (or ``num_heads`` by ``num_kv_heads``),
+            ``encoding_options`` given with a ``schedule``, or a schedule that does not parse or
+            does not have ``depth`` layers.
+    """
+
     encoding: str = "alibi"
     vocab_size: int = 256
     dim: int = 128
@@ -88,10 +100,10 @@ class LMConfig:
         return asdict(self)
 
 
-def _scheduled_encodings(config: LMConfig, layers) -> list[nn.Module]:
+def _scheduled_encodings(config: LMConfig, layers: Sequence[Layer]) -> list[PositionalEncoding]:
     """One encoding per layer; layers with the same method and options share one instance when the
     method shares across layers (T5's table, RoPE's cos/sin tables)."""
-    shared: dict[str, nn.Module] = {}
+    shared: dict[str, PositionalEncoding] = {}
     out = []
     for layer in layers:
         cls = get_class(layer.encoding)
@@ -120,11 +132,14 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, config: LMConfig, encoding: nn.Module, layer: Layer | None = None) -> None:
+    def __init__(self, config: LMConfig, encoding: PositionalEncoding, layer: Layer | None = None) -> None:
         super().__init__()
         self.ln1 = nn.LayerNorm(config.dim)
-        kind = {} if layer is None else dict(window=layer.window, chunk=layer.chunk, sinks=layer.sinks, query_scale=layer.query_scale)
-        self.attn = Attention(config.dim, config.num_heads, encoding, config.causal, config.attention_backend, config.num_kv_heads, **kind)
+        self.attn = Attention(
+            config.dim, config.num_heads, encoding, config.causal, config.attention_backend, config.num_kv_heads,
+            window=None if layer is None else layer.window, chunk=None if layer is None else layer.chunk,
+            sinks=False if layer is None else layer.sinks, query_scale=None if layer is None else layer.query_scale,
+        )
         self.ln2 = nn.LayerNorm(config.dim)
         self.mlp = MLP(config.dim, config.mlp_ratio)
 
@@ -134,14 +149,21 @@ class Block(nn.Module):
 
 
 class LM(nn.Module):
-    """tokens (B, T) -> logits (B, T, vocab). ``cache`` (from :meth:`new_cache`) decodes incrementally."""
+    """tokens (B, T) -> logits (B, T, vocab). ``cache`` (from :meth:`new_cache`) decodes incrementally.
+
+    Raises:
+        UsageError: an encoding option its method rejects (naming it), or ``random_positions``
+            past the encoding's ``max_positions``.
+    """
 
     def __init__(self, config: LMConfig) -> None:
         super().__init__()
         self.config = config
-        if config.schedule is not None:
-            layers = config.layers.layers
-            encodings = _scheduled_encodings(config, layers)
+        schedule = config.layers
+        layers: Sequence[Layer | None]
+        if schedule is not None:
+            layers = schedule.layers
+            encodings = _scheduled_encodings(config, schedule.layers)
         else:
             layers = (None,) * config.depth
             options = dict(config.encoding_options)
@@ -155,6 +177,14 @@ class LM(nn.Module):
             first = make()
             encodings = [first] + [first if first.shares_across_layers else make() for _ in range(config.depth - 1)]
         self.encoding = encodings[0]  # the one whose embed() is applied to the input (none in a schedule)
+        # The encoding whose position axes ``positions`` may carry: the first layer's with more
+        # than one (M-RoPE, a patch grid), else the first layer's. Layers that read other axes
+        # refuse positions with an axis dimension when they come (check_takes_axes).
+        axes = {position_axes_of(enc) for enc in encodings if position_axes_of(enc)[0] > 1}
+        if len({count for count, _ in axes}) > 1:
+            raise UsageError(f"the layers' encodings read different numbers of position axes ({sorted(axes)}): "
+                             "one model takes one kind of positions")
+        self._position_layer = next((i for i, enc in enumerate(encodings) if position_axes_of(enc)[0] > 1), 0)
         self.tok = nn.Embedding(config.vocab_size, config.dim)
         self.blocks = nn.ModuleList(Block(config, enc, layer) for enc, layer in zip(encodings, layers))
         self.ln_f = nn.LayerNorm(config.dim)
@@ -178,6 +208,15 @@ class LM(nn.Module):
         if isinstance(module, nn.Linear) and module.bias is not None:
             nn.init.zeros_(module.bias)
 
+    def attentions(self) -> list[Attention]:
+        """Every block's attention layer, in order."""
+        return [block.attn for block in self.blocks if isinstance(block, Block)]
+
+    @property
+    def position_encoding(self) -> PositionalEncoding:
+        """The encoding whose position axes ``positions`` may carry (see ``__init__``)."""
+        return self.attentions()[self._position_layer].encoding
+
     @property
     def max_length(self) -> int | None:
         return getattr(self.encoding, "max_positions", None)
@@ -189,11 +228,12 @@ class LM(nn.Module):
         parameters leave the model; an optimizer built before keeps them, without gradients."""
         nope = build("nope", num_heads=self.config.num_heads, head_dim=self.config.head_dim, causal=self.config.causal)
         self.encoding = nope
-        for block in self.blocks:
-            block.attn.encoding = nope
-        schedule = self.config.schedule
-        if schedule is not None:  # windows, chunks, sinks and query scales stay: they are not encodings
-            schedule = [{**layer, "encoding": "nope", "options": {}} for layer in schedule]
+        for attn in self.attentions():
+            attn.encoding = nope
+        layers = self.config.layers
+        schedule = None
+        if layers is not None:  # windows, chunks, sinks and query scales stay: they are not encodings
+            schedule = [{**layer, "encoding": "nope", "options": {}} for layer in layers.to_list()]
         self.config = replace(self.config, encoding="nope", encoding_options={}, max_positions=None, schedule=schedule)
 
     def new_cache(self, batch_size: int, capacity: int | None = None, padding=None) -> Cache:
@@ -204,15 +244,21 @@ class LM(nn.Module):
             padding: left padding of each row (``batch_size`` integers >= 0): row b's first
                 padding[b] tokens are padding, hidden from its real tokens. Prompts of different
                 lengths decode together this way (see :meth:`generate`).
+
+        Raises:
+            UsageError: an encoder (``causal=False``), a batch size or capacity that is not a
+                positive integer, padding that is not ``batch_size`` integers >= 0, or padding
+                with a schedule that reads absolute positions.
         """
         if not self.config.causal:
             raise UsageError("incremental decoding needs a causal model (causal=True)")
         if capacity is not None:
             check_positive("capacity", capacity)
-        if self.config.schedule is not None and check_padding(padding, batch_size) is not None and not self.config.layers.shift_invariant:
+        schedule = self.config.layers
+        if schedule is not None and check_padding(padding, batch_size) is not None and not schedule.shift_invariant:
             raise UsageError("padding: this schedule reads absolute positions (chunks, a query scale or an encoding that is not "
                              "shift-invariant), so left-padded rows cannot share one cache; decode rows of one prompt length together")
-        windows = [block.attn.window for block in self.blocks]  # windowed layers keep O(W) keys
+        windows = [attn.window for attn in self.attentions()]  # windowed layers keep O(W) keys
         return Cache(self, self.config.depth, check_positive("batch_size", batch_size), capacity, padding, windows)
 
     def generate(self, prompt, max_new_tokens: int, *, do_sample: bool = False, temperature: float = 1.0,
@@ -255,7 +301,12 @@ class LM(nn.Module):
             positions: (T,) or (B, T) token positions (distinct and increasing within a document,
                 >= 0; with a cache, (T,) continuing it); default 0..T-1 after the cache (per
                 document, per row's first real token), or randomized positions in a training
-                forward when ``random_positions`` is set.
+                forward when ``random_positions`` is set. For a model whose encoding has
+                ``position_axes`` > 1, also ids with an axis dimension ((3, B, T) for M-RoPE,
+                (B, T, 2) for a patch grid), with or without a cache: the ids the rotation reads;
+                the masks read the sequence index (with a cache, the slots). After such ids, a
+                step without positions continues each row at its own next id, the same on every
+                axis (``Cache.next_positions()``: M-RoPE's max(id) + 1 over the row).
             document_ids: (B, T) packed documents: no attention across documents, positions
                 restarting at each (see :mod:`posenc.geometry`); no cache.
             attention_mask: (B, T) 1 on real tokens, 0 on padding (left or right, one contiguous
@@ -283,6 +334,7 @@ class LM(nn.Module):
         geometry = self._geometry(tokens, cache, positions, document_ids, attention_mask)
         x = self.tok(tokens)  # (B, T, dim)
         if offers(self.encoding, Embeds):
+            check_takes_axes(self.encoding, geometry.q_axes)
             # With a left-padded cache, each row's own positions (B, T): see Cache.embed_positions.
             embed = geometry.embed_positions
             x = self.encoding.embed(x, embed if cache is None else cache.embed_positions(embed))
@@ -306,17 +358,13 @@ class LM(nn.Module):
         b, t = tokens.shape
         device = tokens.device
         if cache is not None:  # the queries continue the cache; each layer's cache gives the key positions
-            past = cache.length
-            if positions is None:
-                positions, consecutive = torch.arange(past, past + t, device=device), True  # (T,)
-            else:
-                consecutive = check_positions(positions, t, past)
-            return Geometry(b, t, past + t, True, positions, positions, consecutive, None, past, 0, True)
+            return Geometry.step(b, t, cache.length, device, positions=positions, encoding=self.position_encoding,
+                                 next_positions=cache.next_positions())
         mask = None if attention_mask is None else _padding_mask(attention_mask)
         if positions is None and self.training and self.config.random_positions is not None:
             positions = self._random_positions(b, t, device, document_ids, mask)
         return Geometry.of(b, t, t, device, positions=positions, causal=self.config.causal, document_ids=document_ids,
-                           key_padding_mask=mask)
+                           key_padding_mask=mask, encoding=self.position_encoding)
 
     def _random_positions(self, b, t, device, document_ids, mask) -> torch.Tensor:
         """Randomized positions: one sorted draw, indexed by each token's in-document position."""

@@ -111,7 +111,7 @@ def to_dict(scale: QueryScale) -> dict:
 
 def query_scale_from_dict(data: dict | QueryScale | None) -> QueryScale | None:
     """A query scale from :func:`to_dict`'s form (or one as is); None stays None."""
-    if data is None or isinstance(data, tuple(KINDS.values())):
+    if data is None or isinstance(data, (Temperature, LogFloorScale, ScalableSoftmax)):
         return data
     if not isinstance(data, dict) or data.get("kind") not in KINDS:
         raise UsageError(f"query_scale must be a dict with kind one of {list(KINDS)}, got {data!r}")

@@ -42,6 +42,7 @@ import json
 import math
 import re
 from dataclasses import dataclass, field
+from typing import Any
 
 from .encodings import get_class, options_of
 from .encodings.protocol import Embeds, offers
@@ -66,6 +67,10 @@ class Layer:
         window: sliding window W, or None. chunk: chunk size C, or None (not both).
         sinks: one learned sink logit per head.
         query_scale: a per-query factor (:mod:`posenc.query_scale`), or None.
+
+    Raises:
+        UsageError: an unknown or absolute method, an option it rejects, a window or chunk that is
+            not a positive integer (or both given), ``sinks`` not a bool, or a bad query scale.
     """
 
     encoding: str = "rope"
@@ -120,7 +125,7 @@ class Layer:
         return out
 
     @classmethod
-    def from_dict(cls, data: dict) -> Layer:
+    def from_dict(cls, data: dict[str, Any] | Layer) -> Layer:
         if isinstance(data, Layer):
             return data
         if not isinstance(data, dict) or "encoding" not in data:
@@ -163,7 +168,12 @@ class Schedule:
 
     @classmethod
     def parse(cls, text: str, depth: int | None = None) -> Schedule:
-        """The schedule a text form describes (see the module docstring), repeated to ``depth``."""
+        """The schedule a text form describes (see the module docstring), repeated to ``depth``.
+
+        Raises:
+            UsageError: text that does not read as groups ``Nx[METHOD KEY=VALUE ...]`` (quoting the
+                part it cannot read), a layer :class:`Layer` rejects, or a pattern longer than ``depth``.
+        """
         if not isinstance(text, str) or not text.strip():
             raise UsageError(f"schedule: expected a text such as '3x[rope window=64] 1x[nope]', got {text!r}")
         pattern, pos = [], 0
@@ -190,7 +200,12 @@ class Schedule:
 
     @classmethod
     def of(cls, value, depth: int | None = None) -> Schedule:
-        """A schedule from its text, its json list (one dict per layer) or itself; ``depth`` checked."""
+        """A schedule from its text, its json list (one dict per layer) or itself; ``depth`` checked.
+
+        Raises:
+            UsageError: another type, a text or layer that does not parse (see :meth:`parse`), or
+                a number of layers other than ``depth``.
+        """
         if isinstance(value, Schedule):
             out = value
         elif isinstance(value, str):

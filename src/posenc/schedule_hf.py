@@ -44,6 +44,7 @@ logit soft-capping, Gemma 3's q/k RMSNorm, Llama 4's weightless L2 q/k norm afte
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 from .encodings.rope_scaling import options_from_hf
 from .errors import UsageError
@@ -88,7 +89,7 @@ def _rope(get, block_name: str, block, family: str, layout: str) -> dict:
                                       "max_position_embeddings", "original_max_position_embeddings")}
     view["rope_parameters"] = block
     found = options_from_hf(view)
-    options = {"base": float(found["base"])}
+    options: dict[str, Any] = {"base": float(found["base"])}
     scaling = {k: v for k, v in found["scaling"].items() if k != "rope_theta"}
     if scaling.get("rope_type", scaling.get("type", "default")) != "default" or set(scaling) - {"rope_type", "type"}:
         options["scaling"] = scaling
@@ -118,7 +119,7 @@ def schedule_from_hf(config) -> Schedule:
     if get("use_bidirectional_attention"):
         raise UsageError(f"schedule_from_hf: {family} with use_bidirectional_attention=True is not read here")
     depth = int(_need(get, "num_hidden_layers", family))
-    beta = None
+    beta: float | LogFloorScale | None = None
     params = _need(get, "rope_parameters", family)
     if family == "ministral3":  # one kind of layer; the beta scale sits in the RoPE block
         types = ["sliding_attention" if get("sliding_window") is not None else "full_attention"] * depth
@@ -139,7 +140,7 @@ def schedule_from_hf(config) -> Schedule:
         raise UsageError(f"schedule_from_hf: layer_types holds {unknown}; known: {list(LAYER_TYPES)}")
     layout = "interleaved" if family in INTERLEAVED else "half"
 
-    def block_for(kind: str):
+    def block_for(kind: str) -> tuple[str, Any]:
         if family in PER_TYPE_BLOCKS:
             if not isinstance(params, Mapping) or kind not in params:
                 raise UsageError(f"schedule_from_hf: {family} needs rope_parameters[{kind!r}] (one block per layer type)")

@@ -45,6 +45,8 @@ the fused kernel's mask (``backends/parts/single.py``). Left-padded rows are spl
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from ..encodings.protocol import RelativeBias, offers
@@ -52,13 +54,25 @@ from ..errors import UsageError
 from . import sdpa
 from .parts import band, explicit, padding, single, tails
 from .parts.base import ScoreSpec, accumulation_dtype
-from .parts.regions import FLASH_OPS, Merge, Region, call_order, flushed, kernel_backward, kernel_forward, keys_of, region_backward, rows_of, up
+from .parts.regions import (
+    FLASH_OPS,
+    Merge,
+    Region,
+    apply,
+    call_order,
+    flushed,
+    kernel_backward,
+    kernel_forward,
+    keys_of,
+    region_backward,
+    rows_of,
+    up,
+)
 
 
 def supports(spec: ScoreSpec, q: torch.Tensor) -> bool:
     # Key index = position - first position: both paths below rely on consecutive positions.
-    unpadded = spec.starts is None or padding.splittable(spec)
-    return spec.consecutive and not (spec.has_query_terms or spec.has_value_terms) and unpadded
+    return spec.consecutive and not (spec.has_query_terms or spec.has_value_terms) and padding.supported(spec)
 
 
 def preferred(spec: ScoreSpec, q: torch.Tensor) -> bool:
@@ -86,7 +100,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec, b
     if fast_path(spec, tq, tk):
         plan = tails.make_plan(spec, tq, tk, q.dtype, block, tails.spread(q, k, spec.scale))
         rel = spec.memo.relative_values(spec.encoding, plan.r_lo, plan.r_hi, q.device)  # (H, R)
-        return _TailedBias.apply(q, k, v, rel, plan)
+        return apply(_TailedBias, q, k, v, rel, plan)
     return explicit.attend(q, k, v, spec, block)
 
 
@@ -96,7 +110,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec, b
 
 class _TailedBias(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, rel, plan: tails.Plan):
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rel: torch.Tensor, plan: tails.Plan) -> torch.Tensor:
         out, lse, far_lse = flushed(_forward, q, k, v, rel, plan)
         ctx.plan = plan
         ctx.far_lse = far_lse if ctx.needs_input_grad[3] else None
@@ -104,18 +118,20 @@ class _TailedBias(torch.autograd.Function):
         return out
 
     @staticmethod
-    def backward(ctx, dout):
+    def backward(ctx: Any, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         q, k, v, rel, out, lse = ctx.saved_tensors
         need_rel = ctx.needs_input_grad[3]
         dq, dk, dv, drel = flushed(_backward, ctx.plan, ctx.far_lse, need_rel, dout, q, k, v, rel, out, lse)
         return dq, dk, dv, drel, None
 
 
-def _forward(q, k, v, rel, plan: tails.Plan):
+def _forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rel: torch.Tensor, plan: tails.Plan,
+) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
     """Output (B, H, Tq, Dv), its log-sum-exp (B, H, Tq) and each far call's log-sum-exp."""
     b, h, tq, d = q.shape
     merged = Merge(b, h, tq, v.shape[-1], q.dtype, q.device)
-    far_lse = []  # each far call's shifted log-sum-exp: the gradient of its constant needs it
+    far_lse: list[torch.Tensor] = []  # each far call's shifted log-sum-exp: the gradient of its constant needs it
     for call in plan.far:
         term, shift, _ = tails.far_terms(plan, rel, call)
         r, hs = call.region, call.heads
@@ -132,7 +148,10 @@ def _forward(q, k, v, rel, plan: tails.Plan):
     return merged.out.to(q.dtype), merged.lse, far_lse
 
 
-def _backward(plan: tails.Plan, far_lse, need_rel: bool, dout, q, k, v, rel, out, lse):
+def _backward(
+    plan: tails.Plan, far_lse: list[torch.Tensor], need_rel: bool, dout: torch.Tensor, q: torch.Tensor,
+    k: torch.Tensor, v: torch.Tensor, rel: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     dout = dout.contiguous()
     grads = _Grads(q, k, v)
     drel = torch.zeros(rel.shape, dtype=accumulation_dtype(rel.dtype), device=rel.device) if need_rel else None
@@ -140,19 +159,23 @@ def _backward(plan: tails.Plan, far_lse, need_rel: bool, dout, q, k, v, rel, out
     for n, call in enumerate(plan.far):
         term, shift, r0 = tails.far_terms(plan, rel, call)
         r, hs = call.region, call.heads
-        g = list(region_backward(r, dout[:, hs], q[:, hs], k[:, hs], v[:, hs], out[:, hs], lse[:, hs], plan.scale,
-                                 lse_shift=shift, mask=_key_mask(term, r)))
+        gq, gk, gv = region_backward(r, dout[:, hs], q[:, hs], k[:, hs], v[:, hs], out[:, hs], lse[:, hs], plan.scale,
+                                     lse_shift=shift, mask=_key_mask(term, r))
         rows, keys = slice(*r.rows), slice(*r.keys)
-        if need_rel:
+        if drel is not None:
             # The constant's gradient: sum over the call's pairs of dS = P (dP - D).
             weight = torch.exp(far_lse[n] - lse[:, hs, rows])  # (B, h, C): the call's share of each row
-            drel[hs, r0] += (up(v[:, hs, keys]) * up(g[2])).sum((0, 2, 3)) - (weight * dsum[:, hs, rows]).sum((0, 2))
-        for i, where in enumerate((rows, keys, keys)):
-            grads.add(i, where, g[i], hs)
-            g[i] = None  # free it before the next buffer is allocated
+            drel[hs, r0] += (up(v[:, hs, keys]) * up(gv)).sum((0, 2, 3)) - (weight * dsum[:, hs, rows]).sum((0, 2))
+        # Each gradient is freed before the next buffer is allocated.
+        grads.add(0, rows, gq, hs)
+        del gq
+        grads.add(1, keys, gk, hs)
+        del gk
+        grads.add(2, keys, gv, hs)
+        del gv
     _band_backward(plan, rel, drel, q, k, v, out, lse, dout, dsum, grads)
     dq, dk, dv = grads.result()
-    return dq, dk, dv, (drel.to(rel.dtype) if need_rel else None)
+    return dq, dk, dv, (None if drel is None else drel.to(rel.dtype))
 
 
 def _key_mask(term: torch.Tensor | None, region: Region) -> torch.Tensor | None:
@@ -161,12 +184,12 @@ def _key_mask(term: torch.Tensor | None, region: Region) -> torch.Tensor | None:
     return None if term is None else call_order(term, region, -1)[None, :, None, :]
 
 
-def _cut(region: Region, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+def _cut(region: Region, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The region's q rows and k, v keys, in call order."""
     return rows_of(q, region), keys_of(k, region), keys_of(v, region)
 
 
-def _band_bias(plan: tails.Plan, rel: torch.Tensor, group: band.BandGroup):
+def _band_bias(plan: tails.Plan, rel: torch.Tensor, group: band.BandGroup) -> tuple[torch.Tensor, torch.Tensor]:
     """The band block's bias and rel index, built once per forward for each block geometry."""
     offset = (plan.k_start + group.k0) - (plan.q_start + group.t0)  # r of the block's top-left pair
     key = (group.rows, group.length, offset, group.heads.start, group.heads.stop, group.past, group.top, plan.r_lo, rel.dtype)
@@ -176,18 +199,20 @@ def _band_bias(plan: tails.Plan, rel: torch.Tensor, group: band.BandGroup):
     return hit
 
 
-def _band_backward(plan, rel, drel, q, k, v, out, lse, dout, dsum, grads) -> None:
+def _band_backward(
+    plan: tails.Plan, rel: torch.Tensor, drel: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor, dsum: torch.Tensor, grads: _Grads,
+) -> None:
     """The band's gradients: the kernel's backward for a fixed bias, the explicit formula (with the
     bias gradient summed per relative position) for a learned one, in smaller groups."""
-    need_rel = drel is not None
-    groups = plan.bands if not need_rel else [part for g in plan.bands for part in band.split(g, band.EXPLICIT_GROUP)]
+    groups = plan.bands if drel is None else [part for g in plan.bands for part in band.split(g, band.EXPLICIT_GROUP)]
     for group in groups:
         bias, index = _band_bias(plan, rel, group)
         hs = group.heads
         q_, k_, v_, dout_, out_, lse_, dsum_ = (x[:, hs] for x in (q, k, v, dout, out, lse, dsum))
         qc, kc, vc, doc = band.blocks(q_, group), band.windows(k_, group), band.windows(v_, group), band.blocks(dout_, group)
         oc, lc, dc = band.blocks(out_, group), band.blocks(lse_, group), band.blocks(dsum_, group)
-        if not need_rel:
+        if drel is None:
             gq, gk, gv = kernel_backward(doc, qc, kc, vc, oc, lc.contiguous(), False, plan.scale, bias.to(q.dtype)[None])
         else:
             s = up(torch.matmul(qc, kc.transpose(-1, -2))).mul_(plan.scale).add_(bias)  # (B*n, H, C, L)
@@ -213,9 +238,10 @@ class _Grads:
         self.bufs: list[torch.Tensor | None] = [None] * len(like)
 
     def get(self, i: int) -> torch.Tensor:
-        if self.bufs[i] is None:
-            self.bufs[i] = torch.zeros_like(self.like[i])
-        return self.bufs[i]
+        buf = self.bufs[i]
+        if buf is None:
+            buf = self.bufs[i] = torch.zeros_like(self.like[i])
+        return buf
 
     def add(self, i: int, where: slice, g: torch.Tensor, heads: slice = slice(None)) -> None:
         self.get(i)[:, heads, where] += g

@@ -40,14 +40,15 @@ runs the eager formula (blocked, checkpointed).
 from __future__ import annotations
 
 import weakref
+from typing import Any
 
 import torch
 
-from ..encodings.protocol import ContextualPositions, offers
+from ..encodings.protocol import ContextualPositions, offers, require
 from . import eager
-from .parts import band
+from .parts import band, padding
 from .parts.base import ScoreSpec, accumulation_dtype
-from .parts.regions import flushed, kernel_forward, keys_of, lower, region_backward, rows_of, up
+from .parts.regions import Merge, Region, apply, flushed, kernel_forward, keys_of, lower, region_backward, rows_of, up
 
 BLOCK = 64  # queries per band block
 GROUP_ELEMENTS = 1 << 21  # band temporaries per step: at most this many (B x H x blocks x rows x keys)
@@ -64,8 +65,9 @@ def _fast(spec: ScoreSpec, q: torch.Tensor) -> bool:
 
 
 def supports(spec: ScoreSpec, q: torch.Tensor) -> bool:
+    # Left-padded rows are split into unpadded calls (padding.by_rows in attend).
     return (offers(spec.encoding, ContextualPositions) and spec.has_query_terms and not (spec.has_bias or spec.has_value_terms)
-            and spec.log_gates is None)
+            and spec.log_gates is None and padding.supported(spec))
 
 
 def preferred(spec: ScoreSpec, q: torch.Tensor) -> bool:
@@ -73,12 +75,14 @@ def preferred(spec: ScoreSpec, q: torch.Tensor) -> bool:
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec) -> torch.Tensor:
+    if spec.starts is not None:  # the band path knows no padding: two unpadded calls per row
+        return padding.by_rows(attend, q, k, v, spec)
     if not _fast(spec, q):
         return eager.attend(q, k, v, spec)
-    table, gate_scale, logit_scale = spec.encoding.contextual_positions()
-    call = _Call(spec.offset, spec.scale, gate_scale, logit_scale, table.shape[0])
+    form = require(spec.encoding, ContextualPositions).contextual_positions()
+    call = _Call(spec.offset, spec.scale, form.gate_scale, form.logit_scale, form.table.shape[0])
     call.width = _WIDTHS.get(spec.encoding, 0)
-    out = _Contextual.apply(q, k, v, table.to(q.dtype), call)
+    out = apply(_Contextual, q, k, v, form.table.to(q.dtype), call)
     _WIDTHS[spec.encoding] = call.hint
     return out
 
@@ -96,14 +100,14 @@ class _Call:
 
 class _Contextual(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, table, call: _Call):
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch.Tensor, call: _Call) -> torch.Tensor:
         out, lse, far_out, far_lse = flushed(_forward, q, k, v, table, call)
         ctx.call = call
         ctx.save_for_backward(q, k, v, table, out, lse, far_out, far_lse)
         return out
 
     @staticmethod
-    def backward(ctx, dout):
+    def backward(ctx: Any, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         grads = flushed(_backward, ctx.call, dout, *ctx.saved_tensors)
         return (*grads, None)
 
@@ -126,7 +130,7 @@ def _groups(call: _Call, b: int, h: int, tq: int, tk: int) -> list[band.BandGrou
     return out
 
 
-def _far(call: _Call, tq: int, tk: int):
+def _far(call: _Call, tq: int, tk: int) -> list[Region]:
     """Kernel regions of the far keys, i - j >= W (key index <= query index + offset - W)."""
     return lower(tq, tk, call.offset - call.width)
 
@@ -138,7 +142,7 @@ def _far(call: _Call, tq: int, tk: int):
 class _Band:
     """Everything the formula computes for one group of band blocks, (B*n, H, C, L) each."""
 
-    def __init__(self, call: _Call, group: band.BandGroup, q, k, z) -> None:
+    def __init__(self, call: _Call, group: band.BandGroup, q: torch.Tensor, k: torch.Tensor, z: torch.Tensor) -> None:
         self.group = group
         c, length = group.rows, group.length
         dev = q.device
@@ -166,7 +170,7 @@ class _Band:
         if not bool(has_far.any()):
             return 0
         short = ((self.raw < call.cap) & self.inside).sum(-1)  # (B*n, H, C): distances 0.. still below P - 1
-        short = short.unflatten(0, (-1, self.group.count))  # (B, n, H, C)
+        short = torch.unflatten(short, 0, (-1, self.group.count))  # (B, n, H, C)
         return int(short.masked_fill(~has_far[None, :, None, :], 0).max()) + 1
 
 
@@ -174,7 +178,9 @@ class _Band:
 # Forward and backward
 
 
-def _forward(q, k, v, table, call: _Call):
+def _forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch.Tensor, call: _Call,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     b, h, tq, _ = q.shape
     tk = k.shape[-2]
     acc = accumulation_dtype(q.dtype)
@@ -200,23 +206,22 @@ def _forward(q, k, v, table, call: _Call):
         width *= 2  # some query's count did not reach P - 1 within the band: widen it
     call.hint = _round_up(needed) + WIDTH_MULTIPLE if needed else width
     # Far keys: plain attention, plus the capped term c_i = z_i[P - 1] on the log-sum-exp.
-    far_out = torch.zeros_like(o_band)
-    far_lse = torch.full_like(lse_band, float("-inf"))
+    far = Merge(b, h, tq, v.shape[-1], q.dtype, q.device)  # rows without far keys keep lse -inf
     c = up(z[..., call.cap])  # (B, H, Tq)
     for region in _far(call, tq, tk):
         rows = slice(*region.rows)
         o, lz = kernel_forward(rows_of(q, region), keys_of(k, region), keys_of(v, region), region.causal, call.scale)
-        lz = up(lz) + c[..., rows]
-        new = torch.logaddexp(far_lse[..., rows], lz)
-        old, part = torch.exp(far_lse[..., rows] - new)[..., None], torch.exp(lz - new)[..., None]
-        far_out[..., rows, :] = far_out[..., rows, :] * old + up(o) * part
-        far_lse[..., rows] = new
-    lse = torch.logaddexp(lse_band, far_lse)  # (B, H, Tq)
-    out = o_band * torch.exp(lse_band - lse)[..., None] + far_out * torch.exp(far_lse - lse)[..., None]
-    return out.to(q.dtype), lse, far_out, far_lse
+        far.add(region.rows, o, up(lz) + c[..., rows])
+    whole = Merge(b, h, tq, v.shape[-1], q.dtype, q.device)
+    whole.add((0, tq), o_band, lse_band)
+    whole.add((0, tq), far.out, far.lse)
+    return whole.out.to(q.dtype), whole.lse, far.out, far.lse
 
 
-def _backward(call: _Call, dout, q, k, v, table, out, lse, far_out, far_lse):
+def _backward(
+    call: _Call, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch.Tensor,
+    out: torch.Tensor, lse: torch.Tensor, far_out: torch.Tensor, far_lse: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     b, h, tq, _ = q.shape
     tk = k.shape[-2]
     dout = dout.contiguous()

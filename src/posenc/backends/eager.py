@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from ..encodings.protocol import ValueTerms, require
 from ..errors import UsageError
 from .parts.base import ScoreSpec, accumulation_dtype, needs_grad
 
@@ -39,18 +40,19 @@ def _block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_positions: torch
     scores = torch.matmul(q, k.transpose(-1, -2)).to(acc) * spec.scale  # (B, H, C, Tk)
     if spec.has_bias:
         # The whole query range goes through the spec: T5's bias is then built once for all layers.
-        bias = spec.bias() if q_positions is spec.q_positions else enc.bias(q_positions, k_positions)  # (H, C, Tk)
+        bias = spec.bias(q_positions)  # (H, C, Tk)
         scores = scores + bias.to(acc)
     if spec.has_query_terms:
         scores = scores + spec.query_terms(q, k, q_positions, cumulative).to(acc)  # (B, H, C, Tk)
     if spec.causal:
         scores = scores.masked_fill(k_positions[None, :] > q_positions[:, None], float("-inf"))
-    if spec.starts is not None:  # left padding: a real query never sees a padding key
-        scores = scores.masked_fill(spec.hidden(q_positions), float("-inf"))
+    hidden = spec.hidden(q_positions)  # left padding: a real query never sees a padding key
+    if hidden is not None:
+        scores = scores.masked_fill(hidden, float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(q.dtype)  # (B, H, C, Tk)
     out = torch.matmul(probs, v)  # (B, H, C, D)
     if spec.has_value_terms:
-        out = out + enc.value_terms(probs, q_positions, k_positions).to(out.dtype)
+        out = out + require(enc, ValueTerms).value_terms(probs, q_positions, k_positions).to(out.dtype)
     return out
 
 

@@ -28,15 +28,16 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..encodings.protocol import BiasFeatures, offers
-from .parts import single
+from ..encodings.protocol import BiasFeatures, offers, require
+from .parts import padding, single
 from .parts.base import ScoreSpec
 
 MULTIPLE = 8  # q, k and v are padded to a multiple of this many features
 
 
 def supports(spec: ScoreSpec, q: torch.Tensor) -> bool:
-    return offers(spec.encoding, BiasFeatures) and not (spec.has_query_terms or spec.has_value_terms)
+    # A padded call goes through the row split of ``steps_and_padding`` below.
+    return offers(spec.encoding, BiasFeatures) and not (spec.has_query_terms or spec.has_value_terms) and padding.supported(spec)
 
 
 def preferred(spec: ScoreSpec, q: torch.Tensor) -> bool:
@@ -46,7 +47,7 @@ def preferred(spec: ScoreSpec, q: torch.Tensor) -> bool:
 def widen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """q, k with the bias features appended and q, k, v zero-padded to one width, a multiple of
     :data:`MULTIPLE`: (B, H, T, D') each."""
-    qf, kf = spec.encoding.bias_features(spec.q_positions, spec.k_positions)  # (H, Tq, F), (H, Tk, F)
+    qf, kf = require(spec.encoding, BiasFeatures).bias_features(spec.q_positions, spec.k_positions)  # (H, Tq, F), (H, Tk, F)
     b, d, f = q.shape[0], q.shape[-1], qf.shape[-1]
     width = max(d + f, v.shape[-1])
     width += -width % MULTIPLE

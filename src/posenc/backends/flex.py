@@ -21,16 +21,20 @@ import os
 import shutil
 import sysconfig
 import weakref
+from typing import Callable, cast
 
 import torch
 
+from ..encodings.protocol import Scores, require
 from .parts import padding, single
 from .parts.base import ScoreSpec, needs_grad
 
 try:
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+
+    FLEX = True
 except ImportError:  # older torch
-    flex_attention = create_block_mask = None
+    FLEX = False
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 CPU_KEY_MULTIPLE = 16  # keys are padded to this on CPU (see attend)
@@ -39,7 +43,7 @@ CPU_KEY_MULTIPLE = 16  # keys are padded to this on CPU (see attend)
 @functools.cache
 def compile_available(device_type: str) -> bool:
     """Whether torch.compile can build a flex kernel on this device type (cheap checks, no build)."""
-    if flex_attention is None:
+    if not FLEX:
         return False
     if device_type == "cuda":
         try:
@@ -59,7 +63,7 @@ def compile_available(device_type: str) -> bool:
 def supports(spec: ScoreSpec, q: torch.Tensor) -> bool:
     if not spec.consecutive:  # the score_mod reads positions as offset + index
         return False
-    if spec.starts is not None and not padding.splittable(spec):
+    if not padding.supported(spec):
         return False
     if spec.has_query_terms or spec.has_value_terms or (spec.has_bias and not spec.has_score_mod):
         return False
@@ -75,9 +79,10 @@ def preferred(spec: ScoreSpec, q: torch.Tensor) -> bool:
 
 
 @functools.cache
-def _compiled():
+def _compiled() -> Callable[..., torch.Tensor]:
     # Shapes become dynamic after the first recompile, so decoding does not compile at every step.
-    return torch.compile(flex_attention)
+    compiled: Callable[..., torch.Tensor] = torch.compile(flex_attention)
+    return compiled
 
 
 class _Offsets:
@@ -97,25 +102,27 @@ class _Offsets:
 # One score_mod per encoding and device, reused across calls so the kernel compiles once. Keyed
 # weakly by the encoding, and the score_mod reaches the encoding through a weak reference too, so
 # an entry goes away with its encoding (nothing here keeps a model alive).
-_score_mods: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKeyDictionary()
-_block_masks: dict[tuple, object] = {}
+ScoreMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]  # (score, b, h, q_idx, kv_idx) -> score
+_score_mods: "weakref.WeakKeyDictionary[torch.nn.Module, dict[torch.device, tuple[_Offsets, ScoreMod]]]" = weakref.WeakKeyDictionary()
+_block_masks: dict[tuple[object, ...], BlockMask] = {}
 
 
-def _score_mod(encoding: torch.nn.Module, device: torch.device):
+def _score_mod(encoding: torch.nn.Module, device: torch.device) -> tuple[_Offsets, ScoreMod]:
     per_device = _score_mods.setdefault(encoding, {})
     hit = per_device.get(device)
     if hit is None:
         offsets = _Offsets(device)
-        ref = weakref.ref(encoding)
+        ref = weakref.ref(require(encoding, Scores))
 
-        def score_mod(score, b, h, q_idx, kv_idx):
-            return score + ref().score(h, q_idx + offsets.q, kv_idx + offsets.k).to(score.dtype)
+        def score_mod(score: torch.Tensor, b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
+            enc = cast(Scores, ref())  # alive while its entry is: the entry goes away with it
+            return score + enc.score(h, q_idx + offsets.q, kv_idx + offsets.k).to(score.dtype)
 
         hit = per_device[device] = (offsets, score_mod)
     return hit
 
 
-def _block_mask(tq: int, tk: int, padded: int, shift: int | None, device: torch.device):
+def _block_mask(tq: int, tk: int, padded: int, shift: int | None, device: torch.device) -> BlockMask | None:
     """Keys < tk (the rest is padding), and key position <= query position when ``shift``
     (= q_start - k_start) is given; None when every pair is allowed."""
     if shift is None and padded == tk:
@@ -126,7 +133,7 @@ def _block_mask(tq: int, tk: int, padded: int, shift: int | None, device: torch.
         if len(_block_masks) > 32:
             _block_masks.clear()
 
-        def allowed(b, h, q_idx, kv_idx):
+        def allowed(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
             inside = kv_idx < tk
             return inside if shift is None else inside & (q_idx + shift >= kv_idx)
 

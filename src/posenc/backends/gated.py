@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from ..encodings.protocol import Biases, QueryTerms, ValueTerms, offers
+from .parts import padding
 from .parts.base import ScoreSpec
 
 BLOCK = 128  # queries per block (the reference of c is the block's middle query)
@@ -37,7 +38,7 @@ DTYPES = (torch.float32, torch.float64)
 def supports(spec: ScoreSpec, q: torch.Tensor) -> bool:
     enc = spec.encoding
     return (
-        spec.log_gates is not None and spec.causal and spec.aligned and spec.consecutive and spec.starts is None
+        spec.log_gates is not None and spec.causal and spec.aligned and spec.consecutive and padding.supported(spec, split=False)
         and q.dtype in DTYPES and not any(offers(enc, p) for p in (Biases, QueryTerms, ValueTerms))
     )
 

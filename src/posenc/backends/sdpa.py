@@ -20,7 +20,7 @@ from .parts.base import ScoreSpec, additive_mask
 
 
 def supports(spec: ScoreSpec, q: torch.Tensor) -> bool:
-    return not (spec.has_query_terms or spec.has_value_terms) and (spec.starts is None or padding.splittable(spec))
+    return not (spec.has_query_terms or spec.has_value_terms) and padding.supported(spec)
 
 
 def preferred(spec: ScoreSpec, q: torch.Tensor) -> bool:

@@ -32,20 +32,39 @@ another encoding with query/value terms) runs the eager formula (blocked, checkp
 
 from __future__ import annotations
 
+from typing import Any, Callable
+
 import torch
 import torch.nn.functional as F
 
-from ..encodings.protocol import ClippedTables, DisentangledTables, DistanceKeys, offers
+from ..encodings.protocol import ClippedTables, DisentangledTables, DistanceKeys, offers, require
 from . import eager
 from .parts import disentangled, distance, padding, single
 from .parts.base import ScoreSpec
-from .parts.regions import FLASH_OPS, call_order, flushed, kernel_forward, keys_of, lower, region_backward, rows_of, upper
+from .parts.regions import (
+    FLASH_OPS,
+    Merge,
+    Region,
+    apply,
+    call_order,
+    flushed,
+    kernel_forward,
+    keys_of,
+    lower,
+    region_backward,
+    rows_of,
+    upper,
+)
 
 SHAW_CHUNK = 32  # queries per band chunk (at least the band width)
 FAST_DTYPES = (torch.float32, torch.float64)
 
 
-def _path(spec: ScoreSpec, q: torch.Tensor):
+Path = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, ScoreSpec], torch.Tensor]
+Regions = tuple[tuple[int, Region], ...]  # (side, region): side 0 the far past, 1 the far future
+
+
+def _path(spec: ScoreSpec, q: torch.Tensor) -> Path | None:
     """The fast function for this call, or None (then the eager formula, blocked, runs)."""
     enc = spec.encoding
     if not spec.has_bias and single.applies(spec, q, q, q):  # a decode step (k, v: no grad either)
@@ -71,12 +90,13 @@ def _path(spec: ScoreSpec, q: torch.Tensor):
 
 def supports(spec: ScoreSpec, q: torch.Tensor) -> bool:
     # Per-key log gates are eager's alone (this backend's row split would drop them).
-    return (spec.has_query_terms or spec.has_value_terms) and spec.log_gates is None and (spec.starts is None or padding.splittable(spec))
+    return (spec.has_query_terms or spec.has_value_terms) and spec.log_gates is None and padding.supported(spec)
 
 
 def preferred(spec: ScoreSpec, q: torch.Tensor) -> bool:
     if spec.starts is not None and supports(spec, q):  # split by rows: each row may take a fast path
-        return True
+        enc = spec.encoding
+        return offers(enc, ClippedTables) or offers(enc, DistanceKeys) or (offers(enc, DisentangledTables) and not spec.has_value_terms)
     return supports(spec, q) and _path(spec, q) is not None
 
 
@@ -99,36 +119,43 @@ class _MergeFar(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, o_b, lse_b, q, k, v, consts, values, regions, scale):
+    def forward(
+        ctx: Any, o_b: torch.Tensor, lse_b: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+        consts: torch.Tensor, values: torch.Tensor, regions: Regions, scale: float,
+    ) -> torch.Tensor:
         out, lse, parts = flushed(_merge_forward, o_b, lse_b, q, k, v, consts, values, regions, scale)
         ctx.regions, ctx.scale = regions, scale
         ctx.save_for_backward(o_b, lse_b, q, k, v, consts, values, out, lse, *(t for p in parts for t in p))
         return out
 
     @staticmethod
-    def backward(ctx, d_out):
+    def backward(ctx: Any, d_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         o_b, lse_b, q, k, v, consts, values, out, lse, *saved = ctx.saved_tensors
         return flushed(_merge_backward, ctx.regions, ctx.scale, d_out, o_b, lse_b, q, k, v, consts, values, out, lse, saved)
 
 
-def _merge_forward(o_b, lse_b, q, k, v, consts, values, regions, scale):
-    lse = lse_b.clone()  # (B, H, Tq)
+def _merge_forward(
+    o_b: torch.Tensor, lse_b: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    consts: torch.Tensor, values: torch.Tensor, regions: Regions, scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+    b, h, tq, dv = o_b.shape
+    merged = Merge(b, h, tq, dv, q.dtype, q.device)
+    merged.add((0, tq), o_b, lse_b)
     parts = []
     for side, region in regions:
-        o, lz = kernel_forward(*(f(x, region) for f, x in ((rows_of, q), (keys_of, k), (keys_of, v))), region.causal, scale)
+        o, lz = kernel_forward(rows_of(q, region), keys_of(k, region), keys_of(v, region), region.causal, scale)
         o, lz = call_order(o, region), call_order(lz, region, -1)
         rows = slice(*region.rows)
-        lse[..., rows] = torch.logaddexp(lse[..., rows], lz + consts[side, ..., rows])
+        merged.add(region.rows, o + values[side], lz + consts[side, ..., rows])  # the far logits gain c_i, the values a^V
         parts.append((o, lz))
-    out = torch.exp(lse_b - lse)[..., None] * o_b  # (B, H, Tq, D)
-    for (side, region), (o, lz) in zip(regions, parts):
-        rows = slice(*region.rows)
-        weight = torch.exp(lz + consts[side, ..., rows] - lse[..., rows])[..., None]
-        out[..., rows, :] += weight * (o + values[side])
-    return out, lse, parts
+    return merged.out, merged.lse, parts  # (B, H, Tq, D), (B, H, Tq)
 
 
-def _merge_backward(regions, scale, d_out, o_b, lse_b, q, k, v, consts, values, out, lse, saved):
+def _merge_backward(
+    regions: Regions, scale: float, d_out: torch.Tensor, o_b: torch.Tensor, lse_b: torch.Tensor,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, consts: torch.Tensor, values: torch.Tensor,
+    out: torch.Tensor, lse: torch.Tensor, saved: list[torch.Tensor],
+) -> tuple[torch.Tensor | None, ...]:
     d_out = d_out.contiguous()
     total = (d_out * out).sum(-1)  # (B, H, Tq): rowsum(dO * O) of the whole attention
     w_b = torch.exp(lse_b - lse)
@@ -203,7 +230,8 @@ def _shaw_band(
 
 def shaw_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec) -> torch.Tensor:
     """Shaw et al. (2018) relative attention with clipped distance: band + far regions."""
-    clip, key_table, value_table, term_scale = spec.encoding.clipped_tables()
+    tables = require(spec.encoding, ClippedTables).clipped_tables()
+    clip, key_table, value_table, term_scale = tables.clip, tables.key_table, tables.value_table, tables.scale
     tq, tk = q.shape[-2], k.shape[-2]
     offset = spec.offset  # query a is key a + offset
     per_distance = torch.matmul(q, (key_table.to(q.dtype) * term_scale).t())  # (B, H, Tq, 2k+1) logits
@@ -219,7 +247,7 @@ def shaw_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: Scor
         values.append(value_table[-1])
     if not regions:
         return o_b
-    return _MergeFar.apply(o_b, lse_b, q, k, v, torch.stack(consts), torch.stack(values), tuple(regions), spec.scale)
+    return apply(_MergeFar, o_b, lse_b, q, k, v, torch.stack(consts), torch.stack(values), tuple(regions), spec.scale)
 
 
 # --------------------------------------------------------------------------------------------

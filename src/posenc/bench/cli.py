@@ -24,7 +24,9 @@ from .tables import markdown_table
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     levels = "; ".join(f"{name}: {level.summary}" for name, level in LEVELS.items())
-    parser.add_argument("--methods", nargs="+", default=None, help="encodings to run (default all; nope is always included)")
+    parser.add_argument("--methods", nargs="+", default=None,
+                        help="encodings to run (default all; nope is always included), or layer schedules in their text form, "
+                        "quoted: '[rope window=256]' (attention level: one layer), '3x[rope window=256] 1x[rope]'")
     parser.add_argument("--lengths", nargs="+", type=int, default=[512, 1024, 2048, 4096], help="sequence lengths (default 512 1024 2048 4096)")
     parser.add_argument("--level", default="attention", help=f"what is timed (default attention). {levels}")
     parser.add_argument("--mode", default="both", help="train (forward+backward / training step), infer (forward) or both")

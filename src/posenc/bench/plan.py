@@ -20,6 +20,7 @@ from ..errors import UsageError
 from .compare import LIBRARIES, impls
 from .job import BASELINE, POSENC, Job
 from .levels import LEVELS
+from .levels.base import schedule_of
 
 DEVICES = ("cpu", "cuda")
 DTYPES = ("float32", "bfloat16")
@@ -84,8 +85,9 @@ def configure(
         raise UsageError(f"mode must be one of {[*spec.modes, 'both']}, got {mode!r}")
     methods = list(available()) if not methods else list(methods)
     for m in methods:
-        if m not in available():
-            raise UsageError(f"methods: unknown encoding {m!r}; available: {', '.join(available())}")
+        if m not in available() and "[" not in m:
+            raise UsageError(f"methods: unknown encoding {m!r}; available: {', '.join(available())}, "
+                             "or a layer schedule such as '3x[rope window=256] 1x[rope]'")
     methods = [BASELINE] + [m for m in dict.fromkeys(methods) if m != BASELINE]  # NoPE is the baseline
     lengths = list(lengths)
     if not lengths:
@@ -118,8 +120,14 @@ def configure(
         from ..encodings import build
 
         try:
+            schedule = schedule_of(m, full["depth"])  # the attention level's depth is 1: one layer
+        except UsageError as err:
+            raise UsageError(f"methods: {m!r}: {err} (level {level}, depth {full['depth']})") from None
+        layers = [(m, {})] if schedule is None else [(layer.encoding, layer.options) for layer in schedule.layers]
+        try:
             with torch.device("meta"):
-                build(m, num_heads=full["heads"], head_dim=head_dim)
+                for name, options in layers:
+                    build(name, num_heads=full["heads"], head_dim=head_dim, **options)
         except (UsageError, ValueError) as err:
             raise UsageError(f"methods: {m} cannot run with dim {full['dim']} and heads {full['heads']} "
                              f"(head dim {head_dim}): {err}") from None

@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import inspect
-
-from torch import nn
+from typing import Any
 
 from ..errors import UsageError
 from .alibi import ALiBi, alibi_slopes
@@ -45,7 +44,11 @@ def available() -> list[str]:
 
 
 def get_class(name: str) -> type[PositionalEncoding]:
-    """The encoding class registered as ``name``; ValueError listing the choices otherwise."""
+    """The encoding class registered as ``name``.
+
+    Raises:
+        UsageError: no encoding is registered as ``name`` (listing the choices).
+    """
     try:
         return REGISTRY[name]
     except (KeyError, TypeError):
@@ -57,11 +60,16 @@ def options_of(cls: type[PositionalEncoding]) -> list[str]:
     return [p for p in inspect.signature(cls.__init__).parameters if p not in ("self", "num_heads", "head_dim", "causal")]
 
 
-def build(name: str, *, num_heads: int, head_dim: int, causal: bool = True, **options) -> nn.Module:
+def build(name: str, *, num_heads: int, head_dim: int, causal: bool = True, **options: Any) -> PositionalEncoding:
     """Build the encoding ``name`` for ``num_heads`` heads of ``head_dim`` features.
 
     ``options`` are the method's own keyword arguments (e.g. ``layout="interleaved"`` for rope,
-    ``num_buckets=32`` for t5); an unknown option is a ValueError naming the accepted ones.
+    ``num_buckets=32`` for t5).
+
+    Raises:
+        UsageError: an unknown name (listing the choices), an unknown option (naming the accepted
+            ones), or a size or option the method's constructor rejects (naming it and its range;
+            :class:`~posenc.encodings.base.PositionalEncoding` checks the sizes for every method).
     """
     cls = get_class(name)
     accepted = options_of(cls)

@@ -43,6 +43,8 @@ class ALiBi(PositionalEncoding):
     extrapolates = True
     shift_invariant = True  # positions enter as i - j only
 
+    slopes: torch.Tensor  # (H,) m_h, a buffer
+
     def __init__(self, num_heads: int, head_dim: int, causal: bool = True) -> None:
         super().__init__(num_heads, head_dim, causal)
         # A buffer, so it follows .to(device); not saved: it is a pure function of num_heads.

@@ -25,7 +25,10 @@ Positions with an axis dimension, axis last (see :mod:`.mrope` for the forms): (
 row or (B, T, 2) per row, ``[..., 0]`` the x (column) and ``[..., 1]`` the y (row) index, non-negative
 integers; :func:`patch_positions` gives them for an (height x width) grid flattened row by row.
 1-D positions (T,) are the diagonal points (p, p), as M-RoPE does for text, so a model, the KV
-cache and generation run both encodings on a sequence unchanged.
+cache and generation run both encodings on a sequence unchanged. Both declare their ids
+(``position_axes = 2``, ``axis_first = False``), so ``posenc.attend``, ``posenc.Attention`` and
+``posenc.LM`` take (T, 2) and (B, T, 2) as ``positions`` too; the masks (padding, documents, the
+causal order if any) read the sequence index (:mod:`posenc.geometry`).
 
 What they match (tests/test_axial_rope.py, against ``timm.layers.pos_embed_sincos``):
 
@@ -69,7 +72,7 @@ def patch_positions(height: int, width: int, device: torch.device | str | None =
     return torch.stack((x.flatten(), y.flatten()), dim=-1)  # (T, 2)
 
 
-def _check_common(encoding: PositionalEncoding, base, layout: str) -> None:
+def _check_common(encoding: PositionalEncoding, base: object, layout: str) -> None:
     if encoding.head_dim % 4:
         raise UsageError(f"{encoding.name} needs head_dim divisible by 4 (two axes of feature pairs), got {encoding.head_dim}")
     if isinstance(base, bool) or not isinstance(base, (int, float)) or not base > 1:
@@ -81,6 +84,9 @@ def _check_common(encoding: PositionalEncoding, base, layout: str) -> None:
 class AxialRoPE(PositionalEncoding):
     """2-D axial RoPE: the first D/4 feature pairs rotate with x, the next D/4 with y.
 
+    Positions: (T,) the diagonal, (T, 2) or (B, T, 2) (x, y) per patch, in ``rotate`` and as
+    ``positions`` of ``posenc.attend`` / ``posenc.Attention`` / ``posenc.LM``.
+
     Args:
         base: theta base (the paper's 100; timm's ``temperature``, EVA-02 uses 10000).
         layout: "interleaved" (pairs 2f, 2f + 1: the authors' code, timm's default) or "half".
@@ -91,6 +97,7 @@ class AxialRoPE(PositionalEncoding):
     description = "2-D RoPE for patch grids, frequencies split over x and y (Heo et al. 2024, RoPE-Axial)"
     extrapolates = True
     shift_invariant = True  # moving every patch by the same (dx, dy) leaves every difference
+    position_axes, axis_first = 2, False  # (x, y) per patch, axis last: (T, 2) or (B, T, 2)
 
     def __init__(
         self, num_heads: int, head_dim: int, causal: bool = True, base: float = 100.0, layout: str = "interleaved",
@@ -148,7 +155,8 @@ class RoPEMixed(PositionalEncoding):
             (repeated) are rotated as their group. Keys with another head count are a UsageError.
 
     ``frequencies`` (2, num_kv_heads, D/2), a parameter: ``[0]`` multiplies x (positions[..., 0]),
-    ``[1]`` y.
+    ``[1]`` y. Positions as :class:`AxialRoPE`'s: (T,), (T, 2) or (B, T, 2), also through
+    ``posenc.attend`` / ``posenc.Attention`` / ``posenc.LM``.
     """
 
     name = "rope_mixed"
@@ -156,6 +164,7 @@ class RoPEMixed(PositionalEncoding):
     extrapolates = True
     # not shared across layers (derived from its learned parameters): every layer learns its own frequencies
     shift_invariant = True  # angles are linear in the positions: a common shift cancels in every score
+    position_axes, axis_first = 2, False  # (x, y) per patch, axis last: (T, 2) or (B, T, 2)
 
     def __init__(
         self, num_heads: int, head_dim: int, causal: bool = True, base: float = 10.0, layout: str = "interleaved",

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from ..errors import UsageError, check_positive
-from .protocol import CAPABILITIES, HOOKS, members, offers
+from .protocol import CAPABILITIES, HOOKS, Scores, members, offers, require
 
 # A hook (or a one-method capability, such as ``score``) by its method name, for scripts and tests:
 # derived from the protocol's HOOKS and CAPABILITIES, never a list of its own.
@@ -57,6 +57,13 @@ class PositionalEncoding(nn.Module):
       rotates all of them at every step, so cached decoding equals the full pass.
     - ``content_scale``: the factor of the content product q . k the attention uses (None:
       1 / sqrt(head_dim)); DeBERTa's is 1 / sqrt(D * (1 + number of position terms)).
+    - ``position_axes``: how many position ids per token ``rotate`` reads: 1 (one position per
+      token, every method but the multi-axis rotations), 3 for M-RoPE (temporal, height, width), 2
+      for the patch-grid rotations (x, y). ``axis_first`` says where the axis dimension of such
+      positions sits: first, (A, T) or (A, B, T), as Qwen2-VL passes them, or last, (T, A) or
+      (B, T, A), as a patch grid is written. :class:`posenc.Geometry` checks positions against
+      them; an encoding that reads positions with ``position_axes = 1`` refuses positions with an
+      axis dimension (see :func:`position_axes_of`).
     - ``shift_invariant``: the model's output does not change when every position of a row is
       shifted by the same amount (attention depends on i - j only, and nothing is absolute):
       NoPE, ALiBi, T5, RoPE (without length-dependent scaling), Shaw, Transformer-XL. Generation
@@ -68,6 +75,12 @@ class PositionalEncoding(nn.Module):
     Hooks and optional capabilities (``bias_tails``, ``clipped_tables``, ...) are methods a subclass
     defines; :mod:`posenc.encodings.protocol` lists them and :func:`~posenc.encodings.protocol.offers`
     finds them.
+
+    Raises:
+        UsageError: (the constructor, for every method: subclasses call it first) ``num_heads`` or
+            ``head_dim`` not a positive integer, or ``causal=False`` for a method without a
+            bidirectional form; a subclass raises it too for each of its own options, naming it and
+            its allowed range.
     """
 
     name: ClassVar[str] = ""
@@ -76,14 +89,26 @@ class PositionalEncoding(nn.Module):
     # True: one instance (and one set of learned parameters) for all layers; see shares_across_layers.
     shares_parameters: ClassVar[bool] = False
     causal_only: ClassVar[bool] = False
-    # True when ``rotate`` depends on the current length (the largest key position + 1), not only
-    # on each position: the attention then caches keys un-rotated and rotates them at every step.
-    rotation_depends_on_length: bool = False
     # True when positions enter only as differences i - j (see the class docstring).
     shift_invariant: ClassVar[bool] = False
-    # The factor of the content product q . k; None: 1 / sqrt(head_dim). DeBERTa scales it by
-    # 1 / sqrt(D * (1 + its number of position terms)); read through :func:`content_scale`.
-    content_scale: float | None = None
+
+    @property
+    def rotation_depends_on_length(self) -> bool:
+        """True when ``rotate`` depends on the current length (the largest key position + 1), not
+        only on each position: the attention then caches keys un-rotated and rotates them at every
+        step. A property, so that a subclass may derive it from its options."""
+        return False
+
+    @property
+    def content_scale(self) -> float | None:
+        """The factor of the content product q . k; None: 1 / sqrt(head_dim). DeBERTa scales it by
+        1 / sqrt(D * (1 + its number of position terms)); read through :func:`content_scale`."""
+        return None
+
+    # Position ids per token that ``rotate`` reads, and whether their axis dimension comes first
+    # ((A, T), (A, B, T)) or last ((T, A), (B, T, A)); see the class docstring.
+    position_axes: ClassVar[int] = 1
+    axis_first: ClassVar[bool] = True
 
     @property
     def shares_across_layers(self) -> bool:
@@ -123,6 +148,12 @@ def check_bias_positions(encoding: nn.Module, q_positions: torch.Tensor, k_posit
             )
 
 
+def position_axes_of(encoding: nn.Module | None) -> tuple[int, bool]:
+    """(``position_axes``, ``axis_first``) of ``encoding``: (1, True) for None or an object that
+    does not declare them (one position per token)."""
+    return int(getattr(encoding, "position_axes", 1)), bool(getattr(encoding, "axis_first", True))
+
+
 def content_scale(encoding: nn.Module | None, head_dim: int) -> float:
     """The factor of q . k for ``encoding``: its ``content_scale`` attribute, or 1 / sqrt(head_dim)."""
     scale = getattr(encoding, "content_scale", None)
@@ -134,17 +165,17 @@ def relative_positions(q_positions: torch.Tensor, k_positions: torch.Tensor) -> 
     return k_positions[None, :] - q_positions[:, None]  # (Tq, Tk)
 
 
-def bias_from_score(encoding: nn.Module, q_positions: torch.Tensor, k_positions: torch.Tensor) -> torch.Tensor:
+def bias_from_score(encoding: PositionalEncoding, q_positions: torch.Tensor, k_positions: torch.Tensor) -> torch.Tensor:
     """Dense (H, Tq, Tk) bias built from an encoding's scalar form ``score(h, i, j)``.
 
     One definition serves both the dense path and fused kernels, so they cannot disagree.
     """
     check_bias_positions(encoding, q_positions, k_positions)
     heads = torch.arange(encoding.num_heads, device=q_positions.device)[:, None, None]  # (H, 1, 1)
-    return encoding.score(heads, q_positions[None, :, None], k_positions[None, None, :])  # (H, Tq, Tk)
+    return require(encoding, Scores).score(heads, q_positions[None, :, None], k_positions[None, None, :])  # (H, Tq, Tk)
 
 
-def relative_bias_from_score(encoding: nn.Module, relative: torch.Tensor) -> torch.Tensor:
+def relative_bias_from_score(encoding: PositionalEncoding, relative: torch.Tensor) -> torch.Tensor:
     """``f_h(r) = score(h, 0, r)`` for an encoding whose bias depends on r = j - i alone: (H, *r.shape)."""
     heads = torch.arange(encoding.num_heads, device=relative.device).view(-1, *([1] * relative.dim()))  # (H, 1, ..)
-    return encoding.score(heads, torch.zeros_like(relative), relative[None])  # (H, *r.shape)
+    return require(encoding, Scores).score(heads, torch.zeros_like(relative), relative[None])  # (H, *r.shape)

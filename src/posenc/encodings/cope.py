@@ -34,6 +34,7 @@ from torch import nn
 
 from ..errors import UsageError, check_positive
 from .base import PositionalEncoding
+from .protocol import ContextualForm
 
 
 class CoPE(PositionalEncoding):
@@ -55,17 +56,19 @@ class CoPE(PositionalEncoding):
         self.scale_positions = scale_positions
         self.pos_emb = nn.Parameter(torch.zeros(max_pos, head_dim))  # (P, D) e[p], zero as the authors
 
-    def contextual_positions(self) -> tuple[torch.Tensor, float, float]:
-        """Capability for fast backends: (table e (P, D), gate scale, position-logit scale).
+    def contextual_positions(self) -> ContextualForm:
+        """Capability for fast backends: :class:`~posenc.encodings.protocol.ContextualForm` (table
+        e (P, D), gate scale, position-logit scale).
 
         g_ij = sigmoid(q_i . k_j * gate_scale); z_i[p] = q_i . e[p] * logit_scale; the term is
         z_i interpolated at min(sum_{t=j..i} g_it, P - 1).
         """
         gate_scale = 1.0 / math.sqrt(self.head_dim)
-        return self.pos_emb, gate_scale, gate_scale if self.scale_positions else 1.0
+        return ContextualForm(self.pos_emb, gate_scale, gate_scale if self.scale_positions else 1.0)
 
     def query_terms(self, q: torch.Tensor, k: torch.Tensor, q_positions: torch.Tensor, k_positions: torch.Tensor) -> torch.Tensor:
-        table, gate_scale, logit_scale = self.contextual_positions()
+        form = self.contextual_positions()
+        table, gate_scale, logit_scale = form.table, form.gate_scale, form.logit_scale
         gates = torch.sigmoid(torch.matmul(q, k.transpose(-1, -2)) * gate_scale)  # (B, H, Tq, Tk)
         future = k_positions[None, :] > q_positions[:, None]  # (Tq, Tk)
         gates = gates.masked_fill(future, 0.0)

@@ -70,6 +70,7 @@ from torch import nn
 
 from ..errors import UsageError, check_positive
 from .base import PositionalEncoding
+from .protocol import DisentangledForm
 
 TERMS = ("c2p", "p2c")
 
@@ -175,14 +176,15 @@ class DeBERTa(PositionalEncoding):
         qr = None if self.pos_query_proj is None else self._heads(self.pos_query_proj(p))
         return kr, qr
 
-    def disentangled_tables(self) -> tuple[torch.Tensor | None, torch.Tensor | None, float]:
+    def disentangled_tables(self) -> DisentangledForm:
         """What ``query_terms`` is made of, for the fast backend (:class:`DisentangledTables`).
 
-        Returns (K_r (H, 2k, D) or None, Q_r (H, 2k, D) or None, scale): the pair (i, j) reads row
-        t = ``relative_rows(j - i)`` and its term is (q_i . K_r[t] + k_j . Q_r[t]) * scale.
+        Returns a :class:`~posenc.encodings.protocol.DisentangledForm` (query table K_r (H, 2k, D)
+        or None, key table Q_r (H, 2k, D) or None, scale): the pair (i, j) reads row t =
+        ``relative_rows(j - i)`` and its term is (q_i . K_r[t] + k_j . Q_r[t]) * scale.
         """
         kr, qr = self.position_tables()
-        return kr, qr, self.content_scale
+        return DisentangledForm(kr, qr, self.content_scale)
 
     def query_terms(
         self, q: torch.Tensor, k: torch.Tensor, q_positions: torch.Tensor, k_positions: torch.Tensor
@@ -204,6 +206,8 @@ class DeBERTa(PositionalEncoding):
                 per_key = torch.matmul(k, qr.transpose(-1, -2))  # (B, H, Tk, 2k)
                 p2c = per_key.transpose(-1, -2).gather(-2, idx.expand(b, h, tq, tk))  # [i, j] = per_key[j, idx_ij]
             terms = p2c if terms is None else terms + p2c
+        if terms is None:  # neither term (the constructor asks for one): no position term at all
+            return q.new_zeros(b, h, tq, tk)
         return terms * self.content_scale
 
     def extra_repr(self) -> str:

@@ -23,8 +23,9 @@ class Learned(PositionalEncoding):
 
     def __init__(self, num_heads: int, head_dim: int, causal: bool = True, max_positions: int = 1024) -> None:
         super().__init__(num_heads, head_dim, causal)
-        self.max_positions = check_positive("max_positions", max_positions)
-        self.table = nn.Parameter(torch.randn(self.max_positions, self.dim) * 0.02)  # (P, dim)
+        self.rows = check_positive("max_positions", max_positions)
+        self.max_positions = self.rows
+        self.table = nn.Parameter(torch.randn(self.rows, self.dim) * 0.02)  # (P, dim)
 
     def embed(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         # x: (B, T, dim), positions: (T,) shared or (B, T) per row (padded or packed rows)
@@ -33,7 +34,7 @@ class Learned(PositionalEncoding):
         needed = int(positions.max()) + 1 if positions.numel() else 0
         if positions.numel() and int(positions.min()) < 0:  # a negative index would wrap to the table's end
             raise UsageError(f"learned positions: positions must be >= 0, got {int(positions.min())}")
-        if needed > self.max_positions:
+        if needed > self.rows:
             raise UsageError(
                 f"learned positions: the table has max_positions={self.max_positions} rows, "
                 f"but the input needs position {needed - 1} (length {needed}); "

@@ -32,7 +32,12 @@ max + 1; Hugging Face keeps that offset as ``rope_deltas``).
 Positions with an axis dimension, as every multi-axis rotation here takes them (M-RoPE puts the
 axis first, as Qwen2-VL passes them; the patch-grid rotations of :mod:`.axial_rope` put it last):
 (T,) one id per token, used on every axis; (A, T) one set for every batch row; (A, B, T) per row.
-They are non-negative integers; they need not increase, nor be distinct, along T.
+They are non-negative integers; they need not increase, nor be distinct, along T. The encoding
+declares them (``position_axes = 3``, ``axis_first = True``), so ``posenc.attend``,
+``posenc.Attention`` and ``posenc.LM`` take them as ``positions`` too (:mod:`posenc.geometry`):
+q and k are rotated at their ids while the masks read the sequence index (the cache slot when
+decoding), and a KV cache that has seen such ids continues each row without positions at its own
+max(id) + 1 (:meth:`posenc.cache.LayerCache.next_positions`).
 
 Precision: as :mod:`.rope`: float32 cos/sin tables of float64 angles (``RotaryTable``), the rotation
 in float32, cast back once. Under ``torch.compile`` the ids are not read on the host (no graph
@@ -45,6 +50,7 @@ Shape legend: B batch, H heads, T length, D head dim, F = D/2 frequencies, A axe
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -57,15 +63,19 @@ AXES = ("temporal", "height", "width")
 
 
 def axis_positions(
-    encoding: PositionalEncoding, label: str, positions: torch.Tensor, x: torch.Tensor, num_axes: int, axis_first: bool
-) -> tuple[torch.Tensor, int]:
+    encoding: PositionalEncoding, label: str, positions: torch.Tensor, x: torch.Tensor, num_axes: int | None = None,
+    axis_first: bool | None = None,
+) -> tuple[torch.Tensor, int | None]:
     """Positions of ``x`` (B, H, T, D) as an (A, B', T) LongTensor, B' = 1 or B, and the largest id
     + 1 (one device sync; None while ``torch.compile`` traces, which reads nothing on the host);
     UsageError otherwise.
 
     Accepted: (T,) (the same id on every axis), one set for all rows, (A, T) axis-first or (T, A)
-    axis-last, and per row (A, B, T) or (B, T, A). ``label`` names the argument in messages.
+    axis-last, and per row (A, B, T) or (B, T, A). ``label`` names the argument in messages;
+    ``num_axes`` and ``axis_first`` default to the encoding's ``position_axes`` and ``axis_first``.
     """
+    num_axes = encoding.position_axes if num_axes is None else num_axes
+    axis_first = encoding.axis_first if axis_first is None else axis_first
     name, batch, length = encoding.name, x.shape[0], x.shape[-2]
     if x.shape[-1] != encoding.head_dim:
         raise UsageError(f"{name}: {label} has {x.shape[-1]} features per head, but the encoding was built for head_dim={encoding.head_dim}")
@@ -94,7 +104,7 @@ def axis_positions(
 
 
 def select_axes(
-    table: RotaryTable, positions: torch.Tensor, needed: int, axis_of: torch.Tensor
+    table: RotaryTable, positions: torch.Tensor, needed: int | None, axis_of: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """float32 cos and sin (B', 1, T, F) with entry f at ``positions[axis_of[f]]`` (positions
     (A, B', T), all < ``needed``): the angles of one set of frequencies, each at its own axis.
@@ -108,7 +118,9 @@ def select_axes(
     else:
         cos, sin = table.lookup(flat, max(needed, 1))  # (A * B' * T, F)
     index = axis_of.to(positions.device).view(1, 1, 1, -1).expand(1, b, t, -1)  # (1, B', T, F)
-    pick = lambda c: c.view(a, b, t, -1).gather(0, index).view(b, 1, t, -1)  # noqa: E731
+    def pick(c: torch.Tensor) -> torch.Tensor:
+        return c.view(a, b, t, -1).gather(0, index).view(b, 1, t, -1)
+
     return pick(cos), pick(sin)
 
 
@@ -141,8 +153,13 @@ class MRoPE(PositionalEncoding):
 
     Matches Hugging Face ``transformers``' Qwen2-VL / Qwen2.5-VL text rotary embedding
     (contiguous sections) and Qwen3-VL's (``mrope_interleaved=True``) followed by its
-    ``apply_rotary_pos_emb``, which use ``layout="half"`` (tests/test_mrope.py). Only the default
-    frequencies (no long-context scaling).
+    ``apply_rotary_pos_emb``, which use ``layout="half"`` (tests/test_mrope.py; through
+    ``posenc.attend`` and ``posenc.Attention`` with Qwen2-VL's ``get_rope_index`` ids,
+    tests/test_axis_positions.py). Only the default frequencies (no long-context scaling).
+
+    Positions: (T,) text ids, (3, T) or (3, B, T) ids (temporal, height, width) per token, in
+    ``rotate`` and as ``positions`` of ``posenc.attend`` / ``posenc.Attention`` / ``posenc.LM``
+    (``position_axes = 3``, axis first).
 
     Args:
         base: theta base (default 10000; transformers' config defaults: Qwen2-VL 1e6, Qwen3-VL 5e5).
@@ -158,6 +175,8 @@ class MRoPE(PositionalEncoding):
     description = "RoPE with frequencies split over (temporal, height, width) ids (Wang et al. 2024, Qwen2-VL; Qwen3-VL interleaved)"
     extrapolates = True
     shift_invariant = True  # shifting every id of a row by one amount leaves every id difference unchanged
+    position_axes = 3  # (temporal, height, width) ids per token,
+    axis_first = True  # axis first, (3, T) or (3, B, T), as Qwen2-VL passes them
 
     def __init__(
         self,
@@ -223,7 +242,7 @@ class MRoPE(PositionalEncoding):
                 f"mrope_interleaved={self.mrope_interleaved}, layout={self.layout!r}")
 
 
-def mrope_from_hf(config, **options) -> MRoPE:
+def mrope_from_hf(config: object, **options: Any) -> MRoPE:
     """An :class:`MRoPE` from a ``transformers`` Qwen2-VL / Qwen2.5-VL / Qwen3-VL config (the whole
     config or its ``text_config``, object or dict): heads, head dim, ``rope_theta``,
     ``mrope_section`` and ``mrope_interleaved`` from ``rope_parameters`` (or ``rope_scaling``).
@@ -232,7 +251,7 @@ def mrope_from_hf(config, **options) -> MRoPE:
     (Qwen3-VL's class does whatever the flag says), any other interleaves only with
     ``mrope_interleaved``; without ``mrope_section``, (24, 20, 20) for qwen3, (16, 24, 24) otherwise. ``options`` go to :class:`MRoPE` (``causal``,
     ``cache_length``). A scaled ``rope_type`` is a UsageError: the default frequencies only."""
-    def get(cfg, key):
+    def get(cfg: object, key: str) -> Any:
         return cfg.get(key) if isinstance(cfg, Mapping) else getattr(cfg, key, None)
 
     text = get(config, "text_config") or config

@@ -41,19 +41,21 @@ tested against.
 - :class:`RelativeBias`: ``relative_bias(r) -> (H, *r.shape)`` and ``bias_tails() -> BiasTails``:
   a bias that depends on r = j - i alone and, past some distance, is constant or linear in r (T5's
   last bucket, ALiBi), so far keys can go through a fused kernel (``backends/blocked.py``).
-- :class:`ClippedTables`: ``clipped_tables()`` (Shaw): clip k, key and value tables, scale.
-- :class:`DistanceKeys`: ``distance_key_form()`` and ``position_keys(distances, dtype)``
-  (Transformer-XL): one position key per distance (``backends/terms.py``).
-- :class:`DisentangledTables`: ``disentangled_tables() -> (query_table (H, R, D) or None,
-  key_table (H, R, D) or None, scale)`` and ``relative_rows(r) -> rows`` (DeBERTa): query terms
-  ``(q_i . query_table[t] + k_j . key_table[t]) * scale`` at row t = relative_rows(j - i); the
+- :class:`ClippedTables`: ``clipped_tables() -> ClipTables`` (Shaw): clip k, key and value
+  tables, scale.
+- :class:`DistanceKeys`: ``distance_key_form() -> DistanceKeyForm`` (u, v, scale) and
+  ``position_keys(distances, dtype)`` (Transformer-XL): one position key per distance
+  (``backends/terms.py``).
+- :class:`DisentangledTables`: ``disentangled_tables() -> DisentangledForm`` (query_table (H, R,
+  D) or None, key_table (H, R, D) or None, scale) and ``relative_rows(r) -> rows`` (DeBERTa): query
+  terms ``(q_i . query_table[t] + k_j . key_table[t]) * scale`` at row t = relative_rows(j - i); the
   backend finds, per call, where the rows stop changing on each side, so far keys are plain
   attention with a per-query constant and a per-head shift of q (``backends/parts/disentangled.py``).
 - :class:`BiasFeatures`: ``bias_features(q_positions, k_positions) -> (qf (H, Tq, F), kf (H, Tk,
   F))`` with ``bias = qf @ kf^T`` up to a per-query constant: an exactly low-rank bias that plain
   SDPA runs as F extra features on q and k (``backends/features.py``).
-- :class:`ContextualPositions`: ``contextual_positions() -> (table (P, D), gate_scale,
-  logit_scale)`` (CoPE): query terms that are q_i . table[p] * logit_scale interpolated at the
+- :class:`ContextualPositions`: ``contextual_positions() -> ContextualForm`` (table (P, D),
+  gate_scale, logit_scale) (CoPE): query terms that are q_i . table[p] * logit_scale interpolated at the
   fractional position p_ij = min(sum_{t=j..i} sigmoid(q_i . k_t * gate_scale), P - 1); every key
   whose count reaches P - 1 gets one per-query constant, so far keys are plain attention
   (``backends/contextual.py``).
@@ -67,9 +69,14 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, TypeVar, runtime_checkable
 
 import torch
+
+if TYPE_CHECKING:  # typing.TypeIs is Python 3.13's; typing_extensions is only needed by the type checker
+    from typing_extensions import TypeIs
+
+C = TypeVar("C")
 
 
 @runtime_checkable
@@ -141,21 +148,81 @@ class RelativeBias(Protocol):
     def bias_tails(self) -> BiasTails: ...
 
 
+@dataclass(frozen=True)
+class ClipTables:
+    """What Shaw's ``query_terms`` and ``value_terms`` are made of (:class:`ClippedTables`).
+
+    The pair (i, j) uses row ``clip(j - i, -clip, clip) + clip`` of both tables: its score term is
+    ``q_i . key_table[row] * scale`` and its value term ``p_ij * value_table[row]``. Tables are
+    (2 clip + 1, D) and may be learned.
+    """
+
+    clip: int
+    key_table: torch.Tensor
+    value_table: torch.Tensor
+    scale: float
+
+
+@dataclass(frozen=True)
+class DistanceKeyForm:
+    """What Transformer-XL's ``query_terms`` is made of (:class:`DistanceKeys`)::
+
+        query_terms[i, j] = ((q_i + v) . position_keys(i - j)[h] + u . k_j) * scale
+
+    ``u`` (H, D) is the global content bias, ``v`` (H, D) the global position bias (Dai et al. 2019,
+    eq. in §3.3); both may be learned.
+    """
+
+    u: torch.Tensor
+    v: torch.Tensor
+    scale: float
+
+
+@dataclass(frozen=True)
+class ContextualForm:
+    """What CoPE's ``query_terms`` are made of (:class:`ContextualPositions`)::
+
+        g_it = sigmoid(q_i . k_t * gate_scale);  p_ij = min(sum_{t=j..i} g_it, P - 1)
+        query_terms[i, j] = z_i[p_ij] interpolated,  z_i[p] = q_i . table[p] * logit_scale
+
+    ``table`` (P, D) holds the position embeddings e[p] (learned).
+    """
+
+    table: torch.Tensor
+    gate_scale: float
+    logit_scale: float
+
+
 @runtime_checkable
 class ClippedTables(Protocol):
-    def clipped_tables(self) -> tuple[int, torch.Tensor, torch.Tensor, float]: ...
+    def clipped_tables(self) -> ClipTables: ...
 
 
 @runtime_checkable
 class DistanceKeys(Protocol):
-    def distance_key_form(self) -> tuple[torch.Tensor, torch.Tensor, float]: ...
+    def distance_key_form(self) -> DistanceKeyForm: ...
 
     def position_keys(self, distances: torch.Tensor, dtype: torch.dtype) -> torch.Tensor: ...
 
 
+@dataclass(frozen=True)
+class DisentangledForm:
+    """What DeBERTa's ``query_terms`` are made of (:class:`DisentangledTables`)::
+
+        query_terms[i, j] = (q_i . query_table[t] + k_j . key_table[t]) * scale,  t = relative_rows(j - i)
+
+    ``query_table`` (H, R, D) gives c2p (None without it), ``key_table`` (H, R, D) p2c (None
+    without it); both are projections of the learned relative embeddings (He et al. 2020, eq. 4).
+    """
+
+    query_table: torch.Tensor | None
+    key_table: torch.Tensor | None
+    scale: float
+
+
 @runtime_checkable
 class DisentangledTables(Protocol):
-    def disentangled_tables(self) -> tuple[torch.Tensor | None, torch.Tensor | None, float]: ...
+    def disentangled_tables(self) -> DisentangledForm: ...
 
     def relative_rows(self, relative: torch.Tensor) -> torch.Tensor: ...
 
@@ -167,7 +234,7 @@ class BiasFeatures(Protocol):
 
 @runtime_checkable
 class ContextualPositions(Protocol):
-    def contextual_positions(self) -> tuple[torch.Tensor, float, float]: ...
+    def contextual_positions(self) -> ContextualForm: ...
 
 
 HOOKS: tuple[type, ...] = (Embeds, Rotates, Biases, QueryTerms, ValueTerms, Gates)
@@ -182,20 +249,37 @@ def members(capability: type) -> tuple[str, ...]:
     return tuple(name for name, value in vars(capability).items() if not name.startswith("_") and callable(value))
 
 
-def offers(encoding: object, capability: type) -> bool:
+def offers(encoding: object, capability: type[C]) -> TypeIs[C]:
     """True when ``encoding`` implements every method of ``capability`` (one of :data:`HOOKS` or
-    :data:`CAPABILITIES`).
+    :data:`CAPABILITIES`); a type checker then knows the encoding has them.
 
     A subclass can switch a hook off by setting it to None; every method must be callable.
+
+    Raises:
+        TypeError: ``capability`` is not one of the hook or capability Protocols (a programming
+            error, not a user's).
     """
-    if capability not in HOOKS and capability not in CAPABILITIES:
+    kind: type = capability  # a class, hashable: the key of members' cache
+    if kind not in HOOKS and kind not in CAPABILITIES:
         raise TypeError(f"capability must be one of {[c.__name__ for c in HOOKS + CAPABILITIES]}, got {capability!r}")
-    return all(callable(getattr(encoding, name, None)) for name in members(capability))
+    return all(callable(getattr(encoding, name, None)) for name in members(kind))
+
+
+def require(encoding: object, capability: type[C]) -> C:
+    """``encoding``, as one that offers ``capability``: for a backend function that a caller chose
+    because :func:`offers` said so (the check is repeated, so a wrong call fails loudly).
+
+    Raises:
+        TypeError: ``encoding`` does not offer ``capability`` (a backend's bug, not a user's).
+    """
+    if not offers(encoding, capability):
+        raise TypeError(f"{type(encoding).__name__} does not offer {capability.__name__}")
+    return encoding
 
 
 __all__ = [
-    "CAPABILITIES", "HOOKS", "BiasFeatures", "BiasTails", "Biases", "ClippedTables", "ContextualPositions", "DisentangledTables",
-    "DistanceBias", "DistanceKeys",
+    "CAPABILITIES", "HOOKS", "BiasFeatures", "BiasTails", "Biases", "ClipTables", "ClippedTables", "ContextualForm", "ContextualPositions",
+    "DisentangledForm", "DisentangledTables", "DistanceBias", "DistanceKeyForm", "DistanceKeys",
     "Embeds", "Gates",
-    "QueryTerms", "RelativeBias", "Rotates", "Scores", "ValueTerms", "members", "offers",
+    "QueryTerms", "RelativeBias", "Rotates", "Scores", "ValueTerms", "members", "offers", "require",
 ]

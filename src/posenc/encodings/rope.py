@@ -32,6 +32,7 @@ Shape legend: B batch, H heads, T length, D head dim, r rotated features (``rota
 from __future__ import annotations
 
 import warnings
+from typing import Any
 
 import torch
 
@@ -151,6 +152,7 @@ class RoPE(PositionalEncoding):
     description = "rotates q and k by position-dependent angles (Su et al. 2021, RoFormer); HF scalings"
     extrapolates = True  # runs at any length, degrading past the training length
     shift_invariant = True  # depends on i - j only (rotation_depends_on_length switches it off)
+    hf_source: str | None = None  # which block of a Hugging Face config built it (rope_from_hf)
 
     def __init__(
         self,
@@ -160,7 +162,7 @@ class RoPE(PositionalEncoding):
         base: float | None = None,
         layout: str = "half",
         rotary_dim: int | None = None,
-        scaling: dict | RopeScaling | None = None,
+        scaling: dict[str, Any] | RopeScaling | None = None,
         cache_length: int = 2048,
     ) -> None:
         super().__init__(num_heads, head_dim, causal)
@@ -172,15 +174,32 @@ class RoPE(PositionalEncoding):
         self.initial_cache_length = check_positive("cache_length", cache_length)
         self._configure(base, rotary_dim, scaling)
 
-    def _configure(self, base: float | None, rotary_dim: int | None, scaling) -> None:
+    DEFAULT_BASE = 10000.0
+
+    @classmethod
+    def geometry(cls, head_dim: int, base: float | None = None, rotary_dim: int | None = None,
+                 scaling: dict[str, Any] | RopeScaling | None = None) -> tuple[float, int]:
+        """(base, rotated features) of an encoding built with these options, from the options and
+        the declared defaults alone (nothing is built): ``base``, else the block's ``rope_theta``,
+        else :attr:`DEFAULT_BASE`; ``rotary_dim``, else ``head_dim * partial_rotary_factor``, else
+        ``head_dim``.
+
+        Raises:
+            UsageError: when ``base`` and the block's ``rope_theta``, or ``rotary_dim`` and its
+                ``partial_rotary_factor``, disagree, or the base is outside (1, MAX_BASE].
+        """
         cfg = parse_scaling(scaling)
         if base is not None and cfg.rope_theta is not None and float(base) != cfg.rope_theta:
             raise UsageError(f"base={base} disagrees with the scaling block's rope_theta={cfg.rope_theta}; give one of them")
         base = cfg.rope_theta if base is None else base
-        base = 10000.0 if base is None else base
+        base = cls.DEFAULT_BASE if base is None else base
         if isinstance(base, bool) or not isinstance(base, (int, float)) or not 1 < base <= MAX_BASE:
             raise UsageError(f"base must be a finite number in (1, {MAX_BASE:g}], got {base!r}")
-        rotary_dim = rotary_dim_of(cfg, self.head_dim, rotary_dim)
+        return float(base), rotary_dim_of(cfg, head_dim, rotary_dim)
+
+    def _configure(self, base: float | None, rotary_dim: int | None, scaling: dict[str, Any] | RopeScaling | None) -> None:
+        cfg = parse_scaling(scaling)
+        base, rotary_dim = self.geometry(self.head_dim, base, rotary_dim, cfg)
         if isinstance(rotary_dim, bool) or not isinstance(rotary_dim, int) or not 2 <= rotary_dim <= self.head_dim or rotary_dim % 2:
             raise UsageError(f"rotary_dim must be an even integer in [2, head_dim={self.head_dim}], got {rotary_dim!r}")
         cfg.check_rotary_dim(rotary_dim)
@@ -198,7 +217,7 @@ class RoPE(PositionalEncoding):
         self._long: RotaryTable | None = None  # longrope past L
         self._at_length: tuple[int, RotaryTable] | None = None  # dynamic past L: the last length's table
 
-    def set_scaling(self, scaling: dict | RopeScaling | None) -> None:
+    def set_scaling(self, scaling: dict[str, Any] | RopeScaling | None) -> None:
         """Swap the scaling in place, keeping base and rotary_dim: evaluate a trained RoPE model
         under another scaling without retraining (every layer sharing this encoding follows)."""
         self._configure(self.base, self.rotary_dim, scaling)
@@ -236,7 +255,7 @@ class RoPE(PositionalEncoding):
 
     def _table(self, length: int, device: torch.device) -> RotaryTable:
         cfg = self.scaling
-        if not cfg.depends_on_length or length <= cfg.original_length:
+        if not cfg.depends_on_length or length <= (cfg.original_length or 0):
             return self._main
         if cfg.rope_type == "longrope":
             if self._long is None:
@@ -280,7 +299,8 @@ class RoPE(PositionalEncoding):
             if table.cos.device != q.device:
                 table.build(table.length, q.device)
             factor = None if self.attention_factor == 1.0 else self.attention_factor
-            return tuple(apply_rotation(x, table.cos[p], table.sin[p], self.layout, factor) for x, p in ((q, q_positions), (k, k_positions)))
+            return (apply_rotation(q, table.cos[q_positions], table.sin[q_positions], self.layout, factor),
+                    apply_rotation(k, table.cos[k_positions], table.sin[k_positions], self.layout, factor))
         _, length = check_rotation_inputs(self, q, k, q_positions, k_positions)  # largest key position + 1
         return self.rotate_one(q, q_positions, length), self.rotate_one(k, k_positions, length)
 
@@ -289,7 +309,7 @@ class RoPE(PositionalEncoding):
         return f"{super().extra_repr()}, base={self.base}, layout={self.layout!r}, rotary_dim={self.rotary_dim}{scaling}"
 
 
-def rope_from_hf(config, **options) -> RoPE:
+def rope_from_hf(config: object, **options: Any) -> RoPE:
     """A :class:`RoPE` built from a Hugging Face ``transformers`` config object or its dict:
     heads, head dim, ``rope_theta`` and the scaling block, each key resolved as ``transformers``
     resolves it (:func:`~posenc.encodings.rope_scaling.resolve_hf`: ``rope_scaling`` wins over
@@ -306,7 +326,7 @@ def rope_from_hf(config, **options) -> RoPE:
     return encoding
 
 
-def with_scaling(encoding: RoPE, scaling: dict | RopeScaling | None) -> RoPE:
+def with_scaling(encoding: RoPE, scaling: dict[str, Any] | RopeScaling | None) -> RoPE:
     """A copy of ``encoding`` (same heads, base, layout, rotary_dim) under another ``scaling``."""
     if not isinstance(encoding, RoPE):
         raise UsageError(f"with_scaling needs a rope encoding, got {type(encoding).__name__}")

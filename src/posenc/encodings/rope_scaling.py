@@ -44,6 +44,7 @@ import math
 import numbers
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -82,7 +83,7 @@ REQUIRED: dict[str, tuple[str, ...]] = {
 }
 
 
-def _number(key: str, value, low: float = 0.0, strict: bool = True, high: float | None = None) -> float:
+def _number(key: str, value: Any, low: float = 0.0, strict: bool = True, high: float | None = None) -> float:
     """A finite real number above ``low`` (or at least ``low`` when not strict) and at most
     ``high``, as float."""
     ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
@@ -94,7 +95,7 @@ def _number(key: str, value, low: float = 0.0, strict: bool = True, high: float 
     return float(value)
 
 
-def _factor(key: str, value) -> float:
+def _factor(key: str, value: Any) -> float:
     """A scale factor: in FACTOR_RANGE, so that every schedule's table stays in float32's range."""
     low, high = FACTOR_RANGE
     ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
@@ -103,13 +104,13 @@ def _factor(key: str, value) -> float:
     return float(value)
 
 
-def _length(key: str, value) -> int:
+def _length(key: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
         raise UsageError(f"rope scaling: {key} must be a positive integer, got {value!r}")
     return int(value)
 
 
-def _factors(key: str, value) -> tuple[float, ...]:
+def _factors(key: str, value: Any) -> tuple[float, ...]:
     if isinstance(value, (str, bytes)) or not isinstance(value, (Sequence, torch.Tensor)) or len(value) == 0:
         low, high = FACTOR_RANGE
         raise UsageError(f"rope scaling: {key} must be a list of numbers in [{low:g}, {high:g}] (one per frequency pair), "
@@ -175,7 +176,7 @@ class RopeScaling:
             raise UsageError(f"rope scaling: partial_rotary_factor must be in (0, 1], got {p!r}")
         if (self.beta_fast or 32.0) <= (self.beta_slow or 1.0):
             raise UsageError(f"rope scaling: beta_fast ({self.beta_fast or 32.0:g}) must be greater than beta_slow ({self.beta_slow or 1.0:g})")
-        if self.rope_type == "llama3" and self.high_freq_factor <= self.low_freq_factor:
+        if self.rope_type == "llama3" and _need(self, "high_freq_factor") <= _need(self, "low_freq_factor"):
             raise UsageError(
                 f"rope scaling: high_freq_factor ({self.high_freq_factor:g}) must be greater than low_freq_factor ({self.low_freq_factor:g})"
             )
@@ -218,9 +219,9 @@ class RopeScaling:
             return self.max_position_embeddings / self.original_max_position_embeddings
         return 1.0
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         """The block back as a plain dict (only the keys given), e.g. for a JSON config."""
-        out = {"rope_type": self.rope_type}
+        out: dict[str, Any] = {"rope_type": self.rope_type}
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             if f.name != "rope_type" and value is not None:
@@ -238,7 +239,7 @@ class RopeScaling:
                 )
 
 
-def parse_scaling(scaling: Mapping | RopeScaling | None) -> RopeScaling:
+def parse_scaling(scaling: Mapping[str, Any] | RopeScaling | None) -> RopeScaling:
     """A Hugging Face style block (``rope_scaling`` / ``rope_parameters``) as a :class:`RopeScaling`.
 
     Accepts ``rope_type`` or its older name ``type`` (both, if equal); None means no scaling.
@@ -250,11 +251,11 @@ def parse_scaling(scaling: Mapping | RopeScaling | None) -> RopeScaling:
     if not isinstance(scaling, Mapping):
         raise UsageError(f"scaling must be a dict such as a config's rope_scaling block, got {type(scaling).__name__}")
     block = dict(scaling)
-    names = [block.pop(key) for key in ("rope_type", "type") if key in block]
-    for name in names:
+    given = [block.pop(key) for key in ("rope_type", "type") if key in block]
+    for name in given:
         if not isinstance(name, str):
             raise UsageError(f"rope scaling: rope_type must be one of {list(ROPE_TYPES)}, got {name!r}")
-    names = set(names)
+    names = set(given)
     if len(names) > 1:
         raise UsageError(f"rope scaling: rope_type and type disagree: {sorted(map(str, names))}")
     fields = {f.name for f in dataclasses.fields(RopeScaling)}
@@ -265,6 +266,30 @@ def parse_scaling(scaling: Mapping | RopeScaling | None) -> RopeScaling:
 
 
 # ---- one schedule per type: (inv_freq float64, attention_factor) --------------------------------
+
+
+def _need(cfg: RopeScaling, key: str) -> float:
+    """A number the block's ``rope_type`` requires (``TYPE_KEYS``, checked when the block was made).
+
+    Raises:
+        UsageError: the block lacks it.
+    """
+    value = getattr(cfg, key)
+    if value is None:
+        raise UsageError(f"rope scaling: rope_type {cfg.rope_type!r} needs {key}")
+    return float(value)
+
+
+def _original(cfg: RopeScaling) -> int:
+    """L, the training length the block names (see :attr:`RopeScaling.original_length`).
+
+    Raises:
+        UsageError: the block names none.
+    """
+    length = cfg.original_length
+    if length is None:
+        raise UsageError(f"rope scaling: rope_type {cfg.rope_type!r} needs original_max_position_embeddings")
+    return length
 
 
 def default_frequencies(base: float, dim: int) -> torch.Tensor:
@@ -278,18 +303,18 @@ def _default(cfg: RopeScaling, base: float, dim: int, length: int | None) -> tup
 
 
 def _linear(cfg: RopeScaling, base: float, dim: int, length: int | None) -> tuple[torch.Tensor, float]:
-    return default_frequencies(base, dim) / cfg.factor, 1.0
+    return default_frequencies(base, dim) / _need(cfg, "factor"), 1.0
 
 
 def _ntk(cfg: RopeScaling, base: float, dim: int, length: int | None) -> tuple[torch.Tensor, float]:
-    return default_frequencies(base * cfg.factor ** (dim / (dim - 2)), dim), 1.0
+    return default_frequencies(base * _need(cfg, "factor") ** (dim / (dim - 2)), dim), 1.0
 
 
 def _dynamic(cfg: RopeScaling, base: float, dim: int, length: int | None) -> tuple[torch.Tensor, float]:
-    original = cfg.original_length
+    original = _original(cfg)
     current = max(length or original, original)
     # s l/L - (s - 1), written so that it is exactly 1 at l = L (the difference cancels for large s).
-    grown = 1.0 + cfg.factor * (current - original) / original
+    grown = 1.0 + _need(cfg, "factor") * (current - original) / original
     return default_frequencies(base * grown ** (dim / (dim - 2)), dim), 1.0
 
 
@@ -298,7 +323,7 @@ def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
 
 
 def _yarn(cfg: RopeScaling, base: float, dim: int, length: int | None) -> tuple[torch.Tensor, float]:
-    s, original = cfg.scale, cfg.original_max_position_embeddings
+    s, original = cfg.scale, _need(cfg, "original_max_position_embeddings")
     if cfg.attention_factor is not None:
         attention = cfg.attention_factor
     elif cfg.mscale and cfg.mscale_all_dim:  # both given and non-zero, as HF tests them
@@ -323,17 +348,18 @@ def _yarn(cfg: RopeScaling, base: float, dim: int, length: int | None) -> tuple[
 
 def _llama3(cfg: RopeScaling, base: float, dim: int, length: int | None) -> tuple[torch.Tensor, float]:
     theta = default_frequencies(base, dim)
-    original, s = cfg.original_max_position_embeddings, cfg.factor
+    original, s = _need(cfg, "original_max_position_embeddings"), _need(cfg, "factor")
+    low, high = _need(cfg, "low_freq_factor"), _need(cfg, "high_freq_factor")
     wavelength = 2 * math.pi / theta
     # 0 at wavelength L/low_freq_factor (fully interpolated), 1 at L/high_freq_factor (kept).
-    smooth = (original / wavelength - cfg.low_freq_factor) / (cfg.high_freq_factor - cfg.low_freq_factor)
+    smooth = (original / wavelength - low) / (high - low)
     blended = (1 - smooth) * theta / s + smooth * theta
-    out = torch.where(wavelength > original / cfg.low_freq_factor, theta / s, blended)
-    return torch.where(wavelength < original / cfg.high_freq_factor, theta, out), 1.0
+    out = torch.where(wavelength > original / low, theta / s, blended)
+    return torch.where(wavelength < original / high, theta, out), 1.0
 
 
 def _longrope(cfg: RopeScaling, base: float, dim: int, length: int | None) -> tuple[torch.Tensor, float]:
-    original = cfg.original_max_position_embeddings
+    original = _need(cfg, "original_max_position_embeddings")
     factors = cfg.long_factor if length is not None and length > original else cfg.short_factor
     if cfg.attention_factor is not None:
         attention = cfg.attention_factor
@@ -404,11 +430,11 @@ class HFRope:
     num_heads: int
     head_dim: int
     base: float
-    scaling: dict
+    scaling: dict[str, Any]
     source: str | None = None
     ignored: str | None = None
 
-    def options(self) -> dict:
+    def options(self) -> dict[str, Any]:
         """Keyword arguments of :class:`~posenc.encodings.rope.RoPE`."""
         return {"num_heads": self.num_heads, "head_dim": self.head_dim, "base": self.base, "scaling": dict(self.scaling)}
 
@@ -421,19 +447,19 @@ class HFRope:
         return f"the {self.source} block ({self.ignored} ignored, as transformers does)"
 
 
-def _hf_int(key: str, value) -> int:
+def _hf_int(key: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
         raise UsageError(f"rope_from_hf: {key} must be a positive integer, got {value!r}")
     return int(value)
 
 
-def _hf_block(key: str, value) -> dict:
+def _hf_block(key: str, value: Any) -> dict[str, Any]:
     if not isinstance(value, Mapping):
         raise UsageError(f"rope_from_hf: {key} must be a JSON object (a dict of RoPE keys), got {value!r}")
     return dict(value)
 
 
-def resolve_hf(config) -> HFRope:
+def resolve_hf(config: object) -> HFRope:
     """Heads, head dim, base and scaling block of a ``transformers`` config object or its
     ``config.json`` dict, resolved as ``transformers`` 5.x does (``LlamaConfig(**d)``):
 
@@ -450,10 +476,8 @@ def resolve_hf(config) -> HFRope:
 
     Every number is checked (type and range); a bad one is a UsageError naming its key.
     """
-    is_mapping = isinstance(config, Mapping)
-
-    def get(key: str):
-        return config.get(key) if is_mapping else getattr(config, key, None)
+    def get(key: str) -> Any:
+        return config.get(key) if isinstance(config, Mapping) else getattr(config, key, None)
 
     if get("num_attention_heads") is None:
         raise UsageError("rope_from_hf: the config has no num_attention_heads")
@@ -468,8 +492,9 @@ def resolve_hf(config) -> HFRope:
             raise UsageError(f"rope_from_hf: hidden_size ({hidden}) must be a multiple of num_attention_heads "
                              f"({num_heads}) when the config gives no head_dim")
         head_dim = hidden // num_heads
-    source = ignored = None
-    if is_mapping:
+    source: str | None = None
+    ignored: str | None = None
+    if isinstance(config, Mapping):
         given = [k for k in ("rope_scaling", "rope_parameters") if config.get(k) is not None]
         for key in given:
             _hf_block(key, config[key])
@@ -480,11 +505,11 @@ def resolve_hf(config) -> HFRope:
     elif get("rope_parameters"):
         source = "rope_parameters"
         _hf_block(source, get(source))
-    block = dict(get(source)) if source else {}
-    base = block.pop("rope_theta", None)
+    block: dict[str, Any] = dict(get(source)) if source else {}
+    base: Any = block.pop("rope_theta", None)
     if base is None:
         base = get("rope_theta") if get("rope_theta") is not None else 10000.0
-    if isinstance(base, bool) or not isinstance(base, numbers.Real) or not math.isfinite(base) or not 1 < base <= MAX_BASE:
+    if isinstance(base, bool) or not isinstance(base, numbers.Real) or not math.isfinite(base) or not 1 < float(base) <= MAX_BASE:
         raise UsageError(f"rope_from_hf: rope_theta must be a number in (1, {MAX_BASE:g}], got {base!r}")
     if get("partial_rotary_factor") is not None:
         block.setdefault("partial_rotary_factor", get("partial_rotary_factor"))
@@ -519,7 +544,7 @@ def resolve_hf(config) -> HFRope:
     return HFRope(num_heads, head_dim, float(base), block, source, ignored)
 
 
-def options_from_hf(config) -> dict:
+def options_from_hf(config: object) -> dict[str, Any]:
     """``RoPE`` keyword arguments (num_heads, head_dim, base, scaling) of :func:`resolve_hf`."""
     return resolve_hf(config).options()
 

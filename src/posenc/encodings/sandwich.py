@@ -43,6 +43,8 @@ class Sandwich(PositionalEncoding):
     description = "parameter-free bias from the dot product of sinusoidal positions (Chi et al. 2023)"
     extrapolates = True
 
+    head_scale: torch.Tensor  # (H,) 1 / s_h, a buffer
+
     def __init__(self, num_heads: int, head_dim: int, causal: bool = True, sinusoid_dim: int = 16) -> None:
         super().__init__(num_heads, head_dim, causal)
         check_positive("sinusoid_dim", sinusoid_dim)
@@ -65,7 +67,7 @@ class Sandwich(PositionalEncoding):
     def score(self, h: torch.Tensor, i: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
         # Elementwise only (no new tensors but from the inputs), so a fused kernel can run it.
         distance = (i - j).to(torch.float64)
-        total = -self.sinusoid_dim / 2
+        total = torch.full_like(distance, -self.sinusoid_dim / 2)
         for k in range(1, self.sinusoid_dim // 2 + 1):
             total = total + torch.cos(distance * BASE ** (-2.0 * k / self.sinusoid_dim))
         scale = self.num_heads / (8.0 * (h + 1).to(torch.float64))  # 1 / s_h

@@ -20,6 +20,7 @@ from torch import nn
 
 from ..errors import check_positive
 from .base import PositionalEncoding
+from .protocol import ClipTables
 
 
 class Shaw(PositionalEncoding):
@@ -59,15 +60,15 @@ class Shaw(PositionalEncoding):
         per_distance = probs.new_zeros(b, h, tq, size).scatter_add_(-1, index.expand(b, h, tq, tk), probs)  # (B, H, Tq, 2k+1)
         return torch.matmul(per_distance, self.value_table.to(probs.dtype))  # (B, H, Tq, D)
 
-    def clipped_tables(self) -> tuple[int, torch.Tensor, torch.Tensor, float]:
+    def clipped_tables(self) -> ClipTables:
         """What ``query_terms`` and ``value_terms`` are made of, for fast backends.
 
-        Returns (k, key table (2k+1, D), value table (2k+1, D), scale): the pair (i, j) uses row
-        clip(j - i, -k, k) + k, its score term is ``q_i . key_row * scale`` and its value term
-        ``p_ij * value_row``. Every key farther than k on one side uses the same row, which lets a
+        Returns :class:`~posenc.encodings.protocol.ClipTables` (clip k, key table (2k+1, D), value
+        table (2k+1, D), scale): the pair (i, j) uses row clip(j - i, -k, k) + k, its score term is
+        ``q_i . key_row * scale`` and its value term ``p_ij * value_row``. Every key farther than k on one side uses the same row, which lets a
         backend treat far keys as plain attention (backends/terms.py).
         """
-        return self.max_relative_position, self.key_table, self.value_table, 1.0 / math.sqrt(self.head_dim)
+        return ClipTables(self.max_relative_position, self.key_table, self.value_table, 1.0 / math.sqrt(self.head_dim))
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, max_relative_position={self.max_relative_position}"

@@ -103,7 +103,7 @@ class T5Bias(PositionalEncoding):
         )
         self.relative_attention_bias = nn.Embedding(num_buckets, num_heads)  # (buckets, H)
         nn.init.normal_(self.relative_attention_bias.weight, std=0.02)
-        self._bucket_cache: dict[tuple, torch.Tensor] = {}
+        self._bucket_cache: dict[tuple[object, ...], torch.Tensor] = {}
 
     def buckets(self, relative_position: torch.Tensor) -> torch.Tensor:
         return relative_position_bucket(
@@ -135,13 +135,15 @@ class T5Bias(PositionalEncoding):
     def bias(self, q_positions: torch.Tensor, k_positions: torch.Tensor) -> torch.Tensor:
         check_bias_positions(self, q_positions, k_positions)
         buckets = self.bucket_table(q_positions, k_positions)  # (Tq, Tk)
-        return self.relative_attention_bias(buckets).permute(2, 0, 1)  # (H, Tq, Tk)
+        values: torch.Tensor = self.relative_attention_bias(buckets)  # (Tq, Tk, H)
+        return values.permute(2, 0, 1)  # (H, Tq, Tk)
 
     # Capabilities for the fast backends (see PositionalEncoding). The bias is piecewise constant
     # in r = j - i, and every distance from the last bucket's first one on shares one value per
     # head: beyond that band, attention is plain attention plus a per-head constant.
     def relative_bias(self, relative: torch.Tensor) -> torch.Tensor:
-        return self.relative_attention_bias(self.buckets(relative)).movedim(-1, 0)  # (H, *r.shape)
+        values: torch.Tensor = self.relative_attention_bias(self.buckets(relative))  # (*r.shape, H)
+        return values.movedim(-1, 0)  # (H, *r.shape)
 
     def bias_tails(self) -> BiasTails:
         tails = getattr(self, "_tails", None)  # a function of the fixed sizes: computed once

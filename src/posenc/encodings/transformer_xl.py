@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .base import PositionalEncoding
+from .protocol import DistanceKeyForm
 from .sinusoidal import sinusoidal_table
 
 
@@ -59,18 +60,19 @@ class TransformerXL(PositionalEncoding):
     def position_keys(self, distances: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """W_R R_d for integer ``distances`` (L,): (H, L, D)."""
         table = sinusoidal_table(distances, self.dim).to(dtype)  # (L, dim)
-        keys = self.position_key(table.to(self.position_key.weight.dtype)).to(dtype)  # (L, H*D)
+        keys: torch.Tensor = self.position_key(table.to(self.position_key.weight.dtype)).to(dtype)  # (L, H*D)
         return keys.view(-1, self.num_heads, self.head_dim).transpose(0, 1)  # (H, L, D)
 
-    def distance_key_form(self) -> tuple[torch.Tensor, torch.Tensor, float]:
-        """What ``query_terms`` is made of, for fast backends: (u (H, D), v (H, D), scale) with
+    def distance_key_form(self) -> DistanceKeyForm:
+        """What ``query_terms`` is made of, for fast backends: :class:`~posenc.encodings.protocol.DistanceKeyForm`
+        (u (H, D), v (H, D), scale) with
 
             query_terms[i, j] = ((q_i + v) . position_keys(i - j)[h] + u . k_j) * scale.
 
         The position term depends on i - j alone, through one key per distance, so a backend can
         score query blocks against the distances instead of the pairs (backends/terms.py).
         """
-        return self.u, self.v, 1.0 / math.sqrt(self.head_dim)
+        return DistanceKeyForm(self.u, self.v, 1.0 / math.sqrt(self.head_dim))
 
     def query_terms(
         self, q: torch.Tensor, k: torch.Tensor, q_positions: torch.Tensor, k_positions: torch.Tensor

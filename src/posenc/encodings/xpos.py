@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import math
 import weakref
+from typing import Callable
 
 import torch
 
@@ -99,7 +100,7 @@ class XPos(PositionalEncoding):
     def rotation_depends_on_length(self) -> bool:
         return self.centre
 
-    def __getstate__(self) -> dict:
+    def __getstate__(self) -> dict[str, object]:
         state = dict(self.__dict__)
         state.pop("_frames", None)  # weak references to live caches: a copy starts without frames
         return state
@@ -115,7 +116,7 @@ class XPos(PositionalEncoding):
         return int(limit * self.scale_base / -float(self.log_zeta[0]))
 
     def rotate_in_frame(
-        self, q: torch.Tensor, k: torch.Tensor, q_positions: torch.Tensor, k_positions: torch.Tensor, cache
+        self, q: torch.Tensor, k: torch.Tensor, q_positions: torch.Tensor, k_positions: torch.Tensor, cache: object,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``rotate`` for a KV cache, amortised O(1) in its length (see the module docstring).
 
@@ -193,16 +194,17 @@ class XPos(PositionalEncoding):
     # -- blockwise causal attention: bias/score hooks, present only with a block_size -------------
 
     @property
-    def score(self):
+    def score(self) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None:
         return self._block_score if self.block_size else None
 
     @property
-    def bias(self):
+    def bias(self) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None:
         return self._block_bias if self.block_size else None
 
     def _block_score(self, h: torch.Tensor, i: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
         """0 where key j is in query i's block or the previous one, -inf elsewhere (elementwise)."""
-        inside = (torch.div(j, self.block_size, rounding_mode="floor") >= torch.div(i, self.block_size, rounding_mode="floor") - 1) & (h >= 0)
+        size = self.block_size or 1  # set: this hook exists only with a block_size
+        inside = (torch.div(j, size, rounding_mode="floor") >= torch.div(i, size, rounding_mode="floor") - 1) & (h >= 0)
         return torch.where(inside, 0.0, float("-inf"))
 
     def _block_bias(self, q_positions: torch.Tensor, k_positions: torch.Tensor) -> torch.Tensor:

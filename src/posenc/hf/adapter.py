@@ -56,7 +56,7 @@ from ..encodings.rope import RoPE
 from ..errors import UsageError
 from ..functional import attend
 from ..geometry import Geometry
-from ..memo import ForwardMemo
+from ..memo import ForwardMemo, Workspace
 
 NAME = "posenc"
 
@@ -185,7 +185,7 @@ def posenc_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
             or forward.key[2] is not position_ids):
         state = (sizes, attention_mask, position_ids)
         key_end = _key_end(query.shape[2], key.shape[2], attention_mask)
-        forward.key, forward.key_end, forward.memo = state, key_end, ForwardMemo()
+        forward.key, forward.key_end, forward.memo = state, key_end, ForwardMemo(forward.workspace)
         forward.geometry = _geometry(query, key_end, attention_mask, position_ids, bool(getattr(module, "is_causal", True)))
     if forward.key_end < key.shape[2]:  # a static cache's unwritten slots
         key, value = key[:, :, : forward.key_end], value[:, :, : forward.key_end]
@@ -218,6 +218,10 @@ class _Forward:
         self.key_end = 0
         self.geometry: Geometry | None = None
         self.memo: ForwardMemo | None = None
+        # The single-query paths' buffers between decode steps (a relative bias vector, a padding
+        # mask), kept across forwards as posenc's own KV cache keeps them: every entry is rebuilt
+        # when what made it (sizes, padding, the encoding's parameter versions) changes.
+        self.workspace = Workspace()
         self.pre_rotated = False  # q and k came rotated by the model (see RotaryStandIn)
 
 
@@ -378,6 +382,13 @@ def use(model: nn.Module, encoding: str | nn.Module, **options: Any) -> nn.Modul
     The model's rotary module becomes the identity, and posenc's rotation (if the method rotates)
     is applied inside the attention; biases and score terms too. Calling it again replaces the
     encoding. See the module docstring for the positions, masks and documents it derives.
+
+    Raises:
+        UsageError: a model outside the supported families (or without a decoder stack with
+            ``layers``, ``rotary_emb`` and ``self_attn.q_proj``), an unknown encoding name or
+            option, options that are not JSON values or given with a built encoding, a built
+            encoding for other heads or head dim or a bidirectional one, or a method with forget
+            gates (which needs each layer's input).
     """
     base = _base_model(model)
     config = model.config

@@ -19,7 +19,7 @@ writes it; no download, no weights).
 - **Same start**: a trained row's model is built right after ``torch.manual_seed(seed)``, and the
   encoding (with any parameters of its own) only after the model, so every row of a seed starts
   from the same transformer weights.
-- **Checked first** (:func:`check`, from ``StudyConfig.validate``): the family (one of
+- **Checked first** (:func:`check` and :meth:`HFModels.check`, from the study's plan): the family (one of
   ``posenc.hf.SUPPORTED``), ``vocab_size`` (>= 256: the study's tokens are bytes, token id = byte
   value; set to 256 when the file has none), ``attention_dropout`` 0, a sliding window no shorter
   than the longest sequence (posenc.hf runs full attention), and every row built on the meta device
@@ -188,18 +188,39 @@ class HFModels:
     def _options(self, row: rows.Row) -> dict:
         options = rows.fair_options(row, self.cfg.train_length)
         cls = get_class(row.method)
-        if not cls.extrapolates and "max_positions" in options_of(cls):  # as StudyConfig.lm_config
+        if not cls.extrapolates and "max_positions" in options_of(cls):  # as posenc.study.builders.lm_config
             options.setdefault("max_positions", self.cfg.train_length)
         return options
 
-    def build(self, name: str) -> StudyModel:
-        row = rows.parse(name)
+    def check(self, row: rows.Row) -> None:
+        """UsageError naming ``row`` when it cannot run on this architecture: +random, +ft of a
+        method that is not RoPE, or a model (built on the meta device, its variant applied at every
+        evaluation length) that cannot be built."""
+        cfg, name = self.cfg, row.name
+        if "random" in row.train:
+            raise UsageError(f"methods: {name!r}: +random is not supported with hf_config: posenc.hf reads a position "
+                             "that is not its predecessor's + 1 as the start of a packed document, so randomized "
+                             "positions cannot reach the attention through position_ids")
+        if row.kind == "finetune" and not issubclass(get_class(row.method), RoPE):
+            raise UsageError(f"methods: {name!r}: +ft fine-tunes a RoPE scaling; {row.method} is not RoPE")
+        try:
+            with torch.device("meta"):
+                model = self.build(row)
+                for length in cfg.eval_lengths:
+                    with variants.applied(model, row, length, cfg.train_length):
+                        pass
+        except UsageError as err:
+            raise UsageError(f"methods: {name!r}: {err}") from None
+        except (ValueError, TypeError) as err:
+            raise UsageError(f"methods: {name!r}: {err}") from None
+
+    def build(self, row: rows.Row) -> StudyModel:
         if row.kind == "eval":
-            return self.build(row.base)
+            return self.build(row.base_row)
         if row.kind == "finetune":  # the base row's model under the scaling it is fine-tuned with
             from ..study.variants import scaling_block
 
-            model = self.build(row.base)
+            model = self.build(row.base_row)
             encodings = variants.encodings(model)
             rope = encodings[0]
             block = scaling_block(row.eval, self.cfg.ft_length / self.cfg.train_length, self.cfg.train_length,
@@ -224,16 +245,15 @@ class HFModels:
             depth=int(c.num_hidden_layers), vocab_size=int(c.vocab_size))
         return StudyModel(hf, record)
 
-    def initial(self, name: str, seed: int) -> StudyModel:
+    def initial(self, row: rows.Row, seed: int) -> StudyModel:
         torch.manual_seed(seed)
-        return self.build(name)
+        return self.build(row)
 
     def record(self, model: StudyModel) -> dict:
         return model.config.to_dict()
 
-    def planned(self, name: str) -> dict:
-        row = rows.parse(name)
-        base = rows.parse(row.base) if row.base else row
+    def planned(self, row: rows.Row) -> dict:
+        base = row.base_row or row
         return {"hf_model_type": self.arch.model_type, "hf_config_sha256": self.arch.sha256,
                 "attention": "hf" if base.method == rows.NATIVE else "posenc",
                 "encoding": None if base.method == rows.NATIVE else base.method,
@@ -254,8 +274,8 @@ class HFModels:
         write_json(path.with_suffix(".json"), {**meta, "posenc": __version__, "weights": {
             "file": path.name, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest(), "shared": alias}})
 
-    def load(self, path: Path, name: str, device: torch.device) -> StudyModel:
-        """Row ``name``'s model rebuilt from the config file with the weights at ``path``; UsageError
+    def load(self, path: Path, row: rows.Row, device: torch.device) -> StudyModel:
+        """``row``'s model rebuilt from the config file with the weights at ``path``; UsageError
         when the files do not match each other, this config file or this row."""
         from safetensors.torch import load
 
@@ -273,8 +293,9 @@ class HFModels:
         if inside.get("hf_config_sha256") != self.arch.sha256 or meta.get("hf_config_sha256") != self.arch.sha256:
             raise UsageError(f"path: {path} was trained on another hf_config (sha256 {meta.get('hf_config_sha256')}, "
                              f"this one {self.arch.sha256})")
-        model = self.build(name)
-        if "drop" in rows.parse(name).train:  # a +drop row's final model has no positions
+        name = row.name
+        model = self.build(row)
+        if "drop" in row.train:  # a +drop row's final model has no positions
             model.drop_positions()
         if inside.get("model") != model.config.to_dict():
             raise UsageError(f"path: {path} holds another model than row {name!r} builds ({inside.get('model')})")
@@ -297,8 +318,8 @@ def _sliding_window(config) -> int | None:
 
 
 def check(cfg) -> Architecture:
-    """UsageError now, before any file is written, for a config file or a row this study cannot run
-    (see the module docstring); returns the architecture."""
+    """UsageError now, before any file is written, for a config file this study cannot run (see
+    the module docstring; each row is :meth:`HFModels.check`'s); returns the architecture."""
     arch = load_architecture(cfg.hf_config)
     if cfg.pack_documents:
         raise UsageError("pack_documents is not supported with hf_config: the rows would get their documents "
@@ -313,30 +334,11 @@ def check(cfg) -> Architecture:
         raise UsageError(f"hf_config: sliding_window={window} is shorter than the longest sequence ({longest}): posenc.hf "
                          f"runs full attention, so the rows would not see the same keys; set \"sliding_window\": null in "
                          f"{arch.path}, or keep every length within {window}")
-    models = HFModels(cfg, arch)
     try:
         with torch.device("meta"):
-            models.build(rows.NATIVE)
+            HFModels(cfg, arch).build(rows.parse(rows.NATIVE))
     except (ValueError, TypeError, AttributeError) as err:
         raise UsageError(f"hf_config: {arch.path} does not build a model ({err})") from None
-    for name in cfg.methods:
-        row = rows.parse(name)
-        if "random" in row.train:
-            raise UsageError(f"methods: {name!r}: +random is not supported with hf_config: posenc.hf reads a position "
-                             "that is not its predecessor's + 1 as the start of a packed document, so randomized "
-                             "positions cannot reach the attention through position_ids")
-        if row.kind == "finetune" and not issubclass(get_class(row.method), RoPE):
-            raise UsageError(f"methods: {name!r}: +ft fine-tunes a RoPE scaling; {row.method} is not RoPE")
-        try:
-            with torch.device("meta"):
-                model = models.build(name)
-                for length in cfg.eval_lengths:
-                    with variants.applied(model, row, length, cfg.train_length):
-                        pass
-        except UsageError as err:
-            raise UsageError(f"methods: {name!r}: {err}") from None
-        except (ValueError, TypeError) as err:
-            raise UsageError(f"methods: {name!r}: {err}") from None
     return arch
 
 

@@ -15,14 +15,19 @@ placed near, mid-sequence or far from its query.
 
 The modules, in the order a run meets them:
 
-    config.py      StudyConfig and PRESETS (the one source of the sizes and of each preset's rows)
-    rows.py        what a row of ``methods`` is: METHOD[:KEY=VALUE][+VARIANT], the fair-table rule
+    config.py      StudyConfig (frozen, checked as it is made) and PRESETS (the one source of the
+                   sizes and of each preset's rows)
+    rows.py        what a row of ``methods`` is: METHOD[:KEY=VALUE][+VARIANT], parsed once into a
+                   Row; the fair-table rule
     cli.py         the command line, derived from StudyConfig's fields
-    run.py         run_experiment: checks, then every row at every seed, saved as it goes
-    execute.py     one row at one seed: train, fine-tune or load its model, score each length
-    builders.py    how each row's model is made, saved and loaded: posenc's LM, or (hf_config) a
-                   transformers architecture through posenc.hf.study
-    train.py       the training loop, optimizer and schedule, clean stop on Ctrl-C, RNG state
+    run.py         run_experiment: claim the directory, load the data, then the pipeline
+    plan.py        the study's checks, then its runs (a row at a seed: paths, TrainSettings)
+    pipeline.py    the stages of a run: its model (trained, fine-tuned or loaded), its scores at
+                   each length, its record in results.json
+    builders.py    how each row's model is made, checked, saved and loaded: posenc's LM, or
+                   (hf_config) a transformers architecture through posenc.hf.study
+    train.py       the training loop (it reads only its TrainSettings), optimizer and schedule,
+                   clean stop on Ctrl-C, RNG state
     variants.py    evaluation variants: RoPE scalings, blockwise attention
     evaluation.py  windows and scoring at one length (perplexity, or recall accuracy)
     recall.py      the associative-recall task: sequences, batches, evaluation sets

@@ -1,16 +1,18 @@
 """How a study makes, saves and loads the model of each row.
 
-Two kinds, one interface (:class:`Models`), so that :mod:`.execute` trains, checkpoints and
-evaluates every row the same way whichever model it is:
+Two kinds, one interface (:class:`Models`), so that the stages of :mod:`.pipeline` train,
+checkpoint and score every row the same way whichever model it is:
 
 - :class:`PosencModels` (the default): posenc's own byte-level decoder, :class:`posenc.LM`, built
-  from :meth:`StudyConfig.lm_config`, saved as posenc checkpoints (:mod:`posenc.checkpoint`).
+  from :func:`lm_config`, saved as posenc checkpoints (:mod:`posenc.checkpoint`).
 - ``posenc.hf.study.HFModels`` (``hf_config`` given): a Hugging Face ``transformers`` architecture
   built from a config file with random weights, posenc's encoding put in with ``posenc.hf.use``.
   It is imported only then: ``transformers`` is an optional extra (``posenc[hf]``).
 
 Every kind builds a trained row's initial model from the seed alone (``initial``), so every row of
-a seed starts from the same weights: only the encoding differs.
+a seed starts from the same weights: only the encoding differs. Every kind also checks a row before
+anything runs (``check``): its model built on the meta device, its variant applied at every
+evaluation length.
 """
 
 from __future__ import annotations
@@ -22,64 +24,136 @@ import torch
 from torch import nn
 
 from ..checkpoint import load_checkpoint, save_checkpoint
+from ..encodings import get_class
+from ..encodings.rope import RoPE
 from ..errors import UsageError
-from ..model import LM
-from .config import StudyConfig
+from ..model import LM, LMConfig
+from .config import RANDOM_SPAN, StudyConfig
+from .rows import Row, fair_options, fair_schedule
+from .variants import applied, scaling_block
 
 
 class Models(Protocol):
     """What the study asks of a kind of model."""
 
-    def build(self, name: str) -> nn.Module:
-        """Row ``name``'s model before training (a fine-tuned row: with its scaling), at the current RNG."""
+    def check(self, row: Row) -> None:
+        """UsageError now, before any file is written, when ``row`` could not be built or evaluated."""
 
-    def initial(self, name: str, seed: int) -> nn.Module:
+    def build(self, row: Row) -> nn.Module:
+        """``row``'s model before training (a fine-tuned row: with its scaling), at the current RNG."""
+
+    def initial(self, row: Row, seed: int) -> nn.Module:
         """A trained row's model at initialization: the same at every call for this seed."""
 
     def save(self, model: nn.Module, path: Path) -> None:
         """Write the final weights of a row to ``path`` (and whatever it needs beside it)."""
 
-    def load(self, path: Path, name: str, device: torch.device) -> nn.Module:
-        """The model :meth:`save` wrote for row ``name``; UsageError naming what does not match."""
+    def load(self, path: Path, row: Row, device: torch.device) -> nn.Module:
+        """The model :meth:`save` wrote for ``row``; UsageError naming what does not match."""
 
     def record(self, model: nn.Module) -> dict:
         """What the model is, for results.json (``run["model"]``)."""
 
-    def planned(self, name: str) -> dict:
-        """What row ``name``'s model would be, without building it (a diverged run's record)."""
+    def planned(self, row: Row) -> dict:
+        """What ``row``'s model would be, without building it (a diverged run's record)."""
+
+
+def _scaled(options: dict, kind: str, factor: float, cfg: StudyConfig, head_dim: int) -> dict:
+    """A RoPE layer's ``options`` with the scaling block ``kind`` at ``factor`` added, its base and
+    rotated features read from the options and RoPE's declared defaults (nothing is built)."""
+    base, rotary_dim = RoPE.geometry(head_dim, options.get("base"), options.get("rotary_dim"), options.get("scaling"))
+    return {**options, "scaling": scaling_block(kind, factor, cfg.train_length, base, rotary_dim)}
+
+
+def lm_config(cfg: StudyConfig, row: Row) -> LMConfig:
+    """The model ``row`` trains (an evaluated row: its base's; a fine-tuned row: the base's with
+    the scaling it is fine-tuned under, see :mod:`.variants`).
+
+    Raises:
+        UsageError: from :class:`~posenc.model.LMConfig` for sizes or options it refuses.
+    """
+    if row.kind != "train":
+        base = lm_config(cfg, row.base_row)
+        if row.kind == "eval":
+            return base
+        factor = cfg.ft_length / cfg.train_length
+        if base.schedule is not None:  # the scaling on every RoPE layer, from that layer's own base
+            layers = [{**layer, "options": _scaled(dict(layer.get("options") or {}), row.eval, factor, cfg, base.head_dim)
+                       if issubclass(get_class(layer["encoding"]), RoPE) else dict(layer.get("options") or {})}
+                      for layer in base.schedule]
+            return LMConfig(**{**base.to_dict(), "schedule": layers})
+        options = _scaled(base.encoding_options, row.eval, factor, cfg, base.head_dim)
+        return LMConfig(**{**base.to_dict(), "encoding_options": options})
+    extra = {}
+    if "random" in row.train:
+        extra["random_positions"] = cfg.random_positions or RANDOM_SPAN * max(cfg.eval_lengths)
+    if row.schedule is not None:
+        layers = fair_schedule(row, cfg.train_length, cfg.depth)
+        bounded = any(not get_class(layer["encoding"]).extrapolates for layer in layers)
+        return LMConfig(schedule=layers, dim=cfg.dim, depth=cfg.depth, num_heads=cfg.num_heads,
+                        max_positions=cfg.train_length if bounded else None, **extra)
+    options = fair_options(row, cfg.train_length)
+    # A bounded method (a learned table) gets exactly the training length: the paper's
+    # setting, and what makes "cannot run past N" show at the first longer evaluation length.
+    bounded = not get_class(row.method).extrapolates
+    return LMConfig(
+        encoding=row.method, dim=cfg.dim, depth=cfg.depth, num_heads=cfg.num_heads,
+        max_positions=options.get("max_positions", cfg.train_length) if bounded else None,
+        encoding_options=options, **extra,
+    )
 
 
 class PosencModels:
-    """posenc's :class:`~posenc.model.LM`, as :meth:`StudyConfig.lm_config` describes each row."""
+    """posenc's :class:`~posenc.model.LM`, as :func:`lm_config` describes each row."""
 
     def __init__(self, cfg: StudyConfig) -> None:
         self.cfg = cfg
 
-    def build(self, name: str) -> LM:
-        return LM(self.cfg.lm_config(name))
+    def check(self, row: Row) -> None:
+        """Its model (dim/heads combination, every encoding option) built on the meta device (no
+        memory), and its evaluation variant applied at every evaluation length.
 
-    def initial(self, name: str, seed: int) -> LM:
+        Raises:
+            UsageError: ``methods: 'ROW': ...`` naming what cannot be built or applied.
+        """
+        try:
+            config = lm_config(self.cfg, row)  # dim/heads combination, encoding options
+            with torch.device("meta"):
+                model = LM(config)
+                for length in self.cfg.eval_lengths:
+                    with applied(model, row, length, self.cfg.train_length):
+                        pass
+        except UsageError as err:
+            raise UsageError(f"methods: {row.name!r}: {err}") from None
+        except (ValueError, TypeError) as err:
+            raise UsageError(f"methods: {row.name!r}: {err}") from None
+
+    def build(self, row: Row) -> LM:
+        return LM(lm_config(self.cfg, row))
+
+    def initial(self, row: Row, seed: int) -> LM:
         torch.manual_seed(seed)
-        return self.build(name)
+        return self.build(row)
 
     def save(self, model: LM, path: Path) -> None:
         save_checkpoint(model, path)
 
-    def load(self, path: Path, name: str, device: torch.device) -> LM:
+    def load(self, path: Path, row: Row, device: torch.device) -> LM:
         return load_checkpoint(path, device)
 
     def record(self, model: LM) -> dict:
         return model.config.to_dict()
 
-    def planned(self, name: str) -> dict:
-        return self.cfg.lm_config(name).to_dict()
+    def planned(self, row: Row) -> dict:
+        return lm_config(self.cfg, row).to_dict()
 
 
 def models_for(cfg: StudyConfig) -> Models:
     """The kind of model ``cfg`` studies: a transformers architecture with ``hf_config``, else posenc's LM."""
     if cfg.hf_config is None:
         return PosencModels(cfg)
-    return hf_study().HFModels(cfg)
+    study = hf_study()
+    return study.HFModels(cfg, study.check(cfg))  # the file, its family and vocab, checked now
 
 
 def hf_study():
@@ -91,4 +165,4 @@ def hf_study():
     return study
 
 
-__all__ = ["Models", "PosencModels", "hf_study", "models_for"]
+__all__ = ["Models", "PosencModels", "hf_study", "lm_config", "models_for"]

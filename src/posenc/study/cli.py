@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 import types
 import typing
 from dataclasses import fields
@@ -20,7 +21,7 @@ import torch
 from ..encodings import available
 from ..errors import UsageError
 from . import distributed
-from .config import PRESET_DESCRIPTIONS, PRESET_THREADS, PRESETS, StudyConfig
+from .config import COMPANIONS, LM_ONLY, PAIR_PARTS, PRESET_DESCRIPTIONS, PRESET_THREADS, PRESETS, RECALL_ONLY, StudyConfig
 from .results import load_results, markdown_table
 from .run import run_experiment
 from .train import StepCallback
@@ -73,9 +74,12 @@ def add_study_arguments(p: argparse.ArgumentParser) -> None:
 
 def preset_of(args: argparse.Namespace, saved: dict | None = None) -> str:
     """The preset a run takes: ``--preset``, else the resumed run's, else the task's own (recall),
-    else default."""
-    task_preset = "recall" if getattr(args, "task", None) == "recall" else None  # the task's own sizes
-    return args.preset or (saved or {}).get("preset") or task_preset or "default"
+    else default. ``--task recall`` with a preset that has a recall companion (:data:`COMPANIONS`)
+    takes the companion: the recall half of that study alone."""
+    task = getattr(args, "task", None)
+    task_preset = "recall" if task == "recall" else None  # the task's own sizes
+    preset = args.preset or (saved or {}).get("preset") or task_preset or "default"
+    return COMPANIONS[preset] if task == "recall" and preset in COMPANIONS else preset
 
 
 def config_from_args(args: argparse.Namespace, saved: dict | None = None) -> StudyConfig:
@@ -103,34 +107,82 @@ def default_out(args: argparse.Namespace) -> Path:
     return Path(args.out) if args.out else Path("runs") / preset_of(args)
 
 
+def _saved_config(out: Path) -> dict | None:
+    """The config of the study in ``out``, or of the first half of a paired study there (``out/lm``)."""
+    for where in (out, out / PAIR_PARTS[0]):
+        if (where / "results.json").exists():
+            return (load_results(where) or {}).get("config")
+    return None
+
+
+def study_parts(args: argparse.Namespace, out: Path) -> list[tuple[StudyConfig, Path, bool]]:
+    """The studies one command runs, each ``(config, out, resume)``, every config checked (as it is
+    made: the device string is valid before a process group is joined).
+
+    One, usually. A preset with a recall companion (:data:`COMPANIONS`, ``schedules``) run without
+    ``--task`` is two: the language-model study into ``out/lm``, then the recall study of the same
+    rows into ``out/recall``; each half takes only the options that apply to its task.
+    """
+    saved = _saved_config(out) if args.resume else None
+    preset = preset_of(args, saved)
+    if getattr(args, "task", None) is not None or preset not in COMPANIONS:
+        if saved is not None and not (out / "results.json").exists():
+            saved = None  # (out holds a paired study; this command names one task of it: out/TASK)
+        return [(config_from_args(args, saved), out, args.resume)]
+    parts = []
+    for part, (name, drop) in zip(PAIR_PARTS, ((preset, RECALL_ONLY), (COMPANIONS[preset], LM_ONLY))):
+        where = out / part
+        resume = bool(args.resume) and (where / "results.json").exists()
+        mine = argparse.Namespace(**{**vars(args), "preset": name, **{k: None for k in drop}})
+        cfg = config_from_args(mine, _saved_config(where) if resume else None)
+        parts.append((cfg, where, resume))
+    if args.resume and not any(resume for _, _, resume in parts):
+        raise UsageError(f"resume: {out} holds no study (neither {out / PAIR_PARTS[0]} nor {out / PAIR_PARTS[1]}); "
+                         "leave out resume to start one")
+    return parts
+
+
+def _print_table(cfg: StudyConfig, results: dict, out: Path, wall: float) -> None:
+    if cfg.task == "recall":
+        print(f"\nrecall accuracy with the queried pairs far away (the start of each sequence), "
+              f"{cfg.recall_sequences} sequences per length; trained at {cfg.train_length} (*)")
+    else:
+        print(f"\nperplexity (bytes) of {results['corpus'].get('valid_bytes_used')} validation tokens at each "
+              f"evaluation length; trained at {cfg.train_length} (*)")
+    print("[95% bootstrap interval over the scored windows]" + (
+          f"; mean of {cfg.seeds} seeds (min-max of the seeds)" if cfg.seeds > 1 else "") + "\n")
+    print(markdown_table(results, intervals=True))
+    print(f"\nresults in {out}/ (results.json, results.csv, extrapolation.png, checkpoints/); "
+          f"`posenc report {out}` makes an HTML page; wall time {_minutes(wall)}")
+
+
+def _minutes(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.1f} min"
+
+
 def run_study(args: argparse.Namespace, on_step: StepCallback | None = None) -> int:
-    out = default_out(args)
-    saved = None
-    if args.resume and (out / "results.json").exists():
-        saved = (load_results(out) or {}).get("config")
-    cfg = config_from_args(args, saved)
     if args.threads is not None and args.threads < 1:
         raise UsageError(f"threads must be >= 1, got {args.threads}")
-    cfg.validate()  # the device string must be valid before a process group is joined
-    ctx = distributed.setup(cfg.device)
+    out = default_out(args)
+    parts = study_parts(args, out)
+    ctx = distributed.setup(parts[0][0].device)
     code = 0
     threads = torch.get_num_threads()
-    if args.threads or PRESET_THREADS.get(cfg.preset):
-        torch.set_num_threads(args.threads or PRESET_THREADS[cfg.preset])
     try:
-        results = run_experiment(cfg, out, resume=args.resume, progress=not args.quiet, ctx=ctx, on_step=on_step)
-        if ctx.main:
-            if cfg.task == "recall":
-                print(f"\nrecall accuracy with the queried pairs far away (the start of each sequence), "
-                      f"{cfg.recall_sequences} sequences per length; trained at {cfg.train_length} (*)")
-            else:
-                print(f"\nperplexity (bytes) of {results['corpus'].get('valid_bytes_used')} validation tokens at each "
-                      f"evaluation length; trained at {cfg.train_length} (*)")
-            print("[95% bootstrap interval over the scored windows]" + (
-                  f"; mean of {cfg.seeds} seeds (min-max of the seeds)" if cfg.seeds > 1 else "") + "\n")
-            print(markdown_table(results, intervals=True))
-            print(f"\nresults in {out}/ (results.json, results.csv, extrapolation.png, checkpoints/); "
-                  f"`posenc report {out}` makes an HTML page")
+        started = time.perf_counter()
+        for cfg, where, resume in parts:
+            torch.set_num_threads(args.threads or PRESET_THREADS.get(cfg.preset) or threads)
+            t0 = time.perf_counter()
+            results = run_experiment(cfg, where, resume=resume, progress=not args.quiet, ctx=ctx, on_step=on_step)
+            if ctx.main:
+                _print_table(cfg, results, where, time.perf_counter() - t0)
+        if len(parts) > 1 and ctx.main:
+            from .report import run_report
+
+            first, second = parts[0][1], parts[1][1]
+            run_report(argparse.Namespace(run_dir=str(first), other=str(second), out=str(out / "report.html")))
+            print(f"perplexity and recall of the same rows: {out / 'report.html'} "
+                  f"(`posenc report {first} {second}`); wall time of both {_minutes(time.perf_counter() - started)}")
     except UsageError as err:
         if not ctx.distributed:
             raise

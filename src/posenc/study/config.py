@@ -10,17 +10,16 @@ on the field itself.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
 
-from ..encodings import available, get_class
+from ..encodings import available
 from ..errors import UsageError
-from ..model import LM, LMConfig
-from . import rows
 from .data import DEFAULT_VALID_BYTES
-from .rows import SCALINGS
+from .rows import NATIVE, SCALINGS, Row, expand, parse
 
 # The classic line of methods, and the rows that only evaluate a trained RoPE model differently.
 CLASSIC = ["nope", "sinusoidal", "learned", "shaw", "transformer_xl", "t5", "rope", "alibi"]
@@ -30,6 +29,17 @@ MODERN = ["xpos", "xpos+blockwise", "kerple", "sandwich", "fire", "cope", "deber
 # The recall task asks the classic line and RoPE's scalings, and the two training protocols whose papers
 # claim longer reach (DroPE, randomized positions).
 RECALL = [*CLASSIC, *ROPE_SCALINGS, "rope+random", "rope+drop"]
+
+# The layer-schedule question (issue 19): does a NoPE layer every fourth layer, a sliding window, or
+# a local/global split let RoPE run past its training length (64), and at what cost in recall? Rows
+# in the schedule text form (posenc.schedule), depth 4: RoPE; RoPE + NoPE 3:1 (Llama 4's and
+# SmolLM3's interleaving); the same with Llama 4's temperature on the NoPE layer, its floor at a
+# quarter of the training length (the scale steps up at the 16th, 32nd, 48th and 64th token, from 1
+# to 1.16 in training, and keeps rising past it, 1.42 at 1024, as Llama 4 trains far past its floor of 8192); RoPE with a
+# window of half the training length on every layer; Gemma 3's local/global split (3 windowed
+# layers of base 1e4, 1 full layer of base 1e6); ALiBi and NoPE as anchors.
+SCHEDULES = ["rope", "3x[rope] 1x[nope]", "3x[rope] 1x[nope temp=0.1/16]", "[rope window=32]",
+             "3x[rope:base=1e4 window=32] 1x[rope:base=1e6]", "alibi", "nope"]
 
 # Model and training sizes per preset, and the rows each one studies (named here, not "every
 # registered method": a new method must not change what a preset costs). smoke: CI, seconds per
@@ -59,6 +69,19 @@ PRESETS: dict[str, dict[str, Any]] = {
         dim=128, depth=2, num_heads=4, train_length=64, eval_lengths=[64, 128, 256, 512],
         steps=1500, batch_size=32, lr=3e-3, valid_bytes=DEFAULT_VALID_BYTES, checkpoint_every=250,
     ),
+    # schedules: the SCHEDULES rows at the default sizes, three seeds; run without a task, it is
+    # followed by its recall companion (COMPANIONS), the same rows and model at the recall preset's
+    # training (1500 steps, lr 3e-3), so one command gives perplexity and recall.
+    "schedules": dict(
+        task="lm", methods=list(SCHEDULES), seeds=3,
+        dim=128, depth=4, num_heads=4, train_length=64, eval_lengths=[64, 128, 256, 512, 1024],
+        steps=800, batch_size=32, lr=2e-3, valid_bytes=DEFAULT_VALID_BYTES, checkpoint_every=100,
+    ),
+    "schedules-recall": dict(
+        task="recall", methods=list(SCHEDULES), seeds=3,
+        dim=128, depth=4, num_heads=4, train_length=64, eval_lengths=[64, 128, 256, 512, 1024],
+        steps=1500, batch_size=32, lr=3e-3, valid_bytes=DEFAULT_VALID_BYTES, checkpoint_every=250,
+    ),
     "paper": dict(
         task="lm", methods=[*CLASSIC, *ROPE_SCALINGS],
         dim=512, depth=8, num_heads=8, train_length=512, eval_lengths=[512, 1024, 2048, 4096, 8192],
@@ -70,8 +93,17 @@ PRESET_DESCRIPTIONS = {
     "default": "the main job, ~13 min on 2 CPU cores",
     "modern": "the newer methods, ~15 min on 2 CPU cores",
     "recall": "associative recall, ~12 min on 2 CPU cores",
+    "schedules": "layer schedules, 3 seeds, then its recall half: ~80 min on 2 CPU cores (estimated)",
+    "schedules-recall": "the recall half of schedules alone",
     "paper": "train at 512, test to 16x, a GPU",
 }
+# A preset run without a task that is followed by a recall study of the same rows (one command,
+# perplexity and recall): the first into OUT/lm, the companion into OUT/recall (PAIR_PARTS), each
+# half given only the options of its task.
+COMPANIONS = {"schedules": "schedules-recall"}
+PAIR_PARTS = ("lm", "recall")
+LM_ONLY = ("data", "valid_bytes", "sliding", "pack_documents")  # options that only the lm task reads
+RECALL_ONLY = ("recall_sequences",)  # and only the recall task
 TASKS = ("lm", "recall")
 MAX_RECALL_BYTES = 2**30  # one recall evaluation set or training batch of int64 tokens
 DROP_DEFAULT = 0.12  # DroPE's share of training without positions
@@ -100,7 +132,7 @@ def _plain(default: Any, help: str, **meta) -> Any:
     return field(default=default, metadata={"help": help, **meta})
 
 
-@dataclass
+@dataclass(frozen=True)
 class StudyConfig:
     """Everything that determines a study's numbers (``methods`` aside, each method is independent).
 
@@ -161,25 +193,36 @@ class StudyConfig:
         return cls(preset=preset, **values)
 
     def __post_init__(self) -> None:
-        if self.warmup is None and isinstance(self.steps, int):
-            self.warmup = self.steps // 10
+        """Every value checked, once, as the config is made (UsageError naming the parameter), and
+        the config put in its normal form: ``warmup`` filled in, ``eval_lengths`` sorted, ``methods``
+        expanded with the rows they need (:func:`.rows.expand`), parsed once into :attr:`rows`, and
+        the sizes None with ``hf_config``. What needs the model builders as well (every row built on
+        the meta device, and whether an option that only some rows read has such a row in the
+        study) is checked by the plan (:func:`posenc.study.plan.check`).
 
-    def validate(self) -> "StudyConfig":
-        """UsageError naming the parameter for any unusable value; call before any training."""
+        Raises:
+            UsageError: for any unusable value, naming the field and what it accepts.
+        """
+        if self.warmup is None and isinstance(self.steps, int):
+            self._set("warmup", self.steps // 10)
         if self.preset not in PRESETS:
             raise UsageError(f"preset must be one of {list(PRESETS)}, got {self.preset!r}")
         if not self.methods:
             raise UsageError("methods must name at least one encoding")
         if self.task not in TASKS:
             raise UsageError(f"task must be one of {list(TASKS)}, got {self.task!r}")
-        parsed = [rows.parse(m) for m in self.methods]  # unknown methods, options and variants
+        parsed = [parse(m) for m in self.methods]  # unknown methods, options and variants
         if len(set(self.methods)) != len(self.methods):
             raise UsageError(f"methods has duplicates: {self.methods}")
         sizes = ("dim", "depth", "num_heads")
         if self.hf_config is not None:
             self._validate_hf_sizes(sizes)
+            scheduled = [r.name for r in parsed if r.schedule is not None]
+            if scheduled:
+                raise UsageError(f"methods: {scheduled[0]!r} is a layer schedule, a row of posenc's own model; with "
+                                 "hf_config every layer of the transformers model takes one method (posenc.hf.use)")
         else:
-            native = [r.name for r in parsed if r.method == rows.NATIVE]
+            native = [r.name for r in parsed if r.method == NATIVE]
             if native:
                 raise UsageError(f"methods: {native[0]!r} is the own attention of a transformers model; it needs "
                                  "hf_config (a config.json to build the model from)")
@@ -212,16 +255,36 @@ class StudyConfig:
             raise UsageError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
         if self.device.startswith("cuda") and not torch.cuda.is_available():
             raise UsageError("device 'cuda' was asked for but torch sees no CUDA device; use device 'cpu'")
-        self.eval_lengths = sorted(set(self.eval_lengths))
-        self.methods = rows.expand(self.methods, self.finetune_steps > 0)
-        if self.hf_config is not None:
-            from .builders import hf_study
+        self._set("eval_lengths", sorted(set(self.eval_lengths)))
+        self._set("methods", expand(self.methods, self.finetune_steps > 0))
+        self._set("_rows", tuple(parse(m) for m in self.methods))
+        stems: dict[str, str] = {}
+        for row in self.rows:
+            other = stems.setdefault(row.stem, row.name)
+            if other != row.name:
+                raise UsageError(f"methods: {other!r} and {row.name!r} would share the file name {row.stem!r}; "
+                                 "write them apart (or give one of them once)")
 
-            hf_study().check(self)  # the file, its family and vocab, and every row built on the meta device
-            return self
-        for m in self.methods:
-            self.check_row(m)
-        return self
+    @property
+    def rows(self) -> tuple[Row, ...]:
+        """The rows of ``methods`` (expanded), parsed once, when the config was made."""
+        return self._rows
+
+    def _set(self, name: str, value: Any) -> None:
+        """Put a field in its normal form while the (frozen) config is made."""
+        object.__setattr__(self, name, value)
+
+    def validate(self) -> "StudyConfig":
+        """The plan's checks of a study of exactly these rows (:func:`posenc.study.plan.check`: every
+        row built on the meta device, each option that only some rows read read by one of them);
+        returns ``self``. A study runs them itself: this is for checking a config without running it.
+
+        Raises:
+            UsageError: naming the row or option that cannot be used.
+        """
+        from .plan import check
+
+        return check(self)
 
     def _validate_hf_sizes(self, sizes: tuple[str, ...]) -> None:
         """With hf_config the model's sizes come from the file: a size set to anything but the
@@ -234,29 +297,11 @@ class StudyConfig:
             raise UsageError(f"{given[0]}: the model's sizes come from hf_config ({self.hf_config}: hidden_size, "
                              f"num_hidden_layers, num_attention_heads); leave out {' and '.join(given)}")
         for n in sizes:
-            setattr(self, n, None)
+            self._set(n, None)
 
-    def check_row(self, name: str) -> None:
-        """UsageError now, before any directory or file exists, if row ``name`` could not be built,
-        trained or evaluated: its model (dim/heads combination, every encoding option) is built on
-        the meta device (no memory), and its evaluation variant applied at every evaluation length."""
-        from .variants import applied
-
-        try:
-            config = self.lm_config(name)  # dim/heads combination, encoding options
-            with torch.device("meta"):
-                model = LM(config)
-                row = rows.parse(name)
-                for length in self.eval_lengths:
-                    with applied(model, row, length, self.train_length):
-                        pass
-        except UsageError as err:
-            raise UsageError(f"methods: {name!r}: {err}") from None
-        except (ValueError, TypeError) as err:
-            raise UsageError(f"methods: {name!r}: {err}") from None
-
-    def _validate_rows(self, parsed: list) -> None:
-        """The options that only some rows read: each given only when such a row is there."""
+    def _validate_rows(self, parsed: list[Row]) -> None:
+        """The options that only some rows read: their values (whether such a row is in the study
+        is :meth:`check_applies`'s question)."""
         if not isinstance(self.seeds, int) or self.seeds < 1:
             raise UsageError(f"seeds must be an integer >= 1, got {self.seeds!r}")
         if not isinstance(self.recall_sequences, int) or self.recall_sequences < 1:
@@ -267,29 +312,18 @@ class StudyConfig:
             raise UsageError(f"pack_documents must be true or false, got {self.pack_documents!r}")
         if self.pack_documents and self.task == "recall":
             raise UsageError("pack_documents applies to the lm task (files as documents); the recall task makes its own sequences")
-        drop = [r.name for r in parsed if "drop" in r.train]
-        if self.drop_positions_after is not None:
-            if not drop:
-                raise UsageError("drop_positions_after applies to METHOD+drop rows, and methods has none; "
-                                 "add one, e.g. rope+drop")
-            if not 0 < self.drop_positions_after < 1:
-                raise UsageError(f"drop_positions_after must be a fraction in (0, 1), got {self.drop_positions_after}")
-        if drop and not 1 <= self.drop_step < self.steps:
+        if self.drop_positions_after is not None and not 0 < self.drop_positions_after < 1:
+            raise UsageError(f"drop_positions_after must be a fraction in (0, 1), got {self.drop_positions_after}")
+        if any("drop" in r.train for r in parsed) and not 1 <= self.drop_step < self.steps:
             raise UsageError(f"drop_positions_after={self.drop_fraction} of steps={self.steps} leaves no step "
                              "with positions, or none without; use a fraction nearer 0.5")
-        if self.random_positions is not None:
-            if not any("random" in r.train for r in parsed):
-                raise UsageError("random_positions applies to METHOD+random rows, and methods has none; "
-                                 "add one, e.g. rope+random")
-            if not isinstance(self.random_positions, int) or self.random_positions < max(self.eval_lengths):
-                raise UsageError(f"random_positions must be an integer >= the longest of eval_lengths "
-                                 f"({max(self.eval_lengths)}), so every evaluated position is a possible training "
-                                 f"position; got {self.random_positions!r}")
+        if self.random_positions is not None and (
+                not isinstance(self.random_positions, int) or self.random_positions < max(self.eval_lengths or [0])):
+            raise UsageError(f"random_positions must be an integer >= the longest of eval_lengths "
+                             f"({max(self.eval_lengths or [0])}), so every evaluated position is a possible training "
+                             f"position; got {self.random_positions!r}")
         if not isinstance(self.finetune_steps, int) or self.finetune_steps < 0:
             raise UsageError(f"finetune_steps must be an integer >= 0, got {self.finetune_steps!r}")
-        if self.finetune_steps and not any(r.eval in SCALINGS for r in parsed):
-            raise UsageError("finetune_steps fine-tunes the rope scaling rows (METHOD+SCALING), and methods has "
-                             "none; add one, e.g. rope+yarn")
         explicit_ft = [r.name for r in parsed if r.finetune]
         if explicit_ft and not self.finetune_steps:
             raise UsageError(f"methods {explicit_ft} are fine-tuned rows; give finetune_steps (>= 1)")
@@ -299,6 +333,24 @@ class StudyConfig:
             if not isinstance(self.finetune_length, int) or self.finetune_length <= self.train_length:
                 raise UsageError(f"finetune_length must be an integer above train_length ({self.train_length}), "
                                  f"got {self.finetune_length!r}")
+
+    def check_applies(self, rows: Sequence[Row]) -> None:
+        """UsageError for an option that only some rows read when no row of the study reads it.
+        ``rows`` are the study's rows: this config's, and on resume the saved study's too (a resume
+        that names other rows keeps the options of the rows it does not name).
+
+        Raises:
+            UsageError: naming the option and a row that would read it.
+        """
+        if self.drop_positions_after is not None and not any("drop" in r.train for r in rows):
+            raise UsageError("drop_positions_after applies to METHOD+drop rows, and methods has none; "
+                             "add one, e.g. rope+drop")
+        if self.random_positions is not None and not any("random" in r.train for r in rows):
+            raise UsageError("random_positions applies to METHOD+random rows, and methods has none; "
+                             "add one, e.g. rope+random")
+        if self.finetune_steps and not any(r.eval in SCALINGS for r in rows):
+            raise UsageError("finetune_steps fine-tunes the rope scaling rows (METHOD+SCALING), and methods has "
+                             "none; add one, e.g. rope+yarn")
 
     def _validate_recall(self) -> None:
         """The recall task generates its sequences: the corpus options do not apply, and its
@@ -333,34 +385,6 @@ class StudyConfig:
     @property
     def ft_length(self) -> int:
         return self.finetune_length or 2 * self.train_length
-
-    def lm_config(self, name: str) -> LMConfig:
-        """The model a row trains (an evaluated row: its base's; a fine-tuned row: the base's with
-        the scaling it is fine-tuned under, see :mod:`.variants`)."""
-        row = rows.parse(name)
-        if row.kind != "train":
-            base = self.lm_config(row.base)
-            if row.kind == "eval":
-                return base
-            from ..encodings import build
-            from .variants import scaling_block
-
-            rope = build(base.encoding, num_heads=base.num_heads, head_dim=base.head_dim, **base.encoding_options)
-            block = scaling_block(row.eval, self.ft_length / self.train_length, self.train_length, rope.base,
-                                  rope.rotary_dim)
-            return LMConfig(**{**base.to_dict(), "encoding_options": {**base.encoding_options, "scaling": block}})
-        options = rows.fair_options(row, self.train_length)
-        # A bounded method (a learned table) gets exactly the training length: the paper's
-        # setting, and what makes "cannot run past N" show at the first longer evaluation length.
-        bounded = not get_class(row.method).extrapolates
-        extra = {}
-        if "random" in row.train:
-            extra["random_positions"] = self.random_positions or RANDOM_SPAN * max(self.eval_lengths)
-        return LMConfig(
-            encoding=row.method, dim=self.dim, depth=self.depth, num_heads=self.num_heads,
-            max_positions=options.get("max_positions", self.train_length) if bounded else None,
-            encoding_options=options, **extra,
-        )
 
     def comparable(self) -> dict:
         """The fields a resumed run must share with the original (methods and seeds may be added;

@@ -4,12 +4,14 @@ directly, so no pyplot state and no display.
 
 Colours: one per method, fixed, so every figure of every run reads the same; a row that varies a
 method (``rope+yarn``, ``rope+drop``, ``t5:max_distance=128``) takes a shade of its method's colour,
-and rows that only evaluate a trained model differently are dashed.
+and rows that only evaluate a trained model differently are dashed. A schedule row takes a shade of
+its first layer's method's colour, fixed by its text.
 """
 
 from __future__ import annotations
 
 import io
+import zlib
 from pathlib import Path
 
 from matplotlib.colors import to_hex, to_rgb
@@ -48,6 +50,18 @@ def color(row: str) -> str | None:
     """The colour of a row: its method's, shaded by its variants (and by its own options)."""
     if row in COLORS:
         return COLORS[row]
+    if "[" in row:  # a schedule row: its first layer's colour, in a shade fixed by the schedule's text
+        from .rows import parse
+
+        parsed = parse(row)
+        c = COLORS.get(parsed.method)
+        if c is None:
+            return None
+        shade = zlib.crc32(parsed.schedule.encode()) % 16  # (the same text, the same shade, in every run)
+        c = _mix(c, (1 if shade % 2 else -1) * (0.12 + 0.08 * (shade // 2)))
+        for v in parsed.train + ((parsed.eval,) if parsed.eval else ()) + (("ft",) if parsed.finetune else ()):
+            c = _mix(c, SHADES.get(v, 0.3))
+        return c
     head, *variants = row.split("+")
     method, _, options = head.partition(":")
     c = COLORS.get(method)

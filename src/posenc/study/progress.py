@@ -78,7 +78,7 @@ class Progress:
         if bar is not None:
             bar.set_postfix_str(f"L={length}")
 
-    def windows(self, method: str, length: int) -> tuple[Callable[[int, int], None], Callable[[], None]]:
+    def window_bar(self, method: str, length: int) -> tuple[Callable[[int, int], None], Callable[[], None]]:
         """(on_batch, close) for scoring one length: a bar or log lines with an ETA, and an
         estimate after the first batch when the length will take long."""
         t0 = time.perf_counter()

@@ -184,6 +184,8 @@ def _options(entry: dict) -> str:
     """The encoding options a row trained with (the fair-table rule's included), and how it varies."""
     row = entry.get("row") or {}
     text = ", ".join(f"{k}={v}" for k, v in (row.get("options") or {}).items())
+    if row.get("schedule"):
+        text = f"layers {row['schedule']}"
     if row.get("positions_dropped_after"):
         text += f"{'; ' if text else ''}positions dropped for the last {row['positions_dropped_after']:g} of the steps"
     if row.get("random_positions"):

@@ -74,7 +74,8 @@ class Paths:
     def state(self, stem: str, seed: int | None = None) -> Path:
         return self._inside("state", f"{stem}.pt" if seed is None else f"{stem}.seed{seed}.pt")
 
-    def windows(self, stem: str, seed: int, length: int) -> Path:
+    def window_scores(self, stem: str, seed: int, length: int) -> Path:
+        """The per-window numbers of a row's run at ``seed`` and ``length`` (the bootstrap's units)."""
         return self._inside("windows", stem, f"s{seed}-L{length}.json")
 
 

@@ -1,9 +1,14 @@
 """The rows of a study: what each entry of ``methods`` names, and how it is trained or evaluated.
 
-A row is ``METHOD[:KEY=VALUE,...][+VARIANT...]``:
+A row is ``METHOD[:KEY=VALUE,...][+VARIANT...]`` or ``SCHEDULE[+VARIANT...]``:
 
 - ``METHOD`` is a registered encoding; ``KEY=VALUE`` are its own options (``t5:max_distance=128``,
   ``rope:base=500000``), values read as int, float, true/false, or text.
+- ``SCHEDULE`` is a layer schedule in the text form of :mod:`posenc.schedule`, read by its parser
+  (``Schedule.parse``, the one reader of that form): ``3x[rope] 1x[nope temp=0.1/16]`` trains a
+  model whose layers follow the pattern, repeated to the study's depth. A row is a schedule when it
+  holds ``[``; its name, as written, is its label in every table, and what follows the last ``]``
+  is its variants. The fair-table rule applies to each layer's options.
 - Training variants, each a training run of its own:
   ``+drop``: positions removed for the last ``drop_positions_after`` of the steps, which recalibrate
   with their own warmup + cosine schedule and no weight decay (DroPE: Gelberg et al. 2025, Sakana
@@ -43,11 +48,12 @@ from __future__ import annotations
 import inspect
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ..encodings import get_class, options_of
 from ..encodings.rope import RoPE
 from ..errors import UsageError
+from ..schedule import Schedule
 
 TRAIN_VARIANTS = ("random", "drop")
 SCALINGS = ("linear", "ntk", "dynamic", "yarn", "llama3", "longrope")
@@ -90,6 +96,20 @@ class Row:
     train: tuple[str, ...] = ()  # training variants, in order
     eval: str | None = None  # evaluation variant
     finetune: bool = False
+    schedule: str | None = None  # a schedule row: its text form, as written (repeated to the depth)
+    pattern: Schedule | None = field(default=None, compare=False, repr=False)  # that text, read once
+    base_row: Row | None = field(default=None, compare=False, repr=False)  # :attr:`base`, parsed with this row
+
+    @property
+    def trained(self) -> Row:
+        """The row whose training run makes this row's model: itself, or its base's (an evaluated
+        row's base is a trained or fine-tuned row; a fine-tuned row trains itself)."""
+        return self.base_row.trained if self.kind == "eval" else self
+
+    @property
+    def ancestor(self) -> Row:
+        """The trained-from-scratch row at the root of this one (its initial weights)."""
+        return self if self.base_row is None else self.base_row.ancestor
 
     @property
     def kind(self) -> str:
@@ -104,20 +124,36 @@ class Row:
         """The row whose trained model this one starts from (None for a trained row)."""
         if self.kind == "train":
             return None
+        if self.schedule is not None:  # (a "+" inside the schedule's text is not a variant)
+            return self.schedule + self.name[len(self.schedule):].split("+" + self.eval)[0]
         return self.name.split("+" + self.eval)[0]
 
     @property
     def stem(self) -> str:
         """A file name for this row (``:`` ``=`` ``,`` would trouble some file systems), never a path:
         a separator in an option value (``t5:x=../..``) becomes ``_``, so a row name read from a file
-        cannot point outside its run directory."""
+        cannot point outside its run directory. A schedule row's brackets become parentheses and
+        its spaces and any other character outside ``[A-Za-z0-9._()+-]`` ``_``."""
+        if self.schedule is not None:
+            name = self.name.replace("[", "(").replace("]", ")").replace("=", "-")
+            return re.sub(r"[^A-Za-z0-9._()+-]", "_", name)
         return self.name.replace(":", "_").replace("=", "-").replace(",", "_").replace("/", "_").replace("\\", "_")
 
 
 def parse(name: str) -> Row:
-    """The :class:`Row` of a ``methods`` entry; UsageError naming what is wrong."""
+    """The :class:`Row` of a ``methods`` entry, with its base row parsed too (``base_row``): the
+    one reader of the row text form; UsageError naming what is wrong."""
+    row = _parse(name)
+    if row.base is None:
+        return row
+    return replace(row, base_row=parse(row.base))
+
+
+def _parse(name: str) -> Row:
     if not isinstance(name, str) or not name:
         raise UsageError(f"methods: each entry must be a method name, got {name!r}")
+    if "[" in name:
+        return _parse_schedule(name)
     head, *suffixes = name.split("+")
     method, _, opts = head.partition(":")
     if method == NATIVE:
@@ -142,6 +178,14 @@ def parse(name: str) -> Row:
             if key in options:
                 raise UsageError(f"methods: {name!r}: option {key} is given twice; give it once")
             options[key] = _value(name, key, value)
+    train, evaluation, finetune = _variants(name, suffixes)
+    row = Row(name, method, options, tuple(train), evaluation, finetune)
+    _check_applies(row, cls)
+    return row
+
+
+def _variants(name: str, suffixes: list[str]) -> tuple[list[str], str | None, bool]:
+    """(training variants, evaluation variant, fine-tuned) of a row's ``+`` suffixes, in order."""
     train, evaluation, finetune = [], None, False
     for s in suffixes:
         if s in TRAIN_VARIANTS and evaluation is None and not finetune and s not in train:
@@ -154,31 +198,64 @@ def parse(name: str) -> Row:
             order = f"METHOD[:KEY=VALUE,...][+{'|+'.join(TRAIN_VARIANTS)}][+SCALING|+blockwise][+{FINETUNE} after a scaling]"
             raise UsageError(f"methods: {name!r}: unknown or misplaced variant {s!r}; a row is {order}, "
                              f"SCALING one of {', '.join(SCALINGS)}")
-    row = Row(name, method, options, tuple(train), evaluation, finetune)
-    _check_applies(row, cls)
+    return train, evaluation, finetune
+
+
+def _parse_schedule(name: str) -> Row:
+    """A schedule row: the text up to its last ``]`` read by ``Schedule.parse``, then variants."""
+    end = name.rindex("]") + 1
+    text, tail = name[:end], name[end:]
+    if tail and not tail.startswith("+"):
+        raise UsageError(f"methods: {name!r}: after a schedule's last ']' come its variants (+VARIANT), got {tail!r}")
+    try:
+        pattern = Schedule.parse(text)
+    except UsageError as err:
+        raise UsageError(f"methods: {name!r}: {err}") from None
+    train, evaluation, finetune = _variants(name, tail.split("+")[1:])
+    row = Row(name, pattern.layers[0].encoding, {}, tuple(train), evaluation, finetune, schedule=text, pattern=pattern)
+    _check_applies(row, *(get_class(layer.encoding) for layer in pattern.layers))
     return row
 
 
-def _check_applies(row: Row, cls) -> None:
-    """UsageError when a variant cannot apply to the model it would act on."""
+def _check_applies(row: Row, *classes) -> None:
+    """UsageError when a variant cannot apply to the model it would act on: ``classes`` are the
+    row's encodings (a schedule's: every layer's; a variant acts on the layers it applies to, and
+    at least one must be such a layer)."""
     if row.eval is None:
         return
+    what = "no layer of its schedule is" if row.schedule is not None else f"{row.method} is not"
     if "drop" in row.train:
         raise UsageError(f"methods: {row.name!r}: a +drop model has no positions left for +{row.eval} to act on")
-    if row.eval in SCALINGS and not issubclass(cls, RoPE):
-        raise UsageError(f"methods: {row.name!r}: +{row.eval} is a RoPE scaling; {row.method} is not a RoPE encoding")
-    if row.eval == "blockwise" and "block_size" not in options_of(cls):
-        raise UsageError(f"methods: {row.name!r}: +blockwise needs an encoding with a block_size option (xpos); "
-                         f"{row.method} has none")
+    if row.eval in SCALINGS and not any(issubclass(cls, RoPE) for cls in classes):
+        raise UsageError(f"methods: {row.name!r}: +{row.eval} is a RoPE scaling; {what} a RoPE encoding")
+    if row.eval == "blockwise" and not any("block_size" in options_of(cls) for cls in classes):
+        what = "no layer of its schedule has one" if row.schedule is not None else f"{row.method} has none"
+        raise UsageError(f"methods: {row.name!r}: +blockwise needs an encoding with a block_size option (xpos); {what}")
 
 
 def fair_options(row: Row, train_length: int) -> dict:
     """The encoding options a row trains with: its own, and every distance bound the method has
-    capped at what the training length reaches (see the module docstring)."""
-    if row.method == NATIVE:
+    capped at what the training length reaches (see the module docstring). A schedule row has none
+    of its own (:func:`fair_schedule` has each layer's), nor has the native row."""
+    if row.schedule is not None or row.method == NATIVE:
         return {}
-    cls = get_class(row.method)
-    options = dict(row.options)
+    return _capped(row.method, row.options, train_length)
+
+
+def fair_schedule(row: Row, train_length: int, depth: int) -> list[dict]:
+    """A schedule row's layers at ``depth`` (the json form, one dict per layer), each layer's
+    options under the fair-table rule. UsageError when the pattern is longer than ``depth``."""
+    layers = Schedule.repeated(row.pattern.layers, depth).to_list()
+    for layer in layers:
+        options = _capped(layer["encoding"], layer.get("options") or {}, train_length)
+        if options:
+            layer["options"] = options
+    return layers
+
+
+def _capped(method: str, given: dict, train_length: int) -> dict:
+    cls = get_class(method)
+    options = dict(given)
     params = inspect.signature(cls.__init__).parameters
     for key, bound in DISTANCE_BOUNDS.items():
         if key in options or key not in params:
@@ -213,4 +290,4 @@ def expand(names: list[str], finetune: bool) -> list[str]:
 
 
 __all__ = ["DISTANCE_BOUNDS", "EVAL_VARIANTS", "FINETUNE", "NATIVE", "Row", "SCALINGS", "TRAIN_VARIANTS", "expand",
-           "fair_options", "parse"]
+           "fair_options", "fair_schedule", "parse"]

@@ -19,16 +19,20 @@ import torch
 from ..errors import UsageError
 from ..files import MARKER, RunDir, WriteError, write_json
 from ..version import __version__
-from . import distributed, recall, rows, seeds
+from . import distributed, recall, seeds
+from .builders import Models
 from .config import StudyConfig
 from .data import Corpus, load_corpus
-from .execute import Runner
+from .pipeline import Book, Stages
+from .plan import checked_models, plan
 from .progress import Progress
 from .results import SCHEMA, Paths, load_results, write_outputs
+from .rows import expand, parse
 from .train import StepCallback
 
 
-def versions(ctx: distributed.Context) -> dict:
+def environment(ctx: distributed.Context) -> dict:
+    """The software and machine a study ran on (``results["versions"]``)."""
     import numpy
     import safetensors
 
@@ -83,11 +87,14 @@ def _fingerprint_recall(cfg: StudyConfig) -> dict:
 
 
 def prepare(cfg: StudyConfig, out: Path, resume: bool, ctx: distributed.Context
-            ) -> tuple[Corpus | None, dict, RunDir | None]:
-    """Validate everything, claim ``out`` and load the data: every user error surfaces here,
-    before training. The main process returns the claimed (locked) directory. The recall task has
-    no corpus (None): its sequences are generated."""
-    cfg.validate()
+            ) -> tuple[Models, Corpus | None, dict, RunDir | None]:
+    """Check the study (:func:`.plan.checked_models`), claim ``out`` and load the data: every user
+    error surfaces here, before training. Returns the model builder, the corpus (None for the
+    recall task: its sequences are generated), the results to fill, and on the main process the
+    claimed (locked) directory."""
+    before = load_results(out) if resume and (out / "results.json").exists() else None
+    # A resume checks the options against the saved study's rows too (it may name other rows).
+    models = checked_models(cfg, [parse(m) for m in before["config"]["methods"]] if before else ())
     if cfg.batch_size % ctx.world:
         raise UsageError(f"batch_size ({cfg.batch_size}) must be divisible by the number of processes ({ctx.world})")
     if cfg.task == "recall":
@@ -117,11 +124,7 @@ def prepare(cfg: StudyConfig, out: Path, resume: bool, ctx: distributed.Context
                     f"(valid_bytes={cfg.valid_bytes}, or a small corpus); use shorter eval_lengths or more data"
                 )
         fingerprint = corpus.fingerprint if corpus is not None else _fingerprint_recall(cfg)
-        hf = None
-        if cfg.hf_config is not None:
-            from .builders import hf_study
-
-            hf = hf_study().load_architecture(cfg.hf_config).record()
+        hf = models.arch.record() if cfg.hf_config is not None else None
         if saved is not None:
             _check_same(saved, cfg, fingerprint, out, hf)
     except BaseException:
@@ -130,8 +133,7 @@ def prepare(cfg: StudyConfig, out: Path, resume: bool, ctx: distributed.Context
         raise
     if saved is not None:
         results = saved
-        results["config"]["methods"] = rows.expand([*saved["config"]["methods"], *cfg.methods],
-                                                   cfg.finetune_steps > 0)
+        results["config"]["methods"] = expand([*saved["config"]["methods"], *cfg.methods], cfg.finetune_steps > 0)
         results["config"]["seeds"] = max(saved["config"].get("seeds", 1), cfg.seeds)
         results["status"] = "running"
     else:
@@ -142,8 +144,8 @@ def prepare(cfg: StudyConfig, out: Path, resume: bool, ctx: distributed.Context
         }
         if hf is not None:
             results["hf"] = hf  # the architecture: the file's path, sha256, model_type and contents
-    results["versions"] = versions(ctx)
-    return corpus, results, rundir
+    results["versions"] = environment(ctx)
+    return models, corpus, results, rundir
 
 
 def run_experiment(cfg: StudyConfig, out: str | Path, *, resume: bool = False, progress: bool = True,
@@ -151,7 +153,8 @@ def run_experiment(cfg: StudyConfig, out: str | Path, *, resume: bool = False, p
     """Run (or continue) a study; returns the results dict (also in ``out/results.json``).
 
     Args:
-        cfg: the study; validated here, before anything is written.
+        cfg: the study (checked when it was made; the checks that need its models run here,
+            before anything is written).
         out: output directory (see :mod:`posenc.study.results` for its files).
         resume: continue the study already in ``out`` (finished methods are skipped).
         progress: bars or log lines on stderr.
@@ -160,9 +163,10 @@ def run_experiment(cfg: StudyConfig, out: str | Path, *, resume: bool = False, p
     """
     ctx = ctx or distributed.Context(torch.device(cfg.device))
     out = Path(out)
+    started = time.perf_counter()
     failure = None
     try:
-        corpus, results, rundir = prepare(cfg, out, resume, ctx)
+        models, corpus, results, rundir = prepare(cfg, out, resume, ctx)
     except UsageError as err:
         failure = err
     if ctx.distributed:  # every process stops together if any of them found a user error
@@ -176,7 +180,7 @@ def run_experiment(cfg: StudyConfig, out: str | Path, *, resume: bool = False, p
     if failure is not None:
         raise failure
     try:
-        return _run(cfg, out, corpus, results, rundir, ctx, Progress(progress, main=ctx.main), on_step)
+        return _run(cfg, models, out, corpus, results, rundir, ctx, Progress(progress, main=ctx.main), on_step, started)
     except WriteError as err:
         raise WriteError(f"{err}; finished work is in {out}: make room, then continue with resume") from err
     finally:
@@ -184,27 +188,22 @@ def run_experiment(cfg: StudyConfig, out: str | Path, *, resume: bool = False, p
             rundir.release()
 
 
-def _run(cfg: StudyConfig, out: Path, corpus: Corpus | None, results: dict, rundir: RunDir | None,
-         ctx: distributed.Context, ui: Progress, on_step: StepCallback | None) -> dict:
+def _run(cfg: StudyConfig, models: Models, out: Path, corpus: Corpus | None, results: dict, rundir: RunDir | None,
+         ctx: distributed.Context, ui: Progress, on_step: StepCallback | None, started: float) -> dict:
+    """The pipeline: plan the runs, then for each run the stages of :mod:`.pipeline` (model and
+    training, scoring, writing), skipping the runs a resumed study finished."""
     paths = Paths(out)
     if rundir is not None and rundir.notice:
         ui.warn(rundir.notice)
     if ctx.main:
         write_json(paths.results, results)
-    todo = [rows.parse(m) for m in cfg.methods]
-    runner = Runner(cfg, corpus, results, paths, ctx, ui, on_step)
-
-    def finished(row: rows.Row, index: int) -> bool:
-        """Done, or diverged (a run that would diverge again at the same step: not retried)."""
-        entry = results["methods"].get(row.name)
-        run = seeds.run_of(entry, index) if entry else None
-        return run is not None and run.get("status") in ("done", "diverged")
-
-    pairs = [(index, row) for index in range(cfg.seeds) for row in todo]
-    ui.study_bar(len(pairs), sum(finished(row, index) for index, row in pairs))
+    study = plan(cfg, models, paths, ctx.world)
+    book = Book(results, paths, ctx, cfg)
+    stages = Stages(study, corpus, book, ctx, ui, on_step)
+    ui.study_bar(len(study.runs), sum(book.finished(run) for run in study.runs))
     what = (f"{cfg.steps} steps of {cfg.batch_size} x {cfg.train_length} bytes" if corpus is not None else
             f"{cfg.steps} steps of {cfg.batch_size} recall sequences of {cfg.train_length}")
-    ui.log(f"posenc study: {len(todo)} row(s) x {cfg.seeds} seed(s), task {cfg.task}, train length "
+    ui.log(f"posenc study: {len(cfg.rows)} row(s) x {cfg.seeds} seed(s), task {cfg.task}, train length "
            f"{cfg.train_length}, eval {cfg.eval_lengths}, {what}, out {out}")
     if results.get("hf"):
         hf = results["hf"]
@@ -216,19 +215,20 @@ def _run(cfg: StudyConfig, out: Path, corpus: Corpus | None, results: dict, rund
         for s in corpus.skipped:
             ui.warn(f"data: skipped {s['file']}: {s['reason']}")
     try:
-        # Seeds outermost: after the first pass every row has a number; later seeds refine them.
-        for index, row in pairs:
-            if finished(row, index):
-                status = seeds.run_of(results["methods"][row.name], index)["status"]
-                ui.log(f"[{runner.label(row, index)}] {status} already, skipped")
+        for run in study.runs:
+            if book.finished(run):
+                ui.log(f"[{run.label}] {book.run_of(run)['status']} already, skipped")
                 continue
-            runner.run_row(row, index)
+            stages.run(run)
             ui.method_done()
     finally:
         ui.finish()
-    every = [rows.parse(m) for m in results["config"]["methods"]]
-    results["status"] = "done" if all(finished(row, i) for row in every
-                                      for i in range(results["config"].get("seeds", 1))) else "partial"
+    status = [seeds.run_of(results["methods"].get(name) or {}, i) if name in results["methods"] else None
+              for name in results["config"]["methods"] for i in range(results["config"].get("seeds", 1))]
+    results["status"] = "done" if all(s is not None and s.get("status") in ("done", "diverged") for s in status) \
+        else "partial"
+    # Wall time of the study: this run's, plus that of the earlier runs of a resumed study that finished.
+    results["wall_s"] = round(results.get("wall_s", 0.0) + time.perf_counter() - started, 1)
     if ctx.main:
         write_json(paths.results, results)
         write_outputs(results, out, table=True)

@@ -35,7 +35,7 @@ def runs(entry: dict) -> list[dict]:
 
 
 def load_windows(paths: Paths, stem: str, seed: int, length: int) -> dict | None:
-    path = paths.windows(stem, seed, length)
+    path = paths.window_scores(stem, seed, length)
     try:
         return json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
@@ -55,18 +55,18 @@ def aggregate(entry: dict, stem: str, paths: Paths, recall: bool) -> None:
         return
     seeds = [r["seed"] for r in done]
     lengths = sorted({row["length"] for r in done for row in r["eval"]})
-    rows = []
+    scores = []
     for length in lengths:
         per = [next((row for row in r["eval"] if row["length"] == length), None) for r in done]
         if any(p is None for p in per):
             continue
         windows = [load_windows(paths, stem, s, length) for s in seeds]
-        rows.append(_recall_row(length, per, windows) if recall else _lm_row(length, per, windows))
+        scores.append(_recall_score(length, per, windows) if recall else _lm_score(length, per, windows))
     train = [r.get("train") or {} for r in done]
-    entry["across_seeds"] = {"seeds": seeds, "eval": rows, "train": _train(train)}
+    entry["across_seeds"] = {"seeds": seeds, "eval": scores, "train": _train(train)}
 
 
-def _lm_row(length: int, per: list[dict], windows: list[dict | None]) -> dict:
+def _lm_score(length: int, per: list[dict], windows: list[dict | None]) -> dict:
     row = {"length": length, "seeds": len(per), "status": per[0]["status"]}
     if any(p.get("loss") is None for p in per):
         return {**row, "perplexity": None, "bits_per_byte": None, "loss": None, "tokens": per[0].get("tokens")}
@@ -81,7 +81,7 @@ def _lm_row(length: int, per: list[dict], windows: list[dict | None]) -> dict:
     return row
 
 
-def _recall_row(length: int, per: list[dict], windows: list[dict | None]) -> dict:
+def _recall_score(length: int, per: list[dict], windows: list[dict | None]) -> dict:
     row = {"length": length, "seeds": len(per), "status": per[0]["status"]}
     if any(p.get("accuracy") is None for p in per):
         return {**row, "accuracy": None}

@@ -31,7 +31,6 @@ import torch.nn.functional as F
 from ..files import atomic_write
 from ..model import LM
 from . import distributed
-from .config import StudyConfig
 from .progress import Progress
 
 # Called after every finished training step as on_step(method, step): a progress hook for callers
@@ -69,9 +68,44 @@ def drope_schedule(steps: int, drop_at: int, warmup: int, min_lr_ratio: float) -
     return lambda step: main(step) if step < drop_at else recal(step - drop_at)
 
 
-def make_optimizer(model: LM, cfg: StudyConfig, factor: Callable[[int], float] | None = None, lr: float | None = None
-                   ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
-    """AdamW with ``factor`` (default: linear warmup then cosine decay to ``min_lr_ratio * lr``).
+@dataclass(frozen=True)
+class TrainSettings:
+    """Everything one training run reads, besides its model and its batches: the optimizer, the
+    learning-rate schedule, the loop's checkpoints, and the batch it draws at each step.
+
+    The schedule: ``warmup`` steps of linear warmup to ``lr``, then cosine decay to
+    ``min_lr_ratio * lr`` (:func:`schedule`); with ``drop_at``, DroPE's two schedules
+    (:func:`drope_schedule`); with ``constant`` (a fine-tune), the warmup and then ``lr`` held.
+    """
+
+    steps: int
+    lr: float
+    warmup: int
+    min_lr_ratio: float
+    weight_decay: float
+    grad_clip: float
+    checkpoint_every: int
+    batch_size: int  # sequences per step (the global batch; each process takes its share)
+    length: int  # tokens per sequence
+    data_seed: int  # the batch of step s is a pure function of (data_seed, s)
+    drop_at: int | None = None  # positions are removed from this step on (``LM.drop_positions``)
+    constant: bool = False  # after the warmup, lr held (no decay)
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.batch_size * self.length
+
+    def factor(self) -> Callable[[int], float]:
+        """The learning-rate factor of each step (see the class docstring)."""
+        if self.constant:
+            return lambda step: min(1.0, (step + 1) / max(1, self.warmup))
+        if self.drop_at is not None:
+            return drope_schedule(self.steps, self.drop_at, self.warmup, self.min_lr_ratio)
+        return schedule(self.steps, self.warmup, self.min_lr_ratio)
+
+
+def make_optimizer(model: LM, settings: TrainSettings) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
+    """AdamW at ``settings.lr`` with ``settings.factor()`` as its schedule.
 
     Weight decay applies to weight matrices only; biases, norms and the encodings' own
     parameters (position tables, T5 buckets) are left undecayed, so no method is pulled to zero.
@@ -79,9 +113,9 @@ def make_optimizer(model: LM, cfg: StudyConfig, factor: Callable[[int], float] |
     decay, rest = [], []
     for name, p in model.named_parameters():
         (decay if p.dim() >= 2 and "encoding" not in name else rest).append(p)
-    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": rest, "weight_decay": 0.0}]
-    opt = torch.optim.AdamW(groups, lr=cfg.lr if lr is None else lr, betas=(0.9, 0.95))
-    return opt, torch.optim.lr_scheduler.LambdaLR(opt, factor or schedule(cfg.steps, cfg.warmup, cfg.min_lr_ratio))
+    groups = [{"params": decay, "weight_decay": settings.weight_decay}, {"params": rest, "weight_decay": 0.0}]
+    opt = torch.optim.AdamW(groups, lr=settings.lr, betas=(0.9, 0.95))
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, settings.factor())
 
 
 class StopOnSignal:
@@ -173,22 +207,27 @@ def _save(state: dict, tmp: Path) -> None:
         torch.save(state, f)
 
 
-@dataclass
-class Job:
-    """One training run: a model from its initial state, a batch per step, a learning-rate factor.
+@dataclass(frozen=True)
+class TrainRecord:
+    """What a finished training run reports (``run["train"]`` in results.json)."""
 
-    ``batch(step)`` must be a pure function of the step (the study derives it from the seed), so
-    a run continued from a saved state sees the batches a run that never stopped would see.
-    """
-
-    label: str  # shown in progress lines, and passed to on_step
-    make_model: Callable[[], LM]  # the initial model, the same at every call
-    batch: Callable[[int], tuple[torch.Tensor, ...]]  # step -> inputs, targets (B, T) each [, document ids (B, T)]
     steps: int
-    factor: Callable[[int], float]  # learning-rate factor of a step
-    lr: float
-    tokens_per_step: int
-    drop_at: int | None = None  # positions are removed from this step on (``LM.drop_positions``)
+    tokens: int
+    time_s: float
+    tokens_per_s: float
+    final_loss: float
+    losses: list[float]
+    positions_dropped_at_step: int | None = None
+    base: str | None = None  # a fine-tune: the row it started from (``from`` in results.json)
+
+    def to_json(self) -> dict:
+        out = {"steps": self.steps, "tokens": self.tokens, "time_s": self.time_s, "tokens_per_s": self.tokens_per_s,
+               "final_loss": self.final_loss, "losses": self.losses}
+        if self.positions_dropped_at_step is not None:
+            out["positions_dropped_at_step"] = self.positions_dropped_at_step
+        if self.base is not None:
+            out["from"] = self.base
+        return out
 
 
 def _wrap(model: LM, ctx: distributed.Context) -> torch.nn.Module:
@@ -203,17 +242,30 @@ def _wrap(model: LM, ctx: distributed.Context) -> torch.nn.Module:
     return DistributedDataParallel(model, device_ids=ids, **no_sync)
 
 
-def train(job: Job, cfg: StudyConfig, state_path: Path, ctx: distributed.Context, ui: Progress,
-          on_step: StepCallback | None = None) -> tuple[LM, dict]:
-    """Run ``job`` (continuing from ``state_path`` when it exists); returns the model and its
-    training record. Each process computes its share of every global batch; targets equal to
-    ``IGNORE`` are not scored (the recall task scores only its answers)."""
-    model = job.make_model().to(ctx.device)
-    opt, sched = make_optimizer(model, cfg, job.factor, job.lr)
+def train(label: str, settings: TrainSettings, model: LM, batch: Callable[[int], tuple[torch.Tensor, ...]],
+          state_path: Path, ctx: distributed.Context, ui: Progress, on_step: StepCallback | None = None
+          ) -> tuple[LM, TrainRecord]:
+    """Train ``model`` (its initial state) as ``settings`` say, continuing from ``state_path`` when
+    it exists; returns the model and its training record. Each process computes its share of
+    every global batch; targets equal to ``IGNORE`` are not scored (the recall task scores only its
+    answers).
+
+    Args:
+        label: the run's name in progress lines, and what ``on_step`` is called with.
+        batch: step -> inputs, targets (B, T) each [, document ids (B, T)]: a pure function of the
+            step, so a run continued from a saved state sees the batches an unbroken one would.
+
+    Raises:
+        StateError: ``state_path`` is damaged or from another model.
+        Diverged: a non-finite loss, gradient norm or activation (the step is not applied).
+    """
+    model = model.to(ctx.device)
+    opt, sched = make_optimizer(model, settings)
+    steps, drop_at = settings.steps, settings.drop_at
     start, losses, elapsed = 0, [], 0.0
     if state_path.exists():
-        start, losses, elapsed = restore(state_path, model, opt, sched, ctx.device, job.drop_at)
-        ui.log(f"[{job.label}] resuming from step {start}/{job.steps}")
+        start, losses, elapsed = restore(state_path, model, opt, sched, ctx.device, drop_at)
+        ui.log(f"[{label}] resuming from step {start}/{steps}")
 
     def save_state(step: int) -> None:
         if ctx.main:
@@ -224,23 +276,23 @@ def train(job: Job, cfg: StudyConfig, state_path: Path, ctx: distributed.Context
             atomic_write(state_path, lambda p: _save(state, p))
 
     net = _wrap(model, ctx)
-    dropped = job.drop_at is not None and start > job.drop_at  # (restore dropped them already)
-    bar = ui.method_bar(job.label, job.steps, start)
+    dropped = drop_at is not None and start > drop_at  # (restore dropped them already)
+    bar = ui.method_bar(label, steps, start)
     model.train()
     with StopOnSignal(enabled=not ctx.distributed) as stop, ui.closing(bar):
-        for step in range(start, job.steps):
+        for step in range(start, steps):
             t0 = time.perf_counter()
-            if not dropped and job.drop_at is not None and step >= job.drop_at:
+            if not dropped and drop_at is not None and step >= drop_at:
                 model.drop_positions()  # from here on the attention calls no position hook
                 for group in opt.param_groups:  # the authors' recalibration trains without weight decay
                     group["weight_decay"] = 0.0
                 net = _wrap(model, ctx)  # DDP over the parameters that remain
                 dropped = True
-            x, y, *docs = job.batch(step)  # (B, T) each, the global batch; packed rows: document ids too
+            x, y, *docs = batch(step)  # (B, T) each, the global batch; packed rows: document ids too
             share = x.shape[0] // ctx.world
-            rows = slice(ctx.rank * share, (ctx.rank + 1) * share)
-            x, y = x[rows].to(ctx.device), y[rows].to(ctx.device)
-            extra = {"document_ids": docs[0][rows].to(ctx.device)} if docs else {}
+            mine = slice(ctx.rank * share, (ctx.rank + 1) * share)
+            x, y = x[mine].to(ctx.device), y[mine].to(ctx.device)
+            extra = {"document_ids": docs[0][mine].to(ctx.device)} if docs else {}
             try:
                 logits = net(x, **extra)  # (B/world, T, vocab)
             except (ValueError, OverflowError) as err:
@@ -254,7 +306,7 @@ def train(job: Job, cfg: StudyConfig, state_path: Path, ctx: distributed.Context
             loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1), ignore_index=IGNORE)
             opt.zero_grad(set_to_none=True)
             loss.backward()
-            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), settings.grad_clip)
             mean_loss = distributed.all_sum(ctx, loss.detach().clone()) / ctx.world
             # Every process sees the same mean loss and (synced gradients) the same norm: all stop together.
             if not (math.isfinite(float(mean_loss)) and math.isfinite(float(norm))):
@@ -264,23 +316,16 @@ def train(job: Job, cfg: StudyConfig, state_path: Path, ctx: distributed.Context
             losses.append(float(mean_loss))
             elapsed += time.perf_counter() - t0
             done = step + 1
-            if done % cfg.checkpoint_every == 0 and done < job.steps:
+            if done % settings.checkpoint_every == 0 and done < steps:
                 save_state(done)
-            ui.step(bar, job.label, done, job.steps, losses[-1], job.tokens_per_step * done / max(elapsed, 1e-9))
+            ui.step(bar, label, done, steps, losses[-1], settings.tokens_per_step * done / max(elapsed, 1e-9))
             if on_step is not None:
-                on_step(job.label, done)
-            if stop.requested and done < job.steps:
+                on_step(label, done)
+            if stop.requested and done < steps:
                 save_state(done)
                 raise KeyboardInterrupt
     tail = losses[-max(1, len(losses) // 20) :]
-    record = {
-        "steps": job.steps,
-        "tokens": job.steps * job.tokens_per_step,
-        "time_s": round(elapsed, 3),
-        "tokens_per_s": round(job.steps * job.tokens_per_step / max(elapsed, 1e-9), 1),
-        "final_loss": sum(tail) / len(tail),
-        "losses": [round(v, 5) for v in losses],
-    }
-    if job.drop_at is not None:
-        record["positions_dropped_at_step"] = job.drop_at
-    return model, record
+    return model, TrainRecord(
+        steps=steps, tokens=steps * settings.tokens_per_step, time_s=round(elapsed, 3),
+        tokens_per_s=round(steps * settings.tokens_per_step / max(elapsed, 1e-9), 1),
+        final_loss=sum(tail) / len(tail), losses=[round(v, 5) for v in losses], positions_dropped_at_step=drop_at)

@@ -28,6 +28,9 @@ A fine-tuned row (``+ft``, the PI / YaRN protocol) uses the same blocks with one
 Blockwise (``xpos+blockwise``): the encoding's ``block_size`` set to half the training length while
 evaluating (Sun et al. 2022, §3.3): a query sees its own block and the previous one only.
 
+In a schedule row's model, a scaling acts on its RoPE layers (each with a block from its own base)
+and blockwise on the layers with a ``block_size``; the other layers are left as they are.
+
 Each variant is applied to the model's own encodings for the duration of a ``with`` block and undone
 after it, so one loaded model serves its base row and every variant.
 """
@@ -39,6 +42,7 @@ import math
 from typing import Iterator
 
 from ..encodings.base import PositionalEncoding
+from ..encodings.rope import RoPE
 from ..model import LM
 from .rows import Row
 
@@ -94,16 +98,20 @@ def applied(model: LM, row: Row, length: int, train_length: int) -> Iterator[dic
         if row.eval == "blockwise":
             size = max(1, train_length // 2)
             for enc in encs:
-                undo.append((enc, "block_size", enc.block_size))
-                enc.block_size = size
+                if hasattr(enc, "block_size"):  # (a schedule's other layers keep their attention)
+                    undo.append((enc, "block_size", enc.block_size))
+                    enc.block_size = size
             yield {"block_size": size}
         else:
-            first = encs[0]
-            block = scaling_block(row.eval, length / train_length, train_length, first.base, first.rotary_dim)
+            blocks = []
             for enc in encs:
-                undo.append((enc, "scaling", enc.scaling))
-                enc.set_scaling(block)
-            yield {"scaling": block}
+                if isinstance(enc, RoPE):  # (a schedule's other layers have no rotation to scale)
+                    block = scaling_block(row.eval, length / train_length, train_length, enc.base, enc.rotary_dim)
+                    undo.append((enc, "scaling", enc.scaling))
+                    enc.set_scaling(block)
+                    if block not in blocks:
+                        blocks.append(block)
+            yield {"scaling": blocks[0] if len(blocks) == 1 else blocks}
     finally:
         for enc, what, old in reversed(undo):
             if what == "scaling":

@@ -62,7 +62,7 @@ def plan_band(tq: int, tk: int, qs: int, ks: int, past: int, top: int, rows: int
     return groups
 
 
-def band_bias(rel: torch.Tensor, r_lo: int, group: BandGroup, offset: int):
+def band_bias(rel: torch.Tensor, r_lo: int, group: BandGroup, offset: int) -> tuple[torch.Tensor, torch.Tensor]:
     """A band block's bias (h, C, L) for the group's heads with -inf outside its band, and its rel
     index (C * L,). ``rel`` (H, R) holds f(r) for r = r_lo.. ; ``offset`` is r of the block's
     top-left pair."""
@@ -85,12 +85,12 @@ def split(group: BandGroup, size: int) -> list[BandGroup]:
 def blocks(x: torch.Tensor, group: BandGroup) -> torch.Tensor:
     """Rows of the group's blocks, (B, H, T, ...) -> (B * count, H, C, ...): a view when B = 1."""
     a, b = group.row_range
-    return x[:, :, a:b].unflatten(2, (group.count, group.rows)).transpose(1, 2).flatten(0, 1)
+    return torch.unflatten(x[:, :, a:b], 2, (group.count, group.rows)).transpose(1, 2).flatten(0, 1)
 
 
 def unblocks(y: torch.Tensor, group: BandGroup) -> torch.Tensor:
     """Inverse of :func:`blocks`: (B * count, H, C, ...) -> (B, H, count * C, ...)."""
-    return y.unflatten(0, (-1, group.count)).transpose(1, 2).flatten(2, 3)
+    return torch.unflatten(y, 0, (-1, group.count)).transpose(1, 2).flatten(2, 3)
 
 
 def windows(x: torch.Tensor, group: BandGroup) -> torch.Tensor:
@@ -103,13 +103,13 @@ def windows(x: torch.Tensor, group: BandGroup) -> torch.Tensor:
 def add_windows(buf: torch.Tensor, group: BandGroup, g: torch.Tensor) -> None:
     """buf[:, :, keys of block n] += g[block n] for overlapping windows, a few strided adds."""
     c, n, tk = group.rows, group.count, buf.shape[2]
-    g = g.unflatten(0, (-1, n)).transpose(1, 2)  # (B, H, count, L, D)
+    g = torch.unflatten(g, 0, (-1, n)).transpose(1, 2)  # (B, H, count, L, D)
     for s in range(0, group.length, c):
         seg = g[:, :, :, s : s + c]  # (B, H, count, c', D): this segment of every window
         start = group.k0 + s
         whole = n if start + n * c <= tk else n - 1  # the last window's segment may overhang
         if whole:
-            buf[:, :, start : start + whole * c].unflatten(2, (whole, c))[:, :, :, : seg.shape[3]] += seg[:, :, :whole]
+            torch.unflatten(buf[:, :, start : start + whole * c], 2, (whole, c))[:, :, :, : seg.shape[3]] += seg[:, :, :whole]
         if whole < n:
             at = start + whole * c
             buf[:, :, at : at + seg.shape[3]] += seg[:, :, whole]

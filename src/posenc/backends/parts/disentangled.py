@@ -64,28 +64,32 @@ C block rows, L = C + W - 1 block keys, Tp keys with the skew's padding rows.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
-from ...encodings.protocol import DisentangledTables
+from ...encodings.protocol import DisentangledTables, require
 from .base import ScoreSpec, accumulation_dtype
-from .regions import Region, call_order, flushed, kernel_forward, keys_of, lower, region_backward, rows_of, upper
+from .regions import Merge, Region, apply, call_order, flushed, kernel_forward, keys_of, lower, region_backward, rows_of, upper
 
 BLOCK = 64  # queries per band block
 WIDTH_MULTIPLE = 16  # band widths are rounded up to this
 MIN_PAIRS = 1 << 16  # calls with fewer (query, key) pairs run eager: fixed costs dominate
 GROUP_ELEMENTS = 1 << 20  # band temporaries per group: at most this many (B x H x blocks x rows x keys)
 
+Regions = tuple[tuple[int, Region], ...]  # (side, region): side 0 the far past, 1 the far future
+
 
 def _tables(spec: ScoreSpec) -> tuple[torch.Tensor | None, torch.Tensor | None, float]:
-    enc: DisentangledTables = spec.encoding  # type: ignore[assignment]
-    return enc.disentangled_tables()
+    form = require(spec.encoding, DisentangledTables).disentangled_tables()
+    return form.query_table, form.key_table, form.scale
 
 
 def ends(spec: ScoreSpec, r_lo: int, r_hi: int, device: torch.device) -> tuple[torch.Tensor, list[int], int, int]:
     """(rows (r_hi - r_lo + 1,) of r = r_lo..r_hi, the same as a list, e_p, s_f): the call's table
     rows, and where the far past (r <= e_p, every row rows(r_lo)) and far future (r >= s_f, every
     row rows(r_hi)) begin. One host read (the list: O(Tq + Tk) integers)."""
-    rows = spec.encoding.relative_rows(torch.arange(r_lo, r_hi + 1, device=device))  # (n,)
+    rows = require(spec.encoding, DisentangledTables).relative_rows(torch.arange(r_lo, r_hi + 1, device=device))  # (n,)
     listed = rows.tolist()
     same_lo = next((n for n, t in enumerate(listed) if t != listed[0]), len(listed))  # the constant prefix
     same_hi = next((n for n, t in enumerate(reversed(listed)) if t != listed[-1]), len(listed))
@@ -167,23 +171,26 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec
     dt = q.dtype
     a_w = None if a_table is None else a_table[:, t].to(dt) * term_scale  # (H, W, D)
     b_w = None if b_table is None else b_table[:, t].to(dt) * term_scale  # (H, W, D)
-    o_b, lse_b = _Band.apply(q, k, v, a_w, b_w, _BandGeometry(offset, first, top, scale, tq, tk))
+    band_out: tuple[torch.Tensor, torch.Tensor] = _Band.apply(q, k, v, a_w, b_w, _BandGeometry(offset, first, top, scale, tq, tk))  # type: ignore[no-untyped-call]  # torch's stub declares no types
+    o_b, lse_b = band_out
 
     # Far regions: per side, the query shifted by B[t] and the constant q . A[t].
-    regions, shifted, consts = [], [], []
+    regions: list[tuple[int, Region]] = []
+    shifted: list[torch.Tensor] = []
+    consts: list[torch.Tensor] = []
     sides = [(0, lower(tq, tk, offset + first - 1), listed[0])]
     if not causal:
         sides.append((1, upper(tq, tk, offset + s_f), listed[-1]))
-    for side, (_, side_regions, t) in enumerate(sides):
+    for side, (_, side_regions, row) in enumerate(sides):
         if not side_regions:
             continue
         regions += [(len(shifted), r) for r in side_regions]
-        shifted.append(q if b_table is None else q + (b_table[:, t].to(dt) * (term_scale / scale))[None, :, None, :])  # (B, H, Tq, D)
-        c = q.new_zeros(q.shape[:-1]) if a_table is None else torch.matmul(q, a_table[:, t].to(dt)[..., None] * term_scale)[..., 0]
+        shifted.append(q if b_table is None else q + (b_table[:, row].to(dt) * (term_scale / scale))[None, :, None, :])  # (B, H, Tq, D)
+        c = q.new_zeros(q.shape[:-1]) if a_table is None else torch.matmul(q, a_table[:, row].to(dt)[..., None] * term_scale)[..., 0]
         consts.append(c)  # (B, H, Tq)
     if not regions:
         return o_b.to(dt)
-    return _MergeFar.apply(o_b, lse_b, torch.stack(shifted), k, v, torch.stack(consts), tuple(regions), scale)
+    return apply(_MergeFar, o_b, lse_b, torch.stack(shifted), k, v, torch.stack(consts), tuple(regions), scale)
 
 
 # --------------------------------------------------------------------------------------------
@@ -251,7 +258,7 @@ def _columns(t0: int, c: int, tk: int, geo: _BandGeometry) -> tuple[int, int]:
 
 def _rows(x: torch.Tensor, t0: int, n: int, c: int) -> torch.Tensor:
     """Queries t0 .. t0 + n*C of x (B, H, T, X) as n blocks: a (B, H, n, C, X) view."""
-    return x[:, :, t0 : t0 + n * c].unflatten(2, (n, c))
+    return torch.unflatten(x[:, :, t0 : t0 + n * c], 2, (n, c))
 
 
 def _windows(x: torch.Tensor, k0: int, n: int, c: int, length: int) -> torch.Tensor:
@@ -266,7 +273,7 @@ def _add_windows(buf: torch.Tensor, k0: int, c: int, g: torch.Tensor) -> None:
     n, length = g.shape[2], g.shape[3]
     for s0 in range(0, length, c):
         seg = g[:, :, :, s0 : s0 + c]  # (B, H, n, c', D): this segment of every window
-        buf[:, :, k0 + s0 : k0 + s0 + n * c].unflatten(2, (n, c))[:, :, :, : seg.shape[3]] += seg
+        torch.unflatten(buf[:, :, k0 + s0 : k0 + s0 + n * c], 2, (n, c))[:, :, :, : seg.shape[3]] += seg
 
 
 def _triangles(c: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -276,7 +283,7 @@ def _triangles(c: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor
     return ones.tril(-1), ones.triu(1)
 
 
-def _per_key(k, b_w, geo: _BandGeometry) -> torch.Tensor | None:
+def _per_key(k: torch.Tensor, b_w: torch.Tensor | None, geo: _BandGeometry) -> torch.Tensor | None:
     """p2c per key and band distance, ``k_j . B_w[w]`` (B, H, Tp, W): the keys with ``pad_l`` rows
     before and ``pad_r`` after them (left unset: the cells that read them are no keys, and the scores
     set them to -inf), so the skewed view of every query exists; or None without p2c. One GEMM per
@@ -307,19 +314,24 @@ class _Band(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, a_w, b_w, geo: _BandGeometry):
+    def forward(
+        ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a_w: torch.Tensor | None, b_w: torch.Tensor | None, geo: _BandGeometry,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         out, lse = flushed(_band_forward, q, k, v, a_w, b_w, geo)
         ctx.geo = geo
         ctx.save_for_backward(q, k, v, a_w, b_w, out, lse)
         return out, lse
 
     @staticmethod
-    def backward(ctx, d_out, d_lse):
+    def backward(ctx: Any, d_out: torch.Tensor, d_lse: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         q, k, v, a_w, b_w, out, lse = ctx.saved_tensors
         return (*flushed(_band_backward, ctx.geo, d_out, d_lse, q, k, v, a_w, b_w, out, lse), None)
 
 
-def _scores(q, q_s, k, a_w, pk, segment, geo: _BandGeometry, masks: dict):
+def _scores(
+    q: torch.Tensor, q_s: torch.Tensor, k: torch.Tensor, a_w: torch.Tensor | None, pk: torch.Tensor | None,
+    segment: tuple[int, int, int], geo: _BandGeometry, masks: dict[int, tuple[torch.Tensor, torch.Tensor]],
+) -> tuple[torch.Tensor, int, int]:
     """Scores of a segment's n blocks of C queries, key layout (B, H, n, C, L): q k^T * scale on
     the window columns that are keys ([x, L - y), returned with them), the position terms on the
     band diagonal, -inf off the band and on the columns that are no keys."""
@@ -352,14 +364,16 @@ def _scores(q, q_s, k, a_w, pk, segment, geo: _BandGeometry, masks: dict):
     return s, x, y
 
 
-def _band_forward(q, k, v, a_w, b_w, geo: _BandGeometry):
+def _band_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a_w: torch.Tensor | None, b_w: torch.Tensor | None, geo: _BandGeometry,
+) -> tuple[torch.Tensor, torch.Tensor]:
     b, h, tq, _ = q.shape
     tk = k.shape[-2]
     q_s, k, v = (q * geo.scale).contiguous(), k.contiguous(), v.contiguous()  # the content scale folded into q
     pk = _per_key(k, b_w, geo)
     out = q.new_empty(b, h, tq, v.shape[-1])  # (B, H, Tq, D)
     lse = q.new_empty(b, h, tq)  # (B, H, Tq)
-    masks: dict = {}
+    masks: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     for segment in _segments(b, h, tq, tk, geo):
         t0, n, c = segment
         k0 = geo.offset + geo.first + t0
@@ -380,7 +394,10 @@ def _band_forward(q, k, v, a_w, b_w, geo: _BandGeometry):
     return out, lse
 
 
-def _band_backward(geo: _BandGeometry, d_out, d_lse, q, k, v, a_w, b_w, out, lse):
+def _band_backward(
+    geo: _BandGeometry, d_out: torch.Tensor, d_lse: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    a_w: torch.Tensor | None, b_w: torch.Tensor | None, out: torch.Tensor, lse: torch.Tensor,
+) -> tuple[torch.Tensor | None, ...]:
     b, h, tq, d = q.shape
     tk, width = k.shape[-2], geo.width
     q_s, k, v = (q * geo.scale).contiguous(), k.contiguous(), v.contiguous()
@@ -391,11 +408,12 @@ def _band_backward(geo: _BandGeometry, d_out, d_lse, q, k, v, a_w, b_w, out, lse
     dq = q.new_empty(b, h, tq, d)
     dk, dv = (q.new_zeros(b, h, tk + BLOCK, d) for _ in range(2))  # (B, H, Tk + C, D): C spare rows
     d_a = None if a_w is None else torch.zeros_like(a_w)  # (H, W, D)
+    d_a_t = q.new_empty(0) if d_a is None else d_a
     d_pk = None
     if pk is not None:  # (B, H, Tp, W); the padding's rows only receive zeros, never read
         d_pk = torch.empty_like(pk)
         d_pk[:, :, geo.pad_l : geo.pad_l + tk].zero_()
-    masks: dict = {}
+    masks: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     for segment in _segments(b, h, tq, tk, geo):
         t0, n, c = segment
         k0, length = geo.offset + geo.first + t0, c + width - 1
@@ -405,7 +423,7 @@ def _band_backward(geo: _BandGeometry, d_out, d_lse, q, k, v, a_w, b_w, out, lse
         dp = q.new_empty(b, h, n, c, length)
         dp[..., :x].zero_()
         dp[..., y:].zero_()
-        per_key = q.new_empty(b, h, n, length, d) if n > 1 else None  # (B, H, n, L, D): the blocks' key gradients
+        per_key = q.new_empty(b, h, n, length, d) if n > 1 else q.new_empty(0)  # (B, H, n, L, D): the blocks' key gradients
         for i in range(b):
             for j in range(h):
                 if n > 1:
@@ -430,14 +448,14 @@ def _band_backward(geo: _BandGeometry, d_out, d_lse, q, k, v, a_w, b_w, out, lse
                 dqb[i, j].mul_(geo.scale)
                 if a_w is not None:  # c2p = q A_w^T: to q and A_w
                     dqb[i, j].baddbmm_(diag[i, j], a_w[j].expand(n, width, d))
-                    d_a[j] += torch.bmm(diag[i, j].transpose(-1, -2), _rows(q, t0, n, c)[i, j]).sum(0)
+                    d_a_t[j] += torch.bmm(diag[i, j].transpose(-1, -2), _rows(q, t0, n, c)[i, j]).sum(0)
         if n > 1:
             _add_windows(dk, k0, c, per_key)
         if d_pk is not None:  # every (key, distance) cell of the skew is read by one query
             _rows(_skew(d_pk, tq, geo.start), t0, n, c).copy_(diag)
     dk, dv = dk[:, :, :tk], dv[:, :, :tk]
     d_b = None
-    if d_pk is not None:  # p2c = skew(k B_w^T): to k and B_w
+    if d_pk is not None and b_w is not None:  # p2c = skew(k B_w^T): to k and B_w
         d_b = torch.zeros_like(b_w)  # (H, W, D)
         keys = slice(geo.pad_l, geo.pad_l + tk)
         for i in range(b):
@@ -455,35 +473,40 @@ class _MergeFar(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, o_b, lse_b, qs, k, v, consts, regions: tuple[tuple[int, Region], ...], scale: float):
+    def forward(
+        ctx: Any, o_b: torch.Tensor, lse_b: torch.Tensor, qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+        consts: torch.Tensor, regions: Regions, scale: float,
+    ) -> torch.Tensor:
         out, lse, parts = flushed(_merge_forward, o_b, lse_b, qs, k, v, consts, regions, scale)
         ctx.regions, ctx.scale = regions, scale
         ctx.save_for_backward(o_b, lse_b, qs, k, v, consts, out, lse, *(t for p in parts for t in p))
         return out.to(qs.dtype)
 
     @staticmethod
-    def backward(ctx, d_out):
+    def backward(ctx: Any, d_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         o_b, lse_b, qs, k, v, consts, out, lse, *saved = ctx.saved_tensors
         return flushed(_merge_backward, ctx.regions, ctx.scale, d_out, o_b, lse_b, qs, k, v, consts, out, lse, saved)
 
 
-def _merge_forward(o_b, lse_b, qs, k, v, consts, regions, scale):
-    lse = lse_b.clone()  # (B, H, Tq)
+def _merge_forward(
+    o_b: torch.Tensor, lse_b: torch.Tensor, qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, consts: torch.Tensor, regions: Regions, scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+    b, h, tq, dv = o_b.shape
+    merged = Merge(b, h, tq, dv, qs.dtype, qs.device)  # (B, H, Tq, D) and (B, H, Tq), accumulation dtype
+    merged.add((0, tq), o_b, lse_b)
     parts = []
     for side, region in regions:
         o, lz = kernel_forward(rows_of(qs[side], region), keys_of(k, region), keys_of(v, region), region.causal, scale)
-        o, lz = call_order(o, region).to(lse.dtype), call_order(lz, region, -1).to(lse.dtype)
-        rows = slice(*region.rows)
-        lse[..., rows] = torch.logaddexp(lse[..., rows], lz + consts[side, ..., rows])
+        o, lz = call_order(o, region).to(lse_b.dtype), call_order(lz, region, -1).to(lse_b.dtype)
+        merged.add(region.rows, o, lz + consts[side, ..., slice(*region.rows)])  # the far logits gain c_i
         parts.append((o, lz))
-    out = torch.exp(lse_b - lse)[..., None] * o_b  # (B, H, Tq, D)
-    for (side, region), (o, lz) in zip(regions, parts):
-        rows = slice(*region.rows)
-        out[..., rows, :] += torch.exp(lz + consts[side, ..., rows] - lse[..., rows])[..., None] * o
-    return out, lse, parts
+    return merged.out, merged.lse, parts
 
 
-def _merge_backward(regions, scale, d_out, o_b, lse_b, qs, k, v, consts, out, lse, saved):
+def _merge_backward(
+    regions: Regions, scale: float, d_out: torch.Tensor, o_b: torch.Tensor, lse_b: torch.Tensor, qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    consts: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, saved: list[torch.Tensor],
+) -> tuple[torch.Tensor | None, ...]:
     d_out = d_out.contiguous().to(out.dtype)
     total = (d_out * out).sum(-1)  # (B, H, Tq): rowsum(dO * O) of the whole attention
     w_b = torch.exp(lse_b - lse)
@@ -510,7 +533,7 @@ def _merge_backward(regions, scale, d_out, o_b, lse_b, qs, k, v, consts, out, ls
 # One query against a KV cache (a decode step)
 
 
-def _step_rows(encoding, c: int, device: torch.device) -> tuple[torch.Tensor, list[int], list[int]]:
+def _step_rows(encoding: DisentangledTables, c: int, device: torch.device) -> tuple[torch.Tensor, list[int], list[int]]:
     """What a decode step needs of the rows for up to C keys, made once per capacity: the rows of
     r = 1-C..0 (C,) (slot x holds r = x - (C-1): the keys of a step with Tk keys are the last Tk
     slots), the same as a list, and for every slot x the last slot of the run of equal rows that
@@ -541,26 +564,33 @@ def step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec) -> 
     tk, acc, dt, dev = k.shape[-2], accumulation_dtype(q.dtype), q.dtype, q.device
     ws = single.workspace(spec)
     c, ident = ws.fit(tk), ws.hold(enc)
-    slots, listed, run_end = ws.get(("disentangled_rows", ident), (c, dev), lambda: _step_rows(enc, c, dev))
+    step_rows: tuple[torch.Tensor, list[int], list[int]] = ws.get(
+        ("disentangled_rows", ident), (c, dev), lambda: _step_rows(require(enc, DisentangledTables), c, dev))
+    slots, listed, run_end = step_rows
     first = c - tk  # the slot of key 0 (r = 1 - Tk)
     e_p = min(run_end[first] - (c - 1), -1)  # the far past: r <= e_p, every key there reads row listed[first]
     far = max(0, tk + e_p)  # keys 0..far-1
     width, t_p = tk - far, listed[first]
     params = single.versions(enc)
 
-    def tables():
+    Tables = tuple[torch.Tensor | None, torch.Tensor | None, float]
+    Band = tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]
+
+    def tables() -> Tables:
         a_table, b_table, term_scale = _tables(spec)  # (H, R, D) each, or None
         return (None if a_table is None else (a_table * term_scale).to(dt),
                 None if b_table is None else (b_table * term_scale).to(dt), term_scale)
 
-    a_table, b_table, term_scale = ws.get(("disentangled_tables", ident), (params, dt, dev), tables)
+    kept: Tables = ws.get(("disentangled_tables", ident), (params, dt, dev), tables)
+    a_table, b_table, _ = kept
 
-    def band_rows():
+    def band_rows() -> Band:
         t = slots[c - width :]  # (w,) the rows of r = 1-w..0
         return (None if a_table is None else a_table[:, t], None if b_table is None else b_table[:, t],  # (H, w, D)
                 None if a_table is None else a_table[:, t_p], None if b_table is None else b_table[:, t_p] / spec.scale)
 
-    a_band, b_band, a_far, b_far = ws.get(("disentangled_band", ident), (width, t_p, params, dt, dev), band_rows)
+    band_kept: Band = ws.get(("disentangled_band", ident), (width, t_p, params, dt, dev), band_rows)
+    a_band, b_band, a_far, b_far = band_kept
     pad, _ = single.padding(spec, tk, dt, dev)
     scores = torch.matmul(q, k[:, :, far:].transpose(-1, -2)).to(acc) * spec.scale  # (B, H, 1, w)
     if a_band is not None:
@@ -581,9 +611,10 @@ def step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec) -> 
     if spec.starts is not None:  # a row whose far keys are all padding has no far part
         empty = spec.starts.to(q.device) > spec.k_start + far - 1  # (B,)
         l_far = l_far.masked_fill(empty[:, None, None], float("-inf"))
-    total = torch.logaddexp(lse, l_far)
-    out = out * torch.exp(lse - total)[..., None] + o_far.to(acc) * torch.exp(l_far - total)[..., None]
-    return out.to(dt)
+    merged = Merge(out.shape[0], out.shape[1], 1, out.shape[-1], dt, q.device)  # (B, H, 1, D)
+    merged.add((0, 1), out, lse)
+    merged.add((0, 1), o_far, l_far)
+    return merged.out.to(dt)
 
 
 __all__ = ["BLOCK", "Plan", "attention", "ends", "plan", "step", "worthwhile"]

@@ -18,12 +18,14 @@ with the head dim (v must be padded too, to stay on the fast kernel): several ti
 from __future__ import annotations
 
 import functools
+from typing import Any, Iterator
 
 import torch
 import torch.nn.functional as F
 
+from ...encodings.protocol import DistanceKeys, require
 from .base import ScoreSpec
-from .regions import kernel_forward
+from .regions import apply, kernel_forward
 
 XL_BLOCK = 128  # queries per tile
 XL_HEADS = 8  # heads per tile: fewer, larger calls (a tile is (B, heads, block, keys))
@@ -51,7 +53,10 @@ class _DistanceKeyAttention(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, qc, qp, k, v, pk, offset, causal, block, heads):
+    def forward(
+        ctx: Any, qc: torch.Tensor, qp: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+        pk: torch.Tensor, offset: int, causal: bool, block: int, heads: int,
+    ) -> torch.Tensor:
         tq, tk = qc.shape[-2], k.shape[-2]
         out = qc.new_empty(*qc.shape[:-1], v.shape[-1])  # (B, H, Tq, D)
         lse = qc.new_empty(qc.shape[:-1])  # (B, H, Tq)
@@ -64,7 +69,7 @@ class _DistanceKeyAttention(torch.autograd.Function):
         return out
 
     @staticmethod
-    def backward(ctx, d_out):
+    def backward(ctx: Any, d_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         qc, qp, k, v, pk, out, lse = ctx.saved_tensors
         offset, causal = ctx.offset, ctx.causal
         tq, tk = qc.shape[-2], k.shape[-2]
@@ -132,14 +137,14 @@ def _masks(c: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tens
     return future, (inner >= c - 1 - rows).to(dtype), (inner < c - 1 - rows).to(dtype)
 
 
-def _tiles(num_heads: int, tq: int, heads: int, block: int):
+def _tiles(num_heads: int, tq: int, heads: int, block: int) -> Iterator[tuple[slice, int, int]]:
     """(head slice, a0, a1) for every tile of ``heads`` heads x ``block`` queries."""
     for h0 in range(0, num_heads, heads):
         for a0 in range(0, tq, block):
             yield slice(h0, min(h0 + heads, num_heads)), a0, min(a0 + block, tq)
 
 
-def _block_position(qp, pk, tk: int, a0: int, a1: int, offset: int, causal: bool) -> tuple[torch.Tensor, int]:
+def _block_position(qp: torch.Tensor, pk: torch.Tensor, tk: int, a0: int, a1: int, offset: int, causal: bool) -> tuple[torch.Tensor, int]:
     """Position logits of queries a0:a1 per distance, (B, H, c, c + keys - 1), whose ``_skew``
     view is their (B, H, c, keys) logits against the keys they may see, causal mask included;
     and ``keys``."""
@@ -156,8 +161,9 @@ def _block_position(qp, pk, tk: int, a0: int, a1: int, offset: int, causal: bool
 
 def distance_key_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec) -> torch.Tensor:
     """Transformer-XL (Dai et al. 2019) attention without (Tq, Tk) tensors."""
-    enc = spec.encoding
-    u, v_bias, term_scale = enc.distance_key_form()
+    enc = require(spec.encoding, DistanceKeys)
+    form = enc.distance_key_form()
+    u, v_bias, term_scale = form.u, form.v, form.scale
     tq, tk = q.shape[-2], k.shape[-2]
     offset = spec.offset
     # (a) + (c): q.k*scale + u.k*s = (q*scale + u*s).k ; (b) + (d): (q + v).W_R R_{i-j} * s.
@@ -171,4 +177,4 @@ def distance_key_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sp
         pk = F.pad(pk, (0, 0, 0, min(block, tq) - 1))
     else:
         pk = enc.position_keys(largest - torch.arange(tq + tk - 1, device=q.device), q.dtype)  # (H, L, D)
-    return _DistanceKeyAttention.apply(qc, qp, k, v, pk, offset, spec.causal, block, XL_HEADS)
+    return apply(_DistanceKeyAttention, qc, qp, k, v, pk, offset, spec.causal, block, XL_HEADS)

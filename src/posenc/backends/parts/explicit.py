@@ -26,12 +26,13 @@ Two ways to build the block's bias and return its gradient, from what the encodi
 from __future__ import annotations
 
 import math
+from typing import Any, Iterator
 
 import torch
 
-from ...encodings.protocol import DistanceBias, offers
+from ...encodings.protocol import Biases, DistanceBias, offers, require
 from .base import ScoreSpec, accumulation_dtype, needs_grad
-from .regions import flushed, kernel_forward, up
+from .regions import apply, flushed, kernel_forward, up
 
 BLOCK = 64  # query rows per block: temporaries are (B, H, BLOCK, keys)
 
@@ -47,9 +48,9 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec, b
         table = enc.relative_bias(r)  # (H, R)
         if spec.causal:
             table = table.masked_fill(r > 0, float("-inf"))  # the future, as part of the mask
-        return _Relative.apply(q, k, v, table.to(accumulation_dtype(q.dtype)), geometry)
+        return apply(_Relative, q, k, v, table.to(accumulation_dtype(q.dtype)), geometry)
     params = [p for p in enc.parameters() if p.requires_grad] if needs_grad(spec, q, k, v) else []
-    return _Generic.apply(q, k, v, spec, geometry, *params)
+    return apply(_Generic, q, k, v, spec, geometry, *params)
 
 
 class _Geometry:
@@ -61,7 +62,7 @@ class _Geometry:
         self.r_lo = -(tq - 1) - offset  # key 0 against the last query
         self.r_hi = tk - 1 - offset  # the last key against query 0
 
-    def blocks(self):
+    def blocks(self) -> Iterator[tuple[int, int, int]]:
         """(a0, a1, keys): query rows a0..a1-1 see keys 0..keys-1 (a decoder: up to the last row).
         Last block first: a decoder's blocks then shrink, so each block's temporaries can reuse the
         memory the one before has just freed."""
@@ -102,7 +103,10 @@ def _add_product(target: torch.Tensor, a: torch.Tensor, b: torch.Tensor, alpha: 
     flat.baddbmm_(a.reshape(-1, *a.shape[-2:]), b.reshape(-1, *b.shape[-2:]), alpha=alpha)
 
 
-def _block_grads(ws: _Workspace, p, dout_c, total_c, q_c, k_c, v_c, scale, dk, dv):
+def _block_grads(
+    ws: _Workspace, p: torch.Tensor, dout_c: torch.Tensor, total_c: torch.Tensor, q_c: torch.Tensor,
+    k_c: torch.Tensor, v_c: torch.Tensor, scale: float, dk: torch.Tensor, dv: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """p: probabilities (B, H, C, L), in workspace memory. Adds the block's dk, dv (keys 0..L-1)
     and returns dS (in p's memory) and the block's dq."""
     _add_product(dv, p.transpose(-1, -2), dout_c)  # dv += P^T dO
@@ -113,7 +117,7 @@ def _block_grads(ws: _Workspace, p, dout_c, total_c, q_c, k_c, v_c, scale, dk, d
     return ds, dq_c
 
 
-def _scores(ws: _Workspace, q_c, k_c, scale, bias, lse_c):
+def _scores(ws: _Workspace, q_c: torch.Tensor, k_c: torch.Tensor, scale: float, bias: torch.Tensor, lse_c: torch.Tensor) -> torch.Tensor:
     """exp(q k^T * scale + bias - lse): the block's probabilities, in workspace memory."""
     s = torch.matmul(q_c, k_c.transpose(-1, -2), out=ws.take("s", (*q_c.shape[:-1], k_c.shape[-2])))
     return s.mul_(scale).add_(bias).sub_(lse_c[..., None]).exp_()  # (B, H, C, L)
@@ -133,7 +137,7 @@ def _view(table: torch.Tensor, g: _Geometry, a0: int, a1: int, keys: int) -> tor
 
 class _Relative(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, table, g: _Geometry):
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch.Tensor, g: _Geometry) -> torch.Tensor:
         table = table.contiguous()
         out, lse = flushed(_relative_forward, q, k, v, table, g)
         ctx.g = g
@@ -141,12 +145,12 @@ class _Relative(torch.autograd.Function):
         return out
 
     @staticmethod
-    def backward(ctx, dout):
+    def backward(ctx: Any, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         grads = flushed(_relative_backward, ctx.g, dout, *ctx.saved_tensors, ctx.needs_input_grad[3])
         return (*grads, None)
 
 
-def _relative_forward(q, k, v, table, g: _Geometry):
+def _relative_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch.Tensor, g: _Geometry) -> tuple[torch.Tensor, torch.Tensor]:
     out = torch.empty(*q.shape[:-1], v.shape[-1], dtype=q.dtype, device=q.device)  # (B, H, Tq, Dv)
     lse = torch.empty(q.shape[:-1], dtype=accumulation_dtype(q.dtype), device=q.device)  # (B, H, Tq)
     for a0, a1, keys in g.blocks():
@@ -156,7 +160,10 @@ def _relative_forward(q, k, v, table, g: _Geometry):
     return out, lse
 
 
-def _relative_backward(g: _Geometry, dout, q, k, v, table, out, lse, need_table: bool):
+def _relative_backward(
+    g: _Geometry, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    table: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, need_table: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     dout = dout.contiguous()
     acc = accumulation_dtype(q.dtype)
     total = (up(dout) * up(out)).sum(-1)  # (B, H, Tq): D_i = dO_i . O_i
@@ -187,7 +194,7 @@ def _relative_backward(g: _Geometry, dout, q, k, v, table, out, lse, need_table:
 # Any bias: the encoding's slice per block, differentiated by autograd in the backward
 
 
-def _block_bias(enc, spec: ScoreSpec, g: _Geometry, a0: int, a1: int, keys: int, dtype: torch.dtype) -> torch.Tensor:
+def _block_bias(enc: Biases, spec: ScoreSpec, g: _Geometry, a0: int, a1: int, keys: int, dtype: torch.dtype) -> torch.Tensor:
     """The (H, C, keys) bias of rows a0..a1-1, with -inf on the causal staircase."""
     qp, kp = spec.q_positions[a0:a1], spec.k_positions[:keys]
     bias = enc.bias(qp, kp).to(dtype)  # (H, C, L)
@@ -199,14 +206,14 @@ def _block_bias(enc, spec: ScoreSpec, g: _Geometry, a0: int, a1: int, keys: int,
 
 class _Generic(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, spec: ScoreSpec, g: _Geometry, *params):
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec, g: _Geometry, *params: torch.Tensor) -> torch.Tensor:
         out, lse = flushed(_generic_forward, q, k, v, spec, g)
         ctx.spec, ctx.g, ctx.n_params = spec, g, len(params)
         ctx.save_for_backward(q, k, v, out, lse, *params)
         return out
 
     @staticmethod
-    def backward(ctx, dout):
+    def backward(ctx: Any, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         q, k, v, out, lse, *params = ctx.saved_tensors
         spec, g = ctx.spec, ctx.g
         dout = dout.contiguous()
@@ -218,7 +225,7 @@ class _Generic(torch.autograd.Function):
         for a0, a1, keys in g.blocks():
             # The bias with autograd here; the kernel-like loop in the flushing thread.
             with torch.enable_grad():
-                bias = _block_bias(spec.encoding, spec, g, a0, a1, keys, acc)  # (H, C, L)
+                bias = _block_bias(require(spec.encoding, Biases), spec, g, a0, a1, keys, acc)  # (H, C, L)
             ds, dq[:, :, a0:a1] = flushed(_generic_block, ws, g, bias.detach(), dout, total, q, k, v, lse, a0, a1, keys, dk, dv)
             if params:
                 ds_sum = ds.sum(0) if ds.shape[0] > 1 else ds[0]  # (H, C, L): the bias is shared by the batch
@@ -228,16 +235,20 @@ class _Generic(torch.autograd.Function):
         return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, *dparams)
 
 
-def _generic_forward(q, k, v, spec: ScoreSpec, g: _Geometry):
+def _generic_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec, g: _Geometry) -> tuple[torch.Tensor, torch.Tensor]:
     out = torch.empty(*q.shape[:-1], v.shape[-1], dtype=q.dtype, device=q.device)
     lse = torch.empty(q.shape[:-1], dtype=accumulation_dtype(q.dtype), device=q.device)
     for a0, a1, keys in g.blocks():
-        mask = _block_bias(spec.encoding, spec, g, a0, a1, keys, q.dtype)[None]  # (1, H, C, L)
+        mask = _block_bias(require(spec.encoding, Biases), spec, g, a0, a1, keys, q.dtype)[None]  # (1, H, C, L)
         out[:, :, a0:a1], lse[:, :, a0:a1] = kernel_forward(q[:, :, a0:a1], k[:, :, :keys], v[:, :, :keys], False, g.scale, mask)
     return out, lse
 
 
-def _generic_block(ws: _Workspace, g: _Geometry, bias, dout, total, q, k, v, lse, a0, a1, keys, dk, dv):
+def _generic_block(
+    ws: _Workspace, g: _Geometry, bias: torch.Tensor, dout: torch.Tensor, total: torch.Tensor,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lse: torch.Tensor,
+    a0: int, a1: int, keys: int, dk: torch.Tensor, dv: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
     q_c, dout_c = up(q[:, :, a0:a1]), up(dout[:, :, a0:a1])
     k_c, v_c = up(k[:, :, :keys]), up(v[:, :, :keys])
     p = _scores(ws, q_c, k_c, g.scale, bias, lse[:, :, a0:a1])

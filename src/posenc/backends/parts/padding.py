@@ -19,14 +19,23 @@ import torch
 from .base import ScoreSpec
 
 
-def splittable(spec: ScoreSpec) -> bool:
-    """A padded call the row split can run: causal, queries the last keys (a prefill or a cached step)."""
-    return spec.causal and spec.aligned
+def supported(spec: ScoreSpec, *, split: bool = True) -> bool:
+    """The padding predicate of every backend's ``supports``: True for a call without left padding,
+    and for a padded one that the row split (:func:`by_rows`) can run (causal, the queries are the
+    last keys: a prefill or a cached step) when the backend splits padded calls (``split``). A
+    backend that takes no padded call at all passes ``split=False``. Reads the spec, fills nothing.
+    """
+    return spec.starts is None or (split and spec.causal and spec.aligned)
 
 
-def by_rows(attend: Callable, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec) -> torch.Tensor:
+def by_rows(
+    attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, ScoreSpec], torch.Tensor],
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec,
+) -> torch.Tensor:
     """``attend`` (an unpadded backend function) over each row's padding part and real part: (B, H, Tq, D)."""
     qp, kp = spec.q_positions, spec.k_positions
+    if spec.starts is None:  # nothing to split
+        return attend(q, k, v, spec)
     rows = []
     for b, start in enumerate(spec.starts.tolist()):
         nq = int((qp < start).sum())  # padding queries come first (positions increase)
@@ -42,4 +51,4 @@ def by_rows(attend: Callable, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return torch.cat(rows, dim=0)  # (B, H, Tq, D)
 
 
-__all__ = ["by_rows", "splittable"]
+__all__ = ["by_rows", "supported"]

@@ -32,7 +32,7 @@ import threading
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable, TypeVar
+from typing import Any, Callable, TypeVar
 
 import torch
 
@@ -40,6 +40,7 @@ from .base import accumulation_dtype
 
 ROW_BLOCK = 256  # rows per step of the formula path (memory O(ROW_BLOCK x L))
 T = TypeVar("T")
+Fn = TypeVar("Fn", bound=Callable[..., Any])
 
 
 def _flash_ops_present() -> bool:
@@ -87,7 +88,7 @@ class _Flushed:
         self._thread = threading.current_thread()
         self.available = torch.set_flush_denormal(True)  # False where the CPU has no such mode
 
-    def run(self, fn: Callable[..., T], *args) -> T:
+    def run(self, fn: Callable[..., T], *args: object) -> T:
         """``fn(*args)`` in the flushing thread, with the caller's intra-op thread count."""
         if threading.current_thread() is self._thread or not self.available:
             return fn(*args)
@@ -96,7 +97,7 @@ class _Flushed:
                 self._pool = ThreadPoolExecutor(1, thread_name_prefix="posenc-ftz", initializer=self._start)
         return self._pool.submit(self._call, torch.get_num_threads(), torch.is_inference_mode_enabled(), fn, args).result()
 
-    def _call(self, threads: int, inference: bool, fn, args):
+    def _call(self, threads: int, inference: bool, fn: Callable[..., T], args: tuple[object, ...]) -> T:
         if threads != self._threads:  # the OpenMP thread count is per thread: follow the caller's
             torch.set_num_threads(threads)
             self._threads = threads
@@ -108,8 +109,14 @@ class _Flushed:
 FLUSHED = _Flushed()
 
 
-@torch.compiler.disable  # opaque to torch.compile: a loop of kernel calls on a worker thread (one graph break)
-def flushed(fn: Callable[..., T], *args) -> T:
+def _opaque_to_compile(fn: Fn) -> Fn:
+    """``torch.compiler.disable(fn)``, typed: torch's stub of it declares no types."""
+    opaque: Fn = torch.compiler.disable(fn)  # type: ignore[no-untyped-call]  # untyped in torch's stub
+    return opaque
+
+
+@_opaque_to_compile  # opaque to torch.compile: a loop of kernel calls on a worker thread (one graph break)
+def flushed(fn: Callable[..., T], *args: object) -> T:
     """Run a loop of CPU kernel calls with denormals flushed (see :class:`_Flushed`). Work on
     another device, or watched by a profiler or dispatch mode, runs here in the caller's thread."""
     device = next((a.device for a in args if isinstance(a, torch.Tensor)), None)
@@ -202,10 +209,13 @@ def use_kernel(q: torch.Tensor, v: torch.Tensor) -> bool:
     return FLASH_OPS and q.device.type == "cpu" and q.shape[-1] == v.shape[-1]
 
 
-def kernel_forward(q, k, v, causal: bool, scale: float, mask: torch.Tensor | None = None):
+def kernel_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float, mask: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """softmax(q k^T * scale + mask, top-left causal) v and its log-sum-exp: ((B, H, Lq, D), (B, H, Lq))."""
     if use_kernel(q, v):
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, attn_mask=mask, scale=scale)[:2]
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, attn_mask=mask, scale=scale)[:2]
+        return out, lse
     outs, lses = [], []
     for a in range(0, q.shape[-2], ROW_BLOCK):
         s = _scores(q, k, mask, causal, scale, a, a + ROW_BLOCK)  # (B, H, rows, L)
@@ -215,12 +225,16 @@ def kernel_forward(q, k, v, causal: bool, scale: float, mask: torch.Tensor | Non
     return torch.cat(outs, -2), torch.cat(lses, -1)
 
 
-def kernel_backward(do, q, k, v, out, lse, causal: bool, scale: float, mask: torch.Tensor | None = None):
+def kernel_backward(
+    do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+    causal: bool, scale: float, mask: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) of :func:`kernel_forward` for the given output and log-sum-exp."""
     if use_kernel(q, v):
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             do, q, k, v, out, lse, 0.0, causal, attn_mask=mask, scale=scale
         )
+        return dq, dk, dv
     dq, dk, dv = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
     for a in range(0, q.shape[-2], ROW_BLOCK):
         r = slice(a, a + ROW_BLOCK)
@@ -233,7 +247,7 @@ def kernel_backward(do, q, k, v, out, lse, causal: bool, scale: float, mask: tor
     return dq, dk, dv
 
 
-def _scores(q, k, mask, causal, scale, a, b):
+def _scores(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, causal: bool, scale: float, a: int, b: int) -> torch.Tensor:
     """Scores of rows [a, b) of a call, with its mask and its top-left causal mask."""
     q = q[:, :, a:b]
     s = up(torch.matmul(q, k.transpose(-1, -2))) * scale  # (B, H, rows, L)
@@ -278,7 +292,10 @@ class Merge:
         self._covered.append((a, b, h0, h1))
 
 
-def region_backward(region: Region, dout, q, k, v, out, lse, scale: float, *, lse_shift=None, out_shift=None, mask=None):
+def region_backward(
+    region: Region, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+    scale: float, *, lse_shift: torch.Tensor | None = None, out_shift: torch.Tensor | None = None, mask: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One kernel region's (dq rows, dk keys, dv keys), original order, from the merged output
     ``out`` and log-sum-exp ``lse`` of the whole attention (B, H, Tq, ...).
 
@@ -295,4 +312,15 @@ def region_backward(region: Region, dout, q, k, v, out, lse, scale: float, *, ls
         rows_of(dout, region).contiguous(), rows_of(q, region), keys_of(k, region), keys_of(v, region),
         call_order(o, region).contiguous(), call_order(lz, region, -1).contiguous(), region.causal, scale, mask,
     )
-    return tuple(call_order(g, region) for g in grads)
+    dq, dk, dv = (call_order(g, region) for g in grads)
+    return dq, dk, dv
+
+
+def apply(function: type[torch.autograd.Function], *args: Any) -> torch.Tensor:
+    """``function.apply(*args)``: the output of a custom autograd function with one output.
+
+    torch's stub of ``Function.apply`` is untyped; this one place says what every backend's
+    functions return.
+    """
+    out: torch.Tensor = function.apply(*args)  # type: ignore[no-untyped-call]  # torch's stub declares no types
+    return out

@@ -34,32 +34,35 @@ Shape legend: B batch, H heads, C workspace capacity, Tk keys, D head dim.
 from __future__ import annotations
 
 import functools
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ...encodings.protocol import DistanceBias, offers
+from ...encodings.protocol import Biases, ClippedTables, DistanceBias, DistanceKeys, offers, require
 from ...memo import Workspace
 from .base import ScoreSpec, accumulation_dtype, needs_grad
 from .padding import by_rows
-from .regions import kernel_forward
+from .regions import Merge, kernel_forward
 
 
-def versions(module: nn.Module) -> tuple:
+def versions(module: nn.Module) -> tuple[tuple[int, int], ...]:
     """What a buffer made from ``module``'s parameters depends on: their identities and versions."""
     return tuple((id(p), p._version) for p in module.parameters())
 
 
 def applies(spec: ScoreSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     """One query at the last key's position (a decode step), every row's query a real token, and no
-    gradient to compute (the workspace's buffers are made without autograd)."""
+    gradient to compute (the workspace's buffers are made without autograd).
+
+    A predicate only: it reads the call and fills nothing (backend selection asks it).
+    """
     if q.dim() != 4 or q.shape[-2] != 1 or k.dim() != 4 or k.shape[-2] == 0 or not spec.consecutive or spec.q_positions.numel() != 1:
         return False
     if not spec.aligned or needs_grad(spec, q, k, v):
         return False
-    return spec.starts is None or spec.q_start >= padding(spec, k.shape[-2], q.dtype, q.device)[1]
+    return spec.starts is None or spec.q_start >= int(spec.starts.max())
 
 
 def workspace(spec: ScoreSpec) -> Workspace:
@@ -68,18 +71,19 @@ def workspace(spec: ScoreSpec) -> Workspace:
 
 def padding(spec: ScoreSpec, tk: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor | None, int]:
     """(additive key mask (B, 1, 1, Tk): -inf on each row's padding keys, or None; the last start)."""
-    if spec.starts is None:
+    starts = spec.starts
+    if starts is None:
         return None, 0
     ws, ks = workspace(spec), spec.k_start
     c = ws.fit(ks + tk)
 
-    def make():
+    def make() -> tuple[torch.Tensor, int]:
         slots = torch.arange(c, device=device)  # (C,) key positions
-        hidden = slots[None, :] < spec.starts.to(device)[:, None]  # (B, C)
+        hidden = slots[None, :] < starts.to(device)[:, None]  # (B, C)
         mask = torch.zeros(hidden.shape, dtype=dtype, device=device).masked_fill_(hidden, float("-inf"))
-        return mask, int(spec.starts.max())
+        return mask, int(starts.max())
 
-    key = (tuple(spec.starts.tolist()), c, dtype, device)
+    key = (tuple(starts.tolist()), c, dtype, device)
     mask, last = ws.get(("padding",), key, make)
     return mask[:, None, None, ks : ks + tk], last
 
@@ -90,15 +94,18 @@ def relative_vector(spec: ScoreSpec, tk: int, dtype: torch.dtype, device: torch.
     Sandwich); ``bias`` computed for this step otherwise (FIRE: its bias depends on i too)."""
     enc = spec.encoding
     if not offers(enc, DistanceBias):
-        return enc.bias(spec.q_positions, spec.k_positions).to(dtype)[None]  # (1, H, 1, Tk)
+        return require(enc, Biases).bias(spec.q_positions, spec.k_positions).to(dtype)[None]  # (1, H, 1, Tk)
     ws = workspace(spec)
     c = ws.fit(tk)
     name = ("relative", ws.hold(enc))
-    rel = ws.get(name, (c, dtype, device, versions(enc)), lambda: enc.relative_bias(torch.arange(1 - c, 1, device=device)).to(dtype))
+    make = lambda: enc.relative_bias(torch.arange(1 - c, 1, device=device)).to(dtype)  # noqa: E731  (H, C)
+    rel = ws.get(name, (c, dtype, device, versions(enc)), make)
     return rel[:, c - tk :][None, :, None, :]  # (1, H, 1, Tk): slot c-1 is r = 0, the query itself
 
 
-def mask(spec: ScoreSpec, terms: torch.Tensor | None, b: int, h: int, tk: int, dtype: torch.dtype, device: torch.device):
+def mask(
+    spec: ScoreSpec, terms: torch.Tensor | None, b: int, h: int, tk: int, dtype: torch.dtype, device: torch.device,
+) -> torch.Tensor | None:
     """``terms`` (a (B or 1, H, 1, Tk) score term, or None) plus the padding mask: a view, or the
     workspace's scratch written in place."""
     pad, _ = padding(spec, tk, dtype, device)
@@ -130,7 +137,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec) -
 
 def shaw(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec) -> torch.Tensor:
     """One query of Shaw et al. (2018) attention: far keys in one fused call, the band written out."""
-    clip, key_table, value_table, term_scale = spec.encoding.clipped_tables()
+    tables = require(spec.encoding, ClippedTables).clipped_tables()
+    clip, key_table, value_table, term_scale = tables.clip, tables.key_table, tables.value_table, tables.scale
     tk, acc = k.shape[-2], accumulation_dtype(q.dtype)
     per_distance = torch.matmul(q, (key_table.to(q.dtype) * term_scale).t())  # (B, H, 1, 2k+1)
     values = value_table.to(q.dtype)
@@ -151,23 +159,26 @@ def shaw(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec) -> 
     if spec.starts is not None:  # a row whose far keys are all padding has no far part
         empty = spec.starts.to(q.device) > spec.k_start + far - 1  # (B,)
         l_far = l_far.masked_fill(empty[:, None, None], float("-inf"))
-    total = torch.logaddexp(lse, l_far)
-    out = out * torch.exp(lse - total)[..., None] + (o_far + values[0]).to(acc) * torch.exp(l_far - total)[..., None]
-    return out.to(q.dtype)
+    merged = Merge(out.shape[0], out.shape[1], 1, out.shape[-1], q.dtype, q.device)  # (B, H, 1, D)
+    merged.add((0, 1), out, lse)
+    merged.add((0, 1), o_far + values[0], l_far)  # the far keys' values gain a^V_0
+    return merged.out.to(q.dtype)
 
 
 def distance_keys(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec) -> torch.Tensor:
     """One query of Transformer-XL (Dai et al. 2019) attention: the position term from the kept
     position keys, one fused call with it as the mask."""
     enc = spec.encoding
-    u, v_bias, term_scale = enc.distance_key_form()
+    form = require(enc, DistanceKeys).distance_key_form()
+    u, v_bias, term_scale = form.u, form.v, form.scale
     b, h, _, d = q.shape
     tk = k.shape[-2]
     ws = workspace(spec)
     c = ws.fit(tk)
     name = ("position_keys", ws.hold(enc))
-    keys = ws.get(name, (c, q.dtype, q.device, versions(enc)),
-                  lambda: enc.position_keys(torch.arange(c - 1, -1, -1, device=q.device), q.dtype))  # (H, C, D): slot t is distance C-1-t
+    distances = require(enc, DistanceKeys)
+    make = lambda: distances.position_keys(torch.arange(c - 1, -1, -1, device=q.device), q.dtype)  # noqa: E731
+    keys = ws.get(name, (c, q.dtype, q.device, versions(enc)), make)  # (H, C, D): slot t is distance C-1-t
     # (a) + (c): q.k*scale + u.k*s = (q*scale + u*s).k ; (b) + (d): (q + v).W_R R_{i-j} * s.
     content = q * spec.scale + (u.to(q.dtype) * term_scale)[:, None, :]  # (B, H, 1, D)
     position = (q + v_bias.to(q.dtype)[:, None, :]) * term_scale
@@ -180,14 +191,17 @@ def distance_keys(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: Score
     return F.scaled_dot_product_attention(content, k, v, attn_mask=terms, scale=1.0)
 
 
-def steps_and_padding(inner: Callable) -> Callable:
+Attend = Callable[..., torch.Tensor]  # a backend's attend(q, k, v, spec, **options) -> (B, H, Tq, D)
+
+
+def steps_and_padding(inner: Attend) -> Attend:
     """Wrap a backend's ``attend(q, k, v, spec, **options)`` so that a decode step takes the
     single-query path (:func:`attend` here) and a left-padded call is split into unpadded calls
     (:func:`posenc.backends.parts.padding.by_rows`); everything else reaches ``inner`` unchanged. One
     place for what sdpa, features, flex and blocked all do first."""
 
     @functools.wraps(inner)
-    def wrapped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec, **options) -> torch.Tensor:
+    def wrapped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec, **options: Any) -> torch.Tensor:
         if applies(spec, q, k, v):  # one query against the cache: the bias is one kept vector
             return attend(q, k, v, spec)
         if spec.starts is not None:  # left-padded rows: two unpadded calls per row

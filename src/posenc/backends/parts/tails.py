@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ...encodings.protocol import RelativeBias, require
 from ...errors import UsageError
 from . import band
 from .base import ScoreSpec
@@ -69,10 +70,12 @@ class Plan:
     slopes: tuple[torch.Tensor | None, torch.Tensor | None]  # past, future
     r_lo: int  # the rel vector holds f(r) for r = r_lo .. r_hi
     r_hi: int
-    cache: dict = field(default_factory=dict, repr=False)  # band bias per block geometry
+    cache: dict[tuple[object, ...], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict, repr=False)  # band bias per block geometry
 
 
-def head_groups(slope: torch.Tensor | None, dtype: torch.dtype, tq: int, block: int | None, spread: float | None, past: int):
+def head_groups(
+    slope: torch.Tensor | None, dtype: torch.dtype, tq: int, block: int | None, spread: float | None, past: int,
+) -> list[tuple[slice, int | None, int | None]]:
     """(heads, rows per far block, window) per group of heads.
 
     Rows: all of them for a constant tail or float64, else the largest power of two with |s| x rows
@@ -85,18 +88,20 @@ def head_groups(slope: torch.Tensor | None, dtype: torch.dtype, tq: int, block: 
     """
     if block is not None or slope is None or dtype == torch.float64:
         return [(slice(None), block, None)]
-    runs: list[list] = []  # [first head, last head + 1, rows, smallest |s|]
+    runs: list[tuple[int, int, int, float]] = []  # (first head, last head + 1, rows, smallest |s|)
     for h, s in enumerate(slope.abs().tolist()):
         rows = 16
         while rows * 2 * s <= TERM_SPAN and rows < tq:
             rows *= 2
         if runs and (runs[-1][2] == rows or runs[-1][1] - runs[-1][0] < MIN_GROUP_HEADS):
-            runs[-1][1], runs[-1][2], runs[-1][3] = h + 1, min(runs[-1][2], rows), min(runs[-1][3], s)
+            h0, _, r0, s0 = runs[-1]
+            runs[-1] = (h0, h + 1, min(r0, rows), min(s0, s))
         else:
-            runs.append([h, h + 1, rows, s])
+            runs.append((h, h + 1, rows, s))
     if len(runs) > 1 and runs[-1][1] - runs[-1][0] < MIN_GROUP_HEADS:  # a lone last head joins the one before
         last = runs.pop()
-        runs[-1][1], runs[-1][2], runs[-1][3] = last[1], min(runs[-1][2], last[2]), min(runs[-1][3], last[3])
+        h0, _, r0, s0 = runs[-1]
+        runs[-1] = (h0, last[1], min(r0, last[2]), min(s0, last[3]))
     groups = []
     for h0, h1, rows, s in runs:
         window = None
@@ -108,7 +113,7 @@ def head_groups(slope: torch.Tensor | None, dtype: torch.dtype, tq: int, block: 
 
 def make_plan(spec: ScoreSpec, tq: int, tk: int, dtype: torch.dtype = torch.float32, block: int | None = None,
               spread: float | None = None) -> Plan:
-    tails = spec.encoding.bias_tails()
+    tails = require(spec.encoding, RelativeBias).bias_tails()
     slopes = (tails.past_slope, tails.future_slope)
     past = tails.past
     future = max(tails.future, 1 - past)  # r = 0 belongs to one side only
@@ -137,7 +142,7 @@ def make_plan(spec: ScoreSpec, tq: int, tk: int, dtype: torch.dtype = torch.floa
     )
 
 
-def far_terms(plan: Plan, rel: torch.Tensor, call: FarCall):
+def far_terms(plan: Plan, rel: torch.Tensor, call: FarCall) -> tuple[torch.Tensor | None, torch.Tensor, int]:
     """A far call's per-key term s (j - ref) (h, L), original key order (None for a constant tail),
     its per-query constant (h, C), original row order, and the rel index of its intercept f(r0)."""
     slope = plan.slopes[call.side]

@@ -5,7 +5,8 @@ What is timed is everything the attention does with the encoding (its ``rotate``
 with its two projections replaced by identities, so the benchmark follows whatever the attention
 does. ``embed`` (sinusoidal, learned) is applied once per model forward, not per attention call, so
 at this level those methods do exactly NoPE's work (their ratios show the run's noise); the model
-level shows their cost. train = forward + backward (random upstream gradient); infer = forward
+level shows their cost. A method written as a one-layer schedule (``[rope window=256]``) is that
+layer: its encoding and its attention kind (window, chunk, sinks, query scale). train = forward + backward (random upstream gradient); infer = forward
 under ``torch.inference_mode``.
 """
 
@@ -15,7 +16,7 @@ import torch
 from torch import nn
 
 from ..job import Job
-from .base import Level, Workload
+from .base import Level, Workload, schedule_of
 
 
 def build(job: Job, device: torch.device, dtype: torch.dtype) -> Workload:
@@ -23,8 +24,15 @@ def build(job: Job, device: torch.device, dtype: torch.dtype) -> Workload:
     from posenc.encodings import has_hook
 
     dim, heads, b, n = job.dim, job.heads, job.batch, job.length
-    encoding = posenc.build(job.method, num_heads=heads, head_dim=dim // heads, causal=True)
-    attn = posenc.Attention(dim, heads, encoding, causal=True, backend=job.backend)
+    schedule = schedule_of(job.method, 1)  # a one-layer schedule: that layer's encoding and attention kind
+    if schedule is None:
+        encoding = posenc.build(job.method, num_heads=heads, head_dim=dim // heads, causal=True)
+        kind = {}
+    else:
+        layer = schedule.layers[0]
+        encoding = posenc.build(layer.encoding, num_heads=heads, head_dim=dim // heads, causal=True, **layer.options)
+        kind = dict(window=layer.window, chunk=layer.chunk, sinks=layer.sinks, query_scale=layer.query_scale)
+    attn = posenc.Attention(dim, heads, encoding, causal=True, backend=job.backend, **kind)
     # Identity projections: the input already holds q, k, v side by side, so the timed work is the
     # encoding's hooks plus the backend, exactly as Attention.forward runs them.
     attn.qkv, attn.proj = nn.Identity(), nn.Identity()

@@ -14,7 +14,14 @@ from typing import Callable
 import torch
 from torch import nn
 
+from ...schedule import Schedule
 from ..job import Job
+
+
+def schedule_of(method: str, depth: int) -> Schedule | None:
+    """A method written as a layer schedule (its text form, ``3x[rope window=256] 1x[rope]``),
+    repeated to ``depth`` layers; None for a registered method's name."""
+    return Schedule.parse(method, depth) if "[" in method else None
 
 
 class Refused(Exception):

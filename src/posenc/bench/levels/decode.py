@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from ..job import POSENC, Job
-from .base import Level, Refused, Workload
+from .base import Level, Refused, Workload, schedule_of
 
 
 def batch_of(job: Job) -> int:
@@ -29,8 +29,10 @@ def batch_of(job: Job) -> int:
 def build_posenc(job: Job, batch: int, device: torch.device, dtype: torch.dtype) -> Workload:
     import posenc
 
+    schedule = schedule_of(job.method, job.depth)  # a method written as a layer schedule
+    positions = {"encoding": job.method} if schedule is None else {"schedule": schedule.to_list()}
     config = posenc.LMConfig(
-        encoding=job.method, vocab_size=job.vocab, dim=job.dim, depth=job.depth, num_heads=job.heads,
+        **positions, vocab_size=job.vocab, dim=job.dim, depth=job.depth, num_heads=job.heads,
         max_positions=job.length + 1, attention_backend=job.backend,
     )
     model = posenc.LM(config).to(device=device, dtype=dtype).eval()

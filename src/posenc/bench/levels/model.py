@@ -11,14 +11,16 @@ import torch
 import torch.nn.functional as F
 
 from ..job import POSENC, Job
-from .base import Level, Refused, Workload
+from .base import Level, Refused, Workload, schedule_of
 
 
 def build_posenc(job: Job) -> torch.nn.Module:
     import posenc
 
+    schedule = schedule_of(job.method, job.depth)  # a method written as a layer schedule
+    positions = {"encoding": job.method} if schedule is None else {"schedule": schedule.to_list()}
     config = posenc.LMConfig(
-        encoding=job.method, vocab_size=job.vocab, dim=job.dim, depth=job.depth, num_heads=job.heads,
+        **positions, vocab_size=job.vocab, dim=job.dim, depth=job.depth, num_heads=job.heads,
         max_positions=job.length, attention_backend=job.backend,
     )
     return posenc.LM(config)

@@ -1,0 +1,332 @@
+"""The stages after the plan (:mod:`.plan`), one run (a row at a seed) at a time:
+
+- **model**: the run's model, in memory, from its checkpoint, or made by the *train* stage; an
+  evaluated row (``+yarn``, ``+blockwise``, ...) takes its base run's model.
+- **train**: a trained row's initial model (the seed's, :meth:`.builders.Models.initial`) or a
+  fine-tuned row's start (its base's trained weights, ``+ft``), its batches, then the training loop
+  (:func:`.train.train`) with the run's :class:`~.train.TrainSettings`; checkpointed.
+- **score**: every evaluation length not yet in results.json, under the row's variant
+  (:mod:`.variants`); each length's record gets its 95% bootstrap interval (:mod:`.bootstrap`),
+  its per-window numbers are saved beside results.json, and a model with position parameters is
+  checked for parameters it uses there but never trained (:mod:`.fairness`).
+- **write**: the run's record into results.json (:class:`Book`) after each step, so that an
+  interrupted study continues exactly where it stopped, and the seeds' aggregate (:mod:`.seeds`).
+
+A run whose training diverges (:class:`.train.Diverged`), or a model with non-finite parameters, is
+recorded as ``diverged`` (with its step) without a checkpoint or evaluation, and so are the runs
+evaluated or fine-tuned from it; the study goes on with the other rows.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, replace
+
+import torch
+
+from ..errors import UsageError
+from ..files import write_json
+from ..model import LM
+from ..schedule import Schedule
+from . import bootstrap, distributed, fairness, recall, seeds, variants
+from .builders import lm_config
+from .config import StudyConfig
+from .data import Corpus, train_batch
+from .evaluation import cannot_run, evaluate, evaluate_recall
+from .plan import Plan, Run
+from .progress import Progress
+from .results import Paths, write_outputs
+from .rows import Row, fair_options, fair_schedule
+from .train import Diverged, StateError, StepCallback, TrainSettings, train
+
+
+class Book:
+    """results.json as the stages fill it: per row an entry, the run of its first seed, with the
+    runs of later seeds in ``entry["seeds"]`` (:mod:`.seeds`)."""
+
+    def __init__(self, results: dict, paths: Paths, ctx: distributed.Context, cfg: StudyConfig) -> None:
+        self.results, self.paths, self.ctx, self.cfg = results, paths, ctx, cfg
+        for entry in results["methods"].values():  # (a study from before seeds: its one seed)
+            entry.setdefault("seed", results.get("seed", 0))
+
+    def save(self, outputs: bool = False) -> None:
+        if self.ctx.main:
+            write_json(self.paths.results, self.results)
+            if outputs:
+                write_outputs(self.results, self.paths.root)
+
+    def run_of(self, run: Run) -> dict | None:
+        """The stored record of ``run``, or None when it has not started."""
+        entry = self.results["methods"].get(run.row.name)
+        return seeds.run_of(entry, run.index) if entry else None
+
+    def finished(self, run: Run) -> bool:
+        """Done, or diverged (a run that would diverge again at the same step: not retried)."""
+        record = self.run_of(run)
+        return record is not None and record.get("status") in ("done", "diverged")
+
+    def set(self, run: Run, record: dict) -> dict:
+        """Store ``record`` as ``run``'s; returns the stored dict."""
+        methods = self.results["methods"]
+        if run.index == 0:
+            old = methods.get(run.row.name, {})
+            methods[run.row.name] = entry = {**record, "row": describe(run.row, self.cfg)}
+            if old.get("seeds"):
+                entry["seeds"] = old["seeds"]
+            return entry
+        entry = methods[run.row.name]
+        later = entry.setdefault("seeds", [])
+        while len(later) < run.index:
+            later.append({"seed": self.cfg.seed + len(later) + 1, "status": "pending", "train": {}, "eval": []})
+        later[run.index - 1] = record
+        return record
+
+    def aggregate(self, run: Run) -> None:
+        """The row's mean over its finished seeds, and results.json with its tables and figures."""
+        seeds.aggregate(self.results["methods"][run.row.name], run.row.stem, self.paths, self.cfg.task == "recall")
+        self.save(outputs=True)
+
+
+@dataclass
+class Stages:
+    """What the stages share: the plan, the data (None: the recall task generates its own), the
+    results being written, and this process's place and output."""
+
+    plan: Plan
+    corpus: Corpus | None
+    book: Book
+    ctx: distributed.Context
+    ui: Progress
+    on_step: StepCallback | None
+    _last: tuple[Run, LM] | None = None  # the last model made: a row's variants reuse it
+
+    # -- model ------------------------------------------------------------------------------------
+
+    def model(self, run: Run) -> LM | None:
+        """The final model of ``run``: in memory, from its checkpoint, or trained now (continuing
+        from its saved state) and checkpointed; None when its training diverged (its run, or its
+        base's, says ``diverged``)."""
+        if run.settings is None:  # an evaluated row: its base run's model
+            return self.model(run.base)
+        if self._last is not None and self._last[0] is run:
+            return self._last[1]
+        record = self.book.run_of(run)
+        if record is not None and record.get("status") == "diverged":
+            return None
+        model = None
+        if record is not None and record.get("status") in ("trained", "done"):
+            if run.checkpoint.exists():
+                try:
+                    model = self.plan.models.load(run.checkpoint, run.row, self.ctx.device)
+                except UsageError as err:
+                    raise UsageError(f"{err}; delete {run.checkpoint} and continue with resume to train {run.label} "
+                                     "again") from None
+            else:
+                self.ui.warn(f"[{run.label}] its checkpoint {run.checkpoint} is missing: training it again")
+        if model is None:
+            model = self.train(run, run.settings)
+        self._last = (run, model)
+        return model
+
+    # -- train ------------------------------------------------------------------------------------
+
+    def train(self, run: Run, settings: TrainSettings) -> LM | None:
+        """Train ``run``'s model as ``settings`` say, checkpoint it and record it; None (recorded as
+        diverged) when the training, or a fine-tune's base, diverged."""
+        models = self.plan.models
+        if run.row.kind == "finetune":
+            base = self.model(run.base)
+            if base is None:
+                self.diverged(run, {"base": run.row.base, "reason": f"its base row {run.row.base} diverged"})
+                return None
+            weights = {k: v.detach().clone() for k, v in base.state_dict().items()}
+            start = models.build(run.row)
+            start.load_state_dict(weights)
+        else:
+            start = models.initial(run.row, run.seed)
+        try:
+            model, record = train(run.label, settings, start, self.batches(settings), run.state, self.ctx, self.ui,
+                                  self.on_step)
+        except StateError as err:
+            raise UsageError(f"{err}; delete it and continue with resume: {run.label} then trains again from step 0, "
+                             "other methods keep their results") from None
+        except Diverged as err:
+            if self.ctx.main:
+                run.state.unlink(missing_ok=True)  # its states lead to the same step again
+            self.diverged(run, {"steps": settings.steps, "diverged_at_step": err.step, "reason": str(err),
+                                "losses": [round(v, 5) for v in err.losses]})
+            return None
+        if run.row.kind == "finetune":
+            record = replace(record, base=run.row.base)
+        self.book.set(run, {
+            "status": "trained", "seed": run.seed, "model": models.record(model),
+            "parameters": sum(p.numel() for p in model.parameters()),
+            "checkpoint": str(run.checkpoint.relative_to(self.book.paths.root)), "train": record.to_json(), "eval": [],
+        })
+        if self.ctx.main:
+            models.save(model, run.checkpoint)
+            self.book.save()
+            run.state.unlink(missing_ok=True)  # the final checkpoint replaces it
+        self.ui.log(f"[{run.label}] trained {record.steps} steps in {record.time_s:.1f}s "
+                    f"({record.tokens_per_s:,.0f} tok/s), final loss {record.final_loss:.3f}")
+        return model
+
+    def batches(self, settings: TrainSettings):
+        """step -> the global batch of ``settings`` (a pure function of its data seed and the step)."""
+        seed, size, length = settings.data_seed, settings.batch_size, settings.length
+        if self.corpus is None:
+            return lambda step: recall.train_batch(seed, step, size, length)
+        documents = self.corpus.train_documents if self.plan.cfg.pack_documents else None
+        if self.plan.cfg.pack_documents and documents is None:
+            raise UsageError("pack_documents needs a corpus of files (the built-in one, a file or a folder); this data has no file boundaries")
+        return lambda step: train_batch(self.corpus.train, seed, step, size, length, documents)
+
+    def diverged(self, run: Run, train: dict) -> None:
+        """Record ``run`` as diverged (no model, no evaluation)."""
+        self.book.set(run, {"status": "diverged", "seed": run.seed, "model": self.plan.models.planned(run.row),
+                            "checkpoint": None, "train": train, "eval": []})
+        self.ui.warn(f"[{run.label}] diverged: {train['reason']}; recorded as diverged, going on with the other rows")
+        self.book.save()
+
+    # -- the stages of one run ----------------------------------------------------------------------
+
+    def run(self, run: Run) -> None:
+        """Get ``run``'s model, then score every length not yet done, writing as it goes."""
+        model = self.model(run)
+        if model is not None and not all(bool(torch.isfinite(p).all()) for p in model.parameters()):
+            bad = [n for n, p in model.named_parameters() if not bool(torch.isfinite(p).all())]
+            self.diverged(run, {"reason": f"non-finite parameters ({', '.join(bad[:3])})"})
+            model = None
+        if model is None:
+            record = self.book.run_of(run)
+            if record is None or record.get("status") != "diverged":
+                self.diverged(run, {"base": run.row.base, "reason": f"its base row {run.row.base} diverged"})
+            self.book.aggregate(run)
+            return
+        if self.ctx.main:  # a kill right after the final checkpoint can leave the last state behind
+            run.state.unlink(missing_ok=True)
+        record = self.book.run_of(run)
+        if run.settings is None and (record is None or record.get("status") == "pending"):
+            base = self.book.run_of(run.base)
+            record = self.book.set(run, {
+                "status": "trained", "seed": run.seed, "model": base["model"], "parameters": base["parameters"],
+                "checkpoint": base["checkpoint"], "train": {}, "eval": [],
+            })
+        self.score(run, model, record)
+        record["status"] = "done"
+        self.book.aggregate(run)
+
+    # -- score ------------------------------------------------------------------------------------
+
+    def score(self, run: Run, model: LM, record: dict) -> None:
+        """Score ``model`` as ``run``'s row at every evaluation length not yet in ``record``."""
+        cfg = self.plan.cfg
+        done_lengths = {e["length"] for e in record["eval"]}
+        todo = [n for n in cfg.eval_lengths if n not in done_lengths]
+        bar = self.ui.eval_bar(run.label, len(cfg.eval_lengths), len(cfg.eval_lengths) - len(todo))
+        initial = None
+        for length in todo:
+            self.ui.evaluating(bar, length)
+            t0 = time.perf_counter()
+            with variants.applied(model, run.row, length, cfg.train_length) as applied:
+                out = self.score_length(model, run, length)
+                if out["status"] == "ok" and fairness.position_parameters(model):
+                    if initial is None:
+                        initial = self.plan.models.initial(run.row.ancestor, run.seed).to(self.ctx.device)
+                    out["untrained"] = fairness.untrained_used(model, initial, self.probe(length))
+            out.update(applied)
+            out["time_s"] = round(time.perf_counter() - t0, 3)
+            record["eval"].append(out)
+            record["eval"].sort(key=lambda e: e["length"])
+            self.ui.log(f"[{run.label}] L={length}: " + describe_score(out))
+            self.ui.advance(bar)
+            self.book.save()
+        self.ui.close(bar)
+
+    def probe(self, length: int) -> torch.Tensor:
+        """(1, L + 1) tokens for the untrained-parameter check: the first validation window, or a
+        recall sequence with its pairs far away."""
+        if self.corpus is None:
+            return recall.eval_set(length, "far", 1, self.plan.cfg.train_length)[0].to(self.ctx.device)
+        return self.corpus.valid[: length + 1].long()[None].to(self.ctx.device)
+
+    def score_length(self, model: LM, run: Run, length: int) -> dict:
+        """One length's evaluation record (its per-window numbers saved beside results.json)."""
+        cfg = self.plan.cfg
+        reason = cannot_run(model, length)
+        if reason:
+            if self.corpus is None:
+                return {"length": length, "accuracy": None, "status": reason}
+            return {"length": length, "perplexity": None, "bits_per_byte": None, "loss": None,
+                    "tokens": self.corpus.valid_tokens, "status": reason}
+        on_batch, done = self.ui.window_bar(run.label, length)
+        try:
+            if self.corpus is None:
+                res = evaluate_recall(model, length, cfg.train_length, cfg.recall_sequences, self.ctx, on_batch)
+            else:
+                res = evaluate(model, self.corpus.valid, length, cfg.sliding, self.ctx, on_batch)
+        finally:
+            done()
+        if self.corpus is None:
+            windows = {cls: d.pop("windows") for cls, d in res.items()}
+            out = _recall_score(length, res, windows)
+        else:
+            windows = res.pop("windows")
+            low, high = bootstrap.interval(windows["nll"], windows["count"], bootstrap.exp)
+            out = {"length": length, "perplexity": res["perplexity"], "ppl_low": low, "ppl_high": high,
+                   "bits_per_byte": res["bits_per_byte"], "loss": res["loss"], "tokens": res["tokens"],
+                   "windows": len(windows["count"]), "status": "ok"}
+        if self.ctx.main:
+            write_json(self.book.paths.window_scores(run.row.stem, run.seed, length),
+                       {"row": run.row.name, "seed": run.seed, "length": length, **windows})
+        return out
+
+
+def _recall_score(length: int, res: dict, windows: dict) -> dict:
+    """A recall length's record: accuracy per distance class and over all, each with its interval
+    (the bootstrap over sequences)."""
+    for cls, d in res.items():
+        d["acc_low"], d["acc_high"] = bootstrap.interval(windows[cls]["correct"], windows[cls]["count"])
+    correct = sum((w["correct"] for w in windows.values()), [])
+    count = sum((w["count"] for w in windows.values()), [])
+    low, high = bootstrap.interval(correct, count)
+    return {"length": length, "accuracy": sum(correct) / sum(count), "acc_low": low, "acc_high": high,
+            "distances": res, "status": "ok"}
+
+
+def describe(row: Row, cfg: StudyConfig) -> dict:
+    """What a row is, for results.json."""
+    out = {"method": row.method, "kind": row.kind, "options": fair_options(row, cfg.train_length)}
+    if row.schedule is not None:  # per layer, as trained (its first layer's method is "method")
+        layers = fair_schedule(row, cfg.train_length, cfg.depth)
+        out["schedule"] = Schedule(tuple(layers)).to_text()
+        out["layers"] = layers
+    if row.train:
+        out["train_variants"] = list(row.train)
+    if "drop" in row.train:
+        out["positions_dropped_after"] = cfg.drop_fraction
+        out["recalibration"] = "own warmup + cosine schedule, no weight decay (DroPE)"
+    if "random" in row.train:
+        out["random_positions"] = lm_config(cfg, row).random_positions
+    if row.eval:
+        out["variant"] = row.eval
+    if row.base:
+        out["base"] = row.base
+    if row.finetune:
+        out["finetune"] = {"steps": cfg.finetune_steps, "length": cfg.ft_length}
+    return out
+
+
+def describe_score(r: dict) -> str:
+    """One length's record in words, for the log."""
+    if r["status"] != "ok":
+        return r["status"]
+    if "accuracy" in r:
+        far = r["distances"]["far"]
+        return (f"accuracy {r['accuracy']:.3f} [{r['acc_low']:.3f}, {r['acc_high']:.3f}], far "
+                f"{far['accuracy']:.3f} (distance {far['distance_min']}-{far['distance_max']})")
+    return (f"perplexity {r['perplexity']:.3f} [{r['ppl_low']:.3f}, {r['ppl_high']:.3f}], "
+            f"{r['bits_per_byte']:.3f} bits/byte")
+
+
+__all__ = ["Book", "Stages", "describe", "describe_score"]
