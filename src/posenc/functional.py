@@ -191,14 +191,15 @@ def _segments(q, k, v, encoding, geometry: Geometry, scale: float, memo: Forward
     vf = v.transpose(1, 2).reshape(b * tk, hkv, v.shape[-1])
     gf = None if log_gates is None else log_gates.transpose(1, 2).reshape(b * tk, h)  # (B*Tk, H)
     name, outs, where = backend, [], []
+    rotating = rotate and offers(encoding, Rotates)
     for seg in geometry.runs or ():  # a segmented geometry has its runs
         n, lq = seg.q_index.shape
         lk = seg.k_index.shape[1]
-        # Contiguous (n, H, L, D) copies: the rotation and the fused kernels run on them without
-        # strided reads (the kernels would copy a transposed view themselves).
-        qs = qf[seg.q_index.reshape(-1)].view(n, lq, h, d).transpose(1, 2).contiguous()  # (n, H, Lq, D)
-        ks = kf[seg.k_index.reshape(-1)].view(n, lk, hkv, d).transpose(1, 2).contiguous()  # (n, Hkv, Lk, D)
-        vs = vf[seg.k_index.reshape(-1)].view(n, lk, hkv, -1).transpose(1, 2).contiguous()
+        qs = qf[seg.q_index.reshape(-1)].view(n, lq, h, d).transpose(1, 2)  # (n, H, Lq, D)
+        ks = kf[seg.k_index.reshape(-1)].view(n, lk, hkv, d).transpose(1, 2)  # (n, Hkv, Lk, D)
+        vs = vf[seg.k_index.reshape(-1)].view(n, lk, hkv, -1).transpose(1, 2)
+        if rotating:  # the rotation reads contiguous rows faster than the transposed view
+            qs, ks = qs.contiguous(), ks.contiguous()
         gs = None if gf is None else gf[seg.k_index.reshape(-1)].view(n, lk, h).transpose(1, 2)  # (n, H, Lk)
         spec = ScoreSpec(encoding, seg.q_positions, seg.k_positions, geometry.causal, scale, memo, seg.consecutive,
                          known_q_start=seg.q_start, known_k_start=seg.k_start, known_aligned=seg.aligned, log_gates=gs)

@@ -91,8 +91,8 @@ PRESETS: dict[str, dict[str, Any]] = {
 PRESET_DESCRIPTIONS = {
     "smoke": "CI, seconds",
     "default": "the main job, ~13 min on 2 CPU cores",
-    "modern": "the newer methods, ~15 min on 2 CPU cores",
-    "recall": "associative recall, ~12 min on 2 CPU cores",
+    "modern": "the newer methods, ~20 min a seed on 2 CPU cores",
+    "recall": "associative recall, ~15 min a seed on 2 CPU cores",
     "schedules": "layer schedules, 3 seeds, then its recall half: ~80 min on 2 CPU cores (estimated)",
     "schedules-recall": "the recall half of schedules alone",
     "paper": "train at 512, test to 16x, a GPU",
