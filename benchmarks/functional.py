@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -60,7 +59,7 @@ def work(job: dict) -> dict:
     import torch.nn.functional as F
 
     import posenc
-    from posenc.bench.worker import maxrss_mb, reset_peak_rss
+    from posenc.bench.worker import timed
     from posenc.encodings.protocol import DistanceBias, Rotates, offers
 
     torch.manual_seed(0)
@@ -80,7 +79,7 @@ def work(job: dict) -> dict:
         t0 = time.perf_counter()
         step()
         first = time.perf_counter() - t0
-        return {**timed(step, 3, reset_peak_rss, maxrss_mb), "first_s": first}
+        return {**timed(step, 3), "first_s": first}
     enc = posenc.build(method, num_heads=h, head_dim=d)
     hkv = 2 if variant == "gqa" else h
     b = 8 if variant == "batch" else 1
@@ -121,33 +120,13 @@ def work(job: dict) -> dict:
         out.sum().backward()
 
     slow = variant in ("workaround", "eager", "dense") and n >= 4096  # seconds per step: one timed step is enough
-    return timed(step, 1 if slow else 2, reset_peak_rss, maxrss_mb)
+    return timed(step, 1 if slow else 2)
 
-
-def timed(step, reps, reset_peak_rss, maxrss_mb) -> dict:
-    step()  # warm-up
-    base = reset_peak_rss()
-    base = maxrss_mb() if base is None else base
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - t0)
-    return {"seconds": min(times), "peak_over_baseline_mb": maxrss_mb() - base}
 
 
 # ------------------------------------------------------------------------------------------------
 # The parent: rounds, ratios, tables
 
-
-def cpu_model() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def measure(jobs: list[dict], rounds: int) -> list[list[dict]]:
@@ -241,6 +220,8 @@ def main() -> None:
     parser.add_argument("--out", default="benchmarks/results/functional")
     args = parser.parse_args()
     import torch
+
+    from posenc.bench.machine import cpu_model
 
     started = time.time()
     keep = None if args.methods is None else {*args.methods, "nope"}

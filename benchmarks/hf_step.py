@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import sys
 import time
@@ -32,16 +31,6 @@ from pathlib import Path
 
 METHODS = ["hf-rope", "rope", "alibi", "t5", "nope"]
 MODES = ["train", "decode"]
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def build(method: str, args):
@@ -132,6 +121,8 @@ def main() -> None:
         del runners
     import torch
     import transformers
+
+    from posenc.bench.machine import cpu_model
 
     lines = [
         "# posenc inside LlamaForCausalLM vs its own sdpa RoPE",

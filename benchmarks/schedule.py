@@ -65,7 +65,7 @@ def work(job: dict) -> dict:
     import torch
 
     import posenc
-    from posenc.bench.worker import maxrss_mb, reset_peak_rss
+    from posenc.bench.worker import timed
     from posenc.cache import LayerCache
 
     torch.manual_seed(0)
@@ -83,7 +83,7 @@ def work(job: dict) -> dict:
         def step():
             posenc.attend(q, k, v, enc, window=window).sum().backward()
 
-        return timed(step, 2, reset_peak_rss, maxrss_mb)
+        return timed(step, 2)
     if table == "decode":
         enc = posenc.build(method, num_heads=h, head_dim=d)
         attn = posenc.Attention(dim, h, enc, window=w).eval()
@@ -99,7 +99,7 @@ def work(job: dict) -> dict:
                 for _ in range(steps):
                     attn(x, torch.tensor([cache.length]), cache)
 
-        out = timed(step, 3, reset_peak_rss, maxrss_mb)
+        out = timed(step, 3)
         return {**out, "per_token_s": out["seconds"] / steps, "kept_keys": cache.held, "cache_capacity": cache.capacity}
     if table == "schedule":
         n = job["lm_n"]
@@ -112,34 +112,14 @@ def work(job: dict) -> dict:
             torch.nn.functional.cross_entropy(logits.view(-1, 256), tokens.view(-1)).backward()
             model.zero_grad(set_to_none=True)
 
-        return {**timed(step, 2, reset_peak_rss, maxrss_mb), "windows": [b.attn.window for b in model.blocks]}
+        return {**timed(step, 2), "windows": [b.attn.window for b in model.blocks]}
     raise SystemExit(f"unknown table {table!r}")
 
-
-def timed(step, reps, reset_peak_rss, maxrss_mb) -> dict:
-    step()  # warm-up
-    base = reset_peak_rss()
-    base = maxrss_mb() if base is None else base
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - t0)
-    return {"seconds": min(times), "peak_over_baseline_mb": maxrss_mb() - base}
 
 
 # ------------------------------------------------------------------------------------------------
 # The parent: rounds, ratios, tables
 
-
-def cpu_model() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def key(job: dict) -> str:
@@ -258,6 +238,7 @@ def main(argv: list[str] | None = None) -> None:
     import torch
 
     import posenc
+    from posenc.bench.machine import cpu_model
 
     for m in args.methods:
         if m not in posenc.available():

@@ -384,7 +384,7 @@ def test_the_schedule_benchmark_writes_its_three_tables(tmp_path, capsys):
     script.main(["--quick", "--in-process", "--methods", "rope", "--out", str(out)])
     table = (out / "table.md").read_text()
     assert table.strip() in capsys.readouterr().out  # printed too
-    assert table.startswith("Machine: ") and script.cpu_model() in table and "Quick mode" in table
+    assert table.startswith("Machine: ") and machine.cpu_model() in table and "Quick mode" in table
     for title in ("### Sliding window W=32 vs full causal", "### Decoding a windowed layer (W=32",
                   "### 3 local (W=32) : 1 global layers"):
         assert title in table, title

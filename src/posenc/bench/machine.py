@@ -54,10 +54,15 @@ def torch_build() -> list[str]:
     return [line for line in lines if line and not line.startswith(("PyTorch built with", "Build settings"))][:8]
 
 
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo, else the platform, else lscpu), or "unknown"."""
+    return _cpuinfo().get("model name") or platform.processor() or _lscpu_model() or "unknown"
+
+
 def describe_machine() -> dict:
     """CPU model and flags, cores, torch threads, versions and build; JSON values only."""
     info = _cpuinfo()
-    model = info.get("model name") or platform.processor() or _lscpu_model() or "unknown"
+    model = cpu_model()
     flags = set((info.get("flags") or info.get("Features") or "").split())
     try:
         usable = len(os.sched_getaffinity(0))

@@ -23,6 +23,7 @@ import resource
 import statistics
 import sys
 import time
+from typing import Callable
 
 import torch
 
@@ -51,6 +52,21 @@ def reset_peak_rss() -> float | None:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
     except OSError:
         return None
+
+
+def timed(step: Callable[[], object], reps: int) -> dict:
+    """Time ``step`` for a benchmark script's worker: one untimed warm-up, then ``reps`` timed
+    runs; ``{"seconds": the fastest, "peak_over_baseline_mb": peak RSS over the RSS after the
+    warm-up}`` (the warm-up's allocations are the baseline, so the peak is the step's own)."""
+    step()  # warm-up
+    base = reset_peak_rss()
+    base = maxrss_mb() if base is None else base
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    return {"seconds": min(times), "peak_over_baseline_mb": maxrss_mb() - base}
 
 
 def backends_used(module: torch.nn.Module | None) -> str:
