@@ -214,8 +214,9 @@ class ScoreSpec:
         return g.cumsum(-1, dtype=torch.float64 if g.dtype == torch.float64 else torch.float32)
 
     def part(self, q_positions: torch.Tensor, k_positions: torch.Tensor) -> ScoreSpec:
-        """The same call for a sub-range of its queries and keys, without padding, workspace or log
-        gates (the backends that split calls by rows take no gated call)."""
+        """The same call for a sub-range of its queries and keys, without padding or log gates (the
+        backends that split calls by rows take no gated call); its workspace is the memo's (a
+        caller's cache outside posenc, whose entries are keyed by what made them), else none."""
         return ScoreSpec(self.encoding, q_positions, k_positions, self.causal, self.scale, self.memo, self.consecutive)
 
 
