@@ -75,7 +75,7 @@ class Attention(nn.Module):
         self.encoding = encoding
         kv = num_kv_heads * self.head_dim
         self.qkv = nn.Linear(dim, dim + 2 * kv, bias=False)  # q (H*D), k (Hkv*D), v (Hkv*D)
-        self.proj = nn.Linear(dim, dim, bias=False)
+        self.proj: nn.Module = nn.Linear(dim, dim, bias=False)  # posenc.hf.deberta sets nn.Identity
         Extras(window, chunk, None, query_scale)  # checks them
         self.window, self.chunk, self.query_scale = window, chunk, query_scale
         self.sinks = nn.Parameter(torch.zeros(num_heads)) if sinks else None  # (H,) logits

@@ -41,12 +41,13 @@ from __future__ import annotations
 
 import copy
 import json
-from typing import Any
+import os
+from typing import Any, Callable, TypeGuard, TypeVar, cast
 
 import torch
 import transformers
 from torch import nn
-from transformers import AttentionInterface
+from transformers import AttentionInterface, PreTrainedModel
 from transformers.masking_utils import AttentionMaskInterface
 
 from ..encodings import build, get_class, options_of
@@ -59,6 +60,8 @@ from ..geometry import Geometry
 from ..memo import ForwardMemo, Workspace
 
 NAME = "posenc"
+
+_Model = TypeVar("_Model", bound=PreTrainedModel)
 
 #: model_type -> family name, for the families :func:`use` supports.
 SUPPORTED = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}
@@ -122,7 +125,7 @@ def _geometry(query: torch.Tensor, tk: int, attention_mask: torch.Tensor | None,
         # built without the general planning (one host read of the first query position).
         first = tk - tq if position_ids is None else int(position_ids[0, 0])
         past = first - (tk - tq)  # the first key's position
-        if past >= 0 and (tq == 1 or not bool(_restarts(position_ids, None).any())):
+        if past >= 0 and (position_ids is None or tq == 1 or not bool(_restarts(position_ids, None).any())):
             q_pos = torch.arange(first, first + tq, device=device)
             k_pos = torch.arange(past, past + tk, device=device)
             return Geometry(batch, tq, tk, causal, q_pos, k_pos, True, None, first, past, True)
@@ -214,7 +217,7 @@ class _Forward:
     def __init__(self) -> None:
         self.base: nn.Module | None = None  # the decoder stack (its gradient_checkpointing flag)
         self.serial = 0
-        self.key: tuple | None = None
+        self.key: tuple[tuple[int, int, int], torch.Tensor | None, torch.Tensor | None] | None = None
         self.key_end = 0
         self.geometry: Geometry | None = None
         self.memo: ForwardMemo | None = None
@@ -245,24 +248,25 @@ class RotaryStandIn(nn.Module):
         super().__init__()
         self.head_dim = head_dim
         self.forward_state = _Forward()
-        self.rope: nn.Module | None = None  # a plain reference (the encoding lives in posenc_encodings)
+        self.rope: RoPE | None = None  # a plain reference (the encoding lives in posenc_encodings)
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         state = self.forward_state
         state.serial += 1
         state.key = state.geometry = state.memo = None  # nothing is kept across forwards
         shape = (*position_ids.shape, self.head_dim)
-        state.pre_rotated = self.rope is not None and x.dtype == torch.float32
-        if not state.pre_rotated:
+        rope = self.rope
+        state.pre_rotated = rope is not None and x.dtype == torch.float32
+        if rope is None or not state.pre_rotated:
             return x.new_ones(shape), x.new_zeros(shape)
-        cos, sin = self.rope.cos_sin(position_ids.reshape(-1).to(x.device, torch.long).clamp(min=0))  # (N, D/2) float32
-        factor = self.rope.attention_factor
+        cos, sin = rope.cos_sin(position_ids.reshape(-1).to(x.device, torch.long).clamp(min=0))  # (N, D/2) float32
+        factor = rope.attention_factor
         if factor != 1.0:
             cos, sin = cos * factor, sin * factor
         return torch.cat((cos, cos), dim=-1).view(shape), torch.cat((sin, sin), dim=-1).view(shape)
 
 
-def _pre_rotatable(encoding: nn.Module, head_dim: int) -> bool:
+def _pre_rotatable(encoding: nn.Module, head_dim: int) -> TypeGuard[RoPE]:
     """A RoPE encoding whose rotation the model's own ``apply_rotary_pos_emb`` can apply."""
     return (type(encoding) is RoPE and encoding.layout == "half" and encoding.rotary_dim == head_dim
             and not encoding.rotation_depends_on_length and encoding.attention_factor > 0)
@@ -279,14 +283,19 @@ def _base_model(model: nn.Module) -> nn.Module:
         raise UsageError(f"model: posenc.hf supports the {', '.join(SUPPORTED.values())} families "
                          f"(model_type {', '.join(repr(k) for k in SUPPORTED)}), got {type(model).__name__} "
                          f"with model_type {model_type!r}")
-    base = model
+    base: nn.Module | None = model
     for _ in range(3):
+        if base is None:
+            break
         if isinstance(getattr(base, "layers", None), nn.ModuleList) and hasattr(base, "rotary_emb"):
             return base
         base = getattr(base, getattr(base, "base_model_prefix", "model"), None) or getattr(base, "model", None)
-        if base is None:
-            break
     raise UsageError(f"model: found no decoder stack with layers and rotary_emb in {type(model).__name__}")
+
+
+def _installed(model: nn.Module) -> nn.ModuleList:
+    """The encodings :func:`use` installed in ``model`` (its decoder stack's ``posenc_encodings``)."""
+    return cast(nn.ModuleList, _base_model(model).posenc_encodings)
 
 
 def _jsonable(value: Any) -> bool:
@@ -297,7 +306,7 @@ def _jsonable(value: Any) -> bool:
     return True
 
 
-def _kv_heads(config, cls: type, options: dict) -> dict:
+def _kv_heads(config: Any, cls: type[PositionalEncoding], options: dict[str, Any]) -> dict[str, int]:
     """The model's key heads, for an encoding whose parameters are per key head (RoPE-Mixed's
     frequencies); derived from the config on every build, so not recorded among the options."""
     if "num_kv_heads" not in options_of(cls) or "num_kv_heads" in options:
@@ -305,7 +314,7 @@ def _kv_heads(config, cls: type, options: dict) -> dict:
     return {"num_kv_heads": int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads)}
 
 
-def _build_encodings(config, encoding: str | nn.Module, options: dict, layers: int) -> tuple[list[nn.Module], dict]:
+def _build_encodings(config: Any, encoding: str | nn.Module, options: dict[str, Any], layers: int) -> tuple[list[nn.Module], dict[str, Any]]:
     """The encoding modules (one, or one per layer) and the record kept in ``config.posenc``."""
     heads = int(config.num_attention_heads)
     head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
@@ -351,11 +360,14 @@ def _build_encodings(config, encoding: str | nn.Module, options: dict, layers: i
     return [first, *rest], record
 
 
-def _embed_hook(encoding: nn.Module):
+_PreHook = Callable[[nn.Module, tuple[Any, ...], dict[str, Any]], tuple[tuple[Any, ...], dict[str, Any]]]
+
+
+def _embed_hook(encoding: Embeds) -> _PreHook:
     """A forward pre-hook for the first decoder layer that adds an absolute encoding's ``embed`` to
     its input, at each row's own positions."""
 
-    def hook(layer: nn.Module, args: tuple, kwargs: dict):
+    def hook(layer: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
         hidden = args[0] if args else kwargs["hidden_states"]
         position_ids = kwargs.get("position_ids")
         if position_ids is None:
@@ -372,7 +384,7 @@ def _embed_hook(encoding: nn.Module):
     return hook
 
 
-def use(model: nn.Module, encoding: str | nn.Module, **options: Any) -> nn.Module:
+def use(model: _Model, encoding: str | nn.Module, **options: Any) -> _Model:
     """Turn ``model``'s attention into posenc's attention with ``encoding``; returns ``model``.
 
     ``encoding``: a registry name (``posenc.available()``) built with ``options`` for the model's
@@ -391,23 +403,24 @@ def use(model: nn.Module, encoding: str | nn.Module, **options: Any) -> nn.Modul
             gates (which needs each layer's input).
     """
     base = _base_model(model)
-    config = model.config
-    layers = list(base.layers)
+    config: Any = model.config  # a transformers config, read by attribute (its fields are per model class)
+    layers = list(cast(nn.ModuleList, base.layers))  # _base_model checked it
     attentions = [getattr(layer, "self_attn", None) for layer in layers]
     if any(a is None or not hasattr(a, "q_proj") for a in attentions):
         raise UsageError(f"model: every decoder layer of a {SUPPORTED[config.model_type]} model needs self_attn with q_proj")
     encodings, record = _build_encodings(config, encoding, options, len(layers))
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
-    base.posenc_encodings = nn.ModuleList(encodings).to(device=device, dtype=dtype)
+    modules = nn.ModuleList(encodings).to(device=device, dtype=dtype)
+    base.posenc_encodings = modules
     head_dim = int(getattr(attentions[0], "head_dim"))
     if not isinstance(base.rotary_emb, RotaryStandIn):
         base.__dict__["_posenc_model_rotary"] = base.rotary_emb  # kept, not a submodule
         base.rotary_emb = RotaryStandIn(head_dim)
-    only = base.posenc_encodings[0]
+    only = modules[0]
     base.rotary_emb.rope = only if len(encodings) == 1 and _pre_rotatable(only, head_dim) else None
     for i, attention in enumerate(attentions):
-        attention.__dict__["_posenc_encoding"] = base.posenc_encodings[i if len(encodings) > 1 else 0]
+        attention.__dict__["_posenc_encoding"] = modules[i if len(encodings) > 1 else 0]
         attention.__dict__["_posenc_forward"] = base.rotary_emb.forward_state
     base.rotary_emb.forward_state.base = base
     old_hook = base.__dict__.pop("_posenc_embed_hook", None)
@@ -421,7 +434,7 @@ def use(model: nn.Module, encoding: str | nn.Module, **options: Any) -> nn.Modul
     return model
 
 
-def from_pretrained(model_class, path, *, encoding: nn.Module | None = None, **kwargs: Any) -> nn.Module:
+def from_pretrained(model_class: Any, path: str | os.PathLike[str], *, encoding: nn.Module | None = None, **kwargs: Any) -> PreTrainedModel:
     """``model_class.from_pretrained(path, **kwargs)`` for a model saved after :func:`use`: the
     encoding recorded in its config (``config.posenc``) is rebuilt when the model is constructed,
     before the weights load, so learned position parameters come back from the checkpoint.
@@ -444,24 +457,24 @@ def from_pretrained(model_class, path, *, encoding: nn.Module | None = None, **k
     if mapping is not None:  # an Auto class: its concrete class for this config
         model_class = mapping[type(config)]
 
-    def post_init(self) -> None:
+    def post_init(self: Any) -> None:
         model_class.post_init(self)
         use(self, encoding if encoding is not None else recorded_encoding(self.config, record))
 
-    loading = type(model_class.__name__, (model_class,), {"post_init": post_init})
+    loading: Any = type(model_class.__name__, (model_class,), {"post_init": post_init})
     loading.__module__, loading.__qualname__ = model_class.__module__, model_class.__qualname__
-    model = loading.from_pretrained(path, config=config, **kwargs)
+    model: PreTrainedModel = loading.from_pretrained(path, config=config, **kwargs)
     model.__class__ = model_class  # the subclass only hooked construction
     # The encodings were built on HF's meta device; their parameters and persistent buffers now hold
     # the checkpoint's values, but buffers not saved (ALiBi's slopes) hold nothing: build them again
     # on the model's device and keep the loaded state.
-    state = _base_model(model).posenc_encodings.state_dict()
+    state = _installed(model).state_dict()
     use(model, encoding if encoding is not None else recorded_encoding(model.config, record))
-    _base_model(model).posenc_encodings.load_state_dict(state)
+    _installed(model).load_state_dict(state)
     return model
 
 
-def recorded_encoding(config, record: dict) -> nn.Module | str:
+def recorded_encoding(config: Any, record: dict[str, Any]) -> nn.Module | str:
     """The encoding a ``config.posenc`` record describes: a built module, or "rope" for the model's
     own RoPE parameters (then :func:`use` reads them from the config)."""
     if record.get("from_config"):

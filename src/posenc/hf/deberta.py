@@ -27,6 +27,8 @@ not move the other.
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 from torch import nn
 
@@ -82,7 +84,7 @@ def deberta_from_hf(encoder: nn.Module, layer: int = 0, backend: str = "auto") -
     enc = DeBERTa(heads, head_dim, causal=False, position_buckets=buckets, max_relative_positions=att.max_relative_positions,
                   pos_att_type="|".join(terms), layer_norm=norm is not None,
                   layer_norm_eps=norm.eps if norm is not None else 1e-7)
-    table = encoder.rel_embeddings.weight
+    table = cast(nn.Embedding, encoder.rel_embeddings).weight  # (rows, dim): a DebertaV2Encoder's relative table
     if table.shape[0] < 2 * enc.span:
         raise UsageError(f"the encoder's relative table has {table.shape[0]} rows, the layer needs {2 * enc.span}")
     attn = Attention(dim, heads, enc, causal=False, backend=backend)
@@ -92,7 +94,7 @@ def deberta_from_hf(encoder: nn.Module, layer: int = 0, backend: str = "auto") -
         attn.qkv.weight.copy_(torch.cat([att.query_proj.weight, att.key_proj.weight, att.value_proj.weight]))
         attn.qkv.bias.copy_(torch.cat([att.query_proj.bias, att.key_proj.bias, att.value_proj.bias]))
         enc.rel_embeddings.copy_(table[: 2 * enc.span])
-        if norm is not None:
+        if norm is not None and enc.norm is not None:  # enc has a norm when norm is given (layer_norm=True)
             enc.norm.weight.copy_(norm.weight)
             enc.norm.bias.copy_(norm.bias)
         if enc.pos_key_proj is not None:

@@ -8,30 +8,41 @@ values (token id = byte value), as for a model trained on posenc's corpora.
 
 from __future__ import annotations
 
-from types import SimpleNamespace
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
+from transformers import PreTrainedModel
 
 from ..errors import UsageError
 from ..study import distributed
 from ..study.evaluation import evaluate as study_evaluate
 
 
+@dataclass(frozen=True)
+class _Heads:
+    """The config the study's evaluation reads: the query heads (to size its batches)."""
+
+    num_heads: int
+
+
 class _Logits(nn.Module):
     """What the study's evaluation reads from a model: ``model(ids) -> logits`` and
     ``config.num_heads`` (to size its batches)."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: PreTrainedModel) -> None:
         super().__init__()
         self.model = model
-        self.config = SimpleNamespace(num_heads=int(model.config.num_attention_heads))
+        self.config = _Heads(num_heads=int(model.config.num_attention_heads))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return self.model(ids, use_cache=False).logits
 
 
-def evaluate(model: nn.Module, valid: torch.Tensor, lengths, *, stride: int | None = None) -> dict[int, dict]:
+def evaluate(model: PreTrainedModel, valid: torch.Tensor, lengths: Iterable[int], *,
+             stride: int | None = None) -> dict[int, dict[str, Any]]:
     """{length: the study's result (loss, perplexity, bits_per_byte, tokens, windows)} for an HF
     causal LM on ``valid`` (uint8 bytes, inputs and the targets they predict) at each length."""
     if getattr(model.config, "vocab_size", 0) < 256:

@@ -21,15 +21,27 @@ they are given (``relative_attention_bias``, ``relative_attention_num_buckets``,
 
 from __future__ import annotations
 
+from typing import Any, Callable, Protocol, cast
+
 import torch
 from torch import nn
 
-from ..encodings import build
 from ..encodings.alibi import ALiBi
 from ..encodings.t5 import T5Bias
 from ..errors import UsageError
 
 STACKS = ("encoder", "decoder")
+
+
+class _T5Owner(Protocol):
+    """What is read of a ``T5Attention`` that owns a bias table (:func:`_owners` checked the table)."""
+
+    relative_attention_bias: nn.Embedding
+    n_heads: int
+    key_value_proj_dim: int
+    relative_attention_num_buckets: int
+    relative_attention_max_distance: int
+    is_decoder: bool
 
 
 def _owners(module: nn.Module) -> list[nn.Module]:
@@ -57,10 +69,10 @@ def t5_attention(model: nn.Module, *, stack: str | None = None, layer: int | Non
         model = part
     elif all(isinstance(getattr(model, s, None), nn.Module) for s in STACKS):
         raise UsageError(f"{type(model).__name__} has an encoder and a decoder: pass stack='encoder' or stack='decoder'")
-    elif isinstance(getattr(model, "encoder", None), nn.Module):
-        model = model.encoder
-    elif isinstance(getattr(model, "decoder", None), nn.Module):
-        model = model.decoder
+    elif isinstance(encoder := getattr(model, "encoder", None), nn.Module):
+        model = encoder
+    elif isinstance(decoder := getattr(model, "decoder", None), nn.Module):
+        model = decoder
     if layer is not None:
         blocks = getattr(model, "block", None)
         if not isinstance(blocks, nn.ModuleList) or not -len(blocks) <= layer < len(blocks):
@@ -83,10 +95,10 @@ def t5_from_hf(model: nn.Module, *, stack: str | None = None, layer: int | None 
     bidirectional encoding (``causal=False``), a decoder's a causal one. The result's ``bias(i, j)``
     equals HF's ``compute_bias`` for the same positions (tests/test_hf_importers.py).
     """
-    owner = t5_attention(model, stack=stack, layer=layer)
+    owner = cast(_T5Owner, t5_attention(model, stack=stack, layer=layer))
     table = owner.relative_attention_bias.weight  # (buckets, H)
-    encoding = build(
-        "t5", num_heads=int(owner.n_heads), head_dim=int(owner.key_value_proj_dim), causal=bool(owner.is_decoder),
+    encoding = T5Bias(
+        int(owner.n_heads), int(owner.key_value_proj_dim), bool(owner.is_decoder),
         num_buckets=int(owner.relative_attention_num_buckets), max_distance=int(owner.relative_attention_max_distance),
     )
     if tuple(table.shape) != tuple(encoding.relative_attention_bias.weight.shape):
@@ -107,7 +119,8 @@ def t5_to_hf(encoding: nn.Module, model: nn.Module, *, stack: str | None = None,
     """
     if not isinstance(encoding, T5Bias):
         raise UsageError(f"encoding must be posenc's t5 encoding, got {type(encoding).__name__}")
-    owner = t5_attention(model, stack=stack, layer=layer)
+    attention = t5_attention(model, stack=stack, layer=layer)
+    owner = cast(_T5Owner, attention)
     checks = (
         ("num_heads", encoding.num_heads, int(owner.n_heads)),
         ("num_buckets", encoding.num_buckets, int(owner.relative_attention_num_buckets)),
@@ -120,15 +133,17 @@ def t5_to_hf(encoding: nn.Module, model: nn.Module, *, stack: str | None = None,
     weight = owner.relative_attention_bias.weight
     with torch.no_grad():
         weight.copy_(encoding.relative_attention_bias.weight.detach().to(weight.device, weight.dtype))
-    return owner
+    return attention
 
 
-def _bloom_sizes(config_or_model) -> tuple[int, int]:
+def _bloom_sizes(config_or_model: Any) -> tuple[int, int]:
+    """(heads, head dim) of a BLOOM config, a config dict, or a model holding one (``.config``)."""
     config = getattr(config_or_model, "config", config_or_model)
+    get: Callable[[str, Any], Any]
     if isinstance(config, dict):
         get = config.get
     else:
-        def get(key, default=None):
+        def get(key: str, default: Any = None) -> Any:
             return getattr(config, key, default)
     heads = get("n_head", None) or get("num_attention_heads", None)
     hidden = get("hidden_size", None) or get("n_embed", None)
@@ -139,13 +154,13 @@ def _bloom_sizes(config_or_model) -> tuple[int, int]:
     return heads, hidden // heads
 
 
-def alibi_from_bloom(config_or_model, *, causal: bool = True) -> ALiBi:
+def alibi_from_bloom(config_or_model: Any, *, causal: bool = True) -> ALiBi:
     """posenc's ``alibi`` for a BLOOM config (or model): heads from ``n_head``, head dim from
     ``hidden_size / n_head``. BLOOM computes its slopes from the head count with the ALiBi paper's
     recipe, in head order, as posenc's ``alibi`` does: tests/test_hf_importers.py checks BLOOM's
     ``build_alibi_tensor`` term against this encoding's bias for 1..64 heads."""
     heads, head_dim = _bloom_sizes(config_or_model)
-    return build("alibi", num_heads=heads, head_dim=head_dim, causal=causal)
+    return ALiBi(heads, head_dim, causal)
 
 
 __all__ = ["alibi_from_bloom", "t5_attention", "t5_from_hf", "t5_to_hf"]

@@ -46,7 +46,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from transformers import CONFIG_MAPPING, AutoModelForCausalLM
+from transformers import CONFIG_MAPPING, AutoModelForCausalLM, PreTrainedModel
 
 from ..checkpoint import _header, _unique
 from ..encodings import get_class, options_of
@@ -147,7 +147,7 @@ class StudyModel(nn.Module):
     Shape legend: B batch, T tokens, V vocab_size.
     """
 
-    def __init__(self, model: nn.Module, config: StudyModelConfig) -> None:
+    def __init__(self, model: PreTrainedModel, config: StudyModelConfig) -> None:
         super().__init__()
         self.model = model
         self.config = config
@@ -216,16 +216,19 @@ class HFModels:
 
     def build(self, row: rows.Row) -> StudyModel:
         if row.kind == "eval":
-            return self.build(row.base_row)
+            return self.build(row.parent)
         if row.kind == "finetune":  # the base row's model under the scaling it is fine-tuned with
             from ..study.variants import scaling_block
 
-            model = self.build(row.base_row)
+            model = self.build(row.parent)
             encodings = variants.encodings(model)
-            rope = encodings[0]
-            block = scaling_block(row.eval, self.cfg.ft_length / self.cfg.train_length, self.cfg.train_length,
+            ropes = [enc for enc in encodings if isinstance(enc, RoPE)]
+            if not ropes or len(ropes) != len(encodings):  # (check refuses these rows first)
+                raise UsageError(f"methods: {row.name!r}: +ft fine-tunes a RoPE scaling; {row.method} is not RoPE")
+            rope = ropes[0]
+            block = scaling_block(row.variant, self.cfg.ft_length / self.cfg.train_length, self.cfg.train_length,
                                   rope.base, rope.rotary_dim)
-            for enc in encodings:
+            for enc in ropes:
                 enc.set_scaling(block)
             model.config = replace(model.config, scaling=block)
             return model

@@ -29,7 +29,9 @@ from pathlib import Path
 import torch
 
 from ..encodings.axial_rope import AxialRoPE, RoPEMixed, patch_positions
+from ..encodings.base import PositionalEncoding
 from ..encodings.mrope import MRoPE, vision_text_positions
+from ..encodings.protocol import Rotates, require
 from ..errors import UsageError, check_int
 from .inputs import build_checked, check_heads, check_out, check_seed, check_sizes, get_class_checked, write_png
 
@@ -37,7 +39,7 @@ MAX_SIDE = 256  # patches on each side of the grid: a panel is a few hundred pix
 GRID_METHODS = (MRoPE, AxialRoPE, RoPEMixed)
 
 
-def grid_positions(encoding: torch.nn.Module, height: int, width: int) -> torch.Tensor:
+def grid_positions(encoding: PositionalEncoding, height: int, width: int) -> torch.Tensor:
     """The positions ``encoding`` takes for an (height x width) grid, patches in row-major order."""
     if isinstance(encoding, MRoPE):
         return vision_text_positions([(1, height, width)])  # (3, T): temporal 0, then (row, column)
@@ -46,18 +48,19 @@ def grid_positions(encoding: torch.nn.Module, height: int, width: int) -> torch.
     raise UsageError(f"a grid picture needs an encoding with 2-D positions (mrope, axial_rope, rope_mixed), got {type(encoding).__name__}")
 
 
-def grid_pattern(encoding: torch.nn.Module, height: int, width: int, patch: tuple[int, int] | None = None) -> torch.Tensor:
+def grid_pattern(encoding: PositionalEncoding, height: int, width: int, patch: tuple[int, int] | None = None) -> torch.Tensor:
     """(H, height, width) float32 cosine similarity between the constant vector rotated at
     ``patch`` = (column, row) (default: the centre) and rotated at every patch."""
     height, width = (check_int(n, v, 1, MAX_SIDE) for n, v in (("height", height), ("width", width)))
     col, row = (width // 2, height // 2) if patch is None else patch
     check_int("patch column", col, 0, width - 1), check_int("patch row", row, 0, height - 1)
-    positions = grid_positions(encoding, height, width)
+    positions = grid_positions(encoding, height, width)  # UsageError unless a 2-D rotary method
+    rotary = require(encoding, Rotates)
     at = row * width + col
     one = positions[..., at: at + 1] if isinstance(encoding, MRoPE) else positions[at: at + 1]
     c = torch.ones(1, encoding.num_heads, 1, encoding.head_dim)
     with torch.no_grad():
-        q, k = encoding.rotate(c, c.expand(1, -1, height * width, -1), one, positions)  # (1, H, 1, D), (1, H, T, D)
+        q, k = rotary.rotate(c, c.expand(1, -1, height * width, -1), one, positions)  # (1, H, 1, D), (1, H, T, D)
         sim = (q * k).sum(-1) / encoding.head_dim  # (1, H, T): |c|^2 = D
     return sim[0].view(-1, height, width).float()
 
@@ -87,7 +90,7 @@ def grid_figure(pattern: torch.Tensor, patch: tuple[int, int], title: str):
 
 
 def grid_png(
-    encoding: torch.nn.Module, out: Path, height: int = 16, width: int = 16, patch: tuple[int, int] | None = None,
+    encoding: PositionalEncoding, out: Path, height: int = 16, width: int = 16, patch: tuple[int, int] | None = None,
     heads: int | None = None,
 ) -> tuple[Path, torch.Tensor]:
     """Draw the grid pattern of ``encoding``'s first ``heads`` heads (default min(8, H)) seen from

@@ -14,10 +14,12 @@ import struct
 import tempfile
 import typing
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from ..encodings import available, build, get_class
+from ..encodings.base import PositionalEncoding
 from ..errors import UsageError, check_int
 from ..files import atomic_write
 
@@ -81,7 +83,7 @@ def check_seed(seed: object) -> int:
     return seed
 
 
-def parse_options(pairs: list[str], method: str) -> dict:
+def parse_options(pairs: list[str], method: str) -> dict[str, Any]:
     """``KEY=VALUE`` strings -> keyword options of ``method``, each cast to its constructor's type.
 
     The type comes from the constructor's annotation (``base: float``, ``layout: str``,
@@ -92,7 +94,7 @@ def parse_options(pairs: list[str], method: str) -> dict:
     hints = typing.get_type_hints(cls.__init__)
     params = inspect.signature(cls.__init__).parameters
     accepted = [p for p in params if p not in ("self", "num_heads", "head_dim", "causal")]
-    options: dict = {}
+    options: dict[str, Any] = {}
     for pair in pairs:
         key, sep, text = pair.partition("=")
         key = key.strip()
@@ -131,13 +133,14 @@ def _cast(key: str, text: str, hint: object) -> object:
     return text
 
 
-def get_class_checked(method: str) -> type:
+def get_class_checked(method: str) -> type[PositionalEncoding]:
+    """The encoding class registered as ``method``; UsageError listing the names otherwise."""
     if method not in available():
         raise UsageError(f"unknown encoding {method!r}; available: {', '.join(available())}")
     return get_class(method)
 
 
-def build_checked(method: str, num_heads: int, head_dim: int, causal: bool, options: dict) -> torch.nn.Module:
+def build_checked(method: str, num_heads: int, head_dim: int, causal: bool, options: dict[str, Any]) -> PositionalEncoding:
     """Build on the meta device first (no memory) to measure it, then for real.
 
     The encodings reject bad sizes and option values with ValueError; every argument here came

@@ -46,8 +46,10 @@ def schedule_figure(schedule: Schedule | str | list, depth: int | None = None, l
     ax = fig.add_subplot(1, 1, 1)
     from matplotlib import colormaps
     from matplotlib.colors import ListedColormap
+    from matplotlib.typing import ColorType
 
-    palette = ListedColormap(["white", *[colormaps["tab10"](i) for i in range(10)]])  # white: not seen
+    colors: list[ColorType] = ["white", *[colormaps["tab10"](i) for i in range(10)]]  # white: not seen
+    palette = ListedColormap(colors)
     ax.imshow(image.numpy(), aspect="auto", interpolation="nearest", cmap=palette, vmin=0, vmax=10)
     ax.set_yticks(range(n), [f"{i}: {layer.to_text()}" for i, layer in enumerate(schedule.layers)], fontsize=7)
     ax.axvline(query, color="black", linewidth=0.8)

@@ -16,11 +16,19 @@ from matplotlib.figure import Figure
 
 from ..encodings.rope import RoPE
 from ..encodings.rope_scaling import RopeScaling, parse_scaling
+from ..errors import UsageError
 
 
 def _wavelengths(inv_freq: torch.Tensor) -> list[float]:
     """2 pi / theta per pair; NaN for an unrotated pair (theta = 0), which has no wavelength."""
     return [2 * math.pi / f if f > 0 else math.nan for f in inv_freq.double().tolist()]
+
+
+def _trained(cfg: RopeScaling) -> int:
+    """L of a scaling whose frequencies depend on the length (``RopeScaling`` checks it names one)."""
+    if cfg.original_length is None:
+        raise UsageError(f"rope scaling: rope_type {cfg.rope_type!r} needs original_max_position_embeddings")
+    return cfg.original_length
 
 
 def scaling_figure(
@@ -50,10 +58,11 @@ def scaling_figure(
     original = cfg.original_length or original_length
     name = cfg.rope_type if cfg.factor is None else f"{cfg.rope_type} (factor {cfg.factor:g})"
     if cfg.rope_type == "longrope":
-        ax.plot(pairs, _wavelengths(enc.frequencies(original)), marker=".", label=f"longrope short (length <= {original})")
-        ax.plot(pairs, _wavelengths(enc.frequencies(original + 1)), marker=".", label=f"longrope long (length > {original})")
+        trained = _trained(cfg)  # (= original)
+        ax.plot(pairs, _wavelengths(enc.frequencies(trained)), marker=".", label=f"longrope short (length <= {trained})")
+        ax.plot(pairs, _wavelengths(enc.frequencies(trained + 1)), marker=".", label=f"longrope long (length > {trained})")
     elif cfg.rope_type == "dynamic":
-        at = length or math.ceil(cfg.factor * original)
+        at = length or math.ceil(cfg.scale * _trained(cfg))  # (scale: dynamic's factor, which it needs)
         ax.plot(pairs, _wavelengths(enc.frequencies(at)), marker=".", label=f"{name} at length {at}")
     elif cfg.rope_type != "default":
         ax.plot(pairs, _wavelengths(enc.inv_freq), marker=".", label=name)

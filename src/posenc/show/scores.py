@@ -29,7 +29,8 @@ import torch
 import torch.nn.functional as F
 
 from ..encodings import available, get_class
-from ..encodings.base import has_hook
+from ..encodings.base import PositionalEncoding
+from ..encodings.protocol import Biases, Embeds, QueryTerms, Rotates, offers
 from ..errors import UsageError
 from . import grid
 from .inputs import (
@@ -49,7 +50,7 @@ from .inputs import (
 )
 
 
-def score_map(encoding: torch.nn.Module, length: int, seed: int = 0, content: torch.Tensor | None = None) -> torch.Tensor:
+def score_map(encoding: PositionalEncoding, length: int, seed: int = 0, content: torch.Tensor | None = None) -> torch.Tensor:
     """(H, length, length) score change due to positions; NaN where a causal mask hides the key.
 
     Args:
@@ -74,20 +75,20 @@ def score_map(encoding: torch.nn.Module, length: int, seed: int = 0, content: to
     x = content.expand(1, length, h * d)  # (1, T, dim): the same content at every position
     with torch.no_grad():
         plain = x  # the content as the model sees it, without positions
-        if has_hook(encoding, "embed"):
+        if offers(encoding, Embeds):
             embedded = encoding.embed(x, positions)
             # What the embedding makes of the content alone (e.g. sqrt(dim) c for sinusoidal).
             plain = embedded - encoding.embed(torch.zeros_like(x), positions)
             x = embedded
         plain = plain.reshape(1, length, h, d).transpose(1, 2)  # (1, H, T, D)
         q = k = x.reshape(1, length, h, d).transpose(1, 2)  # (1, H, T, D)
-        if has_hook(encoding, "rotate"):
+        if offers(encoding, Rotates):
             q, k = encoding.rotate(q, k, positions, positions)
         scores = torch.matmul(q, k.transpose(-1, -2))[0].mul_(scale)  # (H, T, T)
         scores.sub_(torch.matmul(plain, plain.transpose(-1, -2))[0].mul_(scale))  # minus the score without positions
-        if has_hook(encoding, "bias"):
+        if offers(encoding, Biases):
             scores.add_(encoding.bias(positions, positions))
-        if has_hook(encoding, "query_terms"):
+        if offers(encoding, QueryTerms):
             scores.add_(encoding.query_terms(q, k, positions, positions)[0])
     if encoding.causal:
         scores.masked_fill_(positions[None, :] > positions[:, None], float("nan"))

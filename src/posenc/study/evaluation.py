@@ -8,12 +8,11 @@ method (a learned position table) is not run past its table; its row says why.
 from __future__ import annotations
 
 import math
-from typing import Callable
+from typing import Any, Callable, Protocol
 
 import torch
 import torch.nn.functional as F
 
-from ..model import LM
 from . import distributed
 
 # Memory bounds for evaluation batches: tokens per forward, and attention scores per forward
@@ -23,6 +22,31 @@ EVAL_SCORES = 2**25
 
 # Called after every evaluation batch as on_batch(windows_done, windows_total) (this process's share).
 BatchCallback = Callable[[int, int], None]
+
+
+class _Heads(Protocol):
+    @property
+    def num_heads(self) -> int: ...
+
+
+class Scored(Protocol):
+    """What the evaluation reads of a model: posenc's :class:`~posenc.model.LM`, posenc.hf's
+    ``StudyModel``, or posenc.hf.evaluation's view of a transformers model. Called as
+    ``model(ids)`` or ``model(ids, positions=...)``: logits (B, L, vocab)."""
+
+    @property
+    def config(self) -> _Heads: ...
+
+    def __call__(self, ids: torch.Tensor, **kwargs: Any) -> torch.Tensor: ...
+
+    def eval(self) -> object: ...
+
+
+class Bounded(Protocol):
+    """A model that may have a bounded position table (``max_length``: its rows, or None)."""
+
+    @property
+    def max_length(self) -> int | None: ...
 
 
 def windows(total: int, length: int, stride: int) -> list[tuple[int, int]]:
@@ -42,7 +66,7 @@ def windows(total: int, length: int, stride: int) -> list[tuple[int, int]]:
     return out
 
 
-def cannot_run(model: LM, length: int) -> str | None:
+def cannot_run(model: Bounded, length: int) -> str | None:
     """Why ``model`` cannot score windows of ``length`` (a bounded position table), or None."""
     limit = model.max_length
     if limit is not None and length > limit:
@@ -53,7 +77,7 @@ def cannot_run(model: LM, length: int) -> str | None:
 EVAL_POSITIONS_SEED = 9_001  # the draws of randomized positions at evaluation (fixed: every row sees the same)
 
 
-def eval_positions(model: LM, length: int, batch: int, device: torch.device | str) -> torch.Tensor | None:
+def eval_positions(model: Scored, length: int, batch: int, device: torch.device | str) -> torch.Tensor | None:
     """Positions for one evaluation batch of a model trained with randomized positions (Ruoss et al.
     2023): as in training, a sorted draw of ``length`` distinct positions from [0, random_positions),
     shared by the batch. The authors' code applies the randomized encoding at test time too; the
@@ -66,7 +90,7 @@ def eval_positions(model: LM, length: int, batch: int, device: torch.device | st
     return torch.randperm(limit, generator=g)[:length].sort().values.to(device)  # (length,)
 
 
-def _forward(model: LM, ids: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
+def _forward(model: Scored, ids: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
     """``model(ids)``, with ``positions`` only when there are some: a model that takes none (an HF
     model's view, posenc.hf.evaluation) is scored at positions 0..L-1."""
     return model(ids) if positions is None else model(ids, positions=positions)
@@ -78,8 +102,8 @@ def batch_size_for(length: int, num_heads: int) -> int:
 
 
 @torch.inference_mode()
-def evaluate(model: LM, valid: torch.Tensor, length: int, stride: int | None, ctx: distributed.Context,
-             on_batch: BatchCallback | None = None) -> dict:
+def evaluate(model: Scored, valid: torch.Tensor, length: int, stride: int | None, ctx: distributed.Context,
+             on_batch: BatchCallback | None = None) -> dict[str, Any]:
     """Mean NLL of the validation targets scored in windows of ``length``; every target once.
 
     Returns loss, perplexity, bits_per_byte, tokens, and ``windows``: per window (in order), the
@@ -127,8 +151,8 @@ def evaluate(model: LM, valid: torch.Tensor, length: int, stride: int | None, ct
 
 
 @torch.inference_mode()
-def evaluate_recall(model: LM, length: int, train_length: int, count: int, ctx: distributed.Context,
-                    on_batch: BatchCallback | None = None) -> dict:
+def evaluate_recall(model: Scored, length: int, train_length: int, count: int, ctx: distributed.Context,
+                    on_batch: BatchCallback | None = None) -> dict[str, dict[str, Any]]:
     """Exact-match accuracy of the recall answers at ``length``, per distance class.
 
     Only the answers are scored: the prediction at each query key (the argmax over the whole
@@ -140,7 +164,7 @@ def evaluate_recall(model: LM, length: int, train_length: int, count: int, ctx: 
     """
     from . import recall
 
-    out = {}
+    out: dict[str, dict[str, Any]] = {}
     per_batch = batch_size_for(length, model.config.num_heads)
     model.eval()
     done, total = 0, len(recall.CLASSES) * len(range(ctx.rank, count, ctx.world))

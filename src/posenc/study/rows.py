@@ -101,10 +101,32 @@ class Row:
     base_row: Row | None = field(default=None, compare=False, repr=False)  # :attr:`base`, parsed with this row
 
     @property
+    def parent(self) -> Row:
+        """The parsed base row of an evaluated or fine-tuned row (:func:`parse` sets it).
+
+        Raises:
+            UsageError: for a row without one (a trained row, or one made without :func:`parse`).
+        """
+        if self.base_row is None:
+            raise UsageError(f"methods: {self.name!r} has no parsed base row (a trained row, or not made by rows.parse)")
+        return self.base_row
+
+    @property
+    def variant(self) -> str:
+        """The evaluation variant of an evaluated or fine-tuned row (``eval``, which such a row has).
+
+        Raises:
+            UsageError: for a trained row (it has none).
+        """
+        if self.eval is None:
+            raise UsageError(f"methods: {self.name!r} is a trained row: it has no evaluation variant")
+        return self.eval
+
+    @property
     def trained(self) -> Row:
         """The row whose training run makes this row's model: itself, or its base's (an evaluated
         row's base is a trained or fine-tuned row; a fine-tuned row trains itself)."""
-        return self.base_row.trained if self.kind == "eval" else self
+        return self.parent.trained if self.kind == "eval" else self
 
     @property
     def ancestor(self) -> Row:
@@ -125,8 +147,8 @@ class Row:
         if self.kind == "train":
             return None
         if self.schedule is not None:  # (a "+" inside the schedule's text is not a variant)
-            return self.schedule + self.name[len(self.schedule):].split("+" + self.eval)[0]
-        return self.name.split("+" + self.eval)[0]
+            return self.schedule + self.name[len(self.schedule):].split("+" + self.variant)[0]
+        return self.name.split("+" + self.variant)[0]
 
     @property
     def stem(self) -> str:
@@ -244,7 +266,10 @@ def fair_options(row: Row, train_length: int) -> dict:
 
 def fair_schedule(row: Row, train_length: int, depth: int) -> list[dict]:
     """A schedule row's layers at ``depth`` (the json form, one dict per layer), each layer's
-    options under the fair-table rule. UsageError when the pattern is longer than ``depth``."""
+    options under the fair-table rule. UsageError when the pattern is longer than ``depth``, or
+    for a row that is not a schedule row."""
+    if row.pattern is None:
+        raise UsageError(f"methods: {row.name!r} is not a schedule row")
     layers = Schedule.repeated(row.pattern.layers, depth).to_list()
     for layer in layers:
         options = _capped(layer["encoding"], layer.get("options") or {}, train_length)
@@ -275,10 +300,11 @@ def expand(names: list[str], finetune: bool) -> list[str]:
         if n in out:
             return
         row = parse(n)
-        if row.base is not None:
-            add(row.base)
-        if row.kind == "finetune":
-            add(row.base + "+" + row.eval)
+        base = row.base
+        if base is not None:
+            add(base)
+            if row.kind == "finetune":  # (a fine-tuned row has a base)
+                add(base + "+" + row.variant)
         if n not in out:
             out.append(n)
         if finetune and row.kind == "eval" and row.eval in SCALINGS and n + "+" + FINETUNE not in out:

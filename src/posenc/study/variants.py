@@ -39,7 +39,9 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Iterator
+from typing import Any, Iterator
+
+from torch import nn
 
 from ..encodings.base import PositionalEncoding
 from ..encodings.rope import RoPE
@@ -47,7 +49,7 @@ from ..model import LM
 from .rows import Row
 
 
-def scaling_block(kind: str, factor: float, train_length: int, base: float, rotary_dim: int) -> dict:
+def scaling_block(kind: str, factor: float, train_length: int, base: float, rotary_dim: int) -> dict[str, Any]:
     """The Hugging Face style scaling block of ``kind`` with scale ``factor`` for a model trained at
     ``train_length`` (see the module docstring)."""
     s = max(1.0, float(factor))
@@ -69,15 +71,15 @@ def scaling_block(kind: str, factor: float, train_length: int, base: float, rota
     raise ValueError(f"not a scaling: {kind!r}")
 
 
-def encodings(model: LM) -> list:
+def encodings(model: nn.Module) -> list[PositionalEncoding]:
     """The distinct encoding instances of the model's attention layers (one when shared): those of
     its blocks for posenc's :class:`~posenc.model.LM`, else every
     :class:`~posenc.encodings.base.PositionalEncoding` module it holds (a ``transformers`` model
     after ``posenc.hf.use``, whose encodings sit in ``posenc_encodings``)."""
-    seen: dict[int, object] = {}
+    seen: dict[int, PositionalEncoding] = {}
     if isinstance(model, LM):
-        for block in model.blocks:
-            seen.setdefault(id(block.attn.encoding), block.attn.encoding)
+        for attn in model.attentions():
+            seen.setdefault(id(attn.encoding), attn.encoding)
     else:
         for module in model.modules():
             if isinstance(module, PositionalEncoding):
@@ -86,27 +88,27 @@ def encodings(model: LM) -> list:
 
 
 @contextlib.contextmanager
-def applied(model: LM, row: Row, length: int, train_length: int) -> Iterator[dict]:
+def applied(model: nn.Module, row: Row, length: int, train_length: int) -> Iterator[dict[str, Any]]:
     """Within the block, ``model`` evaluates as ``row``'s evaluation variant at ``length``; yields
     what was applied (recorded with the row's results). A row without one changes nothing."""
     if row.kind != "eval":
         yield {}
         return
     encs = encodings(model)
-    undo = []
+    undo: list[tuple[PositionalEncoding, str, Any]] = []
     try:
         if row.eval == "blockwise":
             size = max(1, train_length // 2)
             for enc in encs:
                 if hasattr(enc, "block_size"):  # (a schedule's other layers keep their attention)
                     undo.append((enc, "block_size", enc.block_size))
-                    enc.block_size = size
+                    setattr(enc, "block_size", size)
             yield {"block_size": size}
         else:
-            blocks = []
+            blocks: list[dict[str, Any]] = []
             for enc in encs:
                 if isinstance(enc, RoPE):  # (a schedule's other layers have no rotation to scale)
-                    block = scaling_block(row.eval, length / train_length, train_length, enc.base, enc.rotary_dim)
+                    block = scaling_block(row.variant, length / train_length, train_length, enc.base, enc.rotary_dim)
                     undo.append((enc, "scaling", enc.scaling))
                     enc.set_scaling(block)
                     if block not in blocks:
@@ -114,7 +116,7 @@ def applied(model: LM, row: Row, length: int, train_length: int) -> Iterator[dic
             yield {"scaling": blocks[0] if len(blocks) == 1 else blocks}
     finally:
         for enc, what, old in reversed(undo):
-            if what == "scaling":
+            if what == "scaling" and isinstance(enc, RoPE):
                 enc.set_scaling(old)
             else:
                 setattr(enc, what, old)
