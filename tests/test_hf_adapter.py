@@ -308,6 +308,19 @@ def test_masks_are_never_none_for_padding() -> None:
     assert torch.equal(fn(batch_size=1, q_length=1, kv_length=6, q_offset=3), torch.tensor([[True] * 4 + [False] * 2]))
 
 
+def test_cached_chunk_without_position_ids_takes_consecutive_positions() -> None:
+    """Several queries after a cache, without position_ids (the registered attention function is
+    public; HF's models pass them): the queries follow the cached keys, as with position_ids 3, 4.
+    (mypy found it: the decode fast path read the missing position_ids and raised TypeError.)"""
+    from posenc.hf.adapter import _geometry
+
+    q = torch.zeros(1, 4, 2, 16)  # (B, H, Tq, D): 2 queries after 3 cached keys (Tk = 5)
+    derived = _geometry(q, 5, None, None, True)
+    given = _geometry(q, 5, None, torch.tensor([[3, 4]]), True)
+    assert torch.equal(derived.q_positions, torch.tensor([3, 4])) and torch.equal(derived.k_positions, torch.arange(5))
+    assert torch.equal(given.q_positions, derived.q_positions) and torch.equal(given.k_positions, derived.k_positions)
+
+
 def test_unsupported_inputs_are_usage_errors() -> None:
     model = setup_model("alibi")
     ids = tokens(1, 6)

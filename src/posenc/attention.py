@@ -74,8 +74,10 @@ class Attention(nn.Module):
         self.last_backend: str | None = None
         self.encoding = encoding
         kv = num_kv_heads * self.head_dim
-        self.qkv = nn.Linear(dim, dim + 2 * kv, bias=False)  # q (H*D), k (Hkv*D), v (Hkv*D)
-        self.proj: nn.Module = nn.Linear(dim, dim, bias=False)  # posenc.hf.deberta sets nn.Identity
+        # q (H*D), k (Hkv*D), v (Hkv*D). Any modules of these widths: posenc.hf.deberta sets a biased
+        # qkv and an identity proj, posenc.bench identity for both.
+        self.qkv: nn.Module = nn.Linear(dim, dim + 2 * kv, bias=False)
+        self.proj: nn.Module = nn.Linear(dim, dim, bias=False)
         Extras(window, chunk, None, query_scale)  # checks them
         self.window, self.chunk, self.query_scale = window, chunk, query_scale
         self.sinks = nn.Parameter(torch.zeros(num_heads)) if sinks else None  # (H,) logits

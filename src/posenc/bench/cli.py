@@ -98,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
         claim.release()
 
 
-def _run(config, args: argparse.Namespace, out: Path, kept: list[dict] | None = None) -> int:
+def _run(config: Config, args: argparse.Namespace, out: Path, kept: list[dict] | None = None) -> int:
     command = command_line(config, args.methods, out)
     journal = Journal(out / JOURNAL, journal_header(config, command))
     try:

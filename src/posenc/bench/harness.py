@@ -14,7 +14,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 from .compare import library_of
 from .job import POSENC, Job, cell_key, label
@@ -150,7 +150,7 @@ def run(
     return results.summarize()
 
 
-def bench(progress: bool = True, isolate: bool = True, on_result: Callable | None = None, **options) -> Results:
+def bench(progress: bool = True, isolate: bool = True, on_result: Callable | None = None, **options: Any) -> Results:
     """Check ``options`` (see :func:`posenc.bench.plan.configure`), run the table, return its results.
 
     ``isolate=False`` measures in this process (tests only; see :func:`launch`).

@@ -12,12 +12,15 @@ argument of ``forward`` is ``cache`` (``past_key_values`` before 5.x).
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 from torch import nn
 
 from .job import Job
+
+if TYPE_CHECKING:
+    from transformers import DynamicCache
 
 NAME = "transformers"
 PACKAGE = "transformers"  # import name, checked before any job runs
@@ -41,16 +44,30 @@ def build_model(job: Job) -> nn.Module:
         config = LlamaConfig(
             vocab_size=job.vocab, hidden_size=job.dim, intermediate_size=4 * job.dim, num_hidden_layers=job.depth,
             num_attention_heads=job.heads, num_key_value_heads=job.heads, head_dim=job.dim // job.heads,
-            max_position_embeddings=max(job.length + 64, 2048), tie_word_embeddings=True, attn_implementation="sdpa",
+            max_position_embeddings=max(job.length + 64, 2048), tie_word_embeddings=True,
+            attn_implementation="sdpa",  # type: ignore[call-arg]  # taken by the config's **kwargs, which its dataclass signature omits
         )
         return LlamaForCausalLM(config)
     from transformers import BloomConfig, BloomForCausalLM
 
-    config = BloomConfig(
+    bloom = BloomConfig(
         vocab_size=job.vocab, hidden_size=job.dim, n_layer=job.depth, n_head=job.heads, tie_word_embeddings=True,
-        attn_implementation="eager",
+        attn_implementation="eager",  # type: ignore[call-arg]  # taken by the config's **kwargs, which its dataclass signature omits
     )
-    return BloomForCausalLM(config)
+    return BloomForCausalLM(bloom)
+
+
+class _Step:
+    """One timed decode step (see :func:`decode_step`); ``cache`` stays at its length (for tests)."""
+
+    def __init__(self, model: nn.Module, token: torch.Tensor, cache: DynamicCache) -> None:
+        self.model, self.token, self.cache = model, token, cache
+
+    def __call__(self) -> None:
+        with torch.inference_mode():
+            logits = self.model(input_ids=self.token, cache=self.cache, use_cache=True).logits  # (B, 1, vocab)
+            logits[:, -1].argmax(-1)
+        self.cache.crop(-1)
 
 
 def decode_step(model: nn.Module, batch: int, length: int, device: torch.device, dtype: torch.dtype) -> Callable[[], None]:
@@ -58,7 +75,7 @@ def decode_step(model: nn.Module, batch: int, length: int, device: torch.device,
     the cache cropped back to ``length`` (so every timed step decodes at the same length)."""
     from transformers import DynamicCache
 
-    config = model.config
+    config: Any = model.config  # a transformers config, read by attribute (its fields are per model class)
     heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     head_dim = config.hidden_size // config.num_attention_heads
     cache = DynamicCache(config=config)
@@ -66,12 +83,4 @@ def decode_step(model: nn.Module, batch: int, length: int, device: torch.device,
         k = torch.randn(batch, heads, length, head_dim, device=device, dtype=dtype)  # (B, H, N, D)
         cache.update(k, torch.randn_like(k), layer)
     token = torch.randint(0, config.vocab_size, (batch, 1), device=device)  # (B, 1)
-
-    def step() -> None:
-        with torch.inference_mode():
-            logits = model(input_ids=token, cache=cache, use_cache=True).logits  # (B, 1, vocab)
-            logits[:, -1].argmax(-1)
-        cache.crop(-1)
-
-    step.cache = cache  # for tests: the cache stays at ``length``
-    return step
+    return _Step(model, token, cache)

@@ -64,6 +64,7 @@ def describe_machine() -> dict:
     info = _cpuinfo()
     model = cpu_model()
     flags = set((info.get("flags") or info.get("Features") or "").split())
+    usable: int | None
     try:
         usable = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):

@@ -21,6 +21,7 @@ from pathlib import Path
 from ..errors import UsageError
 from ..files import RunDir, write_json, write_text
 from .harness import Results
+from .plan import Config
 from .plots import plot
 from .tables import csv_text, json_object, markdown_table
 
@@ -72,12 +73,12 @@ class Journal:
             print(f"posenc bench: warning: cannot save measurements in {self.path} ({err}); going on", file=sys.stderr)
 
 
-def journal_header(config, command: str) -> dict:
+def journal_header(config: Config, command: str) -> dict:
     """What a journal records besides its jobs: the command, and the options a resume must match."""
     return {"command": command, "options": json.loads(json.dumps(config.to_dict()))}
 
 
-def journal_jobs(path: Path, config) -> list[dict]:
+def journal_jobs(path: Path, config: Config) -> list[dict]:
     """The finished jobs of the interrupted run whose journal is ``path``, for ``--resume``:
     UsageError when it is not a journal, or was measured with other options than ``config``'s."""
     try:

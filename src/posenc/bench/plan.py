@@ -12,6 +12,7 @@ late in others, and a drift within a round does not favour one method.
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -51,7 +52,7 @@ class Config:
         return asdict(self)
 
 
-def _integer(name: str, value, minimum: int = 1) -> int:
+def _integer(name: str, value: object, minimum: int = 1) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise UsageError(f"{name} must be an integer >= {minimum}, got {value!r}")
     return value
@@ -59,7 +60,7 @@ def _integer(name: str, value, minimum: int = 1) -> int:
 
 def configure(
     methods: list[str] | None = None,
-    lengths: list[int] = (512, 1024, 2048, 4096),
+    lengths: Sequence[int] = (512, 1024, 2048, 4096),
     level: str = "attention",
     mode: str = "both",
     compare: list[str] | None = None,
@@ -72,7 +73,7 @@ def configure(
     threads: int | None = None,
     timeout: float | None = None,
     seed: int = 0,
-    **sizes,
+    **sizes: int,
 ) -> Config:
     """Check every option before any work; ``sizes`` override the level's dim, heads, batch, depth, vocab."""
     from .. import backends

@@ -10,10 +10,15 @@ from __future__ import annotations
 
 import textwrap
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..files import atomic_write
 from .job import POSENC
 from .levels import LEVELS
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
 
 LINE_STYLES = ("-", "--", ":", "-.")
 
@@ -28,7 +33,7 @@ def _err(rows: list[dict]) -> list[list[float]]:
     return [below, above]
 
 
-def _bars(ax, rows: list[dict], impls: list[str], methods: list[str]) -> None:
+def _bars(ax: Axes, rows: list[dict], impls: list[str], methods: list[str]) -> None:
     width = 0.8 / len(impls)
     for k, impl in enumerate(impls):
         mine = {r["method"]: r for r in rows if r["impl"] == impl}
@@ -39,7 +44,7 @@ def _bars(ax, rows: list[dict], impls: list[str], methods: list[str]) -> None:
     ax.grid(True, axis="y", alpha=0.3)
 
 
-def _lines(ax, rows: list[dict], impls: list[str], methods: list[str], lengths: list[int]) -> None:
+def _lines(ax: Axes, rows: list[dict], impls: list[str], methods: list[str], lengths: list[int]) -> None:
     import matplotlib.ticker
 
     for method in methods:
@@ -59,7 +64,7 @@ def _lines(ax, rows: list[dict], impls: list[str], methods: list[str], lengths: 
     ax.grid(True, which="both", alpha=0.3)
 
 
-def figure(cells: list[dict], title: str = ""):
+def figure(cells: list[dict], title: str = "") -> Figure:
     """The matplotlib figure of ``cells`` (table rows, see :func:`posenc.bench.stats.summarize`)."""
     import matplotlib
 

@@ -32,8 +32,9 @@ def spread(values: list[float | None]) -> tuple[float | None, float | None, floa
 
 
 def _ratio(a: dict | None, b: dict | None, key: str) -> float | None:
-    ok = a is not None and b is not None and a.get("status") == "ok" and b.get("status") == "ok"
-    return a[key] / b[key] if ok and b[key] > 0 else None
+    if a is None or b is None or a.get("status") != "ok" or b.get("status") != "ok":
+        return None
+    return a[key] / b[key] if b[key] > 0 else None
 
 
 def _summarize_cell(records: list[dict], rounds: list[int], base: dict, posenc: dict) -> dict:

@@ -34,7 +34,7 @@ def _status(row: dict | None) -> str | None:
         return ""
     if row.get("status") == "ok":
         return None
-    return {"n/a": "n/a", "refused": "refused"}.get(row.get("status"), "failed")
+    return {"n/a": "n/a", "refused": "refused"}.get(str(row.get("status")), "failed")
 
 
 def _partial(row: dict) -> str:
@@ -43,15 +43,15 @@ def _partial(row: dict) -> str:
 
 def _time_cells(row: dict | None) -> list[str]:
     s = _status(row)
-    if s is not None:
-        return [s, "", ""]
+    if s is not None or row is None:  # (_status is None only for a measured row)
+        return [s or "", "", ""]
     return [f"{row['median_s']:.4g}{_partial(row)}", f"{row['tokens_per_s']:,.0f}", ratio_cell(row, "median_s_vs_nope")]
 
 
 def _mem_cells(row: dict | None) -> list[str]:
     s = _status(row)
-    if s is not None:
-        return [s, ""]
+    if s is not None or row is None:  # (_status is None only for a measured row)
+        return [s or "", ""]
     ratio = "-" if row.get("peak_mb_vs_nope") is None else f"{row['peak_mb_vs_nope']:.2f}x"
     if row.get("increase_mb_vs_nope") is not None:
         ratio += f" ({row['increase_mb_vs_nope']:.2f}x)"
@@ -119,7 +119,7 @@ def _notes(cells: list[dict]) -> list[str]:
     for r in cells:
         lo, hi = r.get("median_s_vs_nope_lo"), r.get("median_s_vs_nope_hi")
         measured = sum(v is not None for v in r.get("median_s_vs_nope_rounds", []))
-        if r["control"] and measured >= 2 and not lo <= 1.0 <= hi:
+        if r["control"] and measured >= 2 and lo is not None and hi is not None and not lo <= 1.0 <= hi:
             lines.append(f"Warning: the control reads {ratio_cell(r, 'median_s_vs_nope')} at N={r['length']} "
                          f"{r['mode']}: 1.00 is outside its spread, so differences of that size are noise here "
                          "(a quieter machine or more rounds).")
@@ -156,10 +156,10 @@ def compare_table(cells: list[dict]) -> str:
         "", _row(header), _row(["---"] * 3 + ["---:"] * (len(header) - 3)),
     ]
 
-    def t(r):
+    def t(r: dict | None) -> str:
         return f"{r['median_s']:.4g}" if r and r.get("status") == "ok" else (_status(r) or "")
 
-    def mb(r):
+    def mb(r: dict | None) -> str:
         return f"{r['increase_mb']:.0f}" if r and r.get("status") == "ok" else (_status(r) or "")
 
     for n, mode, name in keys:

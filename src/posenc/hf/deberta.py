@@ -88,11 +88,11 @@ def deberta_from_hf(encoder: nn.Module, layer: int = 0, backend: str = "auto") -
     if table.shape[0] < 2 * enc.span:
         raise UsageError(f"the encoder's relative table has {table.shape[0]} rows, the layer needs {2 * enc.span}")
     attn = Attention(dim, heads, enc, causal=False, backend=backend)
-    attn.qkv = nn.Linear(dim, 3 * dim, bias=True)
+    qkv = attn.qkv = nn.Linear(dim, 3 * dim, bias=True)
     attn.proj = nn.Identity()  # DeBERTa's output dense layer is a separate module
     with torch.no_grad():
-        attn.qkv.weight.copy_(torch.cat([att.query_proj.weight, att.key_proj.weight, att.value_proj.weight]))
-        attn.qkv.bias.copy_(torch.cat([att.query_proj.bias, att.key_proj.bias, att.value_proj.bias]))
+        qkv.weight.copy_(torch.cat([att.query_proj.weight, att.key_proj.weight, att.value_proj.weight]))
+        qkv.bias.copy_(torch.cat([att.query_proj.bias, att.key_proj.bias, att.value_proj.bias]))
         enc.rel_embeddings.copy_(table[: 2 * enc.span])
         if norm is not None and enc.norm is not None:  # enc has a norm when norm is given (layer_norm=True)
             enc.norm.weight.copy_(norm.weight)

@@ -54,6 +54,8 @@ from ..encodings.rope import RoPE
 from ..errors import UsageError
 from ..files import write_bytes, write_json
 from ..study import rows, variants
+from ..study.config import StudyConfig
+from ..study.studied import StudiedModel, as_kind
 from ..version import __version__
 from .adapter import SUPPORTED, use
 
@@ -84,6 +86,13 @@ class Architecture:
             "head_dim": int(getattr(c, "head_dim", None) or c.hidden_size // heads),
             "max_position_embeddings": getattr(c, "max_position_embeddings", None), "config": self.values,
         }
+
+
+def _config_path(cfg: StudyConfig) -> str:
+    """``cfg.hf_config``, which a study of a transformers model has (posenc.study.builders.models_for)."""
+    if cfg.hf_config is None:
+        raise UsageError("hf_config: a study of a transformers model needs the path of its config.json")
+    return cfg.hf_config
 
 
 def load_architecture(path: str) -> Architecture:
@@ -181,9 +190,9 @@ class StudyModel(nn.Module):
 class HFModels:
     """The study's :class:`~posenc.study.builders.Models` for a transformers architecture."""
 
-    def __init__(self, cfg, architecture: Architecture | None = None) -> None:
+    def __init__(self, cfg: StudyConfig, architecture: Architecture | None = None) -> None:
         self.cfg = cfg
-        self.arch = architecture or load_architecture(cfg.hf_config)
+        self.arch = architecture or load_architecture(_config_path(cfg))
 
     def _options(self, row: rows.Row) -> dict:
         options = rows.fair_options(row, self.cfg.train_length)
@@ -252,8 +261,8 @@ class HFModels:
         torch.manual_seed(seed)
         return self.build(row)
 
-    def record(self, model: StudyModel) -> dict:
-        return model.config.to_dict()
+    def record(self, model: StudiedModel) -> dict:
+        return as_kind(model, StudyModel).config.to_dict()
 
     def planned(self, row: rows.Row) -> dict:
         base = row.base_row or row
@@ -262,12 +271,17 @@ class HFModels:
                 "encoding": None if base.method == rows.NATIVE else base.method,
                 "encoding_options": {} if base.method == rows.NATIVE else self._options(base)}
 
+    def architecture(self) -> dict:
+        """The architecture's record (results.json's ``hf``)."""
+        return self.arch.record()
+
     # -- checkpoints ------------------------------------------------------------------------------
 
-    def save(self, model: StudyModel, path: Path) -> None:
+    def save(self, model: StudiedModel, path: Path) -> None:
         """``path`` (safetensors; its header names the row and the config file) and its json."""
         from safetensors.torch import save
 
+        model = as_kind(model, StudyModel)
         path = Path(path)
         kept, alias = _unique(model.state_dict())
         meta = {"format": FORMAT, "hf_config_sha256": self.arch.sha256, "model": model.config.to_dict()}
@@ -311,7 +325,7 @@ class HFModels:
         return model.to(device)
 
 
-def _sliding_window(config) -> int | None:
+def _sliding_window(config: Any) -> int | None:
     """The window of a config whose layers attend through one (Mistral's default 4096), else None."""
     window = getattr(config, "sliding_window", None)
     types = getattr(config, "layer_types", None)
@@ -320,10 +334,10 @@ def _sliding_window(config) -> int | None:
     return int(window)
 
 
-def check(cfg) -> Architecture:
+def check(cfg: StudyConfig) -> Architecture:
     """UsageError now, before any file is written, for a config file this study cannot run (see
     the module docstring; each row is :meth:`HFModels.check`'s); returns the architecture."""
-    arch = load_architecture(cfg.hf_config)
+    arch = load_architecture(_config_path(cfg))
     if cfg.pack_documents:
         raise UsageError("pack_documents is not supported with hf_config: the rows would get their documents "
                          "from position_ids, which the model's own attention (the hf row) reads otherwise")

@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import math
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -33,6 +34,10 @@ from ..encodings.base import PositionalEncoding
 from ..encodings.mrope import MRoPE, vision_text_positions
 from ..encodings.protocol import Rotates, require
 from ..errors import UsageError, check_int
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
 from .inputs import build_checked, check_heads, check_out, check_seed, check_sizes, get_class_checked, write_png
 
 MAX_SIDE = 256  # patches on each side of the grid: a panel is a few hundred pixels wide
@@ -65,7 +70,7 @@ def grid_pattern(encoding: PositionalEncoding, height: int, width: int, patch: t
     return sim[0].view(-1, height, width).float()
 
 
-def grid_figure(pattern: torch.Tensor, patch: tuple[int, int], title: str):
+def grid_figure(pattern: torch.Tensor, patch: tuple[int, int], title: str) -> Figure:
     """One panel per head of ``pattern`` (H, h, w), the chosen patch marked."""
     from matplotlib.figure import Figure
 

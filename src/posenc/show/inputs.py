@@ -14,7 +14,7 @@ import struct
 import tempfile
 import typing
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -22,6 +22,9 @@ from ..encodings import available, build, get_class
 from ..encodings.base import PositionalEncoding
 from ..errors import UsageError, check_int
 from ..files import atomic_write
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 # A panel is a few hundred pixels wide: past 4096 positions a pixel averages over more than ten.
 MAX_LENGTH = 4096
@@ -189,7 +192,7 @@ def check_out(out: Path) -> Path:
     return out
 
 
-def write_png(fig, out: Path) -> None:
+def write_png(fig: Figure, out: Path) -> None:
     """Atomically (temporary name, then rename), tagged so a later run may replace it."""
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=110, metadata={"Software": SOFTWARE})

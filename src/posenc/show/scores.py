@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import math
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +34,9 @@ from ..encodings.base import PositionalEncoding
 from ..encodings.protocol import Biases, Embeds, QueryTerms, Rotates, offers
 from ..errors import UsageError
 from . import grid
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 from .inputs import (
     CONTENT_SEED_KEY,
     MAX_LENGTH,
@@ -107,7 +111,7 @@ def block_mean(scores: torch.Tensor, factor: int) -> torch.Tensor:
     return torch.where(count > 0, total / count.clamp(min=1e-12), float("nan"))
 
 
-def heatmap(scores: torch.Tensor, title: str, note: str):
+def heatmap(scores: torch.Tensor, title: str, note: str) -> Figure:
     """A figure of (N, T, T) ``scores``: one panel per head, one colour scale shared by all panels,
     symmetric around 0 (red: position raises the score, blue: lowers it); NaN (masked) is hatched."""
     from matplotlib import colormaps

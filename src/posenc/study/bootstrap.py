@@ -26,6 +26,7 @@ import math
 from typing import Callable
 
 import numpy as np
+import numpy.typing as npt
 
 RESAMPLES = 2000
 LEVEL = 0.95
@@ -33,7 +34,7 @@ SEED = 20231208
 _CHUNK_CELLS = 1 << 22  # resample x window cells per chunk: bounds memory for sliding windows
 
 
-def _as_matrix(values) -> np.ndarray:
+def _as_matrix(values: npt.ArrayLike) -> np.ndarray:
     a = np.asarray(values, dtype=np.float64)
     return a[None, :] if a.ndim == 1 else a  # (S, W)
 
@@ -52,7 +53,7 @@ def _resampled_ratios(num: np.ndarray, den: np.ndarray, resamples: int, seed: in
     return out
 
 
-def interval(num, den, transform: Callable[[float], float] = lambda v: v, *, level: float = LEVEL,
+def interval(num: npt.ArrayLike, den: npt.ArrayLike, transform: Callable[[float], float] = lambda v: v, *, level: float = LEVEL,
              resamples: int = RESAMPLES, seed: int = SEED) -> tuple[float, float]:
     """Percentile interval of ``transform(mean over seeds of sum(num) / sum(den))``.
 
@@ -71,13 +72,14 @@ def interval(num, den, transform: Callable[[float], float] = lambda v: v, *, lev
     return float(transform(float(lo))), float(transform(float(hi)))
 
 
-def point(num, den) -> float:
+def point(num: npt.ArrayLike, den: npt.ArrayLike) -> float:
     """Mean over seeds of sum(num) / sum(den): the number the interval is about."""
     num, den = _as_matrix(num), _as_matrix(den)
     return float((num.sum(axis=1) / den.sum(axis=1)).mean())
 
 
-def difference(num_a, den_a, num_b, den_b, transform: Callable[[float], float] = lambda v: v, *,
+def difference(num_a: npt.ArrayLike, den_a: npt.ArrayLike, num_b: npt.ArrayLike, den_b: npt.ArrayLike,
+               transform: Callable[[float], float] = lambda v: v, *,
                level: float = LEVEL, resamples: int = RESAMPLES, seed: int = SEED) -> tuple[float, float, float]:
     """transform(B) - transform(A) and its paired percentile interval: A and B scored the same W
     windows (the same text at the same length), and each resample draws the same windows for both.

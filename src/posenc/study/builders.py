@@ -18,10 +18,10 @@ evaluation length.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Protocol
+from types import ModuleType
+from typing import Any, Protocol
 
 import torch
-from torch import nn
 
 from ..checkpoint import load_checkpoint, save_checkpoint
 from ..encodings import get_class
@@ -30,6 +30,7 @@ from ..errors import UsageError
 from ..model import LM, LMConfig
 from .config import RANDOM_SPAN, StudyConfig
 from .rows import Row, fair_options, fair_schedule
+from .studied import StudiedModel, as_kind
 from .variants import applied, scaling_block
 
 
@@ -39,23 +40,34 @@ class Models(Protocol):
     def check(self, row: Row) -> None:
         """UsageError now, before any file is written, when ``row`` could not be built or evaluated."""
 
-    def build(self, row: Row) -> nn.Module:
+    def build(self, row: Row) -> StudiedModel:
         """``row``'s model before training (a fine-tuned row: with its scaling), at the current RNG."""
 
-    def initial(self, row: Row, seed: int) -> nn.Module:
+    def initial(self, row: Row, seed: int) -> StudiedModel:
         """A trained row's model at initialization: the same at every call for this seed."""
 
-    def save(self, model: nn.Module, path: Path) -> None:
+    def save(self, model: StudiedModel, path: Path) -> None:
         """Write the final weights of a row to ``path`` (and whatever it needs beside it)."""
 
-    def load(self, path: Path, row: Row, device: torch.device) -> nn.Module:
+    def load(self, path: Path, row: Row, device: torch.device) -> StudiedModel:
         """The model :meth:`save` wrote for ``row``; UsageError naming what does not match."""
 
-    def record(self, model: nn.Module) -> dict:
+    def record(self, model: StudiedModel) -> dict:
         """What the model is, for results.json (``run["model"]``)."""
 
     def planned(self, row: Row) -> dict:
         """What ``row``'s model would be, without building it (a diverged run's record)."""
+
+    def architecture(self) -> dict | None:
+        """The transformers architecture studied (results.json's ``hf``); None for posenc's LM."""
+
+
+def lm_sizes(cfg: StudyConfig) -> tuple[int, int, int]:
+    """(dim, depth, num_heads) of posenc's LM; a study of posenc's LM always has them (only
+    hf_config leaves them to its file)."""
+    if cfg.dim is None or cfg.depth is None or cfg.num_heads is None:
+        raise UsageError("dim, depth and num_heads: posenc's LM needs all three (only hf_config leaves them out)")
+    return cfg.dim, cfg.depth, cfg.num_heads
 
 
 def _scaled(options: dict, kind: str, factor: float, cfg: StudyConfig, head_dim: int) -> dict:
@@ -73,31 +85,33 @@ def lm_config(cfg: StudyConfig, row: Row) -> LMConfig:
         UsageError: from :class:`~posenc.model.LMConfig` for sizes or options it refuses.
     """
     if row.kind != "train":
-        base = lm_config(cfg, row.base_row)
+        base = lm_config(cfg, row.parent)
         if row.kind == "eval":
             return base
         factor = cfg.ft_length / cfg.train_length
-        if base.schedule is not None:  # the scaling on every RoPE layer, from that layer's own base
-            layers = [{**layer, "options": _scaled(dict(layer.get("options") or {}), row.eval, factor, cfg, base.head_dim)
+        # (LMConfig keeps a schedule as its json list)
+        if isinstance(base.schedule, list):  # the scaling on every RoPE layer, from that layer's own base
+            layers = [{**layer, "options": _scaled(dict(layer.get("options") or {}), row.variant, factor, cfg, base.head_dim)
                        if issubclass(get_class(layer["encoding"]), RoPE) else dict(layer.get("options") or {})}
                       for layer in base.schedule]
             return LMConfig(**{**base.to_dict(), "schedule": layers})
-        options = _scaled(base.encoding_options, row.eval, factor, cfg, base.head_dim)
+        options = _scaled(base.encoding_options, row.variant, factor, cfg, base.head_dim)
         return LMConfig(**{**base.to_dict(), "encoding_options": options})
-    extra = {}
+    dim, depth, heads = lm_sizes(cfg)
+    extra: dict[str, Any] = {}
     if "random" in row.train:
         extra["random_positions"] = cfg.random_positions or RANDOM_SPAN * max(cfg.eval_lengths)
     if row.schedule is not None:
-        layers = fair_schedule(row, cfg.train_length, cfg.depth)
+        layers = fair_schedule(row, cfg.train_length, depth)
         bounded = any(not get_class(layer["encoding"]).extrapolates for layer in layers)
-        return LMConfig(schedule=layers, dim=cfg.dim, depth=cfg.depth, num_heads=cfg.num_heads,
+        return LMConfig(schedule=layers, dim=dim, depth=depth, num_heads=heads,
                         max_positions=cfg.train_length if bounded else None, **extra)
     options = fair_options(row, cfg.train_length)
     # A bounded method (a learned table) gets exactly the training length: the paper's
     # setting, and what makes "cannot run past N" show at the first longer evaluation length.
     bounded = not get_class(row.method).extrapolates
     return LMConfig(
-        encoding=row.method, dim=cfg.dim, depth=cfg.depth, num_heads=cfg.num_heads,
+        encoding=row.method, dim=dim, depth=depth, num_heads=heads,
         max_positions=options.get("max_positions", cfg.train_length) if bounded else None,
         encoding_options=options, **extra,
     )
@@ -135,17 +149,20 @@ class PosencModels:
         torch.manual_seed(seed)
         return self.build(row)
 
-    def save(self, model: LM, path: Path) -> None:
-        save_checkpoint(model, path)
+    def save(self, model: StudiedModel, path: Path) -> None:
+        save_checkpoint(as_kind(model, LM), path)
 
     def load(self, path: Path, row: Row, device: torch.device) -> LM:
         return load_checkpoint(path, device)
 
-    def record(self, model: LM) -> dict:
-        return model.config.to_dict()
+    def record(self, model: StudiedModel) -> dict:
+        return as_kind(model, LM).config.to_dict()
 
     def planned(self, row: Row) -> dict:
         return lm_config(self.cfg, row).to_dict()
+
+    def architecture(self) -> None:
+        return None
 
 
 def models_for(cfg: StudyConfig) -> Models:
@@ -156,7 +173,7 @@ def models_for(cfg: StudyConfig) -> Models:
     return study.HFModels(cfg, study.check(cfg))  # the file, its family and vocab, checked now
 
 
-def hf_study():
+def hf_study() -> ModuleType:
     """The module :mod:`posenc.hf.study`, imported now (it needs ``transformers``)."""
     try:
         from ..hf import study
@@ -165,4 +182,4 @@ def hf_study():
     return study
 
 
-__all__ = ["Models", "PosencModels", "hf_study", "lm_config", "models_for"]
+__all__ = ["Models", "PosencModels", "hf_study", "lm_config", "lm_sizes", "models_for"]

@@ -29,7 +29,7 @@ from .train import StepCallback
 _SPECIAL = {"preset"}  # an option of its own: its choices are the presets
 
 
-def _option_type(annotation) -> tuple[type, bool]:
+def _option_type(annotation: typing.Any) -> tuple[type, bool]:  # (a type expression)
     """(element type, is a list) of a field annotation such as ``int``, ``int | None``, ``list[str]``."""
     if typing.get_origin(annotation) in (typing.Union, types.UnionType):
         annotation = next(a for a in typing.get_args(annotation) if a is not type(None))

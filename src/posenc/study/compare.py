@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
 
 from ..errors import UsageError
@@ -26,7 +27,7 @@ WINDOWS_RECALL = ("task", "train_length", "eval_lengths", "recall_sequences")
 IGNORED = ("methods", "device", "preset")  # where it ran, and what it was started from, not what it is
 
 
-def config_diff(a: dict, b: dict, keys=None) -> list[str]:
+def config_diff(a: dict, b: dict, keys: Iterable[str] | None = None) -> list[str]:
     """'key: A -> B' for each config field that differs (all fields, or ``keys``)."""
     a, b = a["config"], b["config"]
     names = keys or sorted((set(a) | set(b)) - set(IGNORED))

@@ -118,7 +118,7 @@ PRESET_THREADS = {"smoke": 1}
 _DEFAULT = PRESETS["default"]
 
 
-def _sized(name: str, help: str, **meta) -> Any:
+def _sized(name: str, help: str, **meta: Any) -> Any:
     """A field whose default is the default preset's value (the other presets differ)."""
     value = _DEFAULT[name]
     if isinstance(value, list):
@@ -126,7 +126,7 @@ def _sized(name: str, help: str, **meta) -> Any:
     return field(default=value, metadata={"help": help, "preset": True, **meta})
 
 
-def _plain(default: Any, help: str, **meta) -> Any:
+def _plain(default: Any, help: str, **meta: Any) -> Any:
     if callable(default):
         return field(default_factory=default, metadata={"help": help, **meta})
     return field(default=default, metadata={"help": help, **meta})
@@ -185,7 +185,7 @@ class StudyConfig:
                                          "across a boundary)")
 
     @classmethod
-    def from_preset(cls, preset: str = "default", **overrides) -> "StudyConfig":
+    def from_preset(cls, preset: str = "default", **overrides: Any) -> "StudyConfig":
         """The preset's sizes, then ``overrides`` (None values are ignored)."""
         if preset not in PRESETS:
             raise UsageError(f"preset must be one of {list(PRESETS)}, got {preset!r}")
@@ -268,7 +268,8 @@ class StudyConfig:
     @property
     def rows(self) -> tuple[Row, ...]:
         """The rows of ``methods`` (expanded), parsed once, when the config was made."""
-        return self._rows
+        rows: tuple[Row, ...] = self.__dict__["_rows"]  # set by __post_init__; not a field (not a key of the file)
+        return rows
 
     def _set(self, name: str, value: Any) -> None:
         """Put a field in its normal form while the (frozen) config is made."""

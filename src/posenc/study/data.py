@@ -33,6 +33,7 @@ import sys
 import sysconfig
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -116,7 +117,7 @@ def text_problem(data: bytes) -> str | None:
 
 
 def folder_files(root: Path) -> list[Path]:
-    files = []
+    files: list[Path] = []
     for d, dirs, names in os.walk(root):
         dirs[:] = sorted(x for x in dirs if not x.startswith(".") and x != "__pycache__")
         files.extend(Path(d) / n for n in names if not n.startswith("."))
@@ -243,7 +244,7 @@ def _from_hf(spec: str, valid_bytes: int) -> Corpus:
     if "train" not in ds or vsplit is None:
         raise UsageError(f"data {spec}: the dataset needs a 'train' and a 'validation' (or 'test') split, has {list(ds)}")
 
-    def text_of(split) -> bytes:
+    def text_of(split: Any) -> bytes:  # a datasets split (untyped)
         column = "text" if "text" in split.column_names else next(
             (c for c, f in split.features.items() if getattr(f, "dtype", None) == "string"), None
         )

@@ -24,10 +24,10 @@ import torch
 import torch.nn.functional as F
 
 from ..encodings.base import PositionalEncoding
-from ..model import LM
+from .studied import StudiedModel
 
 
-def position_parameters(model: LM) -> dict[str, torch.nn.Parameter]:
+def position_parameters(model: StudiedModel) -> dict[str, torch.nn.Parameter]:
     """name -> parameter, for the parameters of the model's encodings (each shared one once)."""
     owned = {id(p) for m in model.modules() if isinstance(m, PositionalEncoding) for p in m.parameters()}
     return {name: p for name, p in model.named_parameters() if id(p) in owned}
@@ -35,9 +35,11 @@ def position_parameters(model: LM) -> dict[str, torch.nn.Parameter]:
 
 def ranges(values: list[int]) -> str:
     """'3, 5-9, 12' for [3, 5, 6, 7, 8, 9, 12]."""
-    out, start, prev = [], None, None
+    out: list[str] = []
+    start: int | None = None
+    prev: int | None = None
     for v in sorted(values):
-        if start is None:
+        if start is None or prev is None:  # (set together)
             start = prev = v
         elif v == prev + 1:
             prev = v
@@ -49,7 +51,7 @@ def ranges(values: list[int]) -> str:
     return ", ".join(out)
 
 
-def untrained_used(model: LM, initial: LM, tokens: torch.Tensor) -> list[dict] | None:
+def untrained_used(model: StudiedModel, initial: StudiedModel, tokens: torch.Tensor) -> list[dict] | None:
     """The position parameters ``model`` uses on ``tokens`` and never trained; None when it has none.
 
     Args:

@@ -43,7 +43,8 @@ def _mix(color: str, amount: float) -> str:
     rgb = to_rgb(color)
     target = (1.0, 1.0, 1.0) if amount > 0 else (0.0, 0.0, 0.0)
     a = abs(amount)
-    return to_hex(tuple(c + (t - c) * a for c, t in zip(rgb, target)))
+    r, g, b = (c + (t - c) * a for c, t in zip(rgb, target))
+    return to_hex((r, g, b))
 
 
 def color(row: str) -> str | None:
@@ -55,7 +56,7 @@ def color(row: str) -> str | None:
 
         parsed = parse(row)
         c = COLORS.get(parsed.method)
-        if c is None:
+        if c is None or parsed.schedule is None:
             return None
         shade = zlib.crc32(parsed.schedule.encode()) % 16  # (the same text, the same shade, in every run)
         c = _mix(c, (1 if shade % 2 else -1) * (0.12 + 0.08 * (shade // 2)))
@@ -104,16 +105,16 @@ def extrapolation_figure(results: dict) -> Figure:
         # One point is drawn as a marker, not a line: its legend entry then shows a marker too.
         line, = ax.plot(xs, ys, marker="o", ms=4 if len(xs) > 1 else 7, ls=style(method) if len(xs) > 1 else "none",
                         label=label, color=c)
-        c = line.get_color()
+        drawn = line.get_color()  # the colour matplotlib chose when the method has none
         if all(r.get("ppl_low") is not None for r in rows):  # the 95% bootstrap interval, as bars
             dodge = 2 ** ((i - (n - 1) / 2) * 0.012)  # bars side by side, not on top of each other
             ax.errorbar([x * dodge for x in xs], ys, yerr=[[y - r["ppl_low"] for y, r in zip(ys, rows)],
                                       [r["ppl_high"] - y for y, r in zip(ys, rows)]],
-                        fmt="none", ecolor=c, elinewidth=1, capsize=2)
+                        fmt="none", ecolor=drawn, elinewidth=1, capsize=2)
             values += [r["ppl_low"] for r in rows] + [r["ppl_high"] for r in rows]
         if all(r.get("seed_min") is not None for r in rows):  # the spread between seeds, as a band
             seeded = True
-            ax.fill_between(xs, [r["seed_min"] for r in rows], [r["seed_max"] for r in rows], color=c, alpha=0.15, lw=0)
+            ax.fill_between(xs, [r["seed_min"] for r in rows], [r["seed_max"] for r in rows], color=drawn, alpha=0.15, lw=0)
     ax.axvline(train_len, color="black", ls="--", lw=1)
     ax.annotate(f"train length {train_len}", (train_len, 0.97), xycoords=("data", "axes fraction"),
                 ha="left", va="top", fontsize=8, xytext=(4, 0), textcoords="offset points")

@@ -21,15 +21,15 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, replace
+from typing import Any, Callable
 
 import torch
 
 from ..errors import UsageError
 from ..files import write_json
-from ..model import LM
 from ..schedule import Schedule
 from . import bootstrap, distributed, fairness, recall, seeds, variants
-from .builders import lm_config
+from .builders import lm_config, lm_sizes
 from .config import StudyConfig
 from .data import Corpus, train_batch
 from .evaluation import cannot_run, evaluate, evaluate_recall
@@ -37,6 +37,7 @@ from .plan import Plan, Run
 from .progress import Progress
 from .results import Paths, write_outputs
 from .rows import Row, fair_options, fair_schedule
+from .studied import StudiedModel
 from .train import Diverged, StateError, StepCallback, TrainSettings, train
 
 
@@ -98,16 +99,16 @@ class Stages:
     ctx: distributed.Context
     ui: Progress
     on_step: StepCallback | None
-    _last: tuple[Run, LM] | None = None  # the last model made: a row's variants reuse it
+    _last: tuple[Run, StudiedModel | None] | None = None  # the last model made (None: diverged): a row's variants reuse it
 
     # -- model ------------------------------------------------------------------------------------
 
-    def model(self, run: Run) -> LM | None:
+    def model(self, run: Run) -> StudiedModel | None:
         """The final model of ``run``: in memory, from its checkpoint, or trained now (continuing
         from its saved state) and checkpointed; None when its training diverged (its run, or its
         base's, says ``diverged``)."""
         if run.settings is None:  # an evaluated row: its base run's model
-            return self.model(run.base)
+            return self.model(run.parent)
         if self._last is not None and self._last[0] is run:
             return self._last[1]
         record = self.book.run_of(run)
@@ -130,12 +131,12 @@ class Stages:
 
     # -- train ------------------------------------------------------------------------------------
 
-    def train(self, run: Run, settings: TrainSettings) -> LM | None:
+    def train(self, run: Run, settings: TrainSettings) -> StudiedModel | None:
         """Train ``run``'s model as ``settings`` say, checkpoint it and record it; None (recorded as
         diverged) when the training, or a fine-tune's base, diverged."""
         models = self.plan.models
         if run.row.kind == "finetune":
-            base = self.model(run.base)
+            base = self.model(run.parent)
             if base is None:
                 self.diverged(run, {"base": run.row.base, "reason": f"its base row {run.row.base} diverged"})
                 return None
@@ -171,15 +172,16 @@ class Stages:
                     f"({record.tokens_per_s:,.0f} tok/s), final loss {record.final_loss:.3f}")
         return model
 
-    def batches(self, settings: TrainSettings):
+    def batches(self, settings: TrainSettings) -> Callable[[int], tuple[torch.Tensor, ...]]:
         """step -> the global batch of ``settings`` (a pure function of its data seed and the step)."""
         seed, size, length = settings.data_seed, settings.batch_size, settings.length
-        if self.corpus is None:
+        corpus = self.corpus
+        if corpus is None:
             return lambda step: recall.train_batch(seed, step, size, length)
-        documents = self.corpus.train_documents if self.plan.cfg.pack_documents else None
+        documents = corpus.train_documents if self.plan.cfg.pack_documents else None
         if self.plan.cfg.pack_documents and documents is None:
             raise UsageError("pack_documents needs a corpus of files (the built-in one, a file or a folder); this data has no file boundaries")
-        return lambda step: train_batch(self.corpus.train, seed, step, size, length, documents)
+        return lambda step: train_batch(corpus.train, seed, step, size, length, documents)
 
     def diverged(self, run: Run, train: dict) -> None:
         """Record ``run`` as diverged (no model, no evaluation)."""
@@ -207,18 +209,22 @@ class Stages:
             run.state.unlink(missing_ok=True)
         record = self.book.run_of(run)
         if run.settings is None and (record is None or record.get("status") == "pending"):
-            base = self.book.run_of(run.base)
+            base = self.book.run_of(run.parent)
+            if base is None:  # (its model is the base run's, which recorded it)
+                raise UsageError(f"[{run.label}] its base run {run.parent.label} has no record in results.json")
             record = self.book.set(run, {
                 "status": "trained", "seed": run.seed, "model": base["model"], "parameters": base["parameters"],
                 "checkpoint": base["checkpoint"], "train": {}, "eval": [],
             })
+        if record is None:  # (training or loading the model recorded it)
+            raise UsageError(f"[{run.label}] has a model but no record in results.json")
         self.score(run, model, record)
         record["status"] = "done"
         self.book.aggregate(run)
 
     # -- score ------------------------------------------------------------------------------------
 
-    def score(self, run: Run, model: LM, record: dict) -> None:
+    def score(self, run: Run, model: StudiedModel, record: dict) -> None:
         """Score ``model`` as ``run``'s row at every evaluation length not yet in ``record``."""
         cfg = self.plan.cfg
         done_lengths = {e["length"] for e in record["eval"]}
@@ -250,7 +256,7 @@ class Stages:
             return recall.eval_set(length, "far", 1, self.plan.cfg.train_length)[0].to(self.ctx.device)
         return self.corpus.valid[: length + 1].long()[None].to(self.ctx.device)
 
-    def score_length(self, model: LM, run: Run, length: int) -> dict:
+    def score_length(self, model: StudiedModel, run: Run, length: int) -> dict:
         """One length's evaluation record (its per-window numbers saved beside results.json)."""
         cfg = self.plan.cfg
         reason = cannot_run(model, length)
@@ -287,8 +293,8 @@ def _recall_score(length: int, res: dict, windows: dict) -> dict:
     (the bootstrap over sequences)."""
     for cls, d in res.items():
         d["acc_low"], d["acc_high"] = bootstrap.interval(windows[cls]["correct"], windows[cls]["count"])
-    correct = sum((w["correct"] for w in windows.values()), [])
-    count = sum((w["count"] for w in windows.values()), [])
+    correct: list[int] = sum((w["correct"] for w in windows.values()), [])
+    count: list[int] = sum((w["count"] for w in windows.values()), [])
     low, high = bootstrap.interval(correct, count)
     return {"length": length, "accuracy": sum(correct) / sum(count), "acc_low": low, "acc_high": high,
             "distances": res, "status": "ok"}
@@ -296,10 +302,10 @@ def _recall_score(length: int, res: dict, windows: dict) -> dict:
 
 def describe(row: Row, cfg: StudyConfig) -> dict:
     """What a row is, for results.json."""
-    out = {"method": row.method, "kind": row.kind, "options": fair_options(row, cfg.train_length)}
+    out: dict[str, Any] = {"method": row.method, "kind": row.kind, "options": fair_options(row, cfg.train_length)}
     if row.schedule is not None:  # per layer, as trained (its first layer's method is "method")
-        layers = fair_schedule(row, cfg.train_length, cfg.depth)
-        out["schedule"] = Schedule(tuple(layers)).to_text()
+        layers = fair_schedule(row, cfg.train_length, lm_sizes(cfg)[1])
+        out["schedule"] = Schedule.of(layers).to_text()
         out["layers"] = layers
     if row.train:
         out["train_variants"] = list(row.train)

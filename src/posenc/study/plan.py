@@ -16,7 +16,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+from ..errors import UsageError
 from .builders import Models, models_for
 from .config import StudyConfig
 from .results import Paths
@@ -39,6 +41,17 @@ class Run:
     state: Path  # the training state while it trains
     settings: TrainSettings | None  # None: an evaluated row (no training of its own)
     base: Run | None = None  # the run whose model this one starts from (an evaluated or fine-tuned row)
+
+    @property
+    def parent(self) -> Run:
+        """The run an evaluated or fine-tuned row's run starts from (:func:`plan` sets it).
+
+        Raises:
+            UsageError: for a run without one (a trained row's).
+        """
+        if self.base is None:
+            raise UsageError(f"{self.label}: a trained row's run has no base run")
+        return self.base
 
     @property
     def stored_seed(self) -> int | None:
@@ -84,7 +97,7 @@ def settings_of(cfg: StudyConfig, row: Row, seed: int, world: int) -> TrainSetti
     ``lr * min_lr_ratio`` (where pre-training ended), then held. A ``+drop`` row: positions dropped
     at ``cfg.drop_step``, with DroPE's schedules.
     """
-    common = dict(weight_decay=cfg.weight_decay, grad_clip=cfg.grad_clip, checkpoint_every=cfg.checkpoint_every,
+    common: dict[str, Any] = dict(weight_decay=cfg.weight_decay, grad_clip=cfg.grad_clip, checkpoint_every=cfg.checkpoint_every,
                   min_lr_ratio=cfg.min_lr_ratio)
     if row.kind == "eval":
         return None
@@ -93,6 +106,8 @@ def settings_of(cfg: StudyConfig, row: Row, seed: int, world: int) -> TrainSetti
         size = max(world, cfg.batch_size * cfg.train_length // length // world * world)
         return TrainSettings(steps=cfg.finetune_steps, lr=cfg.lr * cfg.min_lr_ratio, warmup=max(1, cfg.finetune_steps // 10),
                              batch_size=size, length=length, data_seed=seed + FINETUNE_STREAM, constant=True, **common)
+    if cfg.warmup is None:  # (StudyConfig sets it: a tenth of the steps unless given)
+        raise UsageError("warmup must be an integer in [0, steps), got None")
     return TrainSettings(steps=cfg.steps, lr=cfg.lr, warmup=cfg.warmup, batch_size=cfg.batch_size,
                          length=cfg.train_length, data_seed=seed,
                          drop_at=cfg.drop_step if "drop" in row.train else None, **common)
@@ -111,7 +126,7 @@ def plan(cfg: StudyConfig, models: Models, paths: Paths, world: int) -> Plan:
                 return made[row.name]
             base = run_of(row.base_row) if row.base_row is not None else None
             stored = None if index == 0 else seed
-            checkpoint = base.checkpoint if row.kind == "eval" else paths.checkpoint(row.stem, stored)
+            checkpoint = run_of(row.parent).checkpoint if row.kind == "eval" else paths.checkpoint(row.stem, stored)
             made[row.name] = run = Run(row, index, seed, row.name if index == 0 else f"{row.name} seed {seed}",
                                        checkpoint, paths.state(row.stem, stored), settings_of(cfg, row, seed, world), base)
             return run

@@ -85,7 +85,7 @@ class Recall:
 TASK = Recall()
 
 
-def _generator(*tag) -> torch.Generator:
+def _generator(*tag: object) -> torch.Generator:
     digest = hashlib.sha256(repr(tag).encode()).digest()
     return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & ((1 << 63) - 1))
 

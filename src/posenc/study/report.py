@@ -336,6 +336,14 @@ def _check_run(path: Path, what: str) -> None:
         raise UsageError(f"{what} {str(path)!r} holds no results.json (expected the out directory of a study)")
 
 
+def _load(path: Path, what: str) -> dict:
+    """The results in ``path`` (whose results.json :func:`_check_run` found)."""
+    results = load_results(path)
+    if results is None:
+        raise UsageError(f"{what} {str(path)!r} holds no results.json (expected the out directory of a study)")
+    return results
+
+
 def run_report(args: argparse.Namespace) -> int:
     run_dir = Path(args.run_dir)
     _check_run(run_dir, "run_dir")
@@ -349,11 +357,11 @@ def run_report(args: argparse.Namespace) -> int:
         raise UsageError(f"out: {out} exists and is not a posenc report; choose another name "
                          "(posenc does not overwrite other files)")
     check_writable(out, "out")  # before any rendering
-    results = load_results(run_dir)
+    results = _load(run_dir, "run_dir")
     if other is None:
         page = render(results, f"posenc study: {run_dir.name}", run_status(results, run_dir))
     else:
-        second = load_results(other)
+        second = _load(other, "other")
         page = render_two(results, run_dir, second, other, (run_dir.name, other.name),
                           (run_status(results, run_dir), run_status(second, other)))
     write_text(out, page)

@@ -221,10 +221,10 @@ def markdown_table(results: dict, key: str = "perplexity", intervals: bool = Fal
     after each number and, with several seeds, the spread between seeds (min-max); without, plain
     numbers (results.md, a table other tools read)."""
     recall = metric_of(results) == "accuracy"
-    lengths = {r["length"] for e in results["methods"].values() for r in shown(e)}
+    found = {r["length"] for e in results["methods"].values() for r in shown(e)}
     if any(e.get("status") == "diverged" for e in results["methods"].values()):
-        lengths |= set(results["config"].get("eval_lengths", []))  # its cells say so
-    lengths = sorted(lengths)
+        found |= set(results["config"].get("eval_lengths", []))  # its cells say so
+    lengths = sorted(found)
     train_len = results["config"]["train_length"]
     head = ["method", *(f"{n}{'*' if n == train_len else ''}" for n in lengths), "train s"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]

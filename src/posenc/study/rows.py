@@ -68,7 +68,7 @@ DISTANCE_BOUNDS = {"max_distance": lambda t: t, "max_relative_position": lambda 
 _NAME = re.compile(r"^[a-z0-9_]+$")
 
 
-def _value(name: str, key: str, text: str):
+def _value(name: str, key: str, text: str) -> bool | int | float | str:
     """An option's value: true/false, an int, a finite float, or the text itself."""
     low = text.lower()
     if low in ("true", "false"):
@@ -239,7 +239,7 @@ def _parse_schedule(name: str) -> Row:
     return row
 
 
-def _check_applies(row: Row, *classes) -> None:
+def _check_applies(row: Row, *classes: type) -> None:
     """UsageError when a variant cannot apply to the model it would act on: ``classes`` are the
     row's encodings (a schedule's: every layer's; a variant acts on the layers it applies to, and
     at least one must be such a layer)."""

@@ -124,7 +124,7 @@ def prepare(cfg: StudyConfig, out: Path, resume: bool, ctx: distributed.Context
                     f"(valid_bytes={cfg.valid_bytes}, or a small corpus); use shorter eval_lengths or more data"
                 )
         fingerprint = corpus.fingerprint if corpus is not None else _fingerprint_recall(cfg)
-        hf = models.arch.record() if cfg.hf_config is not None else None
+        hf = models.architecture() if cfg.hf_config is not None else None
         if saved is not None:
             _check_same(saved, cfg, fingerprint, out, hf)
     except BaseException:
@@ -217,7 +217,7 @@ def _run(cfg: StudyConfig, models: Models, out: Path, corpus: Corpus | None, res
     try:
         for run in study.runs:
             if book.finished(run):
-                ui.log(f"[{run.label}] {book.run_of(run)['status']} already, skipped")
+                ui.log(f"[{run.label}] {(book.run_of(run) or {}).get('status')} already, skipped")
                 continue
             stages.run(run)
             ui.method_done()

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import statistics
 from pathlib import Path
+from typing import Any
 
 from . import bootstrap
 from .results import Paths
@@ -57,8 +58,9 @@ def aggregate(entry: dict, stem: str, paths: Paths, recall: bool) -> None:
     lengths = sorted({row["length"] for r in done for row in r["eval"]})
     scores = []
     for length in lengths:
-        per = [next((row for row in r["eval"] if row["length"] == length), None) for r in done]
-        if any(p is None for p in per):
+        found = [next((row for row in r["eval"] if row["length"] == length), None) for r in done]
+        per = [p for p in found if p is not None]
+        if len(per) < len(found):
             continue
         windows = [load_windows(paths, stem, s, length) for s in seeds]
         scores.append(_recall_score(length, per, windows) if recall else _lm_score(length, per, windows))
@@ -73,9 +75,10 @@ def _lm_score(length: int, per: list[dict], windows: list[dict | None]) -> dict:
     loss = sum(p["loss"] for p in per) / len(per)
     row.update(loss=loss, perplexity=bootstrap.exp(loss), bits_per_byte=loss / 0.6931471805599453,
                tokens=per[0]["tokens"])
-    if all(w is not None for w in windows):
-        nll = [w["nll"] for w in windows]
-        count = [w["count"] for w in windows]
+    known = [w for w in windows if w is not None]
+    if len(known) == len(windows):
+        nll = [w["nll"] for w in known]
+        count = [w["count"] for w in known]
         row["ppl_low"], row["ppl_high"] = bootstrap.interval(nll, count, bootstrap.exp)
     row.update(_spread([p["perplexity"] for p in per]))
     return row
@@ -88,19 +91,20 @@ def _recall_score(length: int, per: list[dict], windows: list[dict | None]) -> d
     row["accuracy"] = sum(p["accuracy"] for p in per) / len(per)
     row.update(_spread([p["accuracy"] for p in per]))
     distances = {}
+    known = [w for w in windows if w is not None]
     for cls, first in per[0]["distances"].items():
         d = {k: first[k] for k in ("queries", "distance_min", "distance_max")}
         d["accuracy"] = sum(p["distances"][cls]["accuracy"] for p in per) / len(per)
-        if all(w is not None for w in windows):
-            correct = [w[cls]["correct"] for w in windows]
-            count = [w[cls]["count"] for w in windows]
+        if len(known) == len(windows):
+            correct = [w[cls]["correct"] for w in known]
+            count = [w[cls]["count"] for w in known]
             d["acc_low"], d["acc_high"] = bootstrap.interval(correct, count)
         d.update(_spread([p["distances"][cls]["accuracy"] for p in per]))
         distances[cls] = d
     row["distances"] = distances
-    if all(w is not None for w in windows):
-        correct = [sum((w[c]["correct"] for c in distances), []) for w in windows]
-        count = [sum((w[c]["count"] for c in distances), []) for w in windows]
+    if len(known) == len(windows):
+        correct = [sum((w[c]["correct"] for c in distances), []) for w in known]
+        count = [sum((w[c]["count"] for c in distances), []) for w in known]
         row["acc_low"], row["acc_high"] = bootstrap.interval(correct, count)
     return row
 
@@ -110,7 +114,7 @@ def _train(records: list[dict]) -> dict:
     records = [r for r in records if r]
     if not records:
         return {}
-    out = {"seeds": len(records)}
+    out: dict[str, Any] = {"seeds": len(records)}
     for key in ("steps", "tokens"):
         if key in records[0]:
             out[key] = records[0][key]

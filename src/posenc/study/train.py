@@ -23,15 +23,16 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from types import FrameType
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
 
 from ..files import atomic_write
-from ..model import LM
 from . import distributed
 from .progress import Progress
+from .studied import StudiedModel
 
 # Called after every finished training step as on_step(method, step): a progress hook for callers
 # (and how the tests interrupt a run at an exact step).
@@ -104,13 +105,14 @@ class TrainSettings:
         return schedule(self.steps, self.warmup, self.min_lr_ratio)
 
 
-def make_optimizer(model: LM, settings: TrainSettings) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
+def make_optimizer(model: StudiedModel, settings: TrainSettings) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
     """AdamW at ``settings.lr`` with ``settings.factor()`` as its schedule.
 
     Weight decay applies to weight matrices only; biases, norms and the encodings' own
     parameters (position tables, T5 buckets) are left undecayed, so no method is pulled to zero.
     """
-    decay, rest = [], []
+    decay: list[torch.nn.Parameter] = []
+    rest: list[torch.nn.Parameter] = []
     for name, p in model.named_parameters():
         (decay if p.dim() >= 2 and "encoding" not in name else rest).append(p)
     groups = [{"params": decay, "weight_decay": settings.weight_decay}, {"params": rest, "weight_decay": 0.0}]
@@ -126,7 +128,7 @@ class StopOnSignal:
         self.requested = False
         self.old: dict = {}
 
-    def _handle(self, signum, frame) -> None:
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
         if self.requested:
             raise KeyboardInterrupt
         self.requested = True
@@ -139,13 +141,14 @@ class StopOnSignal:
                 self.old[s] = signal.signal(s, self._handle)
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         for s, h in self.old.items():
             signal.signal(s, h)
 
 
-def rng_state() -> dict:
-    state = {"torch": torch.get_rng_state()}
+def rng_state() -> dict[str, torch.Tensor | list[torch.Tensor]]:
+    """The RNG states a training state saves: torch's, and every CUDA device's when there are any."""
+    state: dict[str, torch.Tensor | list[torch.Tensor]] = {"torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
@@ -182,7 +185,7 @@ class StateError(Exception):
     """A training state file that cannot be read or does not fit the model (damaged, or foreign)."""
 
 
-def restore(path: Path, model: LM, opt: torch.optim.Optimizer, sched, device: torch.device,
+def restore(path: Path, model: StudiedModel, opt: torch.optim.Optimizer, sched: torch.optim.lr_scheduler.LRScheduler, device: torch.device,
             drop_at: int | None = None) -> tuple[int, list, float]:
     """Load the training state at ``path`` into model, optimizer, scheduler and RNG; returns
     (step, losses, training seconds). Tensors and plain values only: ``weights_only=True``, so the
@@ -230,7 +233,7 @@ class TrainRecord:
         return out
 
 
-def _wrap(model: LM, ctx: distributed.Context) -> torch.nn.Module:
+def _wrap(model: StudiedModel, ctx: distributed.Context) -> torch.nn.Module:
     if not ctx.distributed:
         return model
     from torch.nn.parallel import DistributedDataParallel
@@ -238,13 +241,14 @@ def _wrap(model: LM, ctx: distributed.Context) -> torch.nn.Module:
     ids = [ctx.device.index] if ctx.device.type == "cuda" else None
     # Buffers (sinusoid and rotary tables) are the same on every process: no need to sync them.
     params = inspect.signature(DistributedDataParallel).parameters
-    no_sync = {"forward_sync_buffers": False} if "forward_sync_buffers" in params else {"broadcast_buffers": False}
+    # (the keyword this torch has: dict[str, Any], since which one is known only at run time)
+    no_sync: dict[str, Any] = {"forward_sync_buffers": False} if "forward_sync_buffers" in params else {"broadcast_buffers": False}
     return DistributedDataParallel(model, device_ids=ids, **no_sync)
 
 
-def train(label: str, settings: TrainSettings, model: LM, batch: Callable[[int], tuple[torch.Tensor, ...]],
+def train(label: str, settings: TrainSettings, model: StudiedModel, batch: Callable[[int], tuple[torch.Tensor, ...]],
           state_path: Path, ctx: distributed.Context, ui: Progress, on_step: StepCallback | None = None
-          ) -> tuple[LM, TrainRecord]:
+          ) -> tuple[StudiedModel, TrainRecord]:
     """Train ``model`` (its initial state) as ``settings`` say, continuing from ``state_path`` when
     it exists; returns the model and its training record. Each process computes its share of
     every global batch; targets equal to ``IGNORE`` are not scored (the recall task scores only its
@@ -262,7 +266,8 @@ def train(label: str, settings: TrainSettings, model: LM, batch: Callable[[int],
     model = model.to(ctx.device)
     opt, sched = make_optimizer(model, settings)
     steps, drop_at = settings.steps, settings.drop_at
-    start, losses, elapsed = 0, [], 0.0
+    start, elapsed = 0, 0.0
+    losses: list[float] = []
     if state_path.exists():
         start, losses, elapsed = restore(state_path, model, opt, sched, ctx.device, drop_at)
         ui.log(f"[{label}] resuming from step {start}/{steps}")

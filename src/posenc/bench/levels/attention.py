@@ -12,6 +12,8 @@ under ``torch.inference_mode``.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -21,13 +23,13 @@ from .base import Level, Workload, schedule_of
 
 def build(job: Job, device: torch.device, dtype: torch.dtype) -> Workload:
     import posenc
-    from posenc.encodings import has_hook
+    from posenc.encodings.protocol import Gates, offers
 
     dim, heads, b, n = job.dim, job.heads, job.batch, job.length
     schedule = schedule_of(job.method, 1)  # a one-layer schedule: that layer's encoding and attention kind
     if schedule is None:
         encoding = posenc.build(job.method, num_heads=heads, head_dim=dim // heads, causal=True)
-        kind = {}
+        kind: dict[str, Any] = {}
     else:
         layer = schedule.layers[0]
         encoding = posenc.build(layer.encoding, num_heads=heads, head_dim=dim // heads, causal=True, **layer.options)
@@ -36,9 +38,9 @@ def build(job: Job, device: torch.device, dtype: torch.dtype) -> Workload:
     # Identity projections: the input already holds q, k, v side by side, so the timed work is the
     # encoding's hooks plus the backend, exactly as Attention.forward runs them.
     attn.qkv, attn.proj = nn.Identity(), nn.Identity()
-    if has_hook(encoding, "log_gates"):  # FoX's gates read the layer input (dim wide): here its q part
+    if offers(encoding, Gates):  # FoX's gates read the layer input (dim wide): here its q part
         gates = encoding.log_gates
-        encoding.log_gates = lambda x: gates(x[..., :dim])
+        setattr(encoding, "log_gates", lambda x: gates(x[..., :dim]))  # an instance attribute over the method
     attn = attn.to(device=device, dtype=dtype)
     train = job.mode == "train"
     attn.train(train)

@@ -1,0 +1,31 @@
+"""The models a study trains and scores, as one type for annotations.
+
+posenc's own :class:`~posenc.model.LM`, or, in a study with ``hf_config``, a ``transformers`` model
+inside :class:`posenc.hf.study.StudyModel`. Both are modules called as ``model(tokens)`` -> logits,
+with ``config`` (``num_heads``, ``to_dict()``), ``max_length`` and ``drop_positions()``. The second
+is named for the type checker only: importing the study never imports ``transformers``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, TypeVar, Union
+
+from ..model import LM
+
+if TYPE_CHECKING:
+    from ..hf.study import StudyModel
+
+StudiedModel = Union[LM, "StudyModel"]
+
+M = TypeVar("M")
+
+
+def as_kind(model: StudiedModel, kind: type[M]) -> M:
+    """``model`` as the ``kind`` of model that made it (a ``Models`` method given a model of
+    another kind: a programming error, so a TypeError)."""
+    if not isinstance(model, kind):
+        raise TypeError(f"expected a {kind.__name__} (made by the study's own Models), got {type(model).__name__}")
+    return model
+
+
+__all__ = ["StudiedModel", "as_kind"]
