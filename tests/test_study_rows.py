@@ -191,6 +191,31 @@ def test_rows_that_cannot_apply_are_usage_errors():
     assert cfg.preset == "recall" and cfg.task == "recall" and cfg.methods == StudyConfig.from_preset("recall").methods
 
 
+def test_a_rows_base_and_variant_are_typed_accessors():
+    """Row.parent / Row.variant (and plan.Run.parent): the parsed base row and the evaluation variant
+    of an evaluated or fine-tuned row; a UsageError for a trained row, never a None used later."""
+    ft = rows.parse("rope+yarn+ft")
+    assert (ft.kind, ft.parent.name, ft.variant, ft.base, ft.trained) == ("finetune", "rope", "yarn", "rope", ft)
+    evaluated = rows.parse("rope+yarn")
+    assert (evaluated.kind, evaluated.parent.name, evaluated.variant, evaluated.trained.name) == ("eval", "rope", "yarn", "rope")
+    for attribute, message in (("parent", "no parsed base row"), ("variant", "no evaluation variant")):
+        with pytest.raises(posenc.UsageError, match=message):
+            getattr(rows.parse("rope"), attribute)
+    from posenc.study.plan import Run
+
+    trained = Run(rows.parse("rope"), 0, 1, "rope", Path("rope.safetensors"), Path("rope.state"), None)
+    assert Run(rows.parse("rope+yarn"), 0, 1, "rope+yarn", trained.checkpoint, trained.state, None, trained).parent is trained
+    with pytest.raises(posenc.UsageError, match="no base run"):
+        trained.parent
+    # a Models method given another kind's model (a programming error) says so
+    from posenc.study.studied import as_kind
+
+    model = posenc.LM(LMConfig(dim=16, depth=1, num_heads=2))
+    assert as_kind(model, posenc.LM) is model
+    with pytest.raises(TypeError, match="expected a Linear"):
+        as_kind(model, torch.nn.Linear)
+
+
 # ------------------------------------------------------------------ positions dropped late
 
 
