@@ -19,10 +19,14 @@ import base64
 import html
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..errors import UsageError
 from ..files import check_writable, write_text
 from .results import load_results, metric_of, run_status, shown, shown_train
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 GENERATOR = '<meta name="generator" content="posenc report">'  # how a page we may overwrite is known
 
@@ -40,7 +44,7 @@ pre { padding: 0.6rem; overflow-x: auto; }
 """
 
 
-def _img(fig) -> str:
+def _img(fig: Figure) -> str:
     from . import figures
 
     data = base64.b64encode(figures.png_bytes(fig)).decode("ascii")
@@ -282,7 +286,7 @@ def _intro(results: dict, status: str | None) -> str:
     a shared run directory must not be able to put markup into the page."""
     cfg = results["config"]
 
-    def e(value) -> str:
+    def e(value: object) -> str:
         return html.escape(str(value))
 
     if metric_of(results) == "accuracy":

@@ -133,15 +133,15 @@ INTEGERS = ("train_length", "steps", "batch_size", "dim", "depth", "num_heads", 
             "seeds", "sliding", "finetune_steps", "finetune_length")
 
 
-def _positive_int(v) -> bool:
+def _positive_int(v: object) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v >= 1
 
 
-def _count(v) -> bool:
+def _count(v: object) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v >= 0
 
 
-def _number(v) -> bool:
+def _number(v: object) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
