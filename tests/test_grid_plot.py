@@ -11,7 +11,6 @@ import posenc
 from posenc.show import grid as grid_plot
 from posenc.show.inputs import PNG_SIGNATURE
 
-
 # The methods that read several position ids per token (``position_axes`` > 1): posenc show draws
 # each of them as a grid.
 MULTI_AXIS = [n for n in posenc.available() if posenc.encodings.get_class(n).position_axes > 1]
