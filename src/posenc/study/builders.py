@@ -157,7 +157,11 @@ def models_for(cfg: StudyConfig) -> Models:
 
 
 def hf_study():
-    """The module :mod:`posenc.hf.study`, imported now (it needs ``transformers``)."""
+    """The module :mod:`posenc.hf.study`, imported now (it needs ``transformers``).
+
+    Raises:
+        UsageError: Hugging Face transformers (>= 5) is not installed.
+    """
     try:
         from ..hf import study
     except ImportError:

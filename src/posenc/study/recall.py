@@ -73,6 +73,12 @@ class Recall:
         return max(self.queries, train_length // 16)
 
     def check(self, length: int) -> None:
+        """Check that a sequence of ``length`` inputs fits the task's queries and distractors.
+
+        Raises:
+            UsageError: a sequence of ``length`` inputs has too few pair slots for the task's queries
+                and distractors (naming the least length that fits).
+        """
         from ..errors import UsageError
 
         slots = (length + 1 - 2 * self.queries) // 2
