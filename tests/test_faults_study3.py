@@ -17,6 +17,7 @@ from posenc import cli, files
 from posenc.errors import UsageError
 from posenc.study import StudyConfig, run_experiment
 from posenc.study import train as train_module
+from posenc.study.plan import check
 
 ARGS = ["--preset", "smoke", "--steps", "4", "--checkpoint-every", "2", "--eval-lengths", "32",
         "--valid-bytes", "512", "--threads", "1", "--dim", "16", "--depth", "1", "--num-heads", "2", "--batch-size", "2"]
@@ -64,7 +65,7 @@ def test_a_bad_row_is_refused_before_anything_is_written(tmp_path, capsys, row, 
 def test_neighbouring_good_rows_are_accepted() -> None:
     cfg = StudyConfig.from_preset("smoke", methods=["t5:max_distance=64", "rope:base=500000", "rope:layout=interleaved",
                                                     "rope:base=1e12"])
-    cfg.validate()
+    check(cfg)
 
 
 @pytest.mark.parametrize("extra,message", [

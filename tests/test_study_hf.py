@@ -19,6 +19,7 @@ from posenc import cli  # noqa: E402
 from posenc.errors import UsageError  # noqa: E402
 from posenc.study import StudyConfig, run_experiment  # noqa: E402
 from posenc.study.data import load_corpus  # noqa: E402
+from posenc.study.plan import check  # noqa: E402
 from posenc.study.rows import parse as parse_row  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -107,8 +108,8 @@ def test_llama_study_end_to_end_and_the_hf_row_is_the_untouched_model(tmp_path, 
 def test_rope_row_equals_hf_row_at_initialisation(llama) -> None:
     from posenc.hf.study import HFModels
 
-    cfg = StudyConfig.from_preset("smoke", methods=["hf", "rope", "alibi"], hf_config=llama, train_length=16,
-                                  eval_lengths=[16, 32]).validate()
+    cfg = check(StudyConfig.from_preset("smoke", methods=["hf", "rope", "alibi"], hf_config=llama, train_length=16,
+                                        eval_lengths=[16, 32]))
     models = HFModels(cfg)
     hf, rope, alibi = (models.initial(parse_row(name), 3) for name in ("hf", "rope", "alibi"))
     for other in (rope, alibi):  # every row of a seed starts from the same transformer weights
@@ -151,8 +152,8 @@ def test_qwen2_recall_study_with_drop_and_finetuned_scaling_rows(tmp_path, text)
 
     from posenc.hf.study import HFModels, load_architecture
 
-    cfg = StudyConfig.from_preset("smoke", task="recall", methods=["rope+drop"], hf_config=qwen, steps=3,
-                                  train_length=32, eval_lengths=[32, 64], drop_positions_after=0.34).validate()
+    cfg = check(StudyConfig.from_preset("smoke", task="recall", methods=["rope+drop"], hf_config=qwen, steps=3,
+                                        train_length=32, eval_lengths=[32, 64], drop_positions_after=0.34))
     models = HFModels(cfg)
     for row in ("rope", "rope+drop"):
         path = out / "checkpoints" / f"{row}.safetensors"
@@ -169,7 +170,7 @@ def test_qwen2_recall_study_with_drop_and_finetuned_scaling_rows(tmp_path, text)
 
 def config_error(tmp_path, **fields) -> str:
     with pytest.raises(UsageError) as err:
-        StudyConfig.from_preset("smoke", **{"methods": ["hf", "rope"], **fields}).validate()
+        check(StudyConfig.from_preset("smoke", **{"methods": ["hf", "rope"], **fields}))
     return str(err.value)
 
 

@@ -7,6 +7,7 @@ import torch
 
 from posenc.errors import UsageError
 from posenc.study.data import load_corpus, train_batch
+from posenc.study.plan import check
 
 
 def folder(tmp_path):
@@ -55,4 +56,4 @@ def test_pack_documents_refused_for_recall():
     from posenc.study import StudyConfig
 
     with pytest.raises(UsageError, match="pack_documents applies to the lm task"):
-        StudyConfig(task="recall", pack_documents=True).validate()
+        check(StudyConfig(task="recall", pack_documents=True))

@@ -20,6 +20,7 @@ from posenc.study import fairness, report, rows
 from posenc.study.cli import run_study
 from posenc.study.config import StudyConfig
 from posenc.study.distributed import Context
+from posenc.study.plan import check
 
 SMALL = ["--preset", "smoke", "--valid-bytes", "512", "--eval-lengths", "32", "64", "--quiet", "--threads", "1"]
 
@@ -181,7 +182,7 @@ def test_rows_that_cannot_apply_are_usage_errors():
                            (dict(methods=["rope+drop"], drop_positions_after=1.5), "fraction in \\(0, 1\\)"),
                            (dict(finetune_steps=3), "finetune_steps fine-tunes the rope scaling rows")):
         with pytest.raises(posenc.UsageError, match=message):
-            StudyConfig.from_preset("smoke", **{"methods": ["rope"], **extra}).validate()
+            check(StudyConfig.from_preset("smoke", **{"methods": ["rope"], **extra}))
     assert rows.expand(["rope+yarn+ft"], True) == ["rope", "rope+yarn", "rope+yarn+ft"]
     # the task alone picks its preset's sizes and rows
     from posenc.study.cli import config_from_args

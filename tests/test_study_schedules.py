@@ -23,6 +23,7 @@ from posenc.study import rows, variants
 from posenc.study.builders import lm_config
 from posenc.study.cli import config_from_args, run_study
 from posenc.study.config import COMPANIONS, PRESETS, SCHEDULES, StudyConfig
+from posenc.study.plan import check
 
 LOCAL_GLOBAL = "3x[rope:base=1e4 window=32] 1x[rope:base=1e6]"
 TEMPERATURE = "3x[rope] 1x[nope temp=0.1/16]"
@@ -56,7 +57,7 @@ def test_the_preset_asks_the_issues_question_at_the_default_sizes():
     assert {k: lm[k] for k in ("steps", "lr", "batch_size")} == {k: PRESETS["default"][k] for k in ("steps", "lr", "batch_size")}
     assert {k: recall[k] for k in ("steps", "lr")} == {k: PRESETS["recall"][k] for k in ("steps", "lr")}
     for name in ("schedules", "schedules-recall"):  # every row builds at full size (meta device)
-        cfg = StudyConfig.from_preset(name).validate()
+        cfg = check(StudyConfig.from_preset(name))
         assert cfg.methods == SCHEDULES and cfg.seeds == 3
 
 
@@ -103,7 +104,7 @@ def test_schedule_rows_parse_through_the_schedule_reader():
 ])
 def test_a_wrong_schedule_row_is_a_usage_error_naming_it(name, message):
     with pytest.raises(UsageError, match=message) as info:
-        StudyConfig.from_preset("schedules", methods=[name]).validate()
+        check(StudyConfig.from_preset("schedules", methods=[name]))
     assert f"methods: {name!r}" in str(info.value)
 
 
@@ -122,7 +123,7 @@ def test_schedule_rows_have_fixed_colours_in_their_first_layers_family():
 
 def test_rows_that_would_share_files_are_refused():
     with pytest.raises(UsageError, match="share the file name"):
-        StudyConfig.from_preset("schedules", methods=["3x[rope] 1x[nope]", "3x[rope]\t1x[nope]"]).validate()
+        check(StudyConfig.from_preset("schedules", methods=["3x[rope] 1x[nope]", "3x[rope]\t1x[nope]"]))
 
 
 def test_a_scaling_acts_on_the_rope_layers_each_from_its_own_base():
@@ -148,8 +149,8 @@ def test_a_scaling_acts_on_the_rope_layers_each_from_its_own_base():
 
 
 def test_a_fine_tuned_schedule_row_scales_every_rope_layer():
-    cfg = StudyConfig.from_preset("schedules", dim=32, num_heads=2, finetune_steps=2,
-                                  methods=["3x[rope] 1x[nope]+yarn+ft"]).validate()
+    cfg = check(StudyConfig.from_preset("schedules", dim=32, num_heads=2, finetune_steps=2,
+                                        methods=["3x[rope] 1x[nope]+yarn+ft"]))
     layers = lm_config(cfg, rows.parse("3x[rope] 1x[nope]+yarn+ft")).schedule
     assert [layer.get("options", {}).get("scaling", {}).get("factor") for layer in layers] == [2.0, 2.0, 2.0, None]
 
@@ -216,5 +217,5 @@ def test_resume_of_a_folder_with_no_study_is_refused(tmp_path):
 
 def test_a_schedule_row_is_refused_on_a_transformers_architecture(tmp_path):
     with pytest.raises(UsageError, match=r"methods: '3x\[rope\] 1x\[nope\]' is a layer schedule"):
-        StudyConfig.from_preset("schedules", methods=["rope", "3x[rope] 1x[nope]"],
-                                hf_config=str(tmp_path / "config.json")).validate()
+        check(StudyConfig.from_preset("schedules", methods=["rope", "3x[rope] 1x[nope]"],
+                                      hf_config=str(tmp_path / "config.json")))

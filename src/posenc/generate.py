@@ -52,7 +52,7 @@ from __future__ import annotations
 import math
 import numbers
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, Protocol, Sequence
 
 import torch
 from torch import nn
@@ -60,8 +60,40 @@ from torch import nn
 from .encodings.protocol import HOOKS, Embeds, Gates, Scores, offers
 from .errors import UsageError
 
-if TYPE_CHECKING:  # the model imports nothing of this module; the names are for the type checker
-    from .model import LM
+if TYPE_CHECKING:  # names for the type checker only
+    from .cache import Cache
+    from .schedule import Schedule
+
+
+class _Sizes(Protocol):
+    """What generation reads of a model's config (:class:`posenc.LMConfig` has both)."""
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    @property
+    def layers(self) -> Schedule | None: ...
+
+
+class CausalLM(Protocol):
+    """What generation needs of a model: :class:`posenc.LM` is one. Generation is written against
+    this rather than the class, so that the model module can offer ``LM.generate`` without the two
+    modules importing each other."""
+
+    @property
+    def config(self) -> _Sizes: ...
+
+    @property
+    def encoding(self) -> nn.Module: ...
+
+    @property
+    def max_length(self) -> int | None: ...
+
+    def new_cache(self, batch_size: int, capacity: int | None = None, padding: Any = None) -> Cache: ...
+
+    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]: ...
+
+    def __call__(self, tokens: torch.Tensor, *, cache: Cache | None = None) -> torch.Tensor: ...
 
 # Where positions enter the attention: every hook of the protocol but ``embed`` (it takes each
 # row's own positions) and ``log_gates`` (no positions at all), and a bias's elementwise ``score``.
@@ -215,7 +247,7 @@ def choose(logits: torch.Tensor, do_sample: bool, temperature: float, top_k: int
 class _Group:
     """Rows decoded together in one KV cache (all rows, or the rows of one prompt length)."""
 
-    def __init__(self, model: LM, rows: list[int], prompts: list[torch.Tensor]) -> None:
+    def __init__(self, model: CausalLM, rows: list[int], prompts: list[torch.Tensor]) -> None:
         self.model, self.rows = model, rows
         length = max(prompts[r].numel() for r in rows)
         padding = [length - prompts[r].numel() for r in rows]
@@ -246,7 +278,7 @@ class _Setup:
     seed: int | None
 
 
-def _setup(model: LM, prompt, max_new_tokens, do_sample, temperature, top_k, top_p, seed, eos_token_id,
+def _setup(model: CausalLM, prompt, max_new_tokens, do_sample, temperature, top_k, top_p, seed, eos_token_id,
            pad_token_id, attention_mask, num_return_sequences) -> _Setup:
     config = model.config
     check_sampling(max_new_tokens, temperature, top_k, top_p, seed, do_sample, num_return_sequences)
@@ -269,7 +301,7 @@ def _setup(model: LM, prompt, max_new_tokens, do_sample, temperature, top_k, top
     return _Setup(prompts, eos, pad, do_sample, float(temperature), top_k, top_p, seed)
 
 
-def stream(model: LM, prompt, max_new_tokens: int, *, do_sample: bool = False, temperature: float = 1.0,
+def stream(model: CausalLM, prompt, max_new_tokens: int, *, do_sample: bool = False, temperature: float = 1.0,
            top_k: int | None = None, top_p: float | None = None, seed: int | None = None, eos_token_id=None,
            pad_token_id: int | None = None, attention_mask: torch.Tensor | None = None,
            num_return_sequences: int = 1) -> Iterator[Step]:
@@ -284,7 +316,7 @@ def stream(model: LM, prompt, max_new_tokens: int, *, do_sample: bool = False, t
     yield from _steps(model, setup, max_new_tokens)
 
 
-def _steps(model: LM, setup: _Setup, max_new_tokens: int) -> Iterator[Step]:
+def _steps(model: CausalLM, setup: _Setup, max_new_tokens: int) -> Iterator[Step]:
     prompts = setup.prompts
     b, vocab = len(prompts), model.config.vocab_size
     device = prompts[0].device
@@ -315,7 +347,7 @@ def _steps(model: LM, setup: _Setup, max_new_tokens: int) -> Iterator[Step]:
             group.feed(tokens)
 
 
-def generate(model: LM, prompt, max_new_tokens: int, *, do_sample: bool = False, temperature: float = 1.0,
+def generate(model: CausalLM, prompt, max_new_tokens: int, *, do_sample: bool = False, temperature: float = 1.0,
              top_k: int | None = None, top_p: float | None = None, seed: int | None = None, eos_token_id=None,
              pad_token_id: int | None = None, attention_mask: torch.Tensor | None = None,
              num_return_sequences: int = 1) -> torch.Tensor:

@@ -278,18 +278,6 @@ class StudyConfig:
         """Put a field in its normal form while the (frozen) config is made."""
         object.__setattr__(self, name, value)
 
-    def validate(self) -> "StudyConfig":
-        """The plan's checks of a study of exactly these rows (:func:`posenc.study.plan.check`: every
-        row built on the meta device, each option that only some rows read read by one of them);
-        returns ``self``. A study runs them itself: this is for checking a config without running it.
-
-        Raises:
-            UsageError: naming the row or option that cannot be used.
-        """
-        from .plan import check
-
-        return check(self)
-
     def _validate_hf_sizes(self, sizes: tuple[str, ...]) -> None:
         """With hf_config the model's sizes come from the file: a size set to anything but the
         preset's value (the command line refuses the options even then) is a UsageError, and the

@@ -215,7 +215,35 @@ def _train_table(results: dict) -> str:
     return _table(["method", "status", "parameters", "options", "steps", "time (s)", "tokens/s", "final loss"], rows)
 
 
-def sections(results: dict, level: int = 2) -> list[str]:
+def _separations(results: dict, h: str, against: list[str] | None = None) -> list[str]:
+    """The rows separated from each other (:mod:`posenc.study.separation`) at the training length and
+    the longest length, as matrices, and row by row against each of ``against``."""
+    from . import separation
+
+    lengths = sorted({r["length"] for e in results["methods"].values() for r in shown(e)})
+    if not lengths:
+        return []
+    what = "far-distance accuracy" if metric_of(results) == "accuracy" else "perplexity"
+    parts = [f"<{h}>Differences that hold across seeds</{h}>",
+             f'<p class="note">A cell says how the row\'s {what} compares with the column\'s: <b>below</b> or '
+             "<b>above</b> only where both the 95% intervals over the windows and the ranges of the seeds' numbers "
+             "are apart (every seed on one side); <b>overlaps</b> where either overlaps; <b>one seed</b> where the "
+             "rule needs a second seed.</p>"]
+    train_len = results["config"]["train_length"]
+    for n in dict.fromkeys([train_len, lengths[-1]]):
+        m = separation.matrix(results, n)
+        names = list(m)
+        rows = [[a, *("-" if a == b else m[a][b] for b in names)] for a in names]
+        parts += [f"<p>At length {n}{' (train)' if n == train_len else ''}:</p>", _table(["row \\ column", *names], rows)]
+    for other in against or []:
+        marks = separation.versus(results, other)
+        head = ["method", *(f"{n} (train)" if n == train_len else str(n) for n in lengths)]
+        rows = [[m, *(by.get(n, "n/a") for n in lengths)] for m, by in marks.items() if m != other]
+        parts += [f"<p>Each row against {html.escape(other)}:</p>", _table(head, rows)]
+    return parts
+
+
+def sections(results: dict, level: int = 2, against: list[str] | None = None) -> list[str]:
     """The body of one run's report (headings at ``level``)."""
     from . import figures
 
@@ -240,6 +268,7 @@ def sections(results: dict, level: int = 2) -> list[str]:
             _metric_table(results, "perplexity", ".2f", relative=True),
             f"<{h}>Bits per byte</{h}>", _metric_table(results, "bits_per_byte", ".4f"),
         ]
+    parts += _separations(results, h, against)
     parts += [f"<{h}>Position parameters used but never trained</{h}>", _untrained(results),
               f"<{h}>Training</{h}>", _img(figures.training_figure(results)), _train_table(results),
               f"<{h}>Configuration</{h}>", _kv(results["config"]),
@@ -279,10 +308,24 @@ def _page(title: str, body: list[str]) -> str:
     return "\n".join(parts) + "\n"
 
 
-def render(results: dict, title: str, status: str | None = None) -> str:
+def render(results: dict, title: str, status: str | None = None, against: list[str] | None = None) -> str:
     """The report page for a results dict, as an HTML string (``status``: shown instead of the
-    results' own, e.g. 'interrupted' for a run whose process is gone)."""
-    return _page(title, [_intro(results, status), *sections(results)])
+    results' own, e.g. 'interrupted' for a run whose process is gone; ``against``: rows to set every
+    row against, beside the all-pairs matrices)."""
+    return _page(title, [_intro(results, status), *sections(results, against=against)])
+
+
+def render_markdown(results: dict, against: list[str] | None = None) -> str:
+    """The study's table in markdown (mean over seeds [95% interval] (the seeds' min-max), training
+    seconds), then, per row of ``against``, every row's mark against it (:mod:`.separation`)."""
+    from . import separation
+    from .results import markdown_table
+
+    parts = [markdown_table(results, intervals=True)]
+    for other in against or []:
+        parts += [f"Against {other} (below/above: every seed and the 95% intervals apart; see posenc.study.separation):",
+                  separation.markdown_versus(results, other)]
+    return "\n\n".join(parts) + "\n"
 
 
 def render_two(a: dict, root_a: Path, b: dict, root_b: Path, names: tuple[str, str],
@@ -329,11 +372,22 @@ def add_report_arguments(p: argparse.ArgumentParser) -> None:
                    help="a second study's directory: both side by side (differences with paired intervals)")
     p.add_argument("--out", default=None, help="HTML file to write (default RUN_DIR/report.html, or "
                                                "RUN_DIR/compare-OTHER.html for two runs)")
+    p.add_argument("--versus", action="append", default=None, metavar="ROW",
+                   help="also set every row against ROW (repeatable): below/above where the seeds and the "
+                        "intervals both separate them, else overlaps")
+    p.add_argument("--markdown", action="store_true",
+                   help="print the study's table (and the --versus marks) as markdown to stdout instead of "
+                        "writing HTML")
 
 
 def _check_run(path: Path, what: str) -> None:
     if not (path / "results.json").is_file():
         raise UsageError(f"{what} {str(path)!r} holds no results.json (expected the out directory of a study)")
+
+
+def _check_row(results: dict, row: str) -> None:
+    if row not in results["methods"]:
+        raise UsageError(f"versus: {row!r} is not a row of this study; its rows are {', '.join(results['methods'])}")
 
 
 def run_report(args: argparse.Namespace) -> int:
@@ -347,6 +401,18 @@ def run_report(args: argparse.Namespace) -> int:
     other = Path(args.other) if getattr(args, "other", None) else None
     if other is not None:
         _check_run(other, "other")
+    against = getattr(args, "versus", None) or []
+    if getattr(args, "markdown", False):
+        if other is not None or args.out:
+            raise UsageError("markdown: prints one study's tables to stdout; give no second run and no --out "
+                             "(redirect the output to a file instead)")
+        results = load_results(run_dir)
+        for row in against:
+            _check_row(results, row)
+        print(render_markdown(results, against), end="")
+        return 0
+    if other is not None and against:
+        raise UsageError("versus: marks rows within one study; for two studies the page shows B - A per row")
     default = run_dir / ("report.html" if other is None else f"compare-{other.resolve().name}.html")
     out = Path(args.out) if args.out else default
     head = out.read_bytes()[:1024] if out.is_file() else b""
@@ -355,8 +421,10 @@ def run_report(args: argparse.Namespace) -> int:
                          "(posenc does not overwrite other files)")
     check_writable(out, "out")  # before any rendering
     results = load_results(run_dir)
+    for row in against:
+        _check_row(results, row)
     if other is None:
-        page = render(results, f"posenc study: {run_dir.name}", run_status(results, run_dir))
+        page = render(results, f"posenc study: {run_dir.name}", run_status(results, run_dir), against)
     else:
         second = load_results(other)
         page = render_two(results, run_dir, second, other, (run_dir.name, other.name),
