@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 import posenc
 from posenc import UsageError, attend, available, build
-from posenc.encodings import get_class, has_hook
+from posenc.encodings import get_class, has_hook, options_of
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -32,6 +32,15 @@ def encoding(method: str, causal: bool = True, dtype=torch.float32):
 # posenc.attend on q, k, v alone: a method whose gates come from the layer input (fox) needs
 # log_gates as well, and has its own tests of packing, padding and caching (tests/test_fox.py).
 METHODS = [m for m in available() if not has_hook(build(m, num_heads=4, head_dim=8), "log_gates")]
+# Methods that offer the bias hook (its own checks of the positions it is given).
+BIASES = [m for m in available() if has_hook(build(m, num_heads=4, head_dim=8), "bias")]
+assert {"alibi", "t5", "kerple", "sandwich", "fire"} <= set(BIASES), BIASES
+
+
+def grouped_options(method: str) -> dict:
+    """Options for a model with num_kv_heads=2: a method that takes ``num_kv_heads`` (RoPE-Mixed's
+    frequencies per key head) is built with it."""
+    return {"num_kv_heads": 2} if "num_kv_heads" in options_of(get_class(method)) else {}
 
 
 def qkv(b, t, hkv=HKV, dtype=torch.float32, seed=0):
@@ -262,9 +271,10 @@ def test_packed_alibi_equals_flex_attention_with_a_document_mask():
 # -- the model: documents, padding and grouped heads through LM.forward ---------------------------
 
 
-@pytest.mark.parametrize("method", ["alibi", "rope", "t5", "learned", "sinusoidal", "fire"])
+@pytest.mark.parametrize("method", available())
 def test_lm_packed_and_padded_rows(method):
-    cfg = posenc.LMConfig(encoding=method, dim=32, depth=2, num_heads=4, num_kv_heads=2, max_positions=64)
+    cfg = posenc.LMConfig(encoding=method, dim=32, depth=2, num_heads=4, num_kv_heads=2, max_positions=64,
+                          encoding_options=grouped_options(method))
     model = posenc.LM(cfg).eval()
     a, b = torch.randint(0, 256, (1, 20)), torch.randint(0, 256, (1, 12))
     with torch.no_grad():
@@ -304,9 +314,9 @@ def test_lm_random_positions_within_documents():
     assert torch.equal(p[10:20], p[:10])  # the same draw, indexed by in-document position
 
 
-@pytest.mark.parametrize("method", ["nope", "alibi", "t5", "kerple", "fire", "rope", "xpos", "shaw", "transformer_xl", "cope"])
+@pytest.mark.parametrize("method", available())
 def test_lm_grouped_heads_decoding_equals_the_full_pass(method):
-    cfg = posenc.LMConfig(encoding=method, dim=32, depth=2, num_heads=4, num_kv_heads=2)
+    cfg = posenc.LMConfig(encoding=method, dim=32, depth=2, num_heads=4, num_kv_heads=2, encoding_options=grouped_options(method))
     model = posenc.LM(cfg).eval()
     tokens = torch.randint(0, 256, (2, 24))
     cache = model.new_cache(2)
@@ -316,7 +326,7 @@ def test_lm_grouped_heads_decoding_equals_the_full_pass(method):
     close(torch.cat(steps, dim=1), full, 1e-5)
 
 
-@pytest.mark.parametrize("method", ["alibi", "t5", "kerple", "sandwich", "fire"])
+@pytest.mark.parametrize("method", BIASES)
 def test_bias_hooks_refuse_per_row_positions_with_a_pointer_to_attend(method):
     enc = encoding(method)
     pos = torch.arange(6).expand(2, 6)

@@ -21,6 +21,7 @@ from posenc.attention import LayerCache
 from posenc.backends import blocked, eager, flex, sdpa, terms
 from posenc.backends.parts import single
 from posenc.backends.parts.base import ScoreSpec
+from posenc.encodings.protocol import ClippedTables, DistanceKeys, RelativeBias, offers
 from posenc.errors import UsageError
 from toy_encodings import registered
 
@@ -206,25 +207,48 @@ def test_left_padded_rows_decode_as_if_alone(method):
             torch.testing.assert_close(decoded[b], alone[0, n:], rtol=0, atol=5e-5)
 
 
-PADDED = [("sdpa", m) for m in ("nope", "rope", "alibi", "t5")] + [("blocked", m) for m in ("nope", "alibi", "t5")] + [
-    ("terms", m) for m in ("shaw", "transformer_xl")
-]
+PADDED_BACKENDS = {"sdpa": sdpa, "blocked": blocked, "terms": terms}
+
+
+def padded_prefill(method: str) -> tuple[ScoreSpec, torch.Tensor]:
+    """A float64 spec of 6 queries over 20 keys, rows padded by 0, 16 and 7, and its q."""
+    enc = posenc.build(method, num_heads=2, head_dim=8)
+    for p in enc.parameters():
+        torch.nn.init.normal_(p, std=0.5)
+    positions = torch.arange(20)
+    spec = ScoreSpec(copy.deepcopy(enc).double(), positions[14:], positions, True, 0.35, starts=torch.tensor([0, 16, 7]))
+    return spec, torch.randn(3, 2, 6, 8, dtype=torch.float64)
+
+
+# Every (backend, method) pair the row-splitting backends say they support on a padded prefill.
+PADDED = [(b, m) for b, module in PADDED_BACKENDS.items() for m in METHODS if module.supports(*padded_prefill(m))]
+assert {("sdpa", m) for m in ("nope", "rope", "alibi", "t5")} | {("blocked", m) for m in ("nope", "alibi", "t5")} | {
+    ("terms", m) for m in ("shaw", "transformer_xl")} <= set(PADDED), PADDED
+
+
+def fast_padded_backend(enc: torch.nn.Module) -> str | None:
+    """The backend auto keeps for a padded call, by the capability that backend is for: terms for
+    clipped tables or distance keys, blocked for a relative bias with tails; None: not asserted."""
+    if offers(enc, ClippedTables) or offers(enc, DistanceKeys):
+        return "terms"
+    return "blocked" if offers(enc, RelativeBias) else None
+
+
+assert {m: fast_padded_backend(posenc.build(m, num_heads=2, head_dim=8)) for m in ("alibi", "t5", "shaw", "transformer_xl")} == {
+    "alibi": "blocked", "t5": "blocked", "shaw": "terms", "transformer_xl": "terms"}
 
 
 @pytest.mark.parametrize("backend, method", PADDED)
 def test_padded_prefill_split_by_rows_equals_eager(method, backend):
     """Several queries with padding: the fast backends split rows; eager masks. Same result."""
     torch.manual_seed(1)
-    enc = posenc.build(method, num_heads=2, head_dim=8)
-    for p in enc.parameters():
-        torch.nn.init.normal_(p, std=0.5)
+    spec, _ = padded_prefill(method)
     q, k, v = (torch.randn(3, 2, n, 8, dtype=torch.float64) for n in (6, 20, 20))
-    positions = torch.arange(20)
-    spec = ScoreSpec(copy.deepcopy(enc).double(), positions[14:], positions, True, 0.35, starts=torch.tensor([0, 16, 7]))
-    module = {"sdpa": sdpa, "blocked": blocked, "terms": terms}[backend]
+    module = PADDED_BACKENDS[backend]
     assert module.supports(spec, q)
-    if method in ("alibi", "t5", "shaw", "transformer_xl"):  # auto keeps the fast backend for padded calls
-        assert backends.choose("auto", spec, q)[0] == ("terms" if method in ("shaw", "transformer_xl") else "blocked")
+    fast = fast_padded_backend(spec.encoding)
+    if fast is not None:  # auto keeps the fast backend for padded calls
+        assert backends.choose("auto", spec, q)[0] == fast
     want = eager.attend(q, k, v, spec)
     torch.testing.assert_close(module.attend(q.float(), k.float(), v.float(), _float(spec)).double(), want, rtol=0, atol=1e-5)
 

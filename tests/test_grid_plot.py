@@ -11,8 +11,17 @@ import posenc
 from posenc.show import grid as grid_plot
 from posenc.show.inputs import PNG_SIGNATURE
 
+# The methods that read several position ids per token (``position_axes`` > 1): posenc show draws
+# each of them as a grid.
+MULTI_AXIS = [n for n in posenc.available() if posenc.encodings.get_class(n).position_axes > 1]
+assert {"axial_rope", "rope_mixed", "mrope"} <= set(MULTI_AXIS), MULTI_AXIS
 
-@pytest.mark.parametrize("name", ["axial_rope", "rope_mixed", "mrope"])
+
+def test_show_draws_every_multi_axis_method_as_a_grid() -> None:
+    assert [n for n in posenc.available() if grid_plot.draws(n)] == MULTI_AXIS
+
+
+@pytest.mark.parametrize("name", MULTI_AXIS)
 def test_writes_a_png(tmp_path, name: str) -> None:
     torch.manual_seed(0)
     enc = posenc.build(name, num_heads=3, head_dim=16)

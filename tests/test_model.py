@@ -13,6 +13,13 @@ from models import tiny as model_of
 METHODS = posenc.available()
 # Methods with a bidirectional form (xPos is causal only: its decay would grow toward future keys).
 BIDIRECTIONAL = [m for m in METHODS if not posenc.encodings.get_class(m).causal_only]
+# Methods whose encoding holds learned parameters, and those of them that learn them per layer
+# (``shares_across_layers`` False: the model builds one instance per layer).
+LEARNED = [m for m in METHODS if any(True for _ in posenc.build(m, num_heads=4, head_dim=8).parameters())]
+assert {"learned", "shaw", "transformer_xl", "t5", "kerple", "fire", "cope", "deberta", "fox", "rope_mixed"} <= set(LEARNED), LEARNED
+PER_LAYER = [m for m in METHODS if not posenc.build(m, num_heads=4, head_dim=8).shares_across_layers]
+assert {"shaw", "transformer_xl", "fire", "cope", "deberta", "fox"} <= set(PER_LAYER), PER_LAYER
+assert not {"nope", "rope", "alibi", "t5"} & set(PER_LAYER), PER_LAYER
 
 
 def refuses_bidirectional(method: str) -> bool:
@@ -68,7 +75,7 @@ def test_gradients_reach_every_parameter(method: str, causal: bool) -> None:
     assert not missing, f"no gradient: {missing}"
     # The encoding's own parameters are among them (for the methods that have any).
     enc_params = [n for n, _ in model.blocks[0].attn.encoding.named_parameters()]
-    if method in ("learned", "shaw", "transformer_xl", "t5", "kerple", "fire", "cope", "deberta", "fox"):
+    if method in LEARNED:  # the model's layers hold the encoding's parameters (their gradients: above)
         assert enc_params, f"{method} should have learnable parameters"
     if method == "t5":  # every bucket some visible (query, key) pair falls in gets a gradient
         enc = model.blocks[0].attn.encoding
@@ -123,7 +130,7 @@ def test_bidirectional_t5_and_alibi_use_their_two_sided_forms() -> None:
     torch.testing.assert_close(bias, bias.transpose(-1, -2), rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("method", ["shaw", "transformer_xl"])
+@pytest.mark.parametrize("method", PER_LAYER)
 def test_per_layer_methods_get_one_encoding_per_layer(method: str) -> None:
     model = tiny(method)
     assert model.blocks[0].attn.encoding is not model.blocks[1].attn.encoding

@@ -10,7 +10,8 @@ import torch
 
 from posenc import Attention, available, build
 from posenc.attention import LayerCache
-from posenc.encodings import get_class
+from posenc.encodings import get_class, offers
+from posenc.encodings.protocol import Biases, QueryTerms, Rotates, ValueTerms
 from posenc.errors import UsageError
 
 H, D = 2, 8
@@ -30,6 +31,16 @@ def layers(method: str, causal: bool = True):
 
 
 CASES = [(m, c) for m in available() for c in (True, False) if c or not get_class(m).causal_only]
+# Methods whose attention layer reads positions: a hook of the attention that takes them
+# (``embed`` is the model's, not the layer's; FoX's gates and NoPE take none).
+IN_ATTENTION = [m for m in available() if any(offers(build(m, num_heads=H, head_dim=D), h) for h in (Rotates, Biases, QueryTerms, ValueTerms))]
+assert {"alibi", "t5", "shaw", "transformer_xl", "rope", "kerple", "fire", "cope", "xpos", "deberta"} <= set(IN_ATTENTION), IN_ATTENTION
+assert not {"nope", "sinusoidal", "learned", "fox"} & set(IN_ATTENTION), IN_ATTENTION
+# Methods that read one position per token (``position_axes`` 1): the layer's messages about
+# positions are theirs (the multi-axis ones have their own, tests/test_axis_positions.py).
+ONE_AXIS = [m for m in available() if get_class(m).position_axes == 1]
+assert {"alibi", "t5", "shaw", "transformer_xl", "rope", "learned"} <= set(ONE_AXIS), ONE_AXIS
+assert not {"mrope", "axial_rope", "rope_mixed"} & set(ONE_AXIS), ONE_AXIS
 
 
 @pytest.mark.parametrize("method, causal", CASES)
@@ -55,7 +66,7 @@ def test_skipping_positions_match_the_formula(method, causal):
             torch.testing.assert_close(g.double(), w, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("method", ["alibi", "t5", "shaw", "transformer_xl", "rope"])
+@pytest.mark.parametrize("method", IN_ATTENTION)
 def test_gapped_positions_differ_from_consecutive_ones(method):
     """The positions are really used: the same tokens at other positions attend differently."""
     fast, _ = layers(method)
@@ -76,7 +87,7 @@ def test_gapped_positions_differ_from_consecutive_ones(method):
         (torch.tensor([[0, 1, -2, 3, 4, 5]]), "positions must be >= 0, got -2"),
     ],
 )
-@pytest.mark.parametrize("method", ["alibi", "t5", "shaw", "transformer_xl", "rope", "learned"])
+@pytest.mark.parametrize("method", ONE_AXIS)
 def test_bad_positions_are_refused(method, positions, message):
     fast, _ = layers(method)
     with pytest.raises(UsageError) as error:
@@ -84,7 +95,7 @@ def test_bad_positions_are_refused(method, positions, message):
     assert message in str(error.value)
 
 
-@pytest.mark.parametrize("method", ["alibi", "t5", "shaw", "transformer_xl", "rope", "learned", "fire", "cope"])
+@pytest.mark.parametrize("method", available())
 def test_restarting_positions_are_documents(method):
     """Positions that do not increase start a new document: never attended across (packing)."""
     fast, _ = layers(method)

@@ -18,6 +18,7 @@ import torch
 
 import posenc
 from posenc.encodings.rope import RoPE
+from posenc.encodings.rope_scaling import ROPE_TYPES
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: tiny tensors run on one thread
 
@@ -37,7 +38,12 @@ SCALINGS = {
     "longrope": {"rope_type": "longrope", "short_factor": SHORT, "long_factor": LONG, "original_max_position_embeddings": L, "factor": 4.0},
     "proportional": {"rope_type": "proportional", "partial_rotary_factor": 0.5},
 }
-LENGTH_DEPENDENT = ("dynamic", "longrope")
+# One case per scaling type the library knows: a new type fails here until it has one.
+assert set(SCALINGS) == set(ROPE_TYPES), sorted(set(ROPE_TYPES) ^ set(SCALINGS))
+# The scalings whose rotation uses the current length, by RoPE's own declaration (the attention
+# then caches keys un-rotated): exact decoding needs the re-rotation tested below.
+LENGTH_DEPENDENT = [n for n in SCALINGS if RoPE(2, 16, scaling=SCALINGS[n]).rotation_depends_on_length]
+assert {"dynamic", "longrope"} <= set(LENGTH_DEPENDENT) and "default" not in LENGTH_DEPENDENT, LENGTH_DEPENDENT
 XPOS = {"xpos": {}, "xpos-uncentred": {"centre": False}, "xpos-blockwise": {"block_size": 5}}
 
 

@@ -12,8 +12,9 @@ and ``bias_tails``, see :class:`~posenc.encodings.protocol.BiasTails`) splits ev
   nothing beyond a short window, and its whole attention is then a written-out band (below) of
   that window; the gentle ones take the far calls. The kernel loops run in a thread that flushes
   denormals (:func:`~posenc.backends.parts.regions.flushed`): ALiBi's far keys put many probabilities in
-  float32's denormal range, which made the kernel's backward 3-5x slower on this CPU (measured
-  1.62 of 2.17 s of an ALiBi step at N=4096 before);
+  float32's denormal range, where many x86 CPUs multiply on a slow microcode path, so the kernel's
+  backward would spend most of an ALiBi training step on values too small to change the result
+  (``benchmarks/attention_table.sh``, ALiBi's train step at N=4096, times it);
 - the far future, r >= F (encoders only): the mirror image, on reversed slices;
 - the band in between, -P < r < F (T5: the last P keys), written out from ``relative_bias`` in
   batched blocks (:mod:`posenc.backends.parts.band`).

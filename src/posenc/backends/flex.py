@@ -6,8 +6,9 @@ whole tiles: no (H, N, N) tensor, and the T5 table gets its gradient through the
 
 Where it runs: CUDA (training and inference), and CPU for inference only (FlexAttention has no CPU
 backward: NotImplementedError in torch 2.13), both needing ``torch.compile`` (a C++ compiler on
-CPU, Triton on CUDA). The first call compiles (~12 s on CPU), so "auto" picks it on CUDA only; on
-CPU ``blocked`` is faster anyway. ``supports`` never picks it where it cannot run.
+CPU, Triton on CUDA). The first call compiles the kernel (a C++ build on CPU, far longer than
+the calls it serves), so "auto" picks it on CUDA only; on CPU ``blocked`` is the faster one
+anyway (``benchmarks/attention_table.sh`` runs both). ``supports`` never picks it where it cannot run.
 
 A decode step (one query) does not go through the compiled kernel (a new key length per step):
 the bias is one vector per head, SDPA's mask (``backends/parts/single.py``). Left-padded rows are split

@@ -75,7 +75,11 @@ def padding_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int =
     """The mask function registered as ``"posenc"``: the 2-D key mask (B, kv_length), bool, True =
     a real token, for the keys ``kv_offset .. kv_offset + kv_length - 1``; None when every key is
     real. A key slot past the last query (a static cache's unwritten slots) is not real.
-    Causality, documents and positions are the attention function's business."""
+    Causality, documents and positions are the attention function's business.
+
+    Raises:
+        UsageError: ``attention_mask`` is not a 2-D padding mask (B, T).
+    """
     slots = torch.arange(kv_offset, kv_offset + kv_length, device=device)
     written = slots < q_offset + q_length  # (Tk,); q_offset may be a tensor (static caches)
     mask = None
@@ -168,7 +172,12 @@ def posenc_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
     The geometry (positions, documents, padding) is derived once per model forward and shared by
     its layers, with one :class:`~posenc.memo.ForwardMemo` (T5's bias is then computed once): the
     stand-in rotary module, which the model calls once per forward, starts a new forward. Under
-    gradient checkpointing each layer gets its own memo (a recomputed layer must redo its work)."""
+    gradient checkpointing each layer gets its own memo (a recomputed layer must redo its work).
+
+    Raises:
+        UsageError: the model was not prepared with :func:`posenc.hf.use`, ``attention_dropout`` is
+            not 0, the keys exceed a configured sliding window, or the mask is a prepared 4-D one.
+    """
     encoding = module.__dict__.get("_posenc_encoding")
     forward = module.__dict__.get("_posenc_forward")
     if encoding is None or forward is None:
@@ -443,6 +452,10 @@ def from_pretrained(model_class: Any, path: str | os.PathLike[str], *, encoding:
     (``AutoModelForCausalLM``). ``encoding``: a built encoding to install instead of the recorded
     one; needed when :func:`use` was given a module with options the config could not record (its
     ``config.posenc["unrecorded"]``), e.g. a RoPE module's scaling object.
+
+    Raises:
+        UsageError: the saved config records no posenc encoding, or the encoding's options were
+            not recorded and ``encoding`` is not passed.
     """
     config = kwargs.pop("config", None)
     if config is None:

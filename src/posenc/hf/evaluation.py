@@ -44,7 +44,11 @@ class _Logits(nn.Module):
 def evaluate(model: PreTrainedModel, valid: torch.Tensor, lengths: Iterable[int], *,
              stride: int | None = None) -> dict[int, dict[str, Any]]:
     """{length: the study's result (loss, perplexity, bits_per_byte, tokens, windows)} for an HF
-    causal LM on ``valid`` (uint8 bytes, inputs and the targets they predict) at each length."""
+    causal LM on ``valid`` (uint8 bytes, inputs and the targets they predict) at each length.
+
+    Raises:
+        UsageError: the model's ``vocab_size`` is below 256 (the evaluation's tokens are bytes).
+    """
     if getattr(model.config, "vocab_size", 0) < 256:
         raise UsageError(f"model: the byte evaluation needs vocab_size >= 256, got {getattr(model.config, 'vocab_size', None)}")
     device = next(model.parameters()).device

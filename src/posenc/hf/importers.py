@@ -59,6 +59,11 @@ def t5_attention(model: nn.Module, *, stack: str | None = None, layer: int | Non
     with ``encoder`` and/or ``decoder`` stacks; ``stack`` picks one of them ("encoder" or
     "decoder"; needed when the model has both). ``layer``: the block index, for models whose every
     layer owns a table (UMT5); by default the one owner of the stack.
+
+    Raises:
+        UsageError: ``stack`` is not one of :data:`STACKS` or names a stack the model lacks, the
+            model holds no T5 bias table, or ``layer`` / ``stack`` is needed to choose one and missing
+            or out of range.
     """
     if stack is not None and stack not in STACKS:
         raise UsageError(f"stack must be one of {STACKS}, got {stack!r}")
@@ -94,6 +99,9 @@ def t5_from_hf(model: nn.Module, *, stack: str | None = None, layer: int | None 
     :func:`t5_attention` for ``model``, ``stack`` and ``layer``): an encoder's table gives a
     bidirectional encoding (``causal=False``), a decoder's a causal one. The result's ``bias(i, j)``
     equals HF's ``compute_bias`` for the same positions (tests/test_hf_importers.py).
+
+    Raises:
+        UsageError: the table's shape is not (num_buckets, n_heads) of ``encoding``.
     """
     owner = cast(_T5Owner, t5_attention(model, stack=stack, layer=layer))
     table = owner.relative_attention_bias.weight  # (buckets, H)
@@ -116,6 +124,10 @@ def t5_to_hf(encoding: nn.Module, model: nn.Module, *, stack: str | None = None,
     The owner (see :func:`t5_attention`) must agree with the encoding on heads, buckets, max distance
     and direction (a decoder takes a causal encoding, an encoder a bidirectional one); otherwise a
     UsageError names the parameter that differs.
+
+    Raises:
+        UsageError: ``encoding`` is not posenc's t5, or its buckets, distance or heads differ from
+            the T5 layer's.
     """
     if not isinstance(encoding, T5Bias):
         raise UsageError(f"encoding must be posenc's t5 encoding, got {type(encoding).__name__}")

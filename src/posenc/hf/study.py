@@ -96,7 +96,12 @@ def _config_path(cfg: StudyConfig) -> str:
 
 
 def load_architecture(path: str) -> Architecture:
-    """The config file at ``path``; UsageError naming ``hf_config``, ``model_type`` or ``vocab_size``."""
+    """The config file at ``path``; UsageError naming ``hf_config``, ``model_type`` or ``vocab_size``.
+
+    Raises:
+        UsageError: ``path`` is not a file of valid JSON holding an object, its ``model_type`` is
+            not a supported family, its ``vocab_size`` is below 256, or transformers cannot build it.
+    """
     p = Path(path)
     if not p.is_file():
         raise UsageError(f"hf_config: {path} is not a file (give a transformers config.json)")
@@ -204,7 +209,12 @@ class HFModels:
     def check(self, row: rows.Row) -> None:
         """UsageError naming ``row`` when it cannot run on this architecture: +random, +ft of a
         method that is not RoPE, or a model (built on the meta device, its variant applied at every
-        evaluation length) that cannot be built."""
+        evaluation length) that cannot be built.
+
+        Raises:
+            UsageError: a row asks for ``+random`` (unsupported with hf_config), ``+ft`` of a method
+                that is not RoPE, or options the encoding rejects.
+        """
         cfg, name = self.cfg, row.name
         if "random" in row.train:
             raise UsageError(f"methods: {name!r}: +random is not supported with hf_config: posenc.hf reads a position "
@@ -293,7 +303,12 @@ class HFModels:
 
     def load(self, path: Path, row: rows.Row, device: torch.device) -> StudyModel:
         """``row``'s model rebuilt from the config file with the weights at ``path``; UsageError
-        when the files do not match each other, this config file or this row."""
+        when the files do not match each other, this config file or this row.
+
+        Raises:
+            UsageError: ``path`` is no checkpoint of an hf_config study, cannot be read, fails its
+                sha256, was trained on another hf_config, or holds another row's model.
+        """
         from safetensors.torch import load
 
         path = Path(path)
@@ -336,7 +351,12 @@ def _sliding_window(config: Any) -> int | None:
 
 def check(cfg: StudyConfig) -> Architecture:
     """UsageError now, before any file is written, for a config file this study cannot run (see
-    the module docstring; each row is :meth:`HFModels.check`'s); returns the architecture."""
+    the module docstring; each row is :meth:`HFModels.check`'s); returns the architecture.
+
+    Raises:
+        UsageError: ``pack_documents`` with hf_config, an ``attention_dropout`` that is not 0, a
+            sliding window shorter than the longest sequence, or a config that does not build a model.
+    """
     arch = load_architecture(_config_path(cfg))
     if cfg.pack_documents:
         raise UsageError("pack_documents is not supported with hf_config: the rows would get their documents "

@@ -45,7 +45,11 @@ GRID_METHODS = (MRoPE, AxialRoPE, RoPEMixed)
 
 
 def grid_positions(encoding: PositionalEncoding, height: int, width: int) -> torch.Tensor:
-    """The positions ``encoding`` takes for an (height x width) grid, patches in row-major order."""
+    """The positions ``encoding`` takes for an (height x width) grid, patches in row-major order.
+
+    Raises:
+        UsageError: ``encoding`` does not read several position ids per token (no grid to draw).
+    """
     if isinstance(encoding, MRoPE):
         return vision_text_positions([(1, height, width)])  # (3, T): temporal 0, then (row, column)
     if isinstance(encoding, (AxialRoPE, RoPEMixed)):

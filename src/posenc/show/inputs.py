@@ -62,6 +62,12 @@ def check_length(length: object, num_heads: int, max_positions: int | None = Non
 
 
 def check_sizes(num_heads: object, head_dim: object) -> tuple[int, int]:
+    """``(num_heads, head_dim)``, checked before anything is built.
+
+    Raises:
+        UsageError: ``num_heads`` or ``head_dim`` is not an integer in its range (up to
+            :data:`MAX_DIM`, :data:`MAX_HEAD_DIM`), or their product (the model dim) exceeds :data:`MAX_DIM`.
+    """
     num_heads = check_int("num_heads", num_heads, 1, MAX_DIM)
     head_dim = check_int("head_dim", head_dim, 1, MAX_HEAD_DIM)
     if num_heads * head_dim > MAX_DIM:
@@ -80,7 +86,11 @@ def check_heads(heads: object, num_heads: int) -> int:
 
 
 def check_seed(seed: object) -> int:
-    """torch's seed range, [-2**63, 2**64 - 1]."""
+    """torch's seed range, [-2**63, 2**64 - 1].
+
+    Raises:
+        UsageError: ``seed`` is not an integer in [-2**63, 2**64 - 1].
+    """
     if isinstance(seed, bool) or not isinstance(seed, int) or not -(2**63) <= seed < 2**64:
         raise UsageError(f"seed must be an integer in [-2**63, 2**64 - 1], got {seed!r}")
     return seed
@@ -92,6 +102,10 @@ def parse_options(pairs: list[str], method: str) -> dict[str, Any]:
     The type comes from the constructor's annotation (``base: float``, ``layout: str``,
     ``rotary_dim: int | None``), so a value of the wrong type is a UsageError here, not a
     TypeError deep inside the encoding.
+
+    Raises:
+        UsageError: a pair is not ``KEY=VALUE``, or ``KEY`` is not an option of ``method`` (naming
+            the accepted ones).
     """
     cls = get_class_checked(method)
     hints = typing.get_type_hints(cls.__init__)
@@ -137,7 +151,11 @@ def _cast(key: str, text: str, hint: object) -> object:
 
 
 def get_class_checked(method: str) -> type[PositionalEncoding]:
-    """The encoding class registered as ``method``; UsageError listing the names otherwise."""
+    """The encoding class registered as ``method``.
+
+    Raises:
+        UsageError: no encoding is registered as ``method`` (listing the choices).
+    """
     if method not in available():
         raise UsageError(f"unknown encoding {method!r}; available: {', '.join(available())}")
     return get_class(method)
@@ -148,6 +166,10 @@ def build_checked(method: str, num_heads: int, head_dim: int, causal: bool, opti
 
     The encodings reject bad sizes and option values with ValueError; every argument here came
     from the user, so those are usage errors.
+
+    Raises:
+        UsageError: an integer option above :data:`MAX_INT_OPTION`, options whose weights would
+            exceed :data:`MAX_ENCODING_BYTES`, or anything the encoding's constructor rejects.
     """
     get_class_checked(method)
     for key, value in options.items():  # some tables are built outside the meta device (RoPE's cache)
@@ -171,7 +193,12 @@ def build_checked(method: str, num_heads: int, head_dim: int, causal: bool, opti
 
 def check_out(out: Path) -> Path:
     """Where the PNG goes: a .png path that is not a folder, in a folder that exists or can be
-    created and is writable. An existing file is replaced only if ``posenc show`` wrote it."""
+    created and is writable. An existing file is replaced only if ``posenc show`` wrote it.
+
+    Raises:
+        UsageError: ``out`` does not end in ``.png``, is a folder, exists without posenc show's
+            mark, or lies in a folder where no file can be created.
+    """
     out = Path(out)
     if out.suffix.lower() != ".png":
         raise UsageError(f"out must be a file name ending in .png, got {str(out)!r}")

@@ -18,7 +18,11 @@ from ..schedule import Schedule
 
 
 def seen(schedule: Schedule, length: int, query: int, causal: bool = True) -> torch.Tensor:
-    """(layers, length) bool: True where the query at ``query`` sees the key in that layer."""
+    """(layers, length) bool: True where the query at ``query`` sees the key in that layer.
+
+    Raises:
+        UsageError: ``query`` is not in [0, ``length``).
+    """
     if not 0 <= query < length:
         from ..errors import UsageError
 

@@ -103,7 +103,12 @@ def scaling_from_text(text: str, head_dim: int | None = None) -> ScalingSource:
     :func:`posenc.encodings.rope_scaling.resolve_hf`, exactly as ``rope_from_hf`` reads it: its
     head dim (``head_dim``, or ``hidden_size / num_attention_heads``; ``head_dim`` fills in when the
     config has neither), ``rope_theta``, ``partial_rotary_factor`` and the block that
-    ``transformers`` would read. UsageError otherwise."""
+    ``transformers`` would read. UsageError otherwise.
+
+    Raises:
+        UsageError: ``text`` is neither a JSON object nor the path of a readable JSON file holding
+            one.
+    """
     import json
     from pathlib import Path
 

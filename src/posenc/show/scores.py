@@ -63,6 +63,10 @@ def score_map(encoding: PositionalEncoding, length: int, seed: int = 0, content:
         seed: draws the content vector when ``content`` is None.
         content: (H*D,) the content at every position (default: random, unit-variance features).
     Shape legend: H heads, T = length, D head dim.
+
+    Raises:
+        UsageError: ``content`` is not of shape (num_heads * head_dim,) (and the checks of
+            :mod:`posenc.show.inputs` on the length and the encoding's table).
     """
     h, d = encoding.num_heads, encoding.head_dim
     length = check_length(length, h, encoding.max_positions, getattr(encoding, "name", "the encoding"))
@@ -213,7 +217,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def show_scaling(method: str, scaling_text: str, head_dim: int | None, options: dict, out: Path | None) -> tuple[Path, str]:
     """``posenc show rope --scaling ...``: the frequency picture of a RoPE scaling. A whole config is
     read as ``rope_from_hf`` reads it (its head dim, base, partial rotary and the block transformers
-    would read); returns (path, which block was drawn)."""
+    would read); returns (path, which block was drawn).
+
+    Raises:
+        UsageError: ``method`` is not rope; ``head_dim`` or ``base`` differs from what the scaling's
+            config gives; or the scaling itself is invalid (naming its key).
+    """
     from ..encodings.rope import RoPE
     from .scaling import scaling_figure, scaling_from_text
 
@@ -252,6 +261,12 @@ def show_schedule(text: str, depth: int | None, length: int, causal: bool, out: 
 
 
 def run(args: argparse.Namespace) -> int:
+    """``posenc show``: the picture the arguments ask for, written as a PNG; the exit status.
+
+    Raises:
+        UsageError: neither a method nor ``--schedule`` is given, or both are (and every check of
+            the inputs, naming the argument).
+    """
     if args.schedule is not None:
         if args.method is not None:
             raise UsageError(f"method: --schedule draws a whole layer schedule; give no method (got {args.method!r})")

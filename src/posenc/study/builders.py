@@ -64,7 +64,11 @@ class Models(Protocol):
 
 def lm_sizes(cfg: StudyConfig) -> tuple[int, int, int]:
     """(dim, depth, num_heads) of posenc's LM; a study of posenc's LM always has them (only
-    hf_config leaves them to its file)."""
+    hf_config leaves them to its file).
+
+    Raises:
+        UsageError: one of them is None (a config with hf_config).
+    """
     if cfg.dim is None or cfg.depth is None or cfg.num_heads is None:
         raise UsageError("dim, depth and num_heads: posenc's LM needs all three (only hf_config leaves them out)")
     return cfg.dim, cfg.depth, cfg.num_heads
@@ -174,7 +178,11 @@ def models_for(cfg: StudyConfig) -> Models:
 
 
 def hf_study() -> ModuleType:
-    """The module :mod:`posenc.hf.study`, imported now (it needs ``transformers``)."""
+    """The module :mod:`posenc.hf.study`, imported now (it needs ``transformers``).
+
+    Raises:
+        UsageError: Hugging Face transformers (>= 5) is not installed.
+    """
     try:
         from ..hf import study
     except ImportError:

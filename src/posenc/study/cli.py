@@ -83,7 +83,12 @@ def preset_of(args: argparse.Namespace, saved: dict | None = None) -> str:
 
 
 def config_from_args(args: argparse.Namespace, saved: dict | None = None) -> StudyConfig:
-    """Preset defaults, then (when resuming) the saved run's config, then the options given."""
+    """Preset defaults, then (when resuming) the saved run's config, then the options given.
+
+    Raises:
+        UsageError: a model size (dim, depth, num_heads) is given together with ``--hf-config``,
+            which sets them.
+    """
     names = [f.name for f in fields(StudyConfig) if f.name not in _SPECIAL]
     given = {k: getattr(args, k) for k in names if getattr(args, k, None) is not None}
     if given.get("hf_config") or (saved or {}).get("hf_config"):
@@ -122,6 +127,9 @@ def study_parts(args: argparse.Namespace, out: Path) -> list[tuple[StudyConfig, 
     One, usually. A preset with a recall companion (:data:`COMPANIONS`, ``schedules``) run without
     ``--task`` is two: the language-model study into ``out/lm``, then the recall study of the same
     rows into ``out/recall``; each half takes only the options that apply to its task.
+
+    Raises:
+        UsageError: ``resume`` names a folder that holds neither a study nor a pair of study parts.
     """
     saved = _saved_config(out) if args.resume else None
     preset = preset_of(args, saved)
@@ -161,6 +169,12 @@ def _minutes(seconds: float) -> str:
 
 
 def run_study(args: argparse.Namespace, on_step: StepCallback | None = None) -> int:
+    """``posenc study``: every study part the arguments name, trained and evaluated; the exit status.
+
+    Raises:
+        UsageError: ``threads`` is below 1 (and every error of the study's config and run, naming
+            the option).
+    """
     if args.threads is not None and args.threads < 1:
         raise UsageError(f"threads must be >= 1, got {args.threads}")
     out = default_out(args)

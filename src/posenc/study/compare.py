@@ -36,7 +36,12 @@ def config_diff(a: dict, b: dict, keys: Iterable[str] | None = None) -> list[str
 
 def check_pairable(a: dict, b: dict, name_a: str, name_b: str) -> list[str]:
     """UsageError when runs of one task were scored on different windows; else the config
-    differences to state (besides the methods)."""
+    differences to state (besides the methods).
+
+    Raises:
+        UsageError: the two runs were scored on different windows, so a pairwise comparison would
+            be meaningless.
+    """
     keys = WINDOWS_RECALL if metric_of(a) == "accuracy" else WINDOWS_LM
     blocking = config_diff(a, b, keys)
     if metric_of(a) != "accuracy" and a.get("corpus", {}).get("valid_sha256") != b.get("corpus", {}).get("valid_sha256"):

@@ -186,7 +186,11 @@ class StudyConfig:
 
     @classmethod
     def from_preset(cls, preset: str = "default", **overrides: Any) -> "StudyConfig":
-        """The preset's sizes, then ``overrides`` (None values are ignored)."""
+        """The preset's sizes, then ``overrides`` (None values are ignored).
+
+        Raises:
+            UsageError: ``preset`` is not one of :data:`PRESETS` (listing them).
+        """
         if preset not in PRESETS:
             raise UsageError(f"preset must be one of {list(PRESETS)}, got {preset!r}")
         values = {**PRESETS[preset], **{k: v for k, v in overrides.items() if v is not None}}

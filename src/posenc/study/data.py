@@ -91,7 +91,12 @@ def _skip_dir(name: str) -> bool:
 
 
 def stdlib_files() -> tuple[Path, list[Path]]:
-    """The stdlib root and its ``.py`` files, tests and third-party packages excluded, sorted."""
+    """The stdlib root and its ``.py`` files, tests and third-party packages excluded, sorted.
+
+    Raises:
+        UsageError: the standard library's source folder is not found (data ``default`` cannot be
+            built; pass a path instead).
+    """
     root = Path(sysconfig.get_paths()["stdlib"])
     if not root.is_dir():
         raise UsageError(f"data 'default': the standard library source was not found at {root}; pass a path as data")
@@ -266,7 +271,12 @@ def _from_hf(spec: str, valid_bytes: int) -> Corpus:
 
 
 def load_corpus(spec: str = "default", valid_bytes: int = DEFAULT_VALID_BYTES) -> Corpus:
-    """Load ``default``, a path, or ``hf:NAME[:CONFIG]`` as byte streams; UsageError when unusable."""
+    """Load ``default``, a path, or ``hf:NAME[:CONFIG]`` as byte streams; UsageError when unusable.
+
+    Raises:
+        UsageError: ``spec`` is neither ``default``, an existing file or folder, nor ``hf:NAME``, or
+            ``valid_bytes`` is not a positive integer.
+    """
     if not isinstance(valid_bytes, int) or valid_bytes < 1:
         raise UsageError(f"valid_bytes must be a positive integer, got {valid_bytes!r}")
     if spec in ("default", "DEFAULT"):
@@ -296,6 +306,9 @@ def train_batch(
     With ``documents`` (the offsets where each file starts, :attr:`Corpus.train_documents`), also
     the inputs' document ids (B, T): a window that spans files is a packed row, and the target of a
     file's last byte (the next file's first byte) is ``ignore``.
+
+    Raises:
+        UsageError: ``length`` is not below the training split's size in bytes.
     """
     n = stream.numel() - length - 1
     if n < 1:

@@ -106,7 +106,11 @@ class Stages:
     def model(self, run: Run) -> StudiedModel | None:
         """The final model of ``run``: in memory, from its checkpoint, or trained now (continuing
         from its saved state) and checkpointed; None when its training diverged (its run, or its
-        base's, says ``diverged``)."""
+        base's, says ``diverged``).
+
+        Raises:
+            UsageError: the run's checkpoint cannot be loaded (naming it, and how to train the row again).
+        """
         if run.settings is None:  # an evaluated row: its base run's model
             return self.model(run.parent)
         if self._last is not None and self._last[0] is run:
@@ -133,7 +137,11 @@ class Stages:
 
     def train(self, run: Run, settings: TrainSettings) -> StudiedModel | None:
         """Train ``run``'s model as ``settings`` say, checkpoint it and record it; None (recorded as
-        diverged) when the training, or a fine-tune's base, diverged."""
+        diverged) when the training, or a fine-tune's base, diverged.
+
+        Raises:
+            UsageError: a kept checkpoint cannot be resumed (naming it, and how to train the row again).
+        """
         models = self.plan.models
         if run.row.kind == "finetune":
             base = self.model(run.parent)
@@ -173,7 +181,11 @@ class Stages:
         return model
 
     def batches(self, settings: TrainSettings) -> Callable[[int], tuple[torch.Tensor, ...]]:
-        """step -> the global batch of ``settings`` (a pure function of its data seed and the step)."""
+        """step -> the global batch of ``settings`` (a pure function of its data seed and the step).
+
+        Raises:
+            UsageError: ``pack_documents`` is set but the data has no file boundaries to pack by.
+        """
         seed, size, length = settings.data_seed, settings.batch_size, settings.length
         corpus = self.corpus
         if corpus is None:

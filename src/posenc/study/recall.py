@@ -15,9 +15,9 @@ one drawn per sequence), so a value names the key it belongs to and the answer i
 attention hop: the query attends to the one value of its key's set in the context and copies it.
 With values shared by all keys the model would first have to learn a previous-token head (the value
 known only as "the token after k"), the two-hop induction circuit of MQAR proper; a model of the
-study's size learns that far too slowly for a CPU study (measured: 25-40% after 2000 steps, where
-the one-hop task is solved in about 200 for every method), and what this task is for, fetching a
-token from a chosen distance, is the same in both. The value is still random per sequence (chance
+study's size learns that circuit far more slowly than the one-hop lookup, slower than a CPU study's
+step budget allows, and what this task is for, fetching a token from a chosen distance, is the
+same in both. The value is still random per sequence (chance
 is 1 in ``per_key``), so it can only come from the context. A sequence of ``length`` inputs (``length + 1`` tokens) is a body, then ``queries``
 pairs ``k v`` (the query block). The body is cut into two-token slots (one filler byte first when
 its length is odd): ``queries`` slots hold the queried pairs, ``distractors`` slots hold pairs with
@@ -73,6 +73,12 @@ class Recall:
         return max(self.queries, train_length // 16)
 
     def check(self, length: int) -> None:
+        """Check that a sequence of ``length`` inputs fits the task's queries and distractors.
+
+        Raises:
+            UsageError: a sequence of ``length`` inputs has too few pair slots for the task's queries
+                and distractors (naming the least length that fits).
+        """
         from ..errors import UsageError
 
         slots = (length + 1 - 2 * self.queries) // 2

@@ -403,6 +403,11 @@ def _check_row(results: dict, row: str) -> None:
 
 
 def run_report(args: argparse.Namespace) -> int:
+    """``posenc report``: the study in ``run_dir`` (beside ``other``, if given) as an HTML page at ``out``.
+
+    Raises:
+        UsageError: ``out`` exists and is not a posenc report (it is never overwritten).
+    """
     run_dir = Path(args.run_dir)
     _check_run(run_dir, "run_dir")
     other = Path(args.other) if getattr(args, "other", None) else None

@@ -81,7 +81,12 @@ class Paths:
 
 def load_results(out: str | Path) -> dict | None:
     """The results dict of the study in ``out``; None when it has no results.json yet;
-    UsageError saying what is wrong when the file is not a study's results."""
+    UsageError saying what is wrong when the file is not a study's results.
+
+    Raises:
+        UsageError: ``path`` is not valid JSON, has another schema than :data:`SCHEMA`, or is an
+            incomplete (edited or damaged) study result.
+    """
     path = Paths(Path(out)).results
     if not path.exists():
         return None

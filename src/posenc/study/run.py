@@ -91,7 +91,13 @@ def prepare(cfg: StudyConfig, out: Path, resume: bool, ctx: distributed.Context
     """Check the study (:func:`.plan.checked_models`), claim ``out`` and load the data: every user
     error surfaces here, before training. Returns the model builder, the corpus (None for the
     recall task: its sequences are generated), the results to fill, and on the main process the
-    claimed (locked) directory."""
+    claimed (locked) directory.
+
+    Raises:
+        UsageError: ``batch_size`` not divisible by the number of processes; ``resume`` without a
+            study in ``out``, or a new study where ``out`` already holds one; a ``train_length`` or
+            ``eval_lengths`` longer than the corpus' training or validation split allows.
+    """
     before = load_results(out) if resume and (out / "results.json").exists() else None
     # A resume checks the options against the saved study's rows too (it may name other rows).
     models = checked_models(cfg, [parse(m) for m in before["config"]["methods"]] if before else ())
@@ -160,6 +166,10 @@ def run_experiment(cfg: StudyConfig, out: str | Path, *, resume: bool = False, p
         progress: bars or log lines on stderr.
         ctx: this process's place under torchrun (default: one process on ``cfg.device``).
         on_step: called as ``on_step(method, step)`` after every training step.
+
+    Raises:
+        UsageError: another process of a distributed study rejected the configuration (its own
+            message names the option).
     """
     ctx = ctx or distributed.Context(torch.device(cfg.device))
     out = Path(out)

@@ -21,8 +21,12 @@ M = TypeVar("M")
 
 
 def as_kind(model: StudiedModel, kind: type[M]) -> M:
-    """``model`` as the ``kind`` of model that made it (a ``Models`` method given a model of
-    another kind: a programming error, so a TypeError)."""
+    """``model`` as the ``kind`` of model that made it.
+
+    Raises:
+        TypeError: ``model`` is not a ``kind`` (a ``Models`` method given another kind's model: a
+            programming error, not a user's).
+    """
     if not isinstance(model, kind):
         raise TypeError(f"expected a {kind.__name__} (made by the study's own Models), got {type(model).__name__}")
     return model

@@ -32,9 +32,9 @@ off the diagonal: e_p <= -1, s_f >= 1).
   is written out (:class:`_Band`): each block's probabilities are recomputed from the saved
   log-sum-exp, as flash attention does, and dS's band diagonal, the same view, is the gradient of
   the position terms: GEMMs take it to q and A_w per block, one skewed copy into a (B, H, Tk, W)
-  buffer takes it to k and B_w. No (keys x rows) tensor is filled per block (the gathers' autograd
-  did that before: 35% of the time in ``fill_``), and only q, k, v, the W table rows, the band's
-  output and log-sum-exp are saved.
+  buffer takes it to k and B_w. No (keys x rows) tensor is filled per block (autograd through
+  gathers would fill one, zeroed, for every block's backward), and only q, k, v, the W table rows,
+  the band's output and log-sum-exp are saved.
 
 The parts are merged through their log-sum-exps; the far regions' backward is the flash backward
 given the merged output and log-sum-exp (shifted by c_i), so its probabilities and its
@@ -45,8 +45,9 @@ reaches q and B[t] through autograd. Memory: O(B x H x N x W), never N^2.
 **When it runs** (:func:`worthwhile`, asked by ``terms``' selection): the band costs per (query,
 band distance), eager per (query, key), so a short encoder call whose band covers nearly every pair
 (the default buckets below about 1000 tokens) and any call of fewer than :data:`MIN_PAIRS` pairs
-(fixed costs) is left to eager; the rough cost model is in :func:`worthwhile`, fitted on CPU
-timings (forward + backward).
+(fixed costs) is left to eager; the rough cost model is in :func:`worthwhile`, fitted to CPU
+timings of forward + backward (``posenc bench --level attention --methods deberta`` times both
+paths).
 
 :func:`step` is one query against a KV cache (no gradient): the band's keys written out (its rows
 of B gathered per key, a fixed number), the far keys one fused call of the shifted query with c as
@@ -146,7 +147,7 @@ def worthwhile(spec: ScoreSpec, tq: int, tk: int, device: torch.device) -> bool:
     distance, the rectangle per key: a short encoder call whose band covers nearly every pair (the
     default buckets, b = 256 and M = 512, below about 1000 tokens) is cheaper eager. Below
     :data:`MIN_PAIRS` pairs the path's fixed costs (its loops per batch row, head and block, the
-    kernel thread) outweigh everything: eager (measured: 2-4x faster there).
+    kernel thread) outweigh everything, and eager is the faster one there.
     """
     if tq * tk < MIN_PAIRS:
         return False

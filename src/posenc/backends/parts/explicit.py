@@ -78,8 +78,8 @@ class _Geometry:
 
 class _Workspace:
     """Buffers that every block of one backward reuses. On CPU a fresh (B, H, C, keys) tensor per
-    operation costs several times the operation itself (new pages, cold caches; measured here at
-    4 MB: ~4x for an elementwise op, 2-5x for a matrix product); views of one buffer stay warm."""
+    operation can cost more than the operation itself (new pages to fault in, cold caches); views
+    of one buffer stay warm."""
 
     def __init__(self, numel: int, dtype: torch.dtype, device: torch.device) -> None:
         self.numel, self.dtype, self.device = numel, dtype, device

@@ -69,8 +69,9 @@ class _Flushed:
 
     A bias that grows with distance (ALiBi) puts many probabilities exp(s - lse) in float32's
     denormal range (2^-149 .. 2^-126, i.e. s - lse in (-104, -87)), and on many x86 CPUs every
-    multiply with a denormal operand takes a slow microcode path: the CPU flash kernel's backward ran
-    2-3x slower on such inputs here (ALiBi at N=4096), and how much slower depends on the CPU. Those
+    multiply with a denormal operand takes a slow microcode path, so the CPU flash kernel's backward
+    slows down on such inputs by a factor that depends on the CPU (``benchmarks/attention_table.sh``
+    times ALiBi's train step at N=4096, where it shows). Those
     probabilities are below 2^-126 of the row's largest: flushing them to zero changes nothing a
     float32 result can show. ``torch.set_flush_denormal`` acts on the calling thread only (and the
     OpenMP team that thread starts inherits it), so the setting stays inside this worker: the
