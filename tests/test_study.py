@@ -14,6 +14,7 @@ import posenc
 from posenc import cli, study
 from posenc.study import PRESETS, StudyConfig, evaluation
 from posenc.study.data import load_corpus
+from posenc.study.plan import check
 
 
 @pytest.fixture(scope="module")
@@ -244,7 +245,7 @@ MODERN = {"xpos", "xpos+blockwise", "kerple", "sandwich", "fire", "cope", "deber
 
 def test_presets_are_valid_and_default_matches_design():
     for name in PRESETS:
-        cfg = StudyConfig.from_preset(name, device="cpu").validate()
+        cfg = check(StudyConfig.from_preset(name, device="cpu"))
         # smoke trains every registered method; the others name theirs, so a new method costs them nothing
         assert cfg.methods == (posenc.available() if name == "smoke" else PRESETS[name]["methods"])
         assert {k: getattr(cfg, k) for k in PRESETS[name]} == PRESETS[name]
