@@ -16,8 +16,9 @@ import torch
 
 import posenc
 from posenc import backends, cli
-from posenc.bench import harness, machine, plots, stats, tables, xtransformers
+from posenc.bench import harness, machine, plots, stats, tables
 from posenc.bench.job import Job
+from posenc.bench.libraries import xtransformers
 from posenc.bench.worker import backends_used
 from posenc.errors import UsageError
 

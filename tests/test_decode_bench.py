@@ -10,9 +10,10 @@ import pytest
 import torch
 
 from posenc import cli
-from posenc.bench import harness, hftransformers
+from posenc.bench import harness
 from posenc.bench.job import Job
 from posenc.bench.levels import LEVELS
+from posenc.bench.libraries import hftransformers
 from posenc.bench.plan import configure
 from posenc.errors import UsageError
 

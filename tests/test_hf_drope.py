@@ -13,8 +13,8 @@ transformers = pytest.importorskip("transformers")
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 import posenc.hf as phf  # noqa: E402
-from posenc.hf.evaluation import evaluate  # noqa: E402
 from posenc.study.data import train_batch  # noqa: E402
+from posenc.study.hf_evaluation import evaluate  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

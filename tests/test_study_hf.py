@@ -1,5 +1,5 @@
 """``posenc study --hf-config FILE``: the study's rows on a transformers architecture built from a
-config file (posenc.hf.study). Tiny Llama and Qwen2 configs written to JSON, studies of a few steps
+config file (posenc.study.hf_models). Tiny Llama and Qwen2 configs written to JSON, studies of a few steps
 through the command line; the baseline row checked against a direct evaluation of the untouched
 model written out here; the rope row against the baseline at initialisation; the errors."""
 
@@ -106,7 +106,7 @@ def test_llama_study_end_to_end_and_the_hf_row_is_the_untouched_model(tmp_path, 
 
 
 def test_rope_row_equals_hf_row_at_initialisation(llama) -> None:
-    from posenc.hf.study import HFModels
+    from posenc.study.hf_models import HFModels
 
     cfg = check(StudyConfig.from_preset("smoke", methods=["hf", "rope", "alibi"], hf_config=llama, train_length=16,
                                         eval_lengths=[16, 32]))
@@ -150,7 +150,7 @@ def test_qwen2_recall_study_with_drop_and_finetuned_scaling_rows(tmp_path, text)
     # The checkpoints load back into the row's model (tied weights included) and refuse another config file.
     from safetensors.torch import load_file
 
-    from posenc.hf.study import HFModels, load_architecture
+    from posenc.study.hf_models import HFModels, load_architecture
 
     cfg = check(StudyConfig.from_preset("smoke", task="recall", methods=["rope+drop"], hf_config=qwen, steps=3,
                                         train_length=32, eval_lengths=[32, 64], drop_positions_after=0.34))

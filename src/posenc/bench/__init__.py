@@ -11,7 +11,7 @@ noise floor: it must read 1.00x within its spread.
 Levels (:mod:`posenc.bench.levels`, one module each): ``attention`` times the core of one
 :class:`posenc.Attention` call (q, k, v given: the encoding's hooks plus the backend); ``model`` a
 training step or a forward of the study's LM, optionally next to the same model built with another
-library (:mod:`posenc.bench.compare`, :mod:`posenc.bench.xtransformers`). Every result records the
+library (:mod:`posenc.bench.libraries`, :mod:`posenc.bench.libraries.xtransformers`). Every result records the
 machine (:mod:`posenc.bench.machine`) and the registered backend each posenc attention ran
 (``Attention.last_backend``).
 

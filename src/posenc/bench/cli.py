@@ -14,9 +14,9 @@ from pathlib import Path
 
 from .. import backends
 from ..errors import UsageError
-from .compare import LIBRARIES
 from .harness import run as run_jobs
 from .levels import LEVELS
+from .libraries import LIBRARIES
 from .output import JOURNAL, Journal, claim_out, clear_outputs, journal_header, journal_jobs, save_fallback, write_outputs
 from .plan import DEVICES, DTYPES, SIZE_NAMES, Config, configure
 from .tables import markdown_table

@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from .compare import library_of
 from .job import POSENC, Job, cell_key, label
 from .levels import LEVELS
+from .libraries import library_of
 from .machine import describe_machine
 from .plan import Config, configure, entries, plan
 from .stats import summarize

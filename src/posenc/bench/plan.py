@@ -18,10 +18,10 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from ..errors import UsageError
-from .compare import LIBRARIES, impls
 from .job import BASELINE, POSENC, Job
 from .levels import LEVELS
 from .levels.base import schedule_of
+from .libraries import LIBRARIES, impls
 
 DEVICES = ("cpu", "cuda")
 DTYPES = ("float32", "bfloat16")

@@ -12,10 +12,10 @@ from __future__ import annotations
 import csv
 import io
 
-from .compare import library_of
 from .harness import Results
 from .job import POSENC
 from .levels import LEVELS
+from .libraries import library_of
 from .machine import machine_line
 
 

@@ -7,7 +7,7 @@
   the same weights and relative table.
 
 Importing ``posenc`` never imports ``transformers``; importing ``posenc.hf`` does (the importers
-themselves only read module attributes). :func:`posenc.hf.evaluation.evaluate` scores an HF causal LM
+themselves only read module attributes). :func:`posenc.study.hf_evaluation.evaluate` scores an HF causal LM
 with the study's evaluation (used by the DroPE recipe in docs/hf.md).
 """
 

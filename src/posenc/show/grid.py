@@ -29,9 +29,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..encodings.axial_rope import AxialRoPE, RoPEMixed, patch_positions
-from ..encodings.base import PositionalEncoding
-from ..encodings.mrope import MRoPE, vision_text_positions
+from ..encodings.axial_rope import patch_positions
+from ..encodings.base import PositionalEncoding, position_axes_of
+from ..encodings.mrope import vision_text_positions
 from ..encodings.protocol import Rotates, require
 from ..errors import UsageError, check_int
 
@@ -41,7 +41,6 @@ if TYPE_CHECKING:
 from .inputs import build_checked, check_heads, check_out, check_seed, check_sizes, get_class_checked, write_png
 
 MAX_SIDE = 256  # patches on each side of the grid: a panel is a few hundred pixels wide
-GRID_METHODS = (MRoPE, AxialRoPE, RoPEMixed)
 
 
 def grid_positions(encoding: PositionalEncoding, height: int, width: int) -> torch.Tensor:
@@ -50,9 +49,10 @@ def grid_positions(encoding: PositionalEncoding, height: int, width: int) -> tor
     Raises:
         UsageError: ``encoding`` does not read several position ids per token (no grid to draw).
     """
-    if isinstance(encoding, MRoPE):
+    axes, first = position_axes_of(encoding)  # what the encoding declares it reads
+    if axes == 3 and first:
         return vision_text_positions([(1, height, width)])  # (3, T): temporal 0, then (row, column)
-    if isinstance(encoding, (AxialRoPE, RoPEMixed)):
+    if axes == 2 and not first:
         return patch_positions(height, width)  # (T, 2): (column, row)
     raise UsageError(f"a grid picture needs an encoding with 2-D positions (mrope, axial_rope, rope_mixed), got {type(encoding).__name__}")
 
@@ -66,7 +66,7 @@ def grid_pattern(encoding: PositionalEncoding, height: int, width: int, patch: t
     positions = grid_positions(encoding, height, width)  # UsageError unless a 2-D rotary method
     rotary = require(encoding, Rotates)
     at = row * width + col
-    one = positions[..., at: at + 1] if isinstance(encoding, MRoPE) else positions[at: at + 1]
+    one = positions[..., at: at + 1] if position_axes_of(encoding)[1] else positions[at: at + 1]
     c = torch.ones(1, encoding.num_heads, 1, encoding.head_dim)
     with torch.no_grad():
         q, k = rotary.rotate(c, c.expand(1, -1, height * width, -1), one, positions)  # (1, H, 1, D), (1, H, T, D)
@@ -118,10 +118,11 @@ def grid_png(
 
 
 def draws(method: str) -> bool:
-    """True for a registered method that takes 2-D grid positions (``posenc show`` then draws a grid)."""
+    """True for a registered method that reads several position ids per token (its declared
+    ``position_axes``; ``posenc show`` then draws a grid)."""
     from ..encodings import REGISTRY
 
-    return method in REGISTRY and issubclass(REGISTRY[method], GRID_METHODS)
+    return method in REGISTRY and REGISTRY[method].position_axes > 1
 
 
 def run(args: argparse.Namespace, options: dict) -> int:
@@ -140,4 +141,4 @@ def run(args: argparse.Namespace, options: dict) -> int:
     return 0
 
 
-__all__ = ["GRID_METHODS", "MAX_SIDE", "draws", "grid_figure", "grid_pattern", "grid_png", "grid_positions", "run"]
+__all__ = ["MAX_SIDE", "draws", "grid_figure", "grid_pattern", "grid_png", "grid_positions", "run"]

@@ -25,7 +25,11 @@ The modules, in the order a run meets them:
     pipeline.py    the stages of a run: its model (trained, fine-tuned or loaded), its scores at
                    each length, its record in results.json
     builders.py    how each row's model is made, checked, saved and loaded: posenc's LM, or
-                   (hf_config) a transformers architecture through posenc.hf.study
+                   (hf_config) a transformers architecture through hf_models.py
+    hf_models.py   (hf_config) the rows on a transformers architecture, through posenc.hf.use;
+                   imported only then, so transformers stays optional
+    hf_evaluation.py  the study's evaluation of any transformers causal LM
+    studied.py     the model a study trains: posenc's LM or hf_models' StudyModel
     train.py       the training loop (it reads only its TrainSettings), optimizer and schedule,
                    clean stop on Ctrl-C, RNG state
     variants.py    evaluation variants: RoPE scalings, blockwise attention
@@ -37,6 +41,7 @@ The modules, in the order a run meets them:
     progress.py    bars or log lines
     results.py     the output directory's layout, results.json, CSV, markdown, figure
     compare.py     two runs side by side (``posenc report RUN_A RUN_B``)
+    separation.py  which rows differ beyond both noises (the windows' intervals and the seeds' spread)
     report.py      ``posenc report``: a study as one self-contained HTML page, or two side by side
     figures.py     the study's figures (one fixed colour per method, shades for its variants)
     data.py        byte-level corpora: the built-in stdlib corpus, a file or folder, a Hugging Face dataset

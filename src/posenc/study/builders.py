@@ -5,7 +5,7 @@ checkpoint and score every row the same way whichever model it is:
 
 - :class:`PosencModels` (the default): posenc's own byte-level decoder, :class:`posenc.LM`, built
   from :func:`lm_config`, saved as posenc checkpoints (:mod:`posenc.checkpoint`).
-- ``posenc.hf.study.HFModels`` (``hf_config`` given): a Hugging Face ``transformers`` architecture
+- ``posenc.study.hf_models.HFModels`` (``hf_config`` given): a Hugging Face ``transformers`` architecture
   built from a config file with random weights, posenc's encoding put in with ``posenc.hf.use``.
   It is imported only then: ``transformers`` is an optional extra (``posenc[hf]``).
 
@@ -178,13 +178,13 @@ def models_for(cfg: StudyConfig) -> Models:
 
 
 def hf_study() -> ModuleType:
-    """The module :mod:`posenc.hf.study`, imported now (it needs ``transformers``).
+    """The module :mod:`posenc.study.hf_models`, imported now (it needs ``transformers``).
 
     Raises:
         UsageError: Hugging Face transformers (>= 5) is not installed.
     """
     try:
-        from ..hf import study
+        from . import hf_models as study
     except ImportError:
         raise UsageError("hf_config needs Hugging Face transformers >= 5 (pip install 'posenc[hf]')") from None
     return study

@@ -31,7 +31,7 @@ class _Heads(Protocol):
 
 class Scored(Protocol):
     """What the evaluation reads of a model: posenc's :class:`~posenc.model.LM`, posenc.hf's
-    ``StudyModel``, or posenc.hf.evaluation's view of a transformers model. Called as
+    ``StudyModel``, or posenc.study.hf_evaluation's view of a transformers model. Called as
     ``model(ids)`` or ``model(ids, positions=...)``: logits (B, L, vocab)."""
 
     @property
@@ -92,7 +92,7 @@ def eval_positions(model: Scored, length: int, batch: int, device: torch.device 
 
 def _forward(model: Scored, ids: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
     """``model(ids)``, with ``positions`` only when there are some: a model that takes none (an HF
-    model's view, posenc.hf.evaluation) is scored at positions 0..L-1."""
+    model's view, posenc.study.hf_evaluation) is scored at positions 0..L-1."""
     return model(ids) if positions is None else model(ids, positions=positions)
 
 

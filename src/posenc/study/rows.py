@@ -30,7 +30,7 @@ Which variant applies to which method is decided by what the method is (a RoPE c
 accepts), never by its name.
 
 ``hf`` (:data:`NATIVE`) is not an encoding: on a study of a ``transformers`` architecture
-(``hf_config``, :mod:`posenc.hf.study`) it is the model's own attention, untouched, the baseline of
+(``hf_config``, :mod:`posenc.study.hf_models`) it is the model's own attention, untouched, the baseline of
 the posenc rows; it takes no options and no variants, and a study of posenc's own model refuses it.
 
 The fair-table rule (:func:`fair_options`): an option that bounds a relative distance range,

@@ -1,7 +1,7 @@
 """The models a study trains and scores, as one type for annotations.
 
 posenc's own :class:`~posenc.model.LM`, or, in a study with ``hf_config``, a ``transformers`` model
-inside :class:`posenc.hf.study.StudyModel`. Both are modules called as ``model(tokens)`` -> logits,
+inside :class:`posenc.study.hf_models.StudyModel`. Both are modules called as ``model(tokens)`` -> logits,
 with ``config`` (``num_heads``, ``to_dict()``), ``max_length`` and ``drop_positions()``. The second
 is named for the type checker only: importing the study never imports ``transformers``.
 """
@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, TypeVar, Union
 from ..model import LM
 
 if TYPE_CHECKING:
-    from ..hf.study import StudyModel
+    from .hf_models import StudyModel
 
 StudiedModel = Union[LM, "StudyModel"]
 

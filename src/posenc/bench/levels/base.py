@@ -56,7 +56,7 @@ class Level:
         build: (job, device, dtype) -> the workload; runs in the worker.
         describe: sizes -> the words the table title uses for what is measured.
         units: mode -> the unit of its time column (default "s").
-        compare: libraries (:data:`posenc.bench.compare.LIBRARIES`) it can be compared with.
+        compare: libraries (:data:`posenc.bench.libraries.LIBRARIES`) it can be compared with.
         tokens: job -> tokens per step, for tokens/s.
     """
 

@@ -11,7 +11,7 @@ The cache is filled with random keys and values (B x N per layer), not by a pref
 costs does not depend on the values it reads, and a prefill of 8 x 8,192 tokens would take far
 longer than the measurement. With ``compare=["transformers"]``, Hugging Face's LLaMA (RoPE) and
 BLOOM (ALiBi) of the same sizes decode the same way with their own cache
-(:mod:`posenc.bench.hftransformers`); other methods have no counterpart there.
+(:mod:`posenc.bench.libraries.hftransformers`); other methods have no counterpart there.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ def build(job: Job, device: torch.device, dtype: torch.dtype) -> Workload:
     batch = batch_of(job)
     if job.impl == POSENC:
         return build_posenc(job, batch, device, dtype)
-    from ..compare import library_of
+    from ..libraries import library_of
 
     library = library_of(job.impl)
     try:

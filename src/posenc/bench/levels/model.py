@@ -2,7 +2,7 @@
 
 train = one full training step (forward, cross-entropy, backward, AdamW step, zero_grad); infer =
 one forward under ``torch.inference_mode``. With ``compare``, the same configuration built with
-another library (:mod:`posenc.bench.compare`) runs side by side.
+another library (:mod:`posenc.bench.libraries`) runs side by side.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ def build(job: Job, device: torch.device, dtype: torch.dtype) -> Workload:
     if job.impl == POSENC:
         model = build_posenc(job)
     else:
-        from ..compare import library_of
+        from ..libraries import library_of
 
         try:
             model = library_of(job.impl).build_model(job)

@@ -17,8 +17,8 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from ..errors import UsageError
-from ..study import distributed
-from ..study.evaluation import evaluate as study_evaluate
+from . import distributed
+from .evaluation import evaluate as study_evaluate
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""Libraries posenc can be compared with (``compare`` option), by name.
+"""Libraries posenc can be compared with (the bench's ``compare`` option), by name: the registry.
 
 A library is a module with ``NAME``, ``PACKAGE`` (its import name), ``IMPLS`` (the implementations
 it runs, each a column of the tables), ``has_counterpart(method)`` and ``build_model(job)``. A new

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from .job import Job
+from ..job import Job
 
 NAME = "x-transformers"
 PACKAGE = "x_transformers"  # import name, checked before any job runs

@@ -53,11 +53,11 @@ from ..encodings import get_class, options_of
 from ..encodings.rope import RoPE
 from ..errors import UsageError
 from ..files import write_bytes, write_json
-from ..study import rows, variants
-from ..study.config import StudyConfig
-from ..study.studied import StudiedModel, as_kind
+from ..hf.adapter import SUPPORTED, use
 from ..version import __version__
-from .adapter import SUPPORTED, use
+from . import rows, variants
+from .config import StudyConfig
+from .studied import StudiedModel, as_kind
 
 BYTES = 256  # the study's vocabulary: token id = byte value
 FORMAT = "posenc-study-hf-checkpoint/1"
@@ -237,7 +237,7 @@ class HFModels:
         if row.kind == "eval":
             return self.build(row.parent)
         if row.kind == "finetune":  # the base row's model under the scaling it is fine-tuned with
-            from ..study.variants import scaling_block
+            from .variants import scaling_block
 
             model = self.build(row.parent)
             encodings = variants.encodings(model)

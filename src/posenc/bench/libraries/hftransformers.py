@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 from torch import nn
 
-from .job import Job
+from ..job import Job
 
 if TYPE_CHECKING:
     from transformers import DynamicCache
