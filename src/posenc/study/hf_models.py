@@ -54,10 +54,10 @@ from ..encodings.rope import RoPE
 from ..errors import UsageError
 from ..files import write_bytes, write_json
 from ..hf.adapter import SUPPORTED, use
+from ..model import LM
 from ..version import __version__
 from . import rows, variants
 from .config import StudyConfig
-from .studied import StudiedModel, as_kind
 
 BYTES = 256  # the study's vocabulary: token id = byte value
 FORMAT = "posenc-study-hf-checkpoint/1"
@@ -192,6 +192,18 @@ class StudyModel(nn.Module):
         self.config = replace(self.config, attention="posenc", encoding="nope", encoding_options={}, scaling=None)
 
 
+def _own(model: LM | StudyModel) -> StudyModel:
+    """``model`` as the StudyModel this module made (the study's ``Models`` protocol types its models
+    as either kind; posenc.study.studied.StudiedModel is the same union).
+
+    Raises:
+        TypeError: ``model`` is posenc's own LM (a programming error, not a user's).
+    """
+    if not isinstance(model, StudyModel):
+        raise TypeError(f"expected a StudyModel (made by HFModels), got {type(model).__name__}")
+    return model
+
+
 class HFModels:
     """The study's :class:`~posenc.study.builders.Models` for a transformers architecture."""
 
@@ -271,8 +283,8 @@ class HFModels:
         torch.manual_seed(seed)
         return self.build(row)
 
-    def record(self, model: StudiedModel) -> dict:
-        return as_kind(model, StudyModel).config.to_dict()
+    def record(self, model: LM | StudyModel) -> dict:
+        return _own(model).config.to_dict()
 
     def planned(self, row: rows.Row) -> dict:
         base = row.base_row or row
@@ -287,11 +299,11 @@ class HFModels:
 
     # -- checkpoints ------------------------------------------------------------------------------
 
-    def save(self, model: StudiedModel, path: Path) -> None:
+    def save(self, model: LM | StudyModel, path: Path) -> None:
         """``path`` (safetensors; its header names the row and the config file) and its json."""
         from safetensors.torch import save
 
-        model = as_kind(model, StudyModel)
+        model = _own(model)
         path = Path(path)
         kept, alias = _unique(model.state_dict())
         meta = {"format": FORMAT, "hf_config_sha256": self.arch.sha256, "model": model.config.to_dict()}
