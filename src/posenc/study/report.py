@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 from ..errors import UsageError
 from ..files import check_writable, write_text
+from . import separation
 from .results import load_results, metric_of, run_status, shown, shown_train
 
 if TYPE_CHECKING:
@@ -222,8 +223,6 @@ def _train_table(results: dict) -> str:
 def _separations(results: dict, h: str, against: list[str] | None = None) -> list[str]:
     """The rows separated from each other (:mod:`posenc.study.separation`) at the training length and
     the longest length, as matrices, and row by row against each of ``against``."""
-    from . import separation
-
     lengths = sorted({r["length"] for e in results["methods"].values() for r in shown(e)})
     if not lengths:
         return []
@@ -322,7 +321,6 @@ def render(results: dict, title: str, status: str | None = None, against: list[s
 def render_markdown(results: dict, against: list[str] | None = None) -> str:
     """The study's table in markdown (mean over seeds [95% interval] (the seeds' min-max), training
     seconds), then, per row of ``against``, every row's mark against it (:mod:`.separation`)."""
-    from . import separation
     from .results import markdown_table
 
     parts = [markdown_table(results, intervals=True)]
@@ -397,11 +395,6 @@ def _load(path: Path, what: str) -> dict:
     return results
 
 
-def _check_row(results: dict, row: str) -> None:
-    if row not in results["methods"]:
-        raise UsageError(f"versus: {row!r} is not a row of this study; its rows are {', '.join(results['methods'])}")
-
-
 def run_report(args: argparse.Namespace) -> int:
     """``posenc report``: the study in ``run_dir`` (beside ``other``, if given) as an HTML page at ``out``.
 
@@ -420,7 +413,7 @@ def run_report(args: argparse.Namespace) -> int:
                              "(redirect the output to a file instead)")
         results = _load(run_dir, "run_dir")
         for row in against:
-            _check_row(results, row)
+            separation.check_row(results, row)
         print(render_markdown(results, against), end="")
         return 0
     if other is not None and against:
@@ -434,7 +427,7 @@ def run_report(args: argparse.Namespace) -> int:
     check_writable(out, "out")  # before any rendering
     results = _load(run_dir, "run_dir")
     for row in against:
-        _check_row(results, row)
+        separation.check_row(results, row)
     if other is None:
         page = render(results, f"posenc study: {run_dir.name}", run_status(results, run_dir), against)
     else:

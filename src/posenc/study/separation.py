@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from typing import Literal
 
+from ..errors import UsageError
 from .results import metric_of, shown
 
 Mark = Literal["below", "above", "overlaps", "one seed", "n/a"]
@@ -76,17 +77,24 @@ def figures_by_length(results: dict, method: str) -> dict[int, dict | None]:
     return {r["length"]: _figure(r, recall) for r in shown(results["methods"][method])}
 
 
+def check_row(results: dict, row: str) -> None:
+    """The one check of a ``--versus`` row, for the marks and the report alike.
+
+    Raises:
+        UsageError: ``row`` is not a row of the study.
+    """
+    if row not in results["methods"]:
+        raise UsageError(f"versus: {row!r} is not a row of this study; its rows are "
+                         f"{', '.join(results['methods'])}")
+
+
 def versus(results: dict, other: str) -> dict[str, dict[int, Mark]]:
     """Every row of a study against the row ``other``, per evaluation length.
 
     Raises:
         UsageError: ``other`` is not a row of the study.
     """
-    from ..errors import UsageError
-
-    if other not in results["methods"]:
-        raise UsageError(f"versus: {other!r} is not a row of this study; its rows are "
-                         f"{', '.join(results['methods'])}")
+    check_row(results, other)
     ref = figures_by_length(results, other)
     out = {}
     for method in results["methods"]:
@@ -115,4 +123,4 @@ def markdown_versus(results: dict, other: str) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["Mark", "figures_by_length", "mark", "markdown_versus", "matrix", "versus"]
+__all__ = ["Mark", "check_row", "figures_by_length", "mark", "markdown_versus", "matrix", "versus"]
