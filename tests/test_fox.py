@@ -219,3 +219,25 @@ def test_the_gated_backend_writes_no_quadratic_tensor():
     with MaxTensor() as eager_seen:
         attn(x).sum().backward()
     assert eager_seen.largest >= H * n * 256  # the check sees a block of scores
+
+
+def test_the_feature_path_without_the_flash_kernel_equals_the_kernel_path(monkeypatch):
+    """Where the CPU flash kernel with its log-sum-exp is missing, the gates ride on the keys as a
+    feature of public SDPA: the same outputs and gradients (float64)."""
+    from posenc.backends import gated
+    from posenc.geometry import ScoreSpec
+
+    torch.manual_seed(7)
+    enc = posenc.build("nope", num_heads=H, head_dim=D)
+    q, k, v = (torch.randn(1, H, 200, D, dtype=torch.float64) for _ in range(3))
+    g = torch.nn.functional.logsigmoid(torch.randn(1, H, 200, dtype=torch.float64) * 2 + 1)
+    grad_out = torch.randn(1, H, 200, D, dtype=torch.float64)
+    results = []
+    for kernel in (True, False):
+        monkeypatch.setattr(gated, "use_kernel", lambda q, v, kernel=kernel: kernel)
+        xs = [x.clone().requires_grad_() for x in (q, k, v, g)]
+        spec = ScoreSpec(enc, torch.arange(200), torch.arange(200), True, D ** -0.5, log_gates=xs[3])
+        out = gated.attend(*xs[:3], spec, block=64)
+        results.append([out, *torch.autograd.grad(out, xs, grad_out)])
+    for n, (a, b) in enumerate(zip(*results)):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10, msg=lambda m: f"tensor {n}: {m}")

@@ -22,6 +22,12 @@ How one call runs (shape legend: B batch, H heads, Tq queries, Tk keys, D head d
   the queries of a window that does not cut yet; a single decode query, whose window is just the
   last W cached keys) is an ordinary backend call on that range: every backend and its fast paths
   apply, decode steps included, at O(L x range).
+- Before any of that, a causal window that cuts, on a full pass or a prefill of consecutive
+  positions, with no sinks, no query or value terms and at most a relative bias no gradient reaches
+  (RoPE, NoPE, ALiBi; float32 or float64 on CPU), under ``backend="auto"``, runs whole through
+  :mod:`posenc.backends.parts.sliding`: blocks of C < W queries, each against the W - 1 keys before
+  its first (the window's edge as a broadcast mask) and its own C keys (the kernel's causal mask),
+  each of the two one flash-kernel call batched over the blocks: O(Tq x W) work, no per-block mask.
 - Any other block (a window that cuts, and every block when there are sinks) runs the block formula
   written out: ``softmax(q k^T * scale + bias + query_terms + mask [, sink]) v + value_terms`` with
   the window as one more mask: through SDPA with a bool mask when there are no score terms and no
@@ -44,6 +50,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from .backends.parts import sliding
 from .backends.parts.base import accumulation_dtype
 from .encodings.protocol import Biases, QueryTerms, ValueTerms, require
 from .errors import UsageError
@@ -149,6 +156,9 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec, e
         raise UsageError(f"sinks must hold one logit per query head ({h}), got {extras.sinks.numel()}")
     if tq == 0:
         return q.new_zeros(*q.shape[:-1], v.shape[-1]), "eager"
+    window = extras.window
+    if backend == "auto" and window is not None and extras.sinks is None and sliding.applies(spec, q, window):
+        return sliding.attend(q, k, v, spec, window), "blocked"  # two causal kernel calls per block
     qv, kv = spec.q_positions.tolist(), spec.k_positions.tolist()
     group = h // k.shape[1]
     outs, name = [], "eager"

@@ -8,5 +8,6 @@
 - ``explicit``: ``blocked``'s path for biases without affine tails;
 - ``distance``: ``terms``'s Transformer-XL path;
 - ``single``: one query against a KV cache (a decode step);
-- ``padding``: left-padded rows split into unpadded calls.
+- ``padding``: left-padded rows split into unpadded calls;
+- ``sliding``: a causal sliding window as flash-kernel triangles (:mod:`posenc.local` calls it).
 """
