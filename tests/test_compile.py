@@ -20,7 +20,6 @@ import posenc
 BREAKS = {
     "nope": 0, "sinusoidal": 0, "learned": 0, "rope": 0, "sandwich": 0,
     "mrope": 0, "axial_rope": 0, "rope_mixed": 0,  # the ids index the precomputed table, as RoPE's
-    "fox": 0,  # gated SDPA blocks: plain tensor code
     "deberta": 0,         # T=64 is below the disentangled path's MIN_PAIRS: eager (a long call: its rows read once, the band + far loop)
     "shaw": 5,            # terms: the band + far kernel loop (regions.flushed, opaque)
     "transformer_xl": 8,  # distance: per-distance keys through as_strided views
@@ -29,6 +28,7 @@ BREAKS = {
     "kerple": 6,          # explicit: the kernel loop per query block
     "fire": 4,            # explicit
     "cope": 5,            # contextual: the band + far kernel loop
+    "fox": 11,            # gated: the forgotten keys per block read from the gates and |q.k|; the kernel loop
     "xpos": 8,            # reads the largest position for its scale and table length
 }
 

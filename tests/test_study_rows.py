@@ -208,7 +208,7 @@ def test_a_rows_base_and_variant_are_typed_accessors():
     with pytest.raises(posenc.UsageError, match="no base run"):
         trained.parent
     # a Models method given another kind's model (a programming error) says so
-    from posenc.study.studied import as_kind
+    from posenc.errors import as_kind
 
     model = posenc.LM(LMConfig(dim=16, depth=1, num_heads=2))
     assert as_kind(model, posenc.LM) is model

@@ -11,6 +11,9 @@ It subclasses ``ValueError``, so ``except ValueError`` in user code still catche
 
 from __future__ import annotations
 
+from typing import TypeVar
+
+T = TypeVar("T")
 
 class UsageError(ValueError):
     """A user error: bad input or option, reported in one line naming the parameter."""
@@ -38,4 +41,15 @@ def check_int(name: str, value: object, low: int, high: int, why: str = "") -> i
     return value
 
 
-__all__ = ["UsageError", "check_int", "check_positive"]
+def as_kind(value: object, kind: type[T]) -> T:
+    """``value`` as the ``kind`` its maker promised (a study's ``Models`` given back its own model).
+
+    Raises:
+        TypeError: ``value`` is not a ``kind``: a programming error, not a user's.
+    """
+    if not isinstance(value, kind):
+        raise TypeError(f"expected a {kind.__name__}, got {type(value).__name__}")
+    return value
+
+
+__all__ = ["UsageError", "as_kind", "check_int", "check_positive"]

@@ -15,7 +15,12 @@ rows see, then its causal staircase, with the kernel's own causal mask; they are
 their log-sum-exps, and the backward is each call's flash backward given the merged output and
 log-sum-exp (:mod:`~posenc.backends.parts.regions`). The gates' gradient is the mask's,
 ``sum_i dS_ij`` per key: the kernel's backward gives it as the last feature of dk when q carries
-one more feature 1 / scale and k, v a zero one (the scores and outputs do not change). Memory:
+one more feature 1 / scale and k, v a zero one (the scores and outputs do not change). Gates that
+forget make most keys weigh nothing: in float32 a block's calls start at the first key some head
+of some row can still see (:func:`_first_keys`: the keys whose decay is below the block's first
+query's own key by more than ZERO_LOGIT plus twice a bound on |q . k| x scale, the rule
+``blocked`` applies to steep ALiBi heads, have probabilities below 2^-150, exactly zero), so the
+cost follows how far the slowest head remembers, not N. Memory:
 O(N x block) per call, no (B, H, N, N) tensor. Where the CPU flash kernel with its log-sum-exp is
 missing (another device, an old torch), the gates ride on the keys as one extra feature of public
 ``scaled_dot_product_attention`` instead, q' = [q, 1], k' = [k, (c_ref - c_j) / scale], v' = [v, 0],
@@ -40,6 +45,7 @@ from ..encodings.protocol import Biases, QueryTerms, ValueTerms, offers
 from .parts import padding
 from .parts.base import ScoreSpec
 from .parts.regions import Merge, Region, apply, flushed, kernel_forward, keys_of, lower, region_backward, rows_of, use_kernel
+from .parts.tails import ZERO_LOGIT, spread
 
 BLOCK = 128  # queries per block (the reference of c is the block's middle query)
 DTYPES = (torch.float32, torch.float64)
@@ -65,18 +71,34 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec, b
         decay = (c[..., -1:] - c)[:, :, None, :].to(q.dtype)  # (B, H, 1, Tk)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=decay, scale=spec.scale)
     if use_kernel(q, v):
-        return apply(_Gated, q, k, v, c, tk - tq, block, spec.scale)
+        starts = _first_keys(q, k, c, tk - tq, block, spec.scale) if q.dtype == torch.float32 else None
+        return apply(_Gated, q, k, v, c, _blocks(tq, tk - tq, block, starts), spec.scale)
     return _features(q, k, v, c, tk - tq, block, spec.scale)
 
 
-def _blocks(tq: int, offset: int, block: int) -> list[tuple[int, Region]]:
+def _first_keys(q: torch.Tensor, k: torch.Tensor, c: torch.Tensor, offset: int, block: int, scale: float) -> list[int]:
+    """Per block of queries, the first key that can weigh anything in float32: the keys before it
+    are forgotten by every head of every row, their decay below the block's first query's own key
+    by more than ZERO_LOGIT + 2 x (a bound on |q . k| x scale), so their probability is below
+    2^-150 of that key's, exactly zero in float32, and no call needs them."""
+    limit = ZERO_LOGIT + 2 * spread(q, k, scale)
+    with torch.no_grad():
+        counts = [((c[..., : t0 + offset + 1] - c[..., t0 + offset, None]).amin((0, 1)) > limit).sum()  # (Tk,) -> ()
+                  for t0 in range(0, q.shape[-2], block)]
+    return [int(n) for n in torch.stack(counts).tolist()]  # c is non-increasing: the forgotten keys lead
+
+
+def _blocks(tq: int, offset: int, block: int, starts: list[int] | None = None) -> list[tuple[int, Region]]:
     """(the key index of the block's middle query, region) for every kernel call: per block of
-    queries, the keys all its rows see, then its causal staircase (:func:`regions.lower`)."""
+    queries, the keys all its rows see (from ``starts[n]`` on for block n), then its causal
+    staircase (:func:`regions.lower`)."""
     out = []
-    for t0 in range(0, tq, block):
+    for n, t0 in enumerate(range(0, tq, block)):
         t1 = min(t0 + block, tq)
         middle = (t0 + t1) // 2 + offset
-        out += [(middle, Region((t0 + r.rows[0], t0 + r.rows[1]), r.keys, r.causal)) for r in lower(t1 - t0, t0 + t1 - t0 + offset, t0 + offset)]
+        for r in lower(t1 - t0, t1 + offset, t0 + offset):
+            keys = r.keys if r.causal or starts is None else (starts[n], r.keys[1])
+            out.append((middle, Region((t0 + r.rows[0], t0 + r.rows[1]), keys, r.causal)))
     return out
 
 
@@ -92,9 +114,8 @@ class _Gated(torch.autograd.Function):
     and k a zero one (the scores are unchanged): q' = [q, 1/scale], k' = [k, 0], v' = [v, 0]."""
 
     @staticmethod
-    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c: torch.Tensor, offset: int, block: int,
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c: torch.Tensor, plan: list[tuple[int, Region]],
                 scale: float) -> torch.Tensor:
-        plan = _blocks(q.shape[-2], offset, block)
         b, h, tq, d = q.shape
         merged = Merge(b, h, tq, d, q.dtype, q.device)
 
@@ -134,7 +155,7 @@ class _Gated(torch.autograd.Function):
 
         flushed(run)
         dq, dk, dv = (g[..., :d] for g in grads)
-        return dq, dk, dv, dc, None, None, None
+        return dq, dk, dv, dc, None, None
 
 
 def _features(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c: torch.Tensor, offset: int, block: int, scale: float) -> torch.Tensor:

@@ -26,11 +26,11 @@ import torch
 from ..checkpoint import load_checkpoint, save_checkpoint
 from ..encodings import get_class
 from ..encodings.rope import RoPE
-from ..errors import UsageError
+from ..errors import UsageError, as_kind
 from ..model import LM, LMConfig
 from .config import RANDOM_SPAN, StudyConfig
 from .rows import Row, fair_options, fair_schedule
-from .studied import StudiedModel, as_kind
+from .studied import StudiedModel
 from .variants import applied, scaling_block
 
 

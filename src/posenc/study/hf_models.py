@@ -51,7 +51,7 @@ from transformers import CONFIG_MAPPING, AutoModelForCausalLM, PreTrainedModel
 from ..checkpoint import _header, _unique
 from ..encodings import get_class, options_of
 from ..encodings.rope import RoPE
-from ..errors import UsageError
+from ..errors import UsageError, as_kind
 from ..files import write_bytes, write_json
 from ..hf.adapter import SUPPORTED, use
 from ..model import LM
@@ -192,18 +192,6 @@ class StudyModel(nn.Module):
         self.config = replace(self.config, attention="posenc", encoding="nope", encoding_options={}, scaling=None)
 
 
-def _own(model: LM | StudyModel) -> StudyModel:
-    """``model`` as the StudyModel this module made (the study's ``Models`` protocol types its models
-    as either kind; posenc.study.studied.StudiedModel is the same union).
-
-    Raises:
-        TypeError: ``model`` is posenc's own LM (a programming error, not a user's).
-    """
-    if not isinstance(model, StudyModel):
-        raise TypeError(f"expected a StudyModel (made by HFModels), got {type(model).__name__}")
-    return model
-
-
 class HFModels:
     """The study's :class:`~posenc.study.builders.Models` for a transformers architecture."""
 
@@ -284,7 +272,7 @@ class HFModels:
         return self.build(row)
 
     def record(self, model: LM | StudyModel) -> dict:
-        return _own(model).config.to_dict()
+        return as_kind(model, StudyModel).config.to_dict()
 
     def planned(self, row: rows.Row) -> dict:
         base = row.base_row or row
@@ -303,7 +291,7 @@ class HFModels:
         """``path`` (safetensors; its header names the row and the config file) and its json."""
         from safetensors.torch import save
 
-        model = _own(model)
+        model = as_kind(model, StudyModel)
         path = Path(path)
         kept, alias = _unique(model.state_dict())
         meta = {"format": FORMAT, "hf_config_sha256": self.arch.sha256, "model": model.config.to_dict()}

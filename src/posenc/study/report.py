@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING
 
 from ..errors import UsageError
 from ..files import check_writable, write_text
-from . import separation
-from .results import load_results, metric_of, run_status, shown, shown_train
+from . import compare, separation
+from .results import load_results, markdown_table, metric_of, run_status, shown, shown_train
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -321,8 +321,6 @@ def render(results: dict, title: str, status: str | None = None, against: list[s
 def render_markdown(results: dict, against: list[str] | None = None) -> str:
     """The study's table in markdown (mean over seeds [95% interval] (the seeds' min-max), training
     seconds), then, per row of ``against``, every row's mark against it (:mod:`.separation`)."""
-    from .results import markdown_table
-
     parts = [markdown_table(results, intervals=True)]
     for other in against or []:
         parts += [f"Against {other} (below/above: every seed and the 95% intervals apart; see posenc.study.separation):",
@@ -333,8 +331,6 @@ def render_markdown(results: dict, against: list[str] | None = None) -> str:
 def render_two(a: dict, root_a: Path, b: dict, root_b: Path, names: tuple[str, str],
                status: tuple[str | None, str | None] = (None, None)) -> str:
     """Two runs on one page (see :mod:`posenc.study.compare`)."""
-    from . import compare
-
     e = html.escape
     body = []
     if metric_of(a) != metric_of(b):

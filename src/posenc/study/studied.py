@@ -8,7 +8,7 @@ is named for the type checker only: importing the study never imports ``transfor
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, TypeVar, Union
+from typing import TYPE_CHECKING, Union
 
 from ..model import LM
 
@@ -17,19 +17,4 @@ if TYPE_CHECKING:
 
 StudiedModel = Union[LM, "StudyModel"]
 
-M = TypeVar("M")
-
-
-def as_kind(model: StudiedModel, kind: type[M]) -> M:
-    """``model`` as the ``kind`` of model that made it.
-
-    Raises:
-        TypeError: ``model`` is not a ``kind`` (a ``Models`` method given another kind's model: a
-            programming error, not a user's).
-    """
-    if not isinstance(model, kind):
-        raise TypeError(f"expected a {kind.__name__} (made by the study's own Models), got {type(model).__name__}")
-    return model
-
-
-__all__ = ["StudiedModel", "as_kind"]
+__all__ = ["StudiedModel"]

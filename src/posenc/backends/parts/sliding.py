@@ -67,7 +67,7 @@ def applies(spec: ScoreSpec, q: torch.Tensor, window: int) -> bool:
     return not (spec.has_bias and torch.is_grad_enabled() and any(p.requires_grad for p in spec.encoding.parameters()))
 
 
-BLOCK = 128  # rows per block of an inner group (fewer when the window is narrower)
+BLOCK = 64  # rows per block of an inner group (fewer when the window is narrower)
 
 
 @dataclass(frozen=True)
