@@ -15,6 +15,7 @@ from typing import TypeVar
 
 T = TypeVar("T")
 
+
 class UsageError(ValueError):
     """A user error: bad input or option, reported in one line naming the parameter."""
 

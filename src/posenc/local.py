@@ -158,7 +158,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec, e
         return q.new_zeros(*q.shape[:-1], v.shape[-1]), "eager"
     window = extras.window
     if backend == "auto" and window is not None and extras.sinks is None and sliding.applies(spec, q, window):
-        return sliding.attend(q, k, v, spec, window), "blocked"  # two causal kernel calls per block
+        return sliding.attend(q, k, v, spec, window), "blocked"  # batched flash-kernel calls, as blocked's
     qv, kv = spec.q_positions.tolist(), spec.k_positions.tolist()
     group = h // k.shape[1]
     outs, name = [], "eager"

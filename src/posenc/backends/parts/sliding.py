@@ -2,22 +2,23 @@
 
 Query a (key index a + offset, consecutive positions) sees the keys ``a + offset - W < b <= a +
 offset`` (:mod:`posenc.local`). The queries are cut into blocks of C < W rows, and the keys of a
-block into two triangles and a rectangle (:func:`plan`): the kernel's own top-left causal mask
-draws each triangle (one on reversed blocks), and the rectangle needs no mask. The blocks whose
-keys all exist have the same shapes, so each of the three is one kernel call batched over the
-blocks, on overlapping windows of k and v (views, :mod:`~posenc.backends.parts.band`); the few
-other blocks (the window's start, a short last block) are single calls.
+block into two parts (:func:`plan`): the W - 1 keys before the block, whose edge is one (C, W - 1)
+mask broadcast over the blocks, and the block's own C keys, drawn by the kernel's top-left causal
+mask. The blocks whose keys all exist have the same shapes, so each part is one kernel call batched
+over the blocks, on overlapping windows of k and v (views, :mod:`~posenc.backends.parts.band`);
+the few other blocks (the window's start, a short last block) are single calls, the kernel's
+staircase on the reversed block drawing their edge.
 
-A block thus costs C x (W + C - 1) pairs, every one of them visible but C (C - 1) in the
-triangles, and the whole call about N x (W + C) against the full causal call's N^2 / 2; the block
-formula of :mod:`posenc.local` gives the kernel W-row blocks against 2W - 1 keys with a bool mask,
-twice the pairs and a mask to read. The parts of a row are merged through their log-sum-exps
+A block thus costs C x (W + C - 1) pairs, all visible but the C (C - 1) of the two triangles, and
+the whole call about N x (W + C) against the full causal call's N^2 / 2; the block formula of
+:mod:`posenc.local` gives the kernel max(W, 64)-row blocks against up to max(W, 64) + W - 1 keys
+with a bool mask. The parts of a row are merged through their log-sum-exps
 (:class:`~posenc.backends.parts.regions.Merge`), and the backward is each call's flash backward
 given the merged output and log-sum-exp (see :mod:`~posenc.backends.parts.regions`), so only q,
 k, v, the output and the log-sum-exp are saved.
 
-A relative bias (ALiBi; KERPLE under no grad) is each call's mask, its (H, C, L) slice in call
-order, the same for every inner block, when no gradient has to reach it (an encoding without
+A relative bias (ALiBi; KERPLE under no grad) is added to each call's mask, its (H, C, L) slice in
+call order, the same for every inner block, when no gradient has to reach it (an encoding without
 trainable parameters, or no grad): a learned bias keeps the block formula of :mod:`posenc.local`,
 which gives it its gradient.
 
@@ -54,8 +55,8 @@ from .regions import (
 def applies(spec: ScoreSpec, q: torch.Tensor, window: int) -> bool:
     """This path runs a causal window of ``window`` keys on these queries: consecutive positions,
     every query a key (a full pass or a prefill), no padding, no query or value terms, a bias only
-    if it is relative (the same for every block) and no gradient reaches it, float32 or float64 on a CPU with the flash ops, and a window that
-    cuts (more keys than W)."""
+    if it is relative (the same for every block) and no gradient reaches it, float32 or float64 on
+    a CPU with the flash ops, and a window that cuts (more keys than W)."""
     if not (FLASH_OPS and q.device.type == "cpu" and q.dtype in (torch.float32, torch.float64)):
         return False
     if not (spec.causal and spec.contained and spec.starts is None and spec.log_gates is None):
@@ -139,11 +140,7 @@ def _part_mask(spec: ScoreSpec, part: Part, dtype: torch.dtype) -> torch.Tensor 
     bias is the same for every block), and for the earlier keys the window's edge, -inf where
     row i would see key b < i."""
     g = part.group
-    mask = None
-    if spec.has_bias:
-        qp = spec.q_positions[g.t0 : g.t0 + g.rows]
-        kp = spec.k_positions[g.k0 : g.k0 + g.length]
-        mask = require(spec.encoding, Biases).bias(qp, kp).detach().to(dtype)  # (H or 1, C, L)
+    mask = _bias(spec, (g.t0, g.t0 + g.rows), (g.k0, g.k0 + g.length), dtype) if spec.has_bias else None  # (H or 1, C, L)
     if not part.causal:
         rows = torch.arange(g.rows, device=spec.k_positions.device)
         edge = torch.zeros(g.rows, g.length, dtype=dtype, device=rows.device)
@@ -154,9 +151,15 @@ def _part_mask(spec: ScoreSpec, part: Part, dtype: torch.dtype) -> torch.Tensor 
 
 def _mask(spec: ScoreSpec, region: Region, dtype: torch.dtype) -> torch.Tensor:
     """The bias of one region as its kernel mask, (1, H, Lq, Lk) in call order."""
-    qp, kp = spec.q_positions[slice(*region.rows)], spec.k_positions[slice(*region.keys)]
-    bias = require(spec.encoding, Biases).bias(qp, kp).detach().to(dtype)  # (H or 1, Lq, Lk)
+    bias = _bias(spec, region.rows, region.keys, dtype)  # (H or 1, Lq, Lk)
     return call_order(call_order(bias, region, -1), region, -2)[None].contiguous()
+
+
+def _bias(spec: ScoreSpec, rows: tuple[int, int], keys: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
+    """The encoding's bias (H or 1, Lq, Lk) of queries ``rows`` and keys ``keys`` (index ranges),
+    detached: no gradient reaches it on this path (:func:`applies`)."""
+    qp, kp = spec.q_positions[slice(*rows)], spec.k_positions[slice(*keys)]
+    return require(spec.encoding, Biases).bias(qp, kp).detach().to(dtype)
 
 
 class _Window(torch.autograd.Function):

@@ -33,7 +33,7 @@ def spread(q: torch.Tensor, k: torch.Tensor, scale: float) -> float:
         bound = float(q.detach().float().norm(dim=-1).max() * k.detach().float().norm(dim=-1).max()) * scale
     if not math.isfinite(bound):
         raise UsageError("q and k must be finite: the queries or keys hold inf or NaN (diverged weights or inputs?); "
-                         "the blocked backend plans its regions from their size")
+                         "the blocked and gated backends plan their kernel calls from their size")
     return bound
 
 
