@@ -20,20 +20,22 @@ The modules, in the order a run meets them:
     rows.py        what a row of ``methods`` is: METHOD[:KEY=VALUE][+VARIANT], parsed once into a
                    Row; the fair-table rule
     cli.py         the command line, derived from StudyConfig's fields
-    run.py         run_experiment: claim the directory, load the data, then the pipeline
-    plan.py        the study's checks, then its runs (a row at a seed: paths, TrainSettings)
-    pipeline.py    the stages of a run: its model (trained, fine-tuned or loaded), its scores at
-                   each length, its record in results.json
+    run.py         run_experiment: check the study, claim the directory, load the data, plan the
+                   runs, then the pipeline; each room below entered once before training starts
     builders.py    how each row's model is made, checked, saved and loaded: posenc's LM, or
                    (hf_config) a transformers architecture through hf_models.py
     hf_models.py   (hf_config) the rows on a transformers architecture, through posenc.hf.use;
                    imported only then, so transformers stays optional
     hf_evaluation.py  the study's evaluation of any transformers causal LM
+    plan.py        the study's runs (a row at a seed: paths, TrainSettings)
+    pipeline.py    the stages of a run: its model (trained, fine-tuned or loaded), its scores at
+                   each length, its record in results.json
     studied.py     the model a study trains: posenc's LM or hf_models' StudyModel
     train.py       the training loop (it reads only its TrainSettings), optimizer and schedule,
                    clean stop on Ctrl-C, RNG state
     variants.py    evaluation variants: RoPE scalings, blockwise attention
     evaluation.py  windows and scoring at one length (perplexity, or recall accuracy)
+    metrics.py     a run's typed score at one length (LMScore, RecallScore), as results.json writes it
     recall.py      the associative-recall task: sequences, batches, evaluation sets
     bootstrap.py   intervals from resampling the scored windows
     fairness.py    position parameters an evaluation uses but training never updated

@@ -177,6 +177,19 @@ def models_for(cfg: StudyConfig) -> Models:
     return study.HFModels(cfg, study.check(cfg))  # the file, its family and vocab, checked now
 
 
+def checked_models(cfg: StudyConfig) -> Models:
+    """The model builder of ``cfg`` (:func:`models_for`), once every row of ``cfg`` is known to build
+    (on the meta device) and to take its variant at every evaluation length.
+
+    Raises:
+        UsageError: naming the row (an ``hf_config`` file: the file) that cannot be used.
+    """
+    models = models_for(cfg)
+    for row in cfg.rows:
+        models.check(row)
+    return models
+
+
 def hf_study() -> ModuleType:
     """The module :mod:`posenc.study.hf_models`, imported now (it needs ``transformers``).
 
@@ -190,4 +203,4 @@ def hf_study() -> ModuleType:
     return study
 
 
-__all__ = ["Models", "PosencModels", "hf_study", "lm_config", "lm_sizes", "models_for"]
+__all__ = ["Models", "PosencModels", "checked_models", "hf_study", "lm_config", "lm_sizes", "models_for"]

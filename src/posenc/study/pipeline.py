@@ -19,6 +19,7 @@ evaluated or fine-tuned from it; the study goes on with the other rows.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, replace
 from typing import Any, Callable
@@ -37,8 +38,19 @@ from .plan import Plan, Run
 from .progress import Progress
 from .results import Paths, write_outputs
 from .rows import Row, fair_options, fair_schedule
+from .metrics import LMScore, RecallScore, Score
 from .studied import StudiedModel
 from .train import Diverged, StateError, StepCallback, TrainSettings, train
+
+
+def record_of(results: dict, row: str, index: int) -> dict | None:
+    """The record of ``row`` at its ``index``-th seed in ``results`` (0: the row's entry itself, later
+    seeds in its ``seeds`` list), or None when that run has not started."""
+    entry = results["methods"].get(row)
+    if entry is None or index == 0:
+        return entry
+    later = entry.get("seeds", [])
+    return later[index - 1] if index - 1 < len(later) else None
 
 
 class Book:
@@ -58,8 +70,7 @@ class Book:
 
     def run_of(self, run: Run) -> dict | None:
         """The stored record of ``run``, or None when it has not started."""
-        entry = self.results["methods"].get(run.row.name)
-        return seeds.run_of(entry, run.index) if entry else None
+        return record_of(self.results, run.row.name, run.index)
 
     def finished(self, run: Run) -> bool:
         """Done, or diverged (a run that would diverge again at the same step: not retried)."""
@@ -247,16 +258,16 @@ class Stages:
             self.ui.evaluating(bar, length)
             t0 = time.perf_counter()
             with variants.applied(model, run.row, length, cfg.train_length) as applied:
-                out = self.score_length(model, run, length)
-                if out["status"] == "ok" and fairness.position_parameters(model):
+                score = self.score_length(model, run, length)
+                if score.ok and fairness.position_parameters(model):
                     if initial is None:
                         initial = self.plan.models.initial(run.row.ancestor, run.seed).to(self.ctx.device)
-                    out["untrained"] = fairness.untrained_used(model, initial, self.probe(length))
-            out.update(applied)
-            out["time_s"] = round(time.perf_counter() - t0, 3)
-            record["eval"].append(out)
+                    score.untrained = fairness.untrained_used(model, initial, self.probe(length))
+            score.variant = applied
+            score.time_s = round(time.perf_counter() - t0, 3)
+            record["eval"].append(score.to_json())
             record["eval"].sort(key=lambda e: e["length"])
-            self.ui.log(f"[{run.label}] L={length}: " + describe_score(out))
+            self.ui.log(f"[{run.label}] L={length}: " + score.describe())
             self.ui.advance(bar)
             self.book.save()
         self.ui.close(bar)
@@ -268,48 +279,91 @@ class Stages:
             return recall.eval_set(length, "far", 1, self.plan.cfg.train_length)[0].to(self.ctx.device)
         return self.corpus.valid[: length + 1].long()[None].to(self.ctx.device)
 
-    def score_length(self, model: StudiedModel, run: Run, length: int) -> dict:
-        """One length's evaluation record (its per-window numbers saved beside results.json)."""
+    def score_length(self, model: StudiedModel, run: Run, length: int) -> Score:
+        """One length's score (its per-window numbers saved beside results.json)."""
         cfg = self.plan.cfg
         reason = cannot_run(model, length)
         if reason:
             if self.corpus is None:
-                return {"length": length, "accuracy": None, "status": reason}
-            return {"length": length, "perplexity": None, "bits_per_byte": None, "loss": None,
-                    "tokens": self.corpus.valid_tokens, "status": reason}
+                return RecallScore(length=length, status=reason)
+            return LMScore(length=length, status=reason, tokens=self.corpus.valid_tokens)
         on_batch, done = self.ui.window_bar(run.label, length)
+        score: Score
         try:
             if self.corpus is None:
-                res = evaluate_recall(model, length, cfg.train_length, cfg.recall_sequences, self.ctx, on_batch)
+                classes = evaluate_recall(model, length, cfg.train_length, cfg.recall_sequences, self.ctx, on_batch)
+                windows = {cls: d.pop("windows") for cls, d in classes.items()}
+                score = _recall_score(length, classes, windows)
             else:
                 res = evaluate(model, self.corpus.valid, length, cfg.sliding, self.ctx, on_batch)
+                windows = res.pop("windows")
+                low, high = bootstrap.interval(windows["nll"], windows["count"], bootstrap.exp)
+                score = LMScore(length=length, perplexity=res["perplexity"], ppl_low=low, ppl_high=high,
+                                bits_per_byte=res["bits_per_byte"], loss=res["loss"], tokens=res["tokens"],
+                                windows=len(windows["count"]))
         finally:
             done()
-        if self.corpus is None:
-            windows = {cls: d.pop("windows") for cls, d in res.items()}
-            out = _recall_score(length, res, windows)
-        else:
-            windows = res.pop("windows")
-            low, high = bootstrap.interval(windows["nll"], windows["count"], bootstrap.exp)
-            out = {"length": length, "perplexity": res["perplexity"], "ppl_low": low, "ppl_high": high,
-                   "bits_per_byte": res["bits_per_byte"], "loss": res["loss"], "tokens": res["tokens"],
-                   "windows": len(windows["count"]), "status": "ok"}
         if self.ctx.main:
             write_json(self.book.paths.window_scores(run.row.stem, run.seed, length),
                        {"row": run.row.name, "seed": run.seed, "length": length, **windows})
-        return out
+        return score
 
 
-def _recall_score(length: int, res: dict, windows: dict) -> dict:
-    """A recall length's record: accuracy per distance class and over all, each with its interval
+def run_all(study: Plan, corpus: Corpus | None, results: dict, ctx: distributed.Context, ui: Progress,
+            on_step: StepCallback | None, started: float) -> dict:
+    """Every run of ``study`` through the stages (:class:`Stages`), skipping the runs a resumed
+    study finished, then the study's status and wall time into results.json with its tables and
+    figures; returns the results. ``results``: as :func:`.run.prepare` made them (already in
+    results.json); ``started``: when the study began (``time.perf_counter()``)."""
+    cfg, paths = study.cfg, study.paths
+    book = Book(results, paths, ctx, cfg)
+    stages = Stages(study, corpus, book, ctx, ui, on_step)
+    what = (f"{cfg.steps} steps of {cfg.batch_size} x {cfg.train_length} bytes" if corpus is not None else
+            f"{cfg.steps} steps of {cfg.batch_size} recall sequences of {cfg.train_length}")
+    ui.log(f"posenc study: {len(cfg.rows)} row(s) x {cfg.seeds} seed(s), task {cfg.task}, train length "
+           f"{cfg.train_length}, eval {cfg.eval_lengths}, {what}, out {paths.root}")
+    if results.get("hf"):
+        hf = results["hf"]
+        ui.log(f"model: {hf['model_type']} from {hf['path']} (sha256 {hf['sha256'][:12]}), "
+               f"{hf['num_hidden_layers']} layers, hidden {hf['hidden_size']}, {hf['num_attention_heads']} heads "
+               f"({hf['num_key_value_heads']} key/value), vocab {hf['vocab_size']}, random initialisation")
+    if corpus is not None:
+        ui.log(corpus.summary())
+        for s in corpus.skipped:
+            ui.warn(f"data: skipped {s['file']}: {s['reason']}")
+    try:
+        for run in study.runs:
+            record = book.run_of(run)
+            if record is not None and record.get("status") in ("done", "diverged"):
+                ui.log(f"[{run.label}] {record.get('status')} already, skipped")
+            else:
+                stages.run(run)
+            ui.method_done()
+    finally:
+        ui.finish()
+    count = results["config"].get("seeds", 1)  # (every row of the study: a resumed study's saved rows too)
+    status = [record_of(results, name, i) for name in results["config"]["methods"] for i in range(count)]
+    results["status"] = "done" if all(s is not None and s.get("status") in ("done", "diverged") for s in status) \
+        else "partial"
+    # Wall time of the study: this run's, plus that of the earlier runs of a resumed study that finished.
+    results["wall_s"] = round(results.get("wall_s", 0.0) + time.perf_counter() - started, 1)
+    if ctx.main:
+        write_json(paths.results, results)
+        write_outputs(results, paths.root, table=True)
+        with contextlib.suppress(OSError):
+            (paths.root / "state").rmdir()  # only when empty: no method is mid-training
+    return results
+
+
+def _recall_score(length: int, res: dict, windows: dict) -> RecallScore:
+    """A recall length's score: accuracy per distance class and over all, each with its interval
     (the bootstrap over sequences)."""
     for cls, d in res.items():
         d["acc_low"], d["acc_high"] = bootstrap.interval(windows[cls]["correct"], windows[cls]["count"])
     correct: list[int] = sum((w["correct"] for w in windows.values()), [])
     count: list[int] = sum((w["count"] for w in windows.values()), [])
     low, high = bootstrap.interval(correct, count)
-    return {"length": length, "accuracy": sum(correct) / sum(count), "acc_low": low, "acc_high": high,
-            "distances": res, "status": "ok"}
+    return RecallScore(length=length, accuracy=sum(correct) / sum(count), acc_low=low, acc_high=high, distances=res)
 
 
 def describe(row: Row, cfg: StudyConfig) -> dict:
@@ -335,16 +389,4 @@ def describe(row: Row, cfg: StudyConfig) -> dict:
     return out
 
 
-def describe_score(r: dict) -> str:
-    """One length's record in words, for the log."""
-    if r["status"] != "ok":
-        return r["status"]
-    if "accuracy" in r:
-        far = r["distances"]["far"]
-        return (f"accuracy {r['accuracy']:.3f} [{r['acc_low']:.3f}, {r['acc_high']:.3f}], far "
-                f"{far['accuracy']:.3f} (distance {far['distance_min']}-{far['distance_max']})")
-    return (f"perplexity {r['perplexity']:.3f} [{r['ppl_low']:.3f}, {r['ppl_high']:.3f}], "
-            f"{r['bits_per_byte']:.3f} bits/byte")
-
-
-__all__ = ["Book", "Stages", "describe", "describe_score"]
+__all__ = ["Book", "Stages", "describe", "record_of", "run_all"]

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import UsageError
-from .builders import Models, models_for
+from .builders import Models, checked_models
 from .config import StudyConfig
 from .results import Paths
 from .rows import Row
@@ -65,28 +65,21 @@ class Plan:
 
     cfg: StudyConfig
     models: Models  # how each row's model is made, saved and loaded
+    paths: Paths  # the study's files
     runs: tuple[Run, ...]  # the runs to do now, seeds outermost
 
 
 def check(cfg: StudyConfig, also: Sequence[Row] = ()) -> StudyConfig:
-    """The plan's checks of the study of ``cfg``'s rows and ``also`` (a resumed study's saved rows);
-    returns ``cfg``. See :func:`checked_models`."""
-    checked_models(cfg, also)
-    return cfg
-
-
-def checked_models(cfg: StudyConfig, also: Sequence[Row] = ()) -> Models:
-    """The model builder of ``cfg``, once every row is known to build and evaluate, and every option
-    that only some rows read has such a row among ``cfg.rows`` and ``also``.
+    """The plan's checks of the study of ``cfg``'s rows and ``also`` (a resumed study's saved rows):
+    every option that only some rows read has such a row (:meth:`.config.StudyConfig.check_applies`),
+    every row builds and takes its variant (:func:`.builders.checked_models`); returns ``cfg``.
 
     Raises:
         UsageError: naming the row or option (an ``hf_config`` file: the file) that cannot be used.
     """
     cfg.check_applies([*cfg.rows, *also])
-    models = models_for(cfg)
-    for row in cfg.rows:
-        models.check(row)
-    return models
+    checked_models(cfg)
+    return cfg
 
 
 def settings_of(cfg: StudyConfig, row: Row, seed: int, world: int) -> TrainSettings | None:
@@ -132,7 +125,7 @@ def plan(cfg: StudyConfig, models: Models, paths: Paths, world: int) -> Plan:
             return run
 
         runs.extend(run_of(row) for row in cfg.rows)
-    return Plan(cfg, models, tuple(runs))
+    return Plan(cfg, models, paths, tuple(runs))
 
 
-__all__ = ["FINETUNE_STREAM", "Plan", "Run", "check", "checked_models", "plan", "settings_of"]
+__all__ = ["FINETUNE_STREAM", "Plan", "Run", "check", "plan", "settings_of"]

@@ -52,7 +52,7 @@ class Progress:
 
         return tqdm(dynamic_ncols=True, **kwargs)
 
-    def study_bar(self, total: int, done: int) -> None:
+    def study_bar(self, total: int, done: int = 0) -> None:
         if self.bars:
             self.study = self._tqdm(total=total, initial=done, desc="study", unit="method", position=0)
 

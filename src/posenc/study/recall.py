@@ -176,5 +176,21 @@ def eval_set(length: int, cls: str, count: int, train_length: int, spec: Recall 
     return sequences(g, count, length, window(cls, length, train_length, spec), spec)
 
 
-__all__ = ["CLASSES", "FILLER", "KEYS", "Recall", "TASK", "VALUES", "eval_set", "layout", "sequences",
+def fingerprint(lengths: list[int], eval_sequences: int, spec: Recall = TASK) -> dict:
+    """What a recall study's data is (``results["corpus"]``): the task's settings and the number of
+    evaluation sequences per length, once every one of ``lengths`` (training and evaluation) fits
+    the task.
+
+    Raises:
+        UsageError: a length holds too few pair slots (:meth:`Recall.check`).
+    """
+    from dataclasses import asdict
+
+    for n in lengths:
+        spec.check(n)
+    return {"source": "generated: associative recall (posenc.study.recall)", "task": asdict(spec),
+            "sha256": None, "eval_sequences": eval_sequences}
+
+
+__all__ = ["CLASSES", "FILLER", "KEYS", "Recall", "TASK", "VALUES", "eval_set", "fingerprint", "layout", "sequences",
            "targets", "train_batch", "window"]

@@ -104,6 +104,40 @@ def load_results(out: str | Path) -> dict | None:
     return results
 
 
+# Fields a study from before they existed did not record: their value then was the default.
+_ADDED = {"task": "lm", "drop_positions_after": None, "random_positions": None, "finetune_steps": 0,
+          "finetune_length": None, "recall_sequences": 64}
+
+
+def check_resumable(saved: dict, comparable: dict, fingerprint: dict, hf: dict | None, out: Path) -> None:
+    """Check that a study continued in ``out`` is the one saved there: the same model
+    (``hf``: the architecture file's record, None for posenc's own), the same options (``comparable``:
+    :meth:`.config.StudyConfig.comparable`; rows and seeds may be added) and the same data
+    (``fingerprint``'s sha256).
+
+    Raises:
+        UsageError: naming what differs (the model file, each option with its saved and new value,
+            the corpus' sha256) and how to go on.
+    """
+    before = saved.get("hf") or {}
+    if before.get("sha256") != (hf or {}).get("sha256"):
+        was = (f"hf_config {before.get('path')} (model_type {before.get('model_type')!r}, sha256 {before.get('sha256')})"
+               if before else "posenc's own model (no hf_config)")
+        now = (f"hf_config {hf['path']} (model_type {hf['model_type']!r}, sha256 {hf['sha256']})" if hf
+               else "posenc's own model (no hf_config)")
+        raise UsageError(f"resume: {out} was trained on {was}, this run asks for {now}; use the original "
+                         "config file or another out")
+    old = {**_ADDED, **{k: v for k, v in saved["config"].items() if k not in ("methods", "seeds", "hf_config")}}
+    diff = [f"{k}: {old.get(k)!r} -> {comparable.get(k)!r}" for k in sorted(set(old) | set(comparable))
+            if old.get(k) != comparable.get(k)]
+    if diff:
+        raise UsageError(f"resume: {out} was run with a different config ({'; '.join(diff)}); "
+                         "use the original options or another out")
+    if saved.get("corpus", {}).get("sha256") != fingerprint["sha256"]:
+        raise UsageError(f"resume: the corpus differs from the one {out} was trained on "
+                         f"(sha256 {saved.get('corpus', {}).get('sha256')} vs {fingerprint['sha256']})")
+
+
 def _problems(results: dict) -> list[str]:
     """What a results dict lacks of what resume, the tables and the report read."""
     out = []

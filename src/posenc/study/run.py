@@ -6,7 +6,6 @@ seed) are skipped, the one that was interrupted continues from its last saved st
 
 from __future__ import annotations
 
-import contextlib
 import json
 import platform
 import sys
@@ -19,14 +18,14 @@ import torch
 from ..errors import UsageError
 from ..files import MARKER, RunDir, WriteError, write_json
 from ..version import __version__
-from . import distributed, recall, seeds
-from .builders import Models
+from . import distributed, recall
+from .builders import checked_models
 from .config import StudyConfig
 from .data import Corpus, load_corpus
-from .pipeline import Book, Stages
-from .plan import checked_models, plan
+from .pipeline import run_all
+from .plan import Plan, plan
 from .progress import Progress
-from .results import SCHEMA, Paths, load_results, write_outputs
+from .results import SCHEMA, Paths, check_resumable, load_results
 from .rows import expand, parse
 from .train import StepCallback
 
@@ -54,58 +53,33 @@ def _is_study(out: Path) -> bool:
         return False
 
 
-# Fields a run from before they existed did not record: their value then was the default.
-_ADDED = {"task": "lm", "drop_positions_after": None, "random_positions": None, "finetune_steps": 0,
-          "finetune_length": None, "recall_sequences": 64}
-
-
-def _check_same(saved: dict, cfg: StudyConfig, fingerprint: dict, out: Path, hf: dict | None) -> None:
-    before = saved.get("hf") or {}
-    if before.get("sha256") != (hf or {}).get("sha256"):
-        was = (f"hf_config {before.get('path')} (model_type {before.get('model_type')!r}, sha256 {before.get('sha256')})"
-               if before else "posenc's own model (no hf_config)")
-        now = (f"hf_config {hf['path']} (model_type {hf['model_type']!r}, sha256 {hf['sha256']})" if hf
-               else "posenc's own model (no hf_config)")
-        raise UsageError(f"resume: {out} was trained on {was}, this run asks for {now}; use the original "
-                         "config file or another out")
-    old = {**_ADDED, **{k: v for k, v in saved["config"].items() if k not in ("methods", "seeds", "hf_config")}}
-    new = cfg.comparable()
-    diff = [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
-    if diff:
-        raise UsageError(f"resume: {out} was run with a different config ({'; '.join(diff)}); "
-                         "use the original options or another out")
-    if saved.get("corpus", {}).get("sha256") != fingerprint["sha256"]:
-        raise UsageError(f"resume: the corpus differs from the one {out} was trained on "
-                         f"(sha256 {saved.get('corpus', {}).get('sha256')} vs {fingerprint['sha256']})")
-
-
-def _fingerprint_recall(cfg: StudyConfig) -> dict:
-    from dataclasses import asdict as fields_of
-
-    return {"source": "generated: associative recall (posenc.study.recall)", "task": fields_of(recall.TASK),
-            "sha256": None, "eval_sequences": cfg.recall_sequences}
-
-
 def prepare(cfg: StudyConfig, out: Path, resume: bool, ctx: distributed.Context
-            ) -> tuple[Models, Corpus | None, dict, RunDir | None]:
-    """Check the study (:func:`.plan.checked_models`), claim ``out`` and load the data: every user
-    error surfaces here, before training. Returns the model builder, the corpus (None for the
-    recall task: its sequences are generated), the results to fill, and on the main process the
+            ) -> tuple[Plan, Corpus | None, dict, RunDir | None]:
+    """Check the study, claim ``out``, load the data and plan the runs: every user error surfaces
+    here, before training. In order: the options against the rows (a resumed study's saved rows
+    count too), every row's model (:func:`.builders.checked_models`), the task's data, the saved
+    study (a resume), then the runs (:func:`.plan.plan`). Returns the plan, the corpus (None for
+    the recall task: its sequences are generated), the results to fill, and on the main process the
     claimed (locked) directory.
 
     Raises:
         UsageError: ``batch_size`` not divisible by the number of processes; ``resume`` without a
-            study in ``out``, or a new study where ``out`` already holds one; a ``train_length`` or
-            ``eval_lengths`` longer than the corpus' training or validation split allows.
+            study in ``out``, or a new study where ``out`` already holds one, or one saved with
+            other options, model or data (:func:`.results.check_resumable`); a ``train_length`` or
+            ``eval_lengths`` longer than the corpus' training or validation split allows, or too
+            short for the recall task.
     """
     before = load_results(out) if resume and (out / "results.json").exists() else None
-    # A resume checks the options against the saved study's rows too (it may name other rows).
-    models = checked_models(cfg, [parse(m) for m in before["config"]["methods"]] if before else ())
+    also = [parse(m) for m in before["config"]["methods"]] if before else []
+    cfg.check_applies([*cfg.rows, *also])
+    comparable = cfg.comparable()
+    models = checked_models(cfg)
+    hf = models.architecture() if cfg.hf_config is not None else None
     if cfg.batch_size % ctx.world:
         raise UsageError(f"batch_size ({cfg.batch_size}) must be divisible by the number of processes ({ctx.world})")
+    fingerprint = None  # (the recall task's now; the corpus' once it is loaded)
     if cfg.task == "recall":
-        for n in (cfg.train_length, *cfg.eval_lengths):
-            recall.TASK.check(n)
+        fingerprint = recall.fingerprint([cfg.train_length, *cfg.eval_lengths], cfg.recall_sequences)
     if resume and not out.is_dir():
         raise UsageError(f"resume: {out} does not exist, so there is nothing to resume; "
                          "leave out resume to start a new study there")
@@ -129,10 +103,10 @@ def prepare(cfg: StudyConfig, out: Path, resume: bool, ctx: distributed.Context
                     f"eval_lengths: {max(cfg.eval_lengths)} exceeds the {corpus.valid_tokens} validation tokens "
                     f"(valid_bytes={cfg.valid_bytes}, or a small corpus); use shorter eval_lengths or more data"
                 )
-        fingerprint = corpus.fingerprint if corpus is not None else _fingerprint_recall(cfg)
-        hf = models.architecture() if cfg.hf_config is not None else None
+            fingerprint = corpus.fingerprint
+        assert fingerprint is not None  # (the recall task's, or the corpus')
         if saved is not None:
-            _check_same(saved, cfg, fingerprint, out, hf)
+            check_resumable(saved, comparable, fingerprint, hf, out)
     except BaseException:
         if rundir is not None:
             rundir.discard()  # a directory made for this run alone is removed again
@@ -151,7 +125,7 @@ def prepare(cfg: StudyConfig, out: Path, resume: bool, ctx: distributed.Context
         if hf is not None:
             results["hf"] = hf  # the architecture: the file's path, sha256, model_type and contents
     results["versions"] = environment(ctx)
-    return models, corpus, results, rundir
+    return plan(cfg, models, Paths(out), ctx.world), corpus, results, rundir
 
 
 def run_experiment(cfg: StudyConfig, out: str | Path, *, resume: bool = False, progress: bool = True,
@@ -175,8 +149,9 @@ def run_experiment(cfg: StudyConfig, out: str | Path, *, resume: bool = False, p
     out = Path(out)
     started = time.perf_counter()
     failure = None
+    rundir = None
     try:
-        models, corpus, results, rundir = prepare(cfg, out, resume, ctx)
+        study, corpus, results, rundir = prepare(cfg, out, resume, ctx)
     except UsageError as err:
         failure = err
     if ctx.distributed:  # every process stops together if any of them found a user error
@@ -190,7 +165,13 @@ def run_experiment(cfg: StudyConfig, out: str | Path, *, resume: bool = False, p
     if failure is not None:
         raise failure
     try:
-        return _run(cfg, models, out, corpus, results, rundir, ctx, Progress(progress, main=ctx.main), on_step, started)
+        if ctx.main:
+            write_json(study.paths.results, results)
+        ui = Progress(progress, main=ctx.main)
+        ui.study_bar(len(study.runs))
+        if rundir is not None and rundir.notice:
+            ui.warn(rundir.notice)
+        return run_all(study, corpus, results, ctx, ui, on_step, started)
     except WriteError as err:
         raise WriteError(f"{err}; finished work is in {out}: make room, then continue with resume") from err
     finally:
@@ -198,50 +179,4 @@ def run_experiment(cfg: StudyConfig, out: str | Path, *, resume: bool = False, p
             rundir.release()
 
 
-def _run(cfg: StudyConfig, models: Models, out: Path, corpus: Corpus | None, results: dict, rundir: RunDir | None,
-         ctx: distributed.Context, ui: Progress, on_step: StepCallback | None, started: float) -> dict:
-    """The pipeline: plan the runs, then for each run the stages of :mod:`.pipeline` (model and
-    training, scoring, writing), skipping the runs a resumed study finished."""
-    paths = Paths(out)
-    if rundir is not None and rundir.notice:
-        ui.warn(rundir.notice)
-    if ctx.main:
-        write_json(paths.results, results)
-    study = plan(cfg, models, paths, ctx.world)
-    book = Book(results, paths, ctx, cfg)
-    stages = Stages(study, corpus, book, ctx, ui, on_step)
-    ui.study_bar(len(study.runs), sum(book.finished(run) for run in study.runs))
-    what = (f"{cfg.steps} steps of {cfg.batch_size} x {cfg.train_length} bytes" if corpus is not None else
-            f"{cfg.steps} steps of {cfg.batch_size} recall sequences of {cfg.train_length}")
-    ui.log(f"posenc study: {len(cfg.rows)} row(s) x {cfg.seeds} seed(s), task {cfg.task}, train length "
-           f"{cfg.train_length}, eval {cfg.eval_lengths}, {what}, out {out}")
-    if results.get("hf"):
-        hf = results["hf"]
-        ui.log(f"model: {hf['model_type']} from {hf['path']} (sha256 {hf['sha256'][:12]}), "
-               f"{hf['num_hidden_layers']} layers, hidden {hf['hidden_size']}, {hf['num_attention_heads']} heads "
-               f"({hf['num_key_value_heads']} key/value), vocab {hf['vocab_size']}, random initialisation")
-    if corpus is not None:
-        ui.log(corpus.summary())
-        for s in corpus.skipped:
-            ui.warn(f"data: skipped {s['file']}: {s['reason']}")
-    try:
-        for run in study.runs:
-            if book.finished(run):
-                ui.log(f"[{run.label}] {(book.run_of(run) or {}).get('status')} already, skipped")
-                continue
-            stages.run(run)
-            ui.method_done()
-    finally:
-        ui.finish()
-    status = [seeds.run_of(results["methods"].get(name) or {}, i) if name in results["methods"] else None
-              for name in results["config"]["methods"] for i in range(results["config"].get("seeds", 1))]
-    results["status"] = "done" if all(s is not None and s.get("status") in ("done", "diverged") for s in status) \
-        else "partial"
-    # Wall time of the study: this run's, plus that of the earlier runs of a resumed study that finished.
-    results["wall_s"] = round(results.get("wall_s", 0.0) + time.perf_counter() - started, 1)
-    if ctx.main:
-        write_json(paths.results, results)
-        write_outputs(results, out, table=True)
-        with contextlib.suppress(OSError):
-            (out / "state").rmdir()  # only when empty: no method is mid-training
-    return results
+__all__ = ["environment", "prepare", "run_experiment"]

@@ -23,14 +23,6 @@ from . import bootstrap
 from .results import Paths
 
 
-def run_of(entry: dict, index: int) -> dict | None:
-    """The run of the ``index``-th seed (0: the entry itself), or None when not started."""
-    if index == 0:
-        return entry
-    runs = entry.get("seeds", [])
-    return runs[index - 1] if index - 1 < len(runs) else None
-
-
 def runs(entry: dict) -> list[dict]:
     return [entry, *entry.get("seeds", [])]
 
@@ -137,4 +129,4 @@ def path_of(paths: Paths, stem: str, index: int, seed: int) -> Path:
     return paths.checkpoint(stem, None if index == 0 else seed)
 
 
-__all__ = ["aggregate", "load_windows", "path_of", "run_of", "runs"]
+__all__ = ["aggregate", "load_windows", "path_of", "runs"]
