@@ -26,7 +26,7 @@ from .encodings.protocol import Biases, Embeds, QueryTerms, Rotates, ValueTerms,
 from .errors import UsageError
 
 
-def describe(x) -> str:
+def in_words(x) -> str:
     """A value as a message names it: a tensor's dims, dtype and shape, else its type."""
     if isinstance(x, torch.Tensor):
         return f"a {x.dim()}-D {str(x.dtype).removeprefix('torch.')} tensor of shape {tuple(x.shape)}"
@@ -36,7 +36,7 @@ def describe(x) -> str:
 def integer_tensor(name: str, x, shapes: str) -> torch.Tensor:
     """``x`` if it is an integer tensor, else a UsageError naming ``name`` and the ``shapes`` allowed."""
     if not isinstance(x, torch.Tensor) or x.is_floating_point() or x.is_complex() or x.dtype == torch.bool:
-        raise UsageError(f"{name} must be an integer tensor of shape {shapes}, got {describe(x)}")
+        raise UsageError(f"{name} must be an integer tensor of shape {shapes}, got {in_words(x)}")
     return x
 
 
@@ -131,5 +131,5 @@ def one_axis_hint(encoding: nn.Module | None, positions: torch.Tensor) -> str:
             "encoding with position_axes > 1)")
 
 
-__all__ = ["as_taken", "check_axis_positions", "check_takes_axes", "describe", "integer_tensor", "label", "one_axis_hint",
+__all__ = ["as_taken", "check_axis_positions", "check_takes_axes", "in_words", "integer_tensor", "label", "one_axis_hint",
            "text_continuation"]

@@ -109,7 +109,7 @@ def _lock_info(text: str) -> dict:
     return info if isinstance(info, dict) else {}
 
 
-def _describe(info: dict) -> str:
+def _holder(info: dict) -> str:
     return f"pid {info.get('pid', '?')} on {info.get('host', '?')}, started {info.get('started', '?')}"
 
 
@@ -177,12 +177,12 @@ class RunDir:
             os.close(self._fd)
             self._fd = None
             raise UsageError(f"out: {self.path} is in use by another posenc {info.get('kind', self.kind)} "
-                             f"({_describe(info)}); wait for it to end, or choose another out")
+                             f"({_holder(info)}); wait for it to end, or choose another out")
         previous = os.pread(self._fd, 4096, 0).decode("utf-8", "replace").strip()
         if previous:
             info = _lock_info(previous)
             self.notice = (f"out: {self.path} was left locked by a posenc {info.get('kind', 'run')} that did not "
-                           f"finish ({_describe(info)}; killed?); taking it over")
+                           f"finish ({_holder(info)}; killed?); taking it over")
         mine = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "kind": self.kind,
                            "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}).encode()
         os.ftruncate(self._fd, 0)

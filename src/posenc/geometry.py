@@ -47,8 +47,7 @@ from dataclasses import InitVar, dataclass, field, replace
 
 import torch
 
-from .axes import check_axis_positions, label, one_axis_hint, text_continuation
-from .axes import describe as _describe
+from .axes import check_axis_positions, in_words, label, one_axis_hint, text_continuation
 from .axes import integer_tensor as _integer
 from .encodings.base import PositionalEncoding, position_axes_of
 from .encodings.protocol import Biases, QueryTerms, Scores, ValueTerms, offers, require
@@ -67,7 +66,7 @@ def check_positions(positions: torch.Tensor, length: int, past: int | None = Non
             increase, or (with ``past``) positions that do not continue the cache.
     """
     if not isinstance(positions, torch.Tensor) or positions.dim() != 1 or positions.is_floating_point() or positions.is_complex():
-        raise UsageError(f"positions must be a 1-D integer tensor, got {_describe(positions)}")
+        raise UsageError(f"positions must be a 1-D integer tensor, got {in_words(positions)}")
     if positions.numel() != length:
         raise UsageError(f"positions must hold one position per token ({length}), got {positions.numel()}")
     if length == 0:
@@ -361,7 +360,7 @@ class Geometry:
                 raise UsageError(f"document_ids must have shape (batch, length) = ({batch}, {tk}), got {tuple(document_ids.shape)}")
         if key_padding_mask is not None:
             if not isinstance(key_padding_mask, torch.Tensor) or key_padding_mask.dtype != torch.bool:
-                raise UsageError(f"key_padding_mask must be a bool tensor (True = real token), got {_describe(key_padding_mask)}")
+                raise UsageError(f"key_padding_mask must be a bool tensor (True = real token), got {in_words(key_padding_mask)}")
             if tuple(key_padding_mask.shape) != (batch, tk):
                 raise UsageError(f"key_padding_mask must have shape (batch, keys) = ({batch}, {tk}), got {tuple(key_padding_mask.shape)}")
         shared = positions is None or positions.dim() == 1

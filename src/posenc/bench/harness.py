@@ -84,7 +84,7 @@ def launch(job: Job, timeout: float | None = None, isolate: bool = True) -> dict
     return dict(job.to_dict(), status="failed", error=f"worker {why}: {tail}".strip(), wall_s=wall)
 
 
-def describe(r: dict) -> str:
+def progress_line(r: dict) -> str:
     """One progress line for a job's record."""
     head = f"round {r['round'] + 1} {r['level']}/{r['mode']} {label(r)} N={r['length']} {r['impl']}"
     if r.get("status") != "ok":
@@ -134,7 +134,7 @@ def run(
                 refused[cell_key(record)] = record
             results.jobs.append(record)
             if progress:
-                print(f"[{i:>{len(str(len(jobs)))}}/{len(jobs)}] kept: {describe(record)}", file=sys.stderr, flush=True)
+                print(f"[{i:>{len(str(len(jobs)))}}/{len(jobs)}] kept: {progress_line(record)}", file=sys.stderr, flush=True)
             continue
         if job.cell in refused:
             record = dict(refused[job.cell], round=job.round, wall_s=0.0)
@@ -146,7 +146,7 @@ def run(
         if on_result is not None:
             on_result(results.jobs)
         if progress:
-            print(f"[{i:>{len(str(len(jobs)))}}/{len(jobs)}] {describe(record)}", file=sys.stderr, flush=True)
+            print(f"[{i:>{len(str(len(jobs)))}}/{len(jobs)}] {progress_line(record)}", file=sys.stderr, flush=True)
     return results.summarize()
 
 

@@ -50,7 +50,7 @@ class Score(ABC):
         """The row of results.json's ``eval`` list: the kind's metric first, then :meth:`_tail`'s keys."""
 
     @abstractmethod
-    def describe(self) -> str:
+    def log_line(self) -> str:
         """The record in words, for the log."""
 
 
@@ -75,7 +75,7 @@ class LMScore(Score):
             out["windows"] = self.windows
         return self._tail(out)
 
-    def describe(self) -> str:
+    def log_line(self) -> str:
         """The record in words, for the log."""
         if not self.ok:
             return self.status
@@ -99,7 +99,7 @@ class RecallScore(Score):
             out.update(acc_low=self.acc_low, acc_high=self.acc_high, distances=self.distances)
         return self._tail(out)
 
-    def describe(self) -> str:
+    def log_line(self) -> str:
         """The record in words, for the log."""
         if not self.ok:
             return self.status

@@ -34,11 +34,11 @@ from .builders import lm_config, lm_sizes
 from .config import StudyConfig
 from .data import Corpus, train_batch
 from .evaluation import cannot_run, evaluate, evaluate_recall
+from .metrics import LMScore, RecallScore, Score
 from .plan import Plan, Run
 from .progress import Progress
 from .results import Paths, write_outputs
 from .rows import Row, fair_options, fair_schedule
-from .metrics import LMScore, RecallScore, Score
 from .studied import StudiedModel
 from .train import Diverged, StateError, StepCallback, TrainSettings, train
 
@@ -82,7 +82,7 @@ class Book:
         methods = self.results["methods"]
         if run.index == 0:
             old = methods.get(run.row.name, {})
-            methods[run.row.name] = entry = {**record, "row": describe(run.row, self.cfg)}
+            methods[run.row.name] = entry = {**record, "row": row_record(run.row, self.cfg)}
             if old.get("seeds"):
                 entry["seeds"] = old["seeds"]
             return entry
@@ -267,7 +267,7 @@ class Stages:
             score.time_s = round(time.perf_counter() - t0, 3)
             record["eval"].append(score.to_json())
             record["eval"].sort(key=lambda e: e["length"])
-            self.ui.log(f"[{run.label}] L={length}: " + score.describe())
+            self.ui.log(f"[{run.label}] L={length}: " + score.log_line())
             self.ui.advance(bar)
             self.book.save()
         self.ui.close(bar)
@@ -366,7 +366,7 @@ def _recall_score(length: int, res: dict, windows: dict) -> RecallScore:
     return RecallScore(length=length, accuracy=sum(correct) / sum(count), acc_low=low, acc_high=high, distances=res)
 
 
-def describe(row: Row, cfg: StudyConfig) -> dict:
+def row_record(row: Row, cfg: StudyConfig) -> dict:
     """What a row is, for results.json."""
     out: dict[str, Any] = {"method": row.method, "kind": row.kind, "options": fair_options(row, cfg.train_length)}
     if row.schedule is not None:  # per layer, as trained (its first layer's method is "method")
@@ -389,4 +389,4 @@ def describe(row: Row, cfg: StudyConfig) -> dict:
     return out
 
 
-__all__ = ["Book", "Stages", "describe", "record_of", "run_all"]
+__all__ = ["Book", "Stages", "record_of", "row_record", "run_all"]
