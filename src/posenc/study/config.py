@@ -93,7 +93,7 @@ PRESET_DESCRIPTIONS = {
     "default": "the main job, ~13 min on 2 CPU cores",
     "modern": "the newer methods, ~20 min a seed on 2 CPU cores",
     "recall": "associative recall, ~15 min a seed on 2 CPU cores",
-    "schedules": "layer schedules, 3 seeds, then its recall half: ~80 min on 2 CPU cores (estimated)",
+    "schedules": "layer schedules, 3 seeds, then its recall half: ~6-7 h on 2 CPU cores (21 runs of ~6 min, then 21 of ~12)",
     "schedules-recall": "the recall half of schedules alone",
     "paper": "train at 512, test to 16x, a GPU",
 }
