@@ -14,7 +14,7 @@ ratio is taken inside one round before the median and min-max over rounds are re
 4. ``compile``: an LM training step (dim 256, depth 4, 8 heads, N=512) compiled with inductor
    against eager; the first compile's time.
 
-Usage: ``python benchmarks/functional.py [--rounds 3] [--tables workaround gqa packed compile]
+Usage: ``python benchmarks/functional.py [--rounds 3] [--reps R] [--tables workaround gqa packed compile]
 [--out benchmarks/results/functional]``. Writes table.md and results.json into ``--out``.
 """
 
@@ -79,7 +79,7 @@ def work(job: dict) -> dict:
         t0 = time.perf_counter()
         step()
         first = time.perf_counter() - t0
-        return {**timed(step, 3), "first_s": first}
+        return {**timed(step, job.get("reps") or 3), "first_s": first}
     enc = posenc.build(method, num_heads=h, head_dim=d)
     hkv = 2 if variant == "gqa" else h
     b = 8 if variant == "batch" else 1
@@ -120,7 +120,7 @@ def work(job: dict) -> dict:
         out.sum().backward()
 
     slow = variant in ("workaround", "eager", "dense") and n >= 4096  # seconds per step: one timed step is enough
-    return timed(step, 1 if slow else 2)
+    return timed(step, 1 if slow else job.get("reps") or 2)
 
 
 
@@ -217,6 +217,8 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=4096, help="tokens of the workaround table")
     parser.add_argument("--tables", nargs="+", default=["workaround", "gqa", "packed", "compile"])
     parser.add_argument("--methods", nargs="+", default=None, help="only these methods' jobs (NoPE's always run: the ratios need it)")
+    parser.add_argument("--reps", type=int, default=None,
+                        help="timed steps per job, the fastest kept (default: 2, 3 for compile, 1 for a dense N >= 4096 job)")
     parser.add_argument("--out", default="benchmarks/results/functional")
     args = parser.parse_args()
     import torch
@@ -225,11 +227,15 @@ def main() -> None:
 
     started = time.time()
     keep = None if args.methods is None else {*args.methods, "nope"}
-    results = {t: measure([j for j in job_list(t, args.n) if keep is None or j["method"] in keep], args.rounds) for t in args.tables}
+    if args.reps is not None and args.reps < 1:
+        raise SystemExit(f"--reps must be a positive integer, got {args.reps}")
+    results = {t: measure([{**j, "reps": args.reps} for j in job_list(t, args.n) if keep is None or j["method"] in keep], args.rounds)
+               for t in args.tables}
     header = (f"Machine: {cpu_model()}, {os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} threads. "
               f"Medians over {args.rounds} rounds (min-max), each ratio inside one round. "
               f"Command: `python benchmarks/functional.py --rounds {args.rounds} --n {args.n} --tables {' '.join(args.tables)}"
-              f"{'' if args.methods is None else ' --methods ' + ' '.join(args.methods)}`; "
+              f"{'' if args.methods is None else ' --methods ' + ' '.join(args.methods)}"
+              f"{'' if args.reps is None else f' --reps {args.reps}'}`; "
               f"{time.time() - started:.0f} s.\n\n")
     os.makedirs(args.out, exist_ok=True)
     text = header + tables(results)

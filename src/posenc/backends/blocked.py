@@ -65,6 +65,7 @@ from .parts.regions import (
     kernel_backward,
     kernel_forward,
     keys_of,
+    opaque_to_compile,
     region_backward,
     rows_of,
     up,
@@ -99,10 +100,17 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec, b
         return sdpa.attend(q, k, v, spec)
     tq, tk = q.shape[-2], k.shape[-2]
     if fast_path(spec, tq, tk):
-        plan = tails.make_plan(spec, tq, tk, q.dtype, block, tails.spread(q, k, spec.scale))
-        rel = spec.memo.relative_values(spec.encoding, plan.r_lo, plan.r_hi, q.device)  # (H, R)
-        return apply(_TailedBias, q, k, v, rel, plan)
+        return _tailed(q, k, v, spec, block)
     return explicit.attend(q, k, v, spec, block)
+
+
+@opaque_to_compile  # the plan reads a bound on |q . k| on the host: kept out of compiled frames
+def _tailed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec, block: int | None) -> torch.Tensor:
+    """The far calls and band blocks of a bias with affine tails, planned from this call's |q . k|."""
+    tq, tk = q.shape[-2], k.shape[-2]
+    plan = tails.make_plan(spec, tq, tk, q.dtype, block, tails.spread(q, k, spec.scale))
+    rel = spec.memo.relative_values(spec.encoding, plan.r_lo, plan.r_hi, q.device)  # (H, R)
+    return apply(_TailedBias, q, k, v, rel, plan)
 
 
 # ---------------------------------------------------------------------------------------------

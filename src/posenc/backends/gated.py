@@ -44,7 +44,19 @@ import torch.nn.functional as F
 from ..encodings.protocol import Biases, QueryTerms, ValueTerms, offers
 from .parts import padding
 from .parts.base import ScoreSpec
-from .parts.regions import Merge, Region, apply, flushed, kernel_forward, keys_of, lower, region_backward, rows_of, use_kernel
+from .parts.regions import (
+    Merge,
+    Region,
+    apply,
+    flushed,
+    kernel_forward,
+    keys_of,
+    lower,
+    opaque_to_compile,
+    region_backward,
+    rows_of,
+    use_kernel,
+)
 from .parts.tails import ZERO_LOGIT, spread
 
 BLOCK = 128  # queries per block (the reference of c is the block's middle query)
@@ -71,9 +83,16 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec, b
         decay = (c[..., -1:] - c)[:, :, None, :].to(q.dtype)  # (B, H, 1, Tk)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=decay, scale=spec.scale)
     if use_kernel(q, v):
-        starts = _first_keys(q, k, c, tk - tq, block, spec.scale) if q.dtype == torch.float32 else None
-        return apply(_Gated, q, k, v, c, _blocks(tq, tk - tq, block, starts), spec.scale)
+        return _on_kernel(q, k, v, c, block, spec.scale)
     return _features(q, k, v, c, tk - tq, block, spec.scale)
+
+
+@opaque_to_compile  # the forgotten keys per block are read on the host: kept out of compiled frames
+def _on_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c: torch.Tensor, block: int, scale: float) -> torch.Tensor:
+    """The kernel calls of every block (:func:`_blocks`), from the first key a block can see."""
+    tq, offset = q.shape[-2], k.shape[-2] - q.shape[-2]
+    starts = _first_keys(q, k, c, offset, block, scale) if q.dtype == torch.float32 else None
+    return apply(_Gated, q, k, v, c, _blocks(tq, offset, block, starts), scale)
 
 
 def _first_keys(q: torch.Tensor, k: torch.Tensor, c: torch.Tensor, offset: int, block: int, scale: float) -> list[int]:

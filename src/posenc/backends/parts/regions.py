@@ -110,13 +110,17 @@ class _Flushed:
 FLUSHED = _Flushed()
 
 
-def _opaque_to_compile(fn: Fn) -> Fn:
-    """``torch.compiler.disable(fn)``, typed: torch's stub of it declares no types."""
+def opaque_to_compile(fn: Fn) -> Fn:
+    """``torch.compiler.disable(fn)``, typed: torch's stub of it declares no types. A backend wraps
+    in it each step that reads values of its tensors on the host to plan kernel calls (a bound on
+    |q . k|, the first key a block can see): a number read inside a compiled frame is specialized
+    into its guards, so a new value at every training step would recompile the frame until
+    dynamo's cache limit; opaque, the step is one graph break and the reads stay in eager code."""
     opaque: Fn = torch.compiler.disable(fn)  # type: ignore[no-untyped-call]  # untyped in torch's stub
     return opaque
 
 
-@_opaque_to_compile  # opaque to torch.compile: a loop of kernel calls on a worker thread (one graph break)
+@opaque_to_compile  # opaque to torch.compile: a loop of kernel calls on a worker thread (one graph break)
 def flushed(fn: Callable[..., T], *args: object) -> T:
     """Run a loop of CPU kernel calls with denormals flushed (see :class:`_Flushed`). Work on
     another device, or watched by a profiler or dispatch mode, runs here in the caller's thread."""
