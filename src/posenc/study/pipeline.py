@@ -47,10 +47,10 @@ def record_of(results: dict, row: str, index: int) -> dict | None:
     """The record of ``row`` at its ``index``-th seed in ``results`` (0: the row's entry itself, later
     seeds in its ``seeds`` list), or None when that run has not started."""
     entry = results["methods"].get(row)
-    if entry is None or index == 0:
-        return entry
-    later = entry.get("seeds", [])
-    return later[index - 1] if index - 1 < len(later) else None
+    if entry is None:
+        return None
+    kept = seeds.runs(entry)  # (seeds.runs: the one reader of where a seed's record lives)
+    return kept[index] if index < len(kept) else None
 
 
 class Book:

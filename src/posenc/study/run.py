@@ -69,6 +69,8 @@ def prepare(cfg: StudyConfig, out: Path, resume: bool, ctx: distributed.Context
             ``eval_lengths`` longer than the corpus' training or validation split allows, or too
             short for the recall task.
     """
+    # The saved rows, read early for the option checks; read again below once the directory is
+    # claimed (locked): that read is the one resumed, as another process may have written since.
     before = load_results(out) if resume and (out / "results.json").exists() else None
     also = [parse(m) for m in before["config"]["methods"]] if before else []
     cfg.check_applies([*cfg.rows, *also])
