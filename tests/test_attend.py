@@ -88,6 +88,30 @@ def test_a_packed_row_equals_its_documents_alone(method):
             close(a, b, 1e-4)
 
 
+@pytest.mark.parametrize("method", ["nope", "rope", "alibi", "t5", "shaw"])
+@pytest.mark.parametrize("lengths", [[50, 50, 50], [50, 50, 30]])
+def test_packed_rows_of_equal_documents_equal_the_documents_alone(method, lengths):
+    """Two rows of documents: equal documents that tile the rows run as one slice (no gather),
+    equal documents with a gap between them as a gather; both equal each document alone."""
+    enc = encoding(method)
+    t = sum(lengths)
+    q, k, v = (x.requires_grad_() for x in qkv(2, t))
+    doc = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)]).expand(2, t)  # (2, T)
+    out = attend(q, k, v, enc, document_ids=doc)
+    rows = []
+    for b in range(2):
+        pieces, s = [], 0
+        for n in lengths:
+            pieces.append(attend(q[b : b + 1, :, s : s + n], k[b : b + 1, :, s : s + n], v[b : b + 1, :, s : s + n], enc))
+            s += n
+        rows.append(torch.cat(pieces, dim=2))
+    want = torch.cat(rows)
+    close(out, want)
+    for a, w in zip(grads(out, q, k, v, *enc.parameters()), grads(want, q, k, v, *enc.parameters())):
+        if a is not None:
+            close(a, w, 1e-4)
+
+
 @pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("side", ["left", "right"])
 def test_a_padded_batch_equals_its_rows_alone(method, side):

@@ -195,17 +195,23 @@ def _segments(q, k, v, encoding, geometry: Geometry, scale: float, memo: Forward
     for seg in geometry.runs or ():  # a segmented geometry has its runs
         n, lq = seg.q_index.shape
         lk = seg.k_index.shape[1]
-        qs = qf[seg.q_index.reshape(-1)].view(n, lq, h, d).transpose(1, 2)  # (n, H, Lq, D)
-        ks = kf[seg.k_index.reshape(-1)].view(n, lk, hkv, d).transpose(1, 2)  # (n, Hkv, Lk, D)
-        vs = vf[seg.k_index.reshape(-1)].view(n, lk, hkv, -1).transpose(1, 2)
+        # (a run that tiles a contiguous range is a slice: a view, no gather and no scatter back)
+        qi = seg.q_index.reshape(-1) if seg.q_first is None else slice(seg.q_first, seg.q_first + n * lq)
+        ki = seg.k_index.reshape(-1) if seg.k_first is None else slice(seg.k_first, seg.k_first + n * lk)
+        qs = qf[qi].view(n, lq, h, d).transpose(1, 2)  # (n, H, Lq, D)
+        ks = kf[ki].view(n, lk, hkv, d).transpose(1, 2)  # (n, Hkv, Lk, D)
+        vs = vf[ki].view(n, lk, hkv, -1).transpose(1, 2)
         if rotating:  # the rotation reads contiguous rows faster than the transposed view
             qs, ks = qs.contiguous(), ks.contiguous()
-        gs = None if gf is None else gf[seg.k_index.reshape(-1)].view(n, lk, h).transpose(1, 2)  # (n, H, Lk)
+        gs = None if gf is None else gf[ki].view(n, lk, h).transpose(1, 2)  # (n, H, Lk)
         spec = ScoreSpec(encoding, seg.q_positions, seg.k_positions, geometry.causal, scale, memo, seg.consecutive,
                          known_q_start=seg.q_start, known_k_start=seg.k_start, known_aligned=seg.aligned, log_gates=gs)
         o, name = run(qs, ks, vs, spec, backend, rotate, extras)  # (n, H, Lq, D)
         outs.append(o.transpose(1, 2).reshape(n * lq, h, -1))
         where.append(seg.q_index.reshape(-1))
+    runs = geometry.runs or ()
+    if len(runs) == 1 and runs[0].q_first == 0 and outs[0].shape[0] == b * tq:  # one run, every query in order
+        return outs[0].view(b, tq, h, -1).transpose(1, 2), name
     out = q.new_zeros(b * tq, h, v.shape[-1])  # padding queries stay 0
     if outs:  # one scatter for every run
         out = out.index_copy(0, torch.cat(where), torch.cat(outs))

@@ -240,6 +240,10 @@ class Run:
 
     ``q_index`` (n, Lq) and ``k_index`` (n, Lk) index the flattened (B * Tq) queries and (B * Tk)
     keys; ``q_positions`` (Lq,) and ``k_positions`` (Lk,) are every segment's positions.
+    ``q_first`` / ``k_first``: when the n segments tile one contiguous range of the flattened
+    queries / keys (segment m starts at ``q_first + m * Lq``, as the equal documents of a packed
+    row do), that range's first index, so the stack is a slice (a view, whose backward is no
+    scatter); else None.
     """
 
     q_index: torch.Tensor
@@ -250,6 +254,13 @@ class Run:
     aligned: bool
     q_start: int
     k_start: int
+    q_first: int | None = None
+    k_first: int | None = None
+
+
+def _tiled(starts: list[int], length: int) -> int | None:
+    """starts[0] when the ranges [s, s + length) follow one another without a gap, else None."""
+    return starts[0] if all(s == starts[0] + m * length for m, s in enumerate(starts)) else None
 
 
 @dataclass(frozen=True)
@@ -513,8 +524,10 @@ class Geometry:
             consecutive = _check_run(list(q_pos)) and _check_run(list(k_pos), name="k_positions")
             q_index = torch.tensor([[b * tq + a - shift for a in range(a0, a1)] for b, a0, a1, _ in members], device=device)
             k_index = torch.tensor([[b * tk + j for j in range(k0, a1)] for b, _, a1, k0 in members], device=device)
+            q_first = _tiled([b * tq + a0 - shift for b, a0, _, _ in members], len(q_pos))
+            k_first = _tiled([b * tk + k0 for b, _, _, k0 in members], len(k_pos))
             runs.append(Run(q_index, k_index, torch.tensor(q_pos, device=device), torch.tensor(k_pos, device=device), consecutive,
-                            q_pos == k_pos[len(k_pos) - len(q_pos) :], q_pos[0], k_pos[0]))
+                            q_pos == k_pos[len(k_pos) - len(q_pos) :], q_pos[0], k_pos[0], q_first, k_first))
         q_rows = torch.tensor(qv_rows, device=device).clamp(min=0)  # (B, Tq): for embed (padding reads 0)
         k_rows = torch.tensor(kv_rows, device=device).clamp(min=0)
         return cls(batch, tq, tk, causal, q_rows, k_rows, all(r.consecutive for r in runs), tuple(runs))
