@@ -69,6 +69,15 @@ def test_grouped_heads_equal_repeated_heads(method):
         close(a, b)
 
 
+def documents_alone(q, k, v, enc, lengths):
+    """Every row's documents (the same ``lengths`` in each row), each attended alone, put back in order."""
+    pieces, s = [], 0
+    for n in lengths:
+        pieces.append(attend(q[:, :, s : s + n], k[:, :, s : s + n], v[:, :, s : s + n], enc))
+        s += n
+    return torch.cat(pieces, dim=2)
+
+
 @pytest.mark.parametrize("method", METHODS)
 def test_a_packed_row_equals_its_documents_alone(method):
     """Three documents in one row of 300: no attention across them, positions restarting."""
@@ -77,11 +86,7 @@ def test_a_packed_row_equals_its_documents_alone(method):
     lengths = [130, 70, 100]
     doc = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])[None]  # (1, 300)
     out = attend(q, k, v, enc, document_ids=doc)
-    pieces, s = [], 0
-    for n in lengths:
-        pieces.append(attend(q[:, :, s : s + n], k[:, :, s : s + n], v[:, :, s : s + n], enc))
-        s += n
-    want = torch.cat(pieces, dim=2)
+    want = documents_alone(q, k, v, enc, lengths)
     close(out, want)
     for a, b in zip(grads(out, q, k, v, *enc.parameters()), grads(want, q, k, v, *enc.parameters())):
         if a is not None:
@@ -98,14 +103,7 @@ def test_packed_rows_of_equal_documents_equal_the_documents_alone(method, length
     q, k, v = (x.requires_grad_() for x in qkv(2, t))
     doc = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)]).expand(2, t)  # (2, T)
     out = attend(q, k, v, enc, document_ids=doc)
-    rows = []
-    for b in range(2):
-        pieces, s = [], 0
-        for n in lengths:
-            pieces.append(attend(q[b : b + 1, :, s : s + n], k[b : b + 1, :, s : s + n], v[b : b + 1, :, s : s + n], enc))
-            s += n
-        rows.append(torch.cat(pieces, dim=2))
-    want = torch.cat(rows)
+    want = documents_alone(q, k, v, enc, lengths)
     close(out, want)
     for a, w in zip(grads(out, q, k, v, *enc.parameters()), grads(want, q, k, v, *enc.parameters())):
         if a is not None:

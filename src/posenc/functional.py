@@ -182,8 +182,9 @@ def _call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec, ba
 
 def _segments(q, k, v, encoding, geometry: Geometry, scale: float, memo: ForwardMemo, backend: str, rotate: bool,
               extras: Extras | None = None, log_gates: torch.Tensor | None = None) -> tuple[torch.Tensor, str]:
-    """Each run of identical segments as one stacked backend call, scattered back into place
-    (per-key log gates travel with their keys, so their sums restart at each segment)."""
+    """Each run of identical segments as one stacked backend call, scattered back into place (a
+    single run that holds every query in order is the output as it is); per-key log gates travel
+    with their keys, so their sums restart at each segment."""
     b, h, tq, d = q.shape
     hkv, tk = k.shape[1], k.shape[2]
     qf = q.transpose(1, 2).reshape(b * tq, h, d)  # (B*Tq, H, D)
@@ -192,7 +193,8 @@ def _segments(q, k, v, encoding, geometry: Geometry, scale: float, memo: Forward
     gf = None if log_gates is None else log_gates.transpose(1, 2).reshape(b * tk, h)  # (B*Tk, H)
     name, outs, where = backend, [], []
     rotating = rotate and offers(encoding, Rotates)
-    for seg in geometry.runs or ():  # a segmented geometry has its runs
+    runs = geometry.runs or ()  # a segmented geometry has its runs
+    for seg in runs:
         n, lq = seg.q_index.shape
         lk = seg.k_index.shape[1]
         # (a run that tiles a contiguous range is a slice: a view, no gather and no scatter back)
@@ -209,7 +211,6 @@ def _segments(q, k, v, encoding, geometry: Geometry, scale: float, memo: Forward
         o, name = run(qs, ks, vs, spec, backend, rotate, extras)  # (n, H, Lq, D)
         outs.append(o.transpose(1, 2).reshape(n * lq, h, -1))
         where.append(seg.q_index.reshape(-1))
-    runs = geometry.runs or ()
     if len(runs) == 1 and runs[0].q_first == 0 and outs[0].shape[0] == b * tq:  # one run, every query in order
         return outs[0].view(b, tq, h, -1).transpose(1, 2), name
     out = q.new_zeros(b * tq, h, v.shape[-1])  # padding queries stay 0
