@@ -69,6 +69,40 @@ def test_grouped_heads_equal_repeated_heads(method):
         close(a, b)
 
 
+@pytest.mark.parametrize("hkv", [1, 2, 4])
+@pytest.mark.parametrize("method", ["alibi", "t5", "kerple", "fire"])
+def test_the_blocked_backend_takes_grouped_heads_as_they_are(method, hkv, monkeypatch):
+    """blocked's kernel calls get k and v with Hkv heads (nothing repeated), over every part of the
+    plan at a length where ALiBi's heads split into slope groups (whole groups of query heads each),
+    and the result is the repeated call's, outputs and gradients; the kernel's own fallback for a
+    torch whose flash ops refuse grouped heads gives the same."""
+    from posenc.backends.parts import regions
+
+    h, n = 8, 700
+    torch.manual_seed(3)
+    enc = build(method, num_heads=h, head_dim=D)
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(1, h, n, D, generator=g, requires_grad=True)
+    k, v = (torch.randn(1, hkv, n, D, generator=g, requires_grad=True) for _ in range(2))
+    seen = []
+    kernel = regions.kernel_forward
+
+    def spy(q_, k_, v_, *args, **kwargs):
+        seen.append((q_.shape[1], k_.shape[1]))
+        return kernel(q_, k_, v_, *args, **kwargs)
+
+    monkeypatch.setattr("posenc.backends.blocked.kernel_forward", spy)
+    monkeypatch.setattr("posenc.backends.parts.explicit.kernel_forward", spy)
+    out = attend(q, k, v, enc)
+    assert seen and all(kh * (h // hkv) == qh for qh, kh in seen), seen
+    want = attend(q, k.repeat_interleave(h // hkv, 1), v.repeat_interleave(h // hkv, 1), enc)
+    close(out, want, 5e-5)
+    for a, b in zip(grads(out, q, k, v, *enc.parameters()), grads(want, q, k, v, *enc.parameters())):
+        close(a, b, 5e-5)
+    monkeypatch.setattr(regions, "GROUPED_KERNEL", False)
+    close(attend(q, k, v, enc), want, 5e-5)
+
+
 def documents_alone(q, k, v, enc, lengths):
     """Every row's documents (the same ``lengths`` in each row), each attended alone, put back in order."""
     pieces, s = [], 0

@@ -174,6 +174,8 @@ def _call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec, ba
     if group > 1:
         if name == "sdpa" and spec.plain:  # sdpa broadcasts grouped heads in the kernel (enable_gqa)
             return chosen.attend(q, k, v, spec), name
+        if backends.takes_grouped_heads(chosen, spec):  # the backend reads each key/value head for its group
+            return chosen.attend(q, k, v, spec), name
         if name != "eager" and not (spec.has_query_terms or spec.has_value_terms) and single.applies(spec, q, k, v):
             return single.attend(q, k, v, spec), name  # a decode step: the query heads of a group as its queries
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # (B, H, Tk, D)

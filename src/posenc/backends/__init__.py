@@ -4,7 +4,9 @@ A backend satisfies the :class:`Backend` protocol:
 
 - ``supports(spec, q) -> bool``: the backend computes this call exactly (forcing it is allowed);
 - ``preferred(spec, q) -> bool``: automatic selection may pick it for this call;
-- ``attend(q, k, v, spec) -> out``.
+- ``attend(q, k, v, spec) -> out``;
+- optionally ``takes_grouped_heads(spec) -> bool``: ``attend`` takes k and v with fewer heads than q
+  (grouped-query attention) as they are; otherwise the caller repeats them to q's heads.
 
 Automatic selection ("auto") walks :data:`BACKENDS` in order and takes the first backend that
 prefers the call, from what the call is (device, dtype, grad mode) and what the encoding offers (its
@@ -56,6 +58,13 @@ for _name, _backend in BACKENDS.items():  # the contract, checked once at import
     assert isinstance(_backend, Backend), f"backend {_name} lacks supports/preferred/attend"
 
 
+def takes_grouped_heads(backend: Backend, spec: ScoreSpec) -> bool:
+    """The backend runs this call on k and v with fewer heads than q (grouped-query attention)
+    without their being repeated: it says so with a ``takes_grouped_heads(spec)`` of its own."""
+    says = getattr(backend, "takes_grouped_heads", None)
+    return bool(says(spec)) if callable(says) else False
+
+
 def name_of(backend: Backend | ModuleType) -> str:
     """The registered name of a backend (its file name)."""
     for name, candidate in BACKENDS.items():
@@ -99,4 +108,4 @@ def choose(name: str, spec: ScoreSpec, q: torch.Tensor) -> tuple[str, Backend]:
     return "eager", eager
 
 
-__all__ = ["AUTO", "BACKENDS", "Backend", "ScoreSpec", "allowed", "check_name", "choose", "name_of", "names"]
+__all__ = ["AUTO", "BACKENDS", "Backend", "ScoreSpec", "allowed", "check_name", "choose", "name_of", "names", "takes_grouped_heads"]

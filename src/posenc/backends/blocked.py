@@ -24,8 +24,8 @@ backward is a custom ``autograd.Function`` that saves only q, k, v, the output a
 each part's flash backward, given the merged output and log-sum-exp, is exactly its share of the
 gradient. A learned bias (T5) gets its gradient from the band, where dS = P (dP - D) is computed
 explicitly and summed per relative position, and from each far part, whose constant's gradient is
-``sum over its pairs of dS = sum_j v_j . dv_j - sum_i w_i D_i`` (w_i: the part's share of row i,
-D_i = dO_i . O_i), with no extra kernel call.
+``sum over its pairs of dS = sum_i w_i (dO_i . o_i - D_i)`` (w_i: the part's share of row i, o_i:
+the part's own output, kept from the forward; D_i = dO_i . O_i), with no extra kernel call.
 
 Precision: a score ``q . k * scale + s (j - ref)`` is a float32 number, rounded to ~6e-8 of its
 size. So the far part of a sloped tail walks blocks of queries, each with its own ``ref`` at its
@@ -38,6 +38,11 @@ for bfloat16/float16 inputs too (the kernel adds it to float32 scores).
 Other bias encodings (no affine tails: KERPLE, FIRE, any ``bias``) take the path of
 :mod:`posenc.backends.parts.explicit`: per block of queries, the kernel with that block's bias as its
 mask, and a written-out backward that also gives the bias its gradient.
+
+Grouped-query heads (k, v with Hkv heads, H = g x Hkv) are taken as they are: every part covers
+whole groups of g query heads (:func:`~posenc.backends.parts.tails.head_groups`), the kernel calls
+broadcast a group's key/value head, and the written-out backward folds the group into one batch of
+rows (:func:`~posenc.backends.parts.regions.fold_heads`); dk and dv come out with Hkv heads.
 
 A decode step (one query, no gradient) skips all of the above: the bias is one vector per head,
 the fused kernel's mask (``backends/parts/single.py``). Left-padded rows are split into unpadded calls
@@ -62,12 +67,15 @@ from .parts.regions import (
     apply,
     call_order,
     flushed,
+    fold_heads,
     kernel_backward,
     kernel_forward,
     keys_of,
+    kv_heads_of,
     opaque_to_compile,
     region_backward,
     rows_of,
+    unfold_heads,
     up,
 )
 
@@ -80,6 +88,11 @@ def supports(spec: ScoreSpec, q: torch.Tensor) -> bool:
 def preferred(spec: ScoreSpec, q: torch.Tensor) -> bool:
     # On CPU without the flash ops (old torch), public SDPA with a dense bias is the faster fallback.
     return spec.has_bias and supports(spec, q) and (FLASH_OPS or q.device.type != "cpu")
+
+
+def takes_grouped_heads(spec: ScoreSpec) -> bool:
+    """k and v may come with fewer heads than q (grouped-query attention): nothing is repeated."""
+    return True
 
 
 def fast_path(spec: ScoreSpec, tq: int, tk: int) -> bool:
@@ -108,7 +121,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec, b
 def _tailed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec, block: int | None) -> torch.Tensor:
     """The far calls and band blocks of a bias with affine tails, planned from this call's |q . k|."""
     tq, tk = q.shape[-2], k.shape[-2]
-    plan = tails.make_plan(spec, tq, tk, q.dtype, block, tails.spread(q, k, spec.scale))
+    plan = tails.make_plan(spec, tq, tk, q.dtype, block, tails.spread(q, k, spec.scale), q.shape[1] // k.shape[1])
     rel = spec.memo.relative_values(spec.encoding, plan.r_lo, plan.r_hi, q.device)  # (H, R)
     return apply(_TailedBias, q, k, v, rel, plan)
 
@@ -120,9 +133,9 @@ def _tailed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec, 
 class _TailedBias(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rel: torch.Tensor, plan: tails.Plan) -> torch.Tensor:
-        out, lse, far_lse = flushed(_forward, q, k, v, rel, plan)
+        out, lse, far = flushed(_forward, q, k, v, rel, plan)
         ctx.plan = plan
-        ctx.far_lse = far_lse if ctx.needs_input_grad[3] else None
+        ctx.far = far if ctx.needs_input_grad[3] else None
         ctx.save_for_backward(q, k, v, rel, out, lse)
         return out
 
@@ -130,57 +143,66 @@ class _TailedBias(torch.autograd.Function):
     def backward(ctx: Any, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         q, k, v, rel, out, lse = ctx.saved_tensors
         need_rel = ctx.needs_input_grad[3]
-        dq, dk, dv, drel = flushed(_backward, ctx.plan, ctx.far_lse, need_rel, dout, q, k, v, rel, out, lse)
+        dq, dk, dv, drel = flushed(_backward, ctx.plan, ctx.far, need_rel, dout, q, k, v, rel, out, lse)
         return dq, dk, dv, drel, None
 
 
 def _forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rel: torch.Tensor, plan: tails.Plan,
-) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
-    """Output (B, H, Tq, Dv), its log-sum-exp (B, H, Tq) and each far call's log-sum-exp."""
+) -> tuple[torch.Tensor, torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """Output (B, H, Tq, Dv), its log-sum-exp (B, H, Tq) and each far call's (output, log-sum-exp)."""
     b, h, tq, d = q.shape
+    hkv = k.shape[1]
     merged = Merge(b, h, tq, v.shape[-1], q.dtype, q.device)
-    far_lse: list[torch.Tensor] = []  # each far call's shifted log-sum-exp: the gradient of its constant needs it
+    far: list[tuple[torch.Tensor, torch.Tensor]] = []  # each far call's output and shifted log-sum-exp: its constant's gradient
     for call in plan.far:
         term, shift, _ = tails.far_terms(plan, rel, call)
         r, hs = call.region, call.heads
-        o, lz = kernel_forward(*_cut(r, q[:, hs], k[:, hs], v[:, hs]), r.causal, plan.scale, _key_mask(term, r))
+        kvs = kv_heads_of(hs, h, hkv)
+        o, lz = kernel_forward(*_cut(r, q[:, hs], k[:, kvs], v[:, kvs]), r.causal, plan.scale, _key_mask(term, r))
         lz = call_order(lz, r, -1) + shift  # (B, h, C): back to the true bias
-        merged.add(r.rows, call_order(o, r), lz, hs)
-        far_lse.append(lz)
+        o = call_order(o, r)
+        merged.add(r.rows, o, lz, hs)
+        far.append((o, lz))
     for group in plan.bands:
         bias, _ = _band_bias(plan, rel, group)
         hs = group.heads
-        o, lz = kernel_forward(band.blocks(q[:, hs], group), band.windows(k[:, hs], group), band.windows(v[:, hs], group),
+        kvs = kv_heads_of(hs, h, hkv)
+        o, lz = kernel_forward(band.blocks(q[:, hs], group), band.windows(k[:, kvs], group), band.windows(v[:, kvs], group),
                               False, plan.scale, bias.to(q.dtype)[None])
         merged.add(group.row_range, band.unblocks(o, group), band.unblocks(lz, group), hs)
-    return merged.out.to(q.dtype), merged.lse, far_lse
+    return merged.out.to(q.dtype), merged.lse, far
 
 
 def _backward(
-    plan: tails.Plan, far_lse: list[torch.Tensor], need_rel: bool, dout: torch.Tensor, q: torch.Tensor,
+    plan: tails.Plan, far: list[tuple[torch.Tensor, torch.Tensor]] | None, need_rel: bool, dout: torch.Tensor, q: torch.Tensor,
     k: torch.Tensor, v: torch.Tensor, rel: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     dout = dout.contiguous()
     grads = _Grads(q, k, v)
     drel = torch.zeros(rel.shape, dtype=accumulation_dtype(rel.dtype), device=rel.device) if need_rel else None
     dsum = (up(dout) * up(out)).sum(-1)  # (B, H, Tq): D_i = dO_i . O_i
+    h, hkv = q.shape[1], k.shape[1]
     for n, call in enumerate(plan.far):
         term, shift, r0 = tails.far_terms(plan, rel, call)
         r, hs = call.region, call.heads
-        gq, gk, gv = region_backward(r, dout[:, hs], q[:, hs], k[:, hs], v[:, hs], out[:, hs], lse[:, hs], plan.scale,
+        kvs = kv_heads_of(hs, h, hkv)
+        gq, gk, gv = region_backward(r, dout[:, hs], q[:, hs], k[:, kvs], v[:, kvs], out[:, hs], lse[:, hs], plan.scale,
                                      lse_shift=shift, mask=_key_mask(term, r))
         rows, keys = slice(*r.rows), slice(*r.keys)
-        if drel is not None:
-            # The constant's gradient: sum over the call's pairs of dS = P (dP - D).
-            weight = torch.exp(far_lse[n] - lse[:, hs, rows])  # (B, h, C): the call's share of each row
-            drel[hs, r0] += (up(v[:, hs, keys]) * up(gv)).sum((0, 2, 3)) - (weight * dsum[:, hs, rows]).sum((0, 2))
+        if drel is not None and far is not None:
+            # The constant's gradient, the sum over the call's pairs of dS = P (dP - D): with w_i the
+            # call's share of row i and o_i its own output, sum_j P_ij dO_i . v_j = w_i dO_i . o_i.
+            o_call, lz_call = far[n]
+            weight = torch.exp(lz_call - lse[:, hs, rows])  # (B, h, C)
+            own = (up(dout[:, hs, rows]) * up(o_call)).sum(-1)  # (B, h, C)
+            drel[hs, r0] += (weight * (own - dsum[:, hs, rows])).sum((0, 2))
         # Each gradient is freed before the next buffer is allocated.
         grads.add(0, rows, gq, hs)
         del gq
-        grads.add(1, keys, gk, hs)
+        grads.add(1, keys, gk, kvs)
         del gk
-        grads.add(2, keys, gv, hs)
+        grads.add(2, keys, gv, kvs)
         del gv
     _band_backward(plan, rel, drel, q, k, v, out, lse, dout, dsum, grads)
     dq, dk, dv = grads.result()
@@ -218,24 +240,27 @@ def _band_backward(
     for group in groups:
         bias, index = _band_bias(plan, rel, group)
         hs = group.heads
-        q_, k_, v_, dout_, out_, lse_, dsum_ = (x[:, hs] for x in (q, k, v, dout, out, lse, dsum))
-        qc, kc, vc, doc = band.blocks(q_, group), band.windows(k_, group), band.windows(v_, group), band.blocks(dout_, group)
+        kvs = kv_heads_of(hs, q.shape[1], k.shape[1])
+        q_, dout_, out_, lse_, dsum_ = (x[:, hs] for x in (q, dout, out, lse, dsum))
+        qc, doc = band.blocks(q_, group), band.blocks(dout_, group)  # (B*n, h, C, D)
+        kc, vc = band.windows(k[:, kvs], group), band.windows(v[:, kvs], group)  # (B*n, hkv, L, D)
         oc, lc, dc = band.blocks(out_, group), band.blocks(lse_, group), band.blocks(dsum_, group)
         if drel is None:
             gq, gk, gv = kernel_backward(doc, qc, kc, vc, oc, lc.contiguous(), False, plan.scale, bias.to(q.dtype)[None])
         else:
-            s = up(torch.matmul(qc, kc.transpose(-1, -2))).mul_(plan.scale).add_(bias)  # (B*n, H, C, L)
+            h, hkv = qc.shape[1], kc.shape[1]
+            q_g, do_g = fold_heads(qc, hkv), fold_heads(doc, hkv)  # (B*n, hkv, g C, D): a group's heads as rows
+            s = unfold_heads(up(torch.matmul(q_g, kc.transpose(-1, -2))), h).mul_(plan.scale).add_(bias)  # (B*n, h, C, L)
             p = s.sub_(lc[..., None]).exp_()  # probabilities under the merged normaliser
-            gv = torch.matmul(p.to(doc.dtype).transpose(-1, -2), doc)
-            ds = up(torch.matmul(doc, vc.transpose(-1, -2))).sub_(dc[..., None]).mul_(p)  # dS
-            h = ds.shape[1]
+            gv = torch.matmul(fold_heads(p.to(doc.dtype), hkv).transpose(-1, -2), do_g)  # (B*n, hkv, L, D)
+            ds = unfold_heads(up(torch.matmul(do_g, vc.transpose(-1, -2))), h).sub_(dc[..., None]).mul_(p)  # dS
             drel[hs].scatter_add_(1, index.expand(h, -1), ds.sum(0).reshape(h, -1))
-            ds = ds.to(q.dtype)
-            gq = torch.matmul(ds, kc).mul_(plan.scale)
-            gk = torch.matmul(ds.transpose(-1, -2), qc).mul_(plan.scale)
+            ds_g = fold_heads(ds.to(q.dtype), hkv)
+            gq = unfold_heads(torch.matmul(ds_g, kc), h).mul_(plan.scale)
+            gk = torch.matmul(ds_g.transpose(-1, -2), q_g).mul_(plan.scale)
         grads.add(0, slice(*group.row_range), band.unblocks(gq, group), hs)
-        band.add_windows(grads.get(1)[:, hs], group, gk)
-        band.add_windows(grads.get(2)[:, hs], group, gv)
+        band.add_windows(grads.get(1)[:, kvs], group, gk)
+        band.add_windows(grads.get(2)[:, kvs], group, gv)
 
 
 class _Grads:

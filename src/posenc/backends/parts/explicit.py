@@ -9,6 +9,11 @@ backward does; dS is also the bias's gradient, which goes to the encoding's para
 O(H x C x N) per step, never (H, N, N); nothing but q, k, v, the output and the log-sum-exp is saved.
 The fused kernel has no gradient for its mask, which is why the backward is written out here.
 
+Grouped-query heads (k, v with Hkv heads, H = g x Hkv) are taken as they are: the kernel
+broadcasts them, and the written-out backward folds the g query heads of each key/value head into
+one batch of g x C rows (:func:`~posenc.backends.parts.regions.fold_heads`), so its products read
+each key/value head once and sum the group's dk and dv inside the product.
+
 Two ways to build the block's bias and return its gradient, from what the encoding offers:
 
 - :class:`~posenc.encodings.protocol.DistanceBias` (``relative_bias(r)``: the bias depends on
@@ -32,7 +37,7 @@ import torch
 
 from ...encodings.protocol import Biases, DistanceBias, offers, require
 from .base import ScoreSpec, accumulation_dtype, needs_grad
-from .regions import apply, flushed, kernel_forward, up
+from .regions import apply, flushed, fold_heads, kernel_forward, unfold_heads, up
 
 BLOCK = 64  # query rows per block: temporaries are (B, H, BLOCK, keys)
 
@@ -107,20 +112,24 @@ def _block_grads(
     ws: _Workspace, p: torch.Tensor, dout_c: torch.Tensor, total_c: torch.Tensor, q_c: torch.Tensor,
     k_c: torch.Tensor, v_c: torch.Tensor, scale: float, dk: torch.Tensor, dv: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """p: probabilities (B, H, C, L), in workspace memory. Adds the block's dk, dv (keys 0..L-1)
-    and returns dS (in p's memory) and the block's dq."""
-    _add_product(dv, p.transpose(-1, -2), dout_c)  # dv += P^T dO
-    dp = torch.matmul(dout_c, v_c.transpose(-1, -2), out=ws.take("dp", p.shape))  # (B, H, C, L)
-    ds = p.mul_(dp.sub_(total_c[..., None]))  # dS = P (dP - D)
-    dq_c = torch.matmul(ds, k_c).mul_(scale)  # (B, H, C, D)
-    _add_product(dk, ds.transpose(-1, -2), q_c, alpha=scale)
+    """p: probabilities (B, H, C, L), in workspace memory; k_c, v_c, dk, dv have Hkv heads. Adds
+    the block's dk, dv (keys 0..L-1) and returns dS (in p's memory) and the block's dq."""
+    hkv, h = k_c.shape[1], p.shape[1]
+    p_g, dout_g = fold_heads(p, hkv), fold_heads(dout_c, hkv)  # (B, Hkv, g C, .)
+    _add_product(dv, p_g.transpose(-1, -2), dout_g)  # dv += P^T dO
+    dp = torch.matmul(dout_g, v_c.transpose(-1, -2), out=ws.take("dp", p_g.shape))  # (B, Hkv, g C, L)
+    ds = p.mul_(unfold_heads(dp, h).sub_(total_c[..., None]))  # dS = P (dP - D), (B, H, C, L)
+    ds_g = fold_heads(ds, hkv)
+    dq_c = unfold_heads(torch.matmul(ds_g, k_c), h).mul_(scale)  # (B, H, C, D)
+    _add_product(dk, ds_g.transpose(-1, -2), fold_heads(q_c, hkv), alpha=scale)
     return ds, dq_c
 
 
 def _scores(ws: _Workspace, q_c: torch.Tensor, k_c: torch.Tensor, scale: float, bias: torch.Tensor, lse_c: torch.Tensor) -> torch.Tensor:
-    """exp(q k^T * scale + bias - lse): the block's probabilities, in workspace memory."""
-    s = torch.matmul(q_c, k_c.transpose(-1, -2), out=ws.take("s", (*q_c.shape[:-1], k_c.shape[-2])))
-    return s.mul_(scale).add_(bias).sub_(lse_c[..., None]).exp_()  # (B, H, C, L)
+    """exp(q k^T * scale + bias - lse): the block's probabilities (B, H, C, L), in workspace memory."""
+    q_g = fold_heads(q_c, k_c.shape[1])  # (B, Hkv, g C, D)
+    s = torch.matmul(q_g, k_c.transpose(-1, -2), out=ws.take("s", (*q_g.shape[:-1], k_c.shape[-2])))
+    return unfold_heads(s, q_c.shape[1]).mul_(scale).add_(bias).sub_(lse_c[..., None]).exp_()  # (B, H, C, L)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -51,6 +51,22 @@ def _flash_ops_present() -> bool:
 
 
 FLASH_OPS: bool = _flash_ops_present()
+
+
+def _grouped_kernel() -> bool:
+    """The CPU flash ops take k and v with fewer heads than q (grouped-query attention; torch 2.13
+    does, an older torch may not): one tiny call, once, at import."""
+    if not FLASH_OPS:
+        return False
+    q, kv = torch.zeros(1, 2, 1, 8), torch.zeros(1, 1, 1, 8)
+    try:
+        out = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, kv, kv, 0.0, False, scale=1.0)[0]
+    except RuntimeError:
+        return False
+    return tuple(out.shape) == (1, 2, 1, 8)
+
+
+GROUPED_KERNEL: bool = _grouped_kernel()
 if not FLASH_OPS:
     warnings.warn(
         f"posenc: torch {torch.__version__} has no CPU flash-attention ops with log-sum-exp; the blocked and "
@@ -214,10 +230,48 @@ def use_kernel(q: torch.Tensor, v: torch.Tensor) -> bool:
     return FLASH_OPS and q.device.type == "cpu" and q.shape[-1] == v.shape[-1]
 
 
+def fold_heads(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """(N, H, C, X) -> (N, Hkv, g C, X): the g = H / Hkv query heads that share a key/value head as
+    one batch of g C rows, so a matrix product with that head's keys or values needs no repeat and
+    a product over the rows sums the group's gradients itself (a view when x is contiguous)."""
+    n, h, c, x_dim = x.shape
+    return x.reshape(n, kv_heads, (h // kv_heads) * c, x_dim)
+
+
+def unfold_heads(y: torch.Tensor, heads: int) -> torch.Tensor:
+    """Inverse of :func:`fold_heads`: (N, Hkv, g C, X) -> (N, H, C, X)."""
+    n, kv_heads, rows, x_dim = y.shape
+    return y.reshape(n, heads, rows * kv_heads // heads, x_dim)
+
+
+def kv_heads_of(heads: slice, h: int, hkv: int) -> slice:
+    """The key/value heads of the query heads ``heads`` (of h), whose groups they must cover whole."""
+    h0, h1, _ = heads.indices(h)
+    g = h // hkv
+    if h0 % g or h1 % g:
+        raise AssertionError(f"query heads {h0}..{h1 - 1} split a group of {g} heads that share a key/value head")
+    return slice(h0 // g, h1 // g)
+
+
+def _repeated(k: torch.Tensor, v: torch.Tensor, h: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = h // k.shape[1]
+    return k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
+
+
+def _grouped_sum(x: torch.Tensor, hkv: int) -> torch.Tensor:
+    """(B, H, L, D) -> (B, Hkv, L, D): the gradients of the g query heads of each group, summed."""
+    b, h, length, d = x.shape
+    return x.reshape(b, hkv, h // hkv, length, d).sum(2)
+
+
 def kernel_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float, mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """softmax(q k^T * scale + mask, top-left causal) v and its log-sum-exp: ((B, H, Lq, D), (B, H, Lq))."""
+    """softmax(q k^T * scale + mask, top-left causal) v and its log-sum-exp: ((B, H, Lq, D), (B, H, Lq)).
+    k and v may have Hkv heads, H a multiple of Hkv (grouped-query attention)."""
+    grouped = k.shape[1] != q.shape[1]
+    if grouped and not (GROUPED_KERNEL and use_kernel(q, v)):
+        return kernel_forward(q, *_repeated(k, v, q.shape[1]), causal, scale, mask)
     if use_kernel(q, v):
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, attn_mask=mask, scale=scale)[:2]
         return out, lse
@@ -234,7 +288,12 @@ def kernel_backward(
     do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
     causal: bool, scale: float, mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv) of :func:`kernel_forward` for the given output and log-sum-exp."""
+    """(dq, dk, dv) of :func:`kernel_forward` for the given output and log-sum-exp; with grouped
+    key/value heads, dk and dv have k's heads (each group's gradients summed)."""
+    hkv = k.shape[1]
+    if hkv != q.shape[1] and not (GROUPED_KERNEL and use_kernel(q, v)):
+        dq, dk, dv = kernel_backward(do, q, *_repeated(k, v, q.shape[1]), out, lse, causal, scale, mask)
+        return dq, _grouped_sum(dk, hkv), _grouped_sum(dv, hkv)
     if use_kernel(q, v):
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             do, q, k, v, out, lse, 0.0, causal, attn_mask=mask, scale=scale

@@ -125,10 +125,8 @@ def plan(tq: int, tk: int, offset: int, window: int, block: int | None = None) -
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec, window: int, block: int | None = None) -> torch.Tensor:
     """Windowed causal attention (B, H, T, D) for rotated q (B, H, T, D) and k, v (B, Hkv, Tk, D)
-    (grouped heads are repeated: the kernel takes one head count). ``block`` (tests): rows per block."""
-    group = q.shape[1] // k.shape[1]
-    if group > 1:
-        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # (B, H, Tk, D)
+    (grouped heads as they are: the kernel broadcasts each key/value head over its group, and dk, dv
+    come back with Hkv heads). ``block`` (tests): rows per block."""
     parts, lone = plan(q.shape[-2], k.shape[-2], spec.offset, window, block)
     part_masks = [_part_mask(spec, p, q.dtype) for p in parts]
     lone_masks = [_mask(spec, r, q.dtype) if spec.has_bias else None for r in lone]
