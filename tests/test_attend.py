@@ -72,10 +72,10 @@ def test_grouped_heads_equal_repeated_heads(method):
 @pytest.mark.parametrize("hkv", [1, 2, 4])
 @pytest.mark.parametrize("method", ["alibi", "t5", "kerple", "fire"])
 def test_the_blocked_backend_takes_grouped_heads_as_they_are(method, hkv, monkeypatch):
-    """blocked's kernel calls get k and v with Hkv heads (nothing repeated), over every part of the
-    plan at a length where ALiBi's heads split into slope groups (whole groups of query heads each),
-    and the result is the repeated call's, outputs and gradients; the kernel's own fallback for a
-    torch whose flash ops refuse grouped heads gives the same."""
+    """blocked's kernel calls get k and v with Hkv heads, nothing repeated (ALiBi's slope groups of 8
+    heads each take whole groups of query heads or heads of one group), and the result is the repeated
+    call's, outputs and gradients; the kernel's own fallback for a torch whose flash ops refuse
+    grouped heads gives the same."""
     from posenc.backends.parts import regions
 
     h, n = 8, 700
@@ -94,13 +94,36 @@ def test_the_blocked_backend_takes_grouped_heads_as_they_are(method, hkv, monkey
     monkeypatch.setattr("posenc.backends.blocked.kernel_forward", spy)
     monkeypatch.setattr("posenc.backends.parts.explicit.kernel_forward", spy)
     out = attend(q, k, v, enc)
-    assert seen and all(kh * (h // hkv) == qh for qh, kh in seen), seen
+    g = h // hkv  # whole groups of query heads with their key/value heads, or heads of one group with its one
+    native = seen and all(qh == kh * g or (kh == 1 and qh <= g) for qh, kh in seen)
+    assert native, seen
     want = attend(q, k.repeat_interleave(h // hkv, 1), v.repeat_interleave(h // hkv, 1), enc)
     close(out, want, 5e-5)
     for a, b in zip(grads(out, q, k, v, *enc.parameters()), grads(want, q, k, v, *enc.parameters())):
         close(a, b, 5e-5)
     monkeypatch.setattr(regions, "GROUPED_KERNEL", False)
     close(attend(q, k, v, enc), want, 5e-5)
+
+
+def test_alibi_slope_groups_that_split_a_group_of_query_heads_take_the_keys_repeated():
+    """32 heads in groups of 4: a slope group of heads 3..6 takes part of two groups, so the plan
+    takes k and v repeated, and the result is the repeated call's."""
+    from posenc.backends.parts import tails
+    from posenc.backends.parts.base import ScoreSpec
+
+    h, hkv, n = 32, 8, 600
+    enc = build("alibi", num_heads=h, head_dim=D)
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(1, h, n, D, generator=g, requires_grad=True)
+    k, v = (torch.randn(1, hkv, n, D, generator=g, requires_grad=True) for _ in range(2))
+    pos = torch.arange(n)
+    spec = ScoreSpec(enc, pos, pos, True, D**-0.5)
+    assert not tails.grouped(tails.make_plan(spec, n, n, torch.float32, None, tails.spread(q, k, spec.scale)), h, hkv)
+    out = attend(q, k, v, enc)
+    want = attend(q, k.repeat_interleave(h // hkv, 1), v.repeat_interleave(h // hkv, 1), enc)
+    close(out, want)
+    for a, b in zip(grads(out, q, k, v), grads(want, q, k, v)):
+        close(a, b)
 
 
 def documents_alone(q, k, v, enc, lengths):

@@ -403,22 +403,6 @@ def test_alibi_heads_are_grouped_by_slope():
     assert tails.head_groups(None, torch.float32, 4096, None, 10.0, 0) == [(slice(None), None, None)]
 
 
-@pytest.mark.parametrize("align", [2, 4, 8])
-def test_grouped_heads_keep_whole_groups_in_each_slope_group(align):
-    """With grouped-query heads (``align`` query heads per key/value head) every slope group is a
-    run of whole groups, whose block fits its steepest head and whose window its gentlest."""
-    slopes = alibi_slopes(16)
-    groups = tails.head_groups(slopes, torch.float32, 4096, None, spread=10.0, past=0, align=align)
-    covered = [h for heads, _, _ in groups for h in range(*heads.indices(16)[:2])]
-    assert covered == list(range(16))
-    for heads, rows, window in groups:
-        assert heads.start % align == 0 and heads.stop % align == 0
-        if rows is not None:
-            assert rows * float(slopes[heads].max()) <= tails.TERM_SPAN
-        assert window is not None and float(slopes[heads].min()) * window >= tails.ZERO_LOGIT + 2 * 10.0
-    assert tails.head_groups(slopes, torch.float32, 4096, None, 10.0, 0, align=1) == tails.head_groups(slopes, torch.float32, 4096, None, 10.0, 0)
-
-
 @pytest.mark.parametrize("as_band", [True, False])
 def test_alibi_windows_leave_out_only_keys_that_weigh_nothing(as_band, monkeypatch):
     """At N=2048 the steep heads' windows drop most far keys; the result is float64's to float32

@@ -39,10 +39,14 @@ Other bias encodings (no affine tails: KERPLE, FIRE, any ``bias``) take the path
 :mod:`posenc.backends.parts.explicit`: per block of queries, the kernel with that block's bias as its
 mask, and a written-out backward that also gives the bias its gradient.
 
-Grouped-query heads (k, v with Hkv heads, H = g x Hkv) are taken as they are: every part covers
-whole groups of g query heads (:func:`~posenc.backends.parts.tails.head_groups`), the kernel calls
-broadcast a group's key/value head, and the written-out backward folds the group into one batch of
-rows (:func:`~posenc.backends.parts.regions.fold_heads`); dk and dv come out with Hkv heads.
+Grouped-query heads (k, v with Hkv heads, H = g x Hkv) are taken as they are where every part of
+the plan takes whole groups of g query heads or heads of one group alone
+(:func:`~posenc.backends.parts.tails.grouped`: T5's one part of every head always does, ALiBi's
+slope groups for 8 heads in 1, 2 or 4 groups do): the kernel calls broadcast a group's key/value
+head, and the written-out backward folds the group into one batch of rows
+(:func:`~posenc.backends.parts.regions.fold_heads`), so dk and dv come out with Hkv heads. Slope
+groups that take part of one group and more besides take k and v repeated: aligning the slope
+groups instead would give a steep head the window of the gentlest head of its group, far more keys.
 
 A decode step (one query, no gradient) skips all of the above: the bias is one vector per head,
 the fused kernel's mask (``backends/parts/single.py``). Left-padded rows are split into unpadded calls
@@ -71,7 +75,7 @@ from .parts.regions import (
     kernel_backward,
     kernel_forward,
     keys_of,
-    kv_heads_of,
+    kv_heads,
     opaque_to_compile,
     region_backward,
     rows_of,
@@ -121,7 +125,10 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec, b
 def _tailed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec, block: int | None) -> torch.Tensor:
     """The far calls and band blocks of a bias with affine tails, planned from this call's |q . k|."""
     tq, tk = q.shape[-2], k.shape[-2]
-    plan = tails.make_plan(spec, tq, tk, q.dtype, block, tails.spread(q, k, spec.scale), q.shape[1] // k.shape[1])
+    plan = tails.make_plan(spec, tq, tk, q.dtype, block, tails.spread(q, k, spec.scale))
+    h, hkv = q.shape[1], k.shape[1]
+    if hkv != h and not tails.grouped(plan, h, hkv):  # a slope group takes part of a group of query heads
+        k, v = k.repeat_interleave(h // hkv, dim=1), v.repeat_interleave(h // hkv, dim=1)  # (B, H, Tk, D)
     rel = spec.memo.relative_values(spec.encoding, plan.r_lo, plan.r_hi, q.device)  # (H, R)
     return apply(_TailedBias, q, k, v, rel, plan)
 
@@ -158,7 +165,7 @@ def _forward(
     for call in plan.far:
         term, shift, _ = tails.far_terms(plan, rel, call)
         r, hs = call.region, call.heads
-        kvs = kv_heads_of(hs, h, hkv)
+        kvs = kv_heads(hs, h, hkv)
         o, lz = kernel_forward(*_cut(r, q[:, hs], k[:, kvs], v[:, kvs]), r.causal, plan.scale, _key_mask(term, r))
         lz = call_order(lz, r, -1) + shift  # (B, h, C): back to the true bias
         o = call_order(o, r)
@@ -167,7 +174,7 @@ def _forward(
     for group in plan.bands:
         bias, _ = _band_bias(plan, rel, group)
         hs = group.heads
-        kvs = kv_heads_of(hs, h, hkv)
+        kvs = kv_heads(hs, h, hkv)
         o, lz = kernel_forward(band.blocks(q[:, hs], group), band.windows(k[:, kvs], group), band.windows(v[:, kvs], group),
                               False, plan.scale, bias.to(q.dtype)[None])
         merged.add(group.row_range, band.unblocks(o, group), band.unblocks(lz, group), hs)
@@ -186,7 +193,7 @@ def _backward(
     for n, call in enumerate(plan.far):
         term, shift, r0 = tails.far_terms(plan, rel, call)
         r, hs = call.region, call.heads
-        kvs = kv_heads_of(hs, h, hkv)
+        kvs = kv_heads(hs, h, hkv)
         gq, gk, gv = region_backward(r, dout[:, hs], q[:, hs], k[:, kvs], v[:, kvs], out[:, hs], lse[:, hs], plan.scale,
                                      lse_shift=shift, mask=_key_mask(term, r))
         rows, keys = slice(*r.rows), slice(*r.keys)
@@ -240,7 +247,7 @@ def _band_backward(
     for group in groups:
         bias, index = _band_bias(plan, rel, group)
         hs = group.heads
-        kvs = kv_heads_of(hs, q.shape[1], k.shape[1])
+        kvs = kv_heads(hs, q.shape[1], k.shape[1])
         q_, dout_, out_, lse_, dsum_ = (x[:, hs] for x in (q, dout, out, lse, dsum))
         qc, doc = band.blocks(q_, group), band.blocks(dout_, group)  # (B*n, h, C, D)
         kc, vc = band.windows(k[:, kvs], group), band.windows(v[:, kvs], group)  # (B*n, hkv, L, D)

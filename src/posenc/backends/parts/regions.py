@@ -244,13 +244,26 @@ def unfold_heads(y: torch.Tensor, heads: int) -> torch.Tensor:
     return y.reshape(n, heads, rows * kv_heads // heads, x_dim)
 
 
-def kv_heads_of(heads: slice, h: int, hkv: int) -> slice:
-    """The key/value heads of the query heads ``heads`` (of h), whose groups they must cover whole."""
+def kv_heads_of(heads: slice, h: int, hkv: int) -> slice | None:
+    """The key/value heads of the query heads ``heads`` (of h; g = h / hkv query heads share a key/value
+    head) as the kernel pairs them, query head n of the slice with key/value head n // (h' / hkv'):
+    whole groups, or query heads of one group alone (one key/value head for all); None for a slice
+    that takes part of one group and more besides."""
     h0, h1, _ = heads.indices(h)
     g = h // hkv
-    if h0 % g or h1 % g:
-        raise AssertionError(f"query heads {h0}..{h1 - 1} split a group of {g} heads that share a key/value head")
-    return slice(h0 // g, h1 // g)
+    if h1 > h0 and h0 // g == (h1 - 1) // g:
+        return slice(h0 // g, h0 // g + 1)
+    if h0 % g == 0 and h1 % g == 0:
+        return slice(h0 // g, h1 // g)
+    return None
+
+
+def kv_heads(heads: slice, h: int, hkv: int) -> slice:
+    """:func:`kv_heads_of` for a slice that has them (a plan checked with it)."""
+    kvs = kv_heads_of(heads, h, hkv)
+    if kvs is None:
+        raise AssertionError(f"query heads {heads} take part of a group of {h // hkv} heads that share a key/value head")
+    return kvs
 
 
 def _repeated(k: torch.Tensor, v: torch.Tensor, h: int) -> tuple[torch.Tensor, torch.Tensor]:

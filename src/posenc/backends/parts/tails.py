@@ -17,7 +17,7 @@ from ...encodings.protocol import RelativeBias, require
 from ...errors import UsageError
 from . import band
 from .base import ScoreSpec
-from .regions import Region, lower, up, upper
+from .regions import Region, kv_heads_of, lower, up, upper
 
 BAND_BLOCK = 64  # query rows per explicit band block: the band is BAND_BLOCK + P - 1 keys wide
 TERM_SPAN = 64.0  # a sloped far block is at most TERM_SPAN / max|slope| queries (blocked.py: Precision)
@@ -75,7 +75,6 @@ class Plan:
 
 def head_groups(
     slope: torch.Tensor | None, dtype: torch.dtype, tq: int, block: int | None, spread: float | None, past: int,
-    align: int = 1,
 ) -> list[tuple[slice, int | None, int | None]]:
     """(heads, rows per far block, window) per group of heads.
 
@@ -85,25 +84,20 @@ def head_groups(
     keys more than (ZERO_LOGIT + 2 spread) / |s| before the query weigh less than 2^-150 of the
     diagonal key, exactly zero in float32, and are left out. Contiguous heads with the same block
     form a group; groups keep at least MIN_GROUP_HEADS heads, since the CPU kernel's backward runs
-    one head per thread. With ``align`` > 1 (grouped-query heads: ``align`` query heads share a
-    key/value head) every group holds whole sets of ``align`` heads, each set taking the block and
-    window of its steepest and its gentlest head.
+    one head per thread.
     """
     if block is not None or slope is None or dtype == torch.float64:
         return [(slice(None), block, None)]
-    slopes = slope.abs().tolist()
     runs: list[tuple[int, int, int, float]] = []  # (first head, last head + 1, rows, smallest |s|)
-    for h in range(0, len(slopes), align):
-        unit = slopes[h : h + align]
+    for h, s in enumerate(slope.abs().tolist()):
         rows = 16
-        while rows * 2 * max(unit) <= TERM_SPAN and rows < tq:
+        while rows * 2 * s <= TERM_SPAN and rows < tq:
             rows *= 2
-        s, end = min(unit), h + len(unit)
         if runs and (runs[-1][2] == rows or runs[-1][1] - runs[-1][0] < MIN_GROUP_HEADS):
             h0, _, r0, s0 = runs[-1]
-            runs[-1] = (h0, end, min(r0, rows), min(s0, s))
+            runs[-1] = (h0, h + 1, min(r0, rows), min(s0, s))
         else:
-            runs.append((h, end, rows, s))
+            runs.append((h, h + 1, rows, s))
     if len(runs) > 1 and runs[-1][1] - runs[-1][0] < MIN_GROUP_HEADS:  # a lone last head joins the one before
         last = runs.pop()
         h0, _, r0, s0 = runs[-1]
@@ -117,9 +111,16 @@ def head_groups(
     return groups
 
 
+def grouped(plan: Plan, h: int, hkv: int) -> bool:
+    """Every far call and band block of the plan takes whole groups of query heads (those that share
+    a key/value head, h / hkv of them) or heads of one group alone: the calls can take the grouped
+    keys and values as they are (:func:`~posenc.backends.parts.regions.kv_heads_of`)."""
+    heads = [c.heads for c in plan.far] + [b.heads for b in plan.bands]
+    return all(kv_heads_of(s, h, hkv) is not None for s in heads)
+
+
 def make_plan(spec: ScoreSpec, tq: int, tk: int, dtype: torch.dtype = torch.float32, block: int | None = None,
-              spread: float | None = None, group: int = 1) -> Plan:
-    """The plan of one call; ``group``: query heads per key/value head (each call's heads are whole groups)."""
+              spread: float | None = None) -> Plan:
     tails = require(spec.encoding, RelativeBias).bias_tails()
     slopes = (tails.past_slope, tails.future_slope)
     past = tails.past
@@ -128,7 +129,7 @@ def make_plan(spec: ScoreSpec, tq: int, tk: int, dtype: torch.dtype = torch.floa
     rows = BAND_BLOCK if block is None else block
     far, bands = [], []
     # Far past: query a sees key b when b <= a + qs - ks - past. ref: the boundary key of the middle row.
-    for heads, far_rows, window in head_groups(slopes[0], dtype, tq, block, spread, past, group):
+    for heads, far_rows, window in head_groups(slopes[0], dtype, tq, block, spread, past):
         if window is not None and window <= BAND_WINDOW and spec.causal:
             # Steep heads: every key that weighs anything is within the window, so their whole
             # attention is a band of window + 1 distances, written out exactly and batched.
@@ -137,7 +138,7 @@ def make_plan(spec: ScoreSpec, tq: int, tk: int, dtype: torch.dtype = torch.floa
         for region in lower(tq, tk, qs - ks - past, far_rows, window):
             far.append(FarCall(region, 0, qs + sum(region.rows) // 2 - past, heads))
     if not spec.causal:  # far future: b >= a + qs - ks + future
-        for heads, far_rows, window in head_groups(slopes[1], dtype, tq, block, spread, 1 - future, group):
+        for heads, far_rows, window in head_groups(slopes[1], dtype, tq, block, spread, 1 - future):
             for region in upper(tq, tk, qs - ks + future, far_rows, window):
                 far.append(FarCall(region, 1, qs + sum(region.rows) // 2 + future, heads))
     bands += band.plan_band(tq, tk, qs, ks, past, 0 if spec.causal else future - 1, rows)
