@@ -72,8 +72,8 @@ def test_grouped_heads_equal_repeated_heads(method):
 @pytest.mark.parametrize("hkv", [1, 2, 4])
 @pytest.mark.parametrize("method", ["alibi", "t5", "kerple", "fire"])
 def test_the_blocked_backend_takes_grouped_heads_as_they_are(method, hkv, monkeypatch):
-    """blocked's kernel calls get k and v with Hkv heads, nothing repeated (ALiBi's slope groups of 8
-    heads each take whole groups of query heads or heads of one group), and the result is the repeated
+    """blocked's kernel calls get k and v with Hkv heads, nothing repeated (where the plan allows:
+    :func:`posenc.backends.parts.tails.grouped`), and the result is the repeated
     call's, outputs and gradients; the kernel's own fallback for a torch whose flash ops refuse
     grouped heads gives the same."""
     from posenc.backends.parts import regions
@@ -96,7 +96,10 @@ def test_the_blocked_backend_takes_grouped_heads_as_they_are(method, hkv, monkey
     out = attend(q, k, v, enc)
     g = h // hkv  # whole groups of query heads with their key/value heads, or heads of one group with its one
     native = seen and all(qh == kh * g or (kh == 1 and qh <= g) for qh, kh in seen)
-    assert native, seen
+    if method in ("kerple", "fire") or (method == "t5" and hkv >= 2):
+        assert native, seen  # (one key/value head for a far call of T5 would run its backward on one thread)
+    else:  # ALiBi's plan, and T5's with one key/value head, take them grouped or repeated, whole
+        assert native or all(kh == qh for qh, kh in seen), seen
     want = attend(q, k.repeat_interleave(h // hkv, 1), v.repeat_interleave(h // hkv, 1), enc)
     close(out, want, 5e-5)
     for a, b in zip(grads(out, q, k, v, *enc.parameters()), grads(want, q, k, v, *enc.parameters())):

@@ -21,7 +21,7 @@ from .regions import Region, kv_heads_of, lower, up, upper
 
 BAND_BLOCK = 64  # query rows per explicit band block: the band is BAND_BLOCK + P - 1 keys wide
 TERM_SPAN = 64.0  # a sloped far block is at most TERM_SPAN / max|slope| queries (blocked.py: Precision)
-MIN_GROUP_HEADS = 2  # heads per far call at least (the kernel's backward runs one head per thread)
+MIN_GROUP_HEADS = 2  # heads per far call at least (the kernel's backward runs one head, or one key/value head, per thread)
 ZERO_LOGIT = 110.0  # exp(-ZERO_LOGIT) is below 2^-150: a probability that rounds to 0 in float32
 BAND_WINDOW = 1024  # heads whose window is at most this run as a written-out band (few batched calls)
 
@@ -112,11 +112,20 @@ def head_groups(
 
 
 def grouped(plan: Plan, h: int, hkv: int) -> bool:
-    """Every far call and band block of the plan takes whole groups of query heads (those that share
-    a key/value head, h / hkv of them) or heads of one group alone: the calls can take the grouped
-    keys and values as they are (:func:`~posenc.backends.parts.regions.kv_heads_of`)."""
-    heads = [c.heads for c in plan.far] + [b.heads for b in plan.bands]
-    return all(kv_heads_of(s, h, hkv) is not None for s in heads)
+    """The calls of the plan can take the grouped keys and values as they are: every far call and
+    band block takes whole groups of query heads (those that share a key/value head, h / hkv of
+    them) or heads of one group alone (:func:`~posenc.backends.parts.regions.kv_heads_of`), and every
+    far call at least MIN_GROUP_HEADS key/value heads: the kernel's backward runs one key/value head
+    per thread when they are grouped, so a far call of one would run on one thread (band blocks are
+    batched, which keeps the threads busy)."""
+    for heads in [b.heads for b in plan.bands]:
+        if kv_heads_of(heads, h, hkv) is None:
+            return False
+    for call in plan.far:
+        kvs = kv_heads_of(call.heads, h, hkv)
+        if kvs is None or kvs.stop - kvs.start < MIN_GROUP_HEADS:
+            return False
+    return True
 
 
 def make_plan(spec: ScoreSpec, tq: int, tk: int, dtype: torch.dtype = torch.float32, block: int | None = None,
