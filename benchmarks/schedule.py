@@ -15,9 +15,13 @@ and min-max over rounds are reported.
 
 ``--quick``: tiny sizes and one round, to check that the script runs (its figures mean nothing);
 ``--in-process`` runs the jobs without a fresh interpreter each (the test does both).
+``--alternate K`` (the window table): each method's full and windowed steps in one fresh process per
+round, alternated K times (full then window, then window then full, ...), the round's time of each the
+median of its K; on a machine whose speed drifts between processes this keeps the two sides of each
+ratio under the same conditions (the peak memory is then the process's, over both steps).
 
 Usage: ``python benchmarks/schedule.py [--rounds 3] [--tables window decode schedule]
-[--methods rope alibi] [--quick] [--out benchmarks/results/schedule]``. Writes table.md and
+[--methods rope alibi] [--alternate K] [--quick] [--out benchmarks/results/schedule]``. Writes table.md and
 results.json into ``--out``.
 """
 
@@ -47,7 +51,9 @@ def schedule_text(method: str, variant: str, window: int) -> str:
             "mixed": f"3x[{method} window={window}] 1x[{method}]"}[variant]
 
 
-def job_list(table: str, methods: list[str], sizes: dict) -> list[dict]:
+def job_list(table: str, methods: list[str], sizes: dict, alternate: int = 0) -> list[dict]:
+    if table == "window" and alternate:
+        return [{"table": table, "method": m, "variant": "alternate", "alternate": alternate, **sizes} for m in methods]
     if table == "window":
         return [{"table": table, "method": m, "variant": v, **sizes} for m in methods for v in ("full", "window")]
     if table == "decode":
@@ -80,9 +86,11 @@ def work(job: dict) -> dict:
         v = torch.randn(1, h, n, d, requires_grad=True)
         window = w if variant == "window" else None
 
-        def step():
+        def step(window=window):
             posenc.attend(q, k, v, enc, window=window).sum().backward()
 
+        if variant == "alternate":
+            return alternated(step, w, job["alternate"])
         return timed(step, 2)
     if table == "decode":
         enc = posenc.build(method, num_heads=h, head_dim=d)
@@ -122,6 +130,25 @@ def work(job: dict) -> dict:
 
 
 
+def alternated(step, window: int, times: int) -> dict:
+    """The full and the windowed step of one method alternated ``times`` times in this process, after
+    one warm-up each: {"full": record, "window": record}, each record's seconds the median of its runs."""
+    from posenc.bench.worker import maxrss_mb, reset_peak_rss
+
+    step(None)
+    step(window)
+    base = reset_peak_rss()
+    base = maxrss_mb() if base is None else base
+    runs: dict[str, list[float]] = {"full": [], "window": []}
+    for n in range(times):
+        for variant in (("full", "window") if n % 2 == 0 else ("window", "full")):
+            t0 = time.perf_counter()
+            step(window if variant == "window" else None)
+            runs[variant].append(time.perf_counter() - t0)
+    peak = maxrss_mb() - base
+    return {v: {"variant": v, "seconds": statistics.median(ts), "runs_s": ts, "peak_over_baseline_mb": peak} for v, ts in runs.items()}
+
+
 def key(job: dict) -> str:
     return json.dumps(job, sort_keys=True)
 
@@ -142,10 +169,22 @@ def measure(jobs: list[dict], rounds: int, threads: int | None, in_process: bool
                 if done.returncode:
                     raise SystemExit(f"job {job} failed:\n{done.stderr[-3000:]}")
                 got[key(job)] = {**job, **json.loads(done.stdout.strip().splitlines()[-1])}
+            if job["variant"] == "alternate":  # two records: the full and the windowed step
+                print(f"round {r + 1}/{rounds}: {job['table']} {job['method']} alternated: full {got[key(job)]['full']['seconds']:.4f} s, "
+                      f"window {got[key(job)]['window']['seconds']:.4f} s", file=sys.stderr, flush=True)
+                continue
             print(f"round {r + 1}/{rounds}: {job['table']} {job['method']} {job['variant']}: {got[key(job)]['seconds']:.4f} s",
                   file=sys.stderr, flush=True)
-        results.append([got[key(j)] for j in jobs])
+        results.append([record for j in jobs for record in _records(got[key(j)])])
     return results
+
+
+def _records(got: dict) -> list[dict]:
+    """A job's result records: one, or an alternated job's full and window records."""
+    if got.get("variant") != "alternate":
+        return [got]
+    base = {k: v for k, v in got.items() if k not in ("full", "window")}
+    return [{**base, **got["full"]}, {**base, **got["window"]}]
 
 
 def spread(values: list[float]) -> str:
@@ -231,6 +270,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--methods", nargs="+", default=list(METHODS), help="encodings to run (default rope alibi)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads per worker (default: torch's)")
     parser.add_argument("--quick", action="store_true", help="tiny sizes and one round: checks that the script runs")
+    parser.add_argument("--alternate", type=int, default=0, metavar="K",
+                        help="window table: full and windowed steps alternated K times in one process per method and round")
     parser.add_argument("--in-process", action="store_true",
                         help="run every job in this process (for the tests; the timings then share one interpreter)")
     parser.add_argument("--out", default="benchmarks/results/schedule")
@@ -246,10 +287,13 @@ def main(argv: list[str] | None = None) -> None:
     sizes = dict(QUICK if args.quick else FULL)
     rounds = 1 if args.quick else args.rounds
     started = time.time()
-    results = {t: measure(job_list(t, args.methods, sizes), rounds, args.threads, args.in_process) for t in args.tables}
+    if args.alternate < 0:
+        raise SystemExit(f"--alternate must be 0 (off) or a positive number of alternations, got {args.alternate}")
+    results = {t: measure(job_list(t, args.methods, sizes, args.alternate), rounds, args.threads, args.in_process) for t in args.tables}
     command = (f"python benchmarks/schedule.py{' --quick' if args.quick else f' --rounds {rounds}'} --tables "
                f"{' '.join(args.tables)} --methods {' '.join(args.methods)}"
-               f"{'' if args.threads is None else f' --threads {args.threads}'}{' --in-process' if args.in_process else ''}")
+               f"{'' if args.threads is None else f' --threads {args.threads}'}{' --in-process' if args.in_process else ''}"
+               f"{f' --alternate {args.alternate}' if args.alternate else ''}")
     machine = {"cpu_model": cpu_model(), "cores": os.cpu_count(), "torch": torch.__version__,
                "threads": args.threads or torch.get_num_threads(), "platform": platform.platform()}
     header = (f"Machine: {machine['cpu_model']}, {machine['cores']} cores, torch {machine['torch']}, {machine['threads']} threads "

@@ -451,3 +451,27 @@ def test_schedule_rows_run_in_the_bench(level, method, mode):
     row = next(r for r in results.cells if r["label"] == method)
     assert row["status"] == "ok" and row["median_s"] > 0 and row["median_s_vs_nope"] > 0, row
     assert cli.main(["bench", "--methods", method, "--level", level, "--lengths", "8", "--rounds", "0"]) == 2  # (checked first)
+
+
+def test_the_schedule_benchmark_alternates_full_and_window_in_one_process(tmp_path):
+    """--alternate K: each window record holds K runs, the round's time their median, and the
+    ratio is the window's median over the full step's, both from the one alternated job."""
+    import importlib.util
+    import statistics
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "schedule.py"
+    spec = importlib.util.spec_from_file_location("schedule_benchmark", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    out = tmp_path / "schedule"
+    script.main(["--quick", "--in-process", "--tables", "window", "--methods", "alibi", "--alternate", "3", "--out", str(out)])
+    data = json.loads((out / "results.json").read_text())
+    assert data["command"].endswith("--alternate 3")
+    records = {j["variant"]: j for j in data["jobs"]["window"][0]}
+    assert set(records) == {"full", "window"}
+    for r in records.values():
+        assert len(r["runs_s"]) == 3 and r["seconds"] == statistics.median(r["runs_s"])
+    assert data["ratios"]["window"]["alibi"]["median"] == pytest.approx(records["window"]["seconds"] / records["full"]["seconds"])
+    with pytest.raises(SystemExit, match="--alternate"):
+        script.main(["--quick", "--in-process", "--tables", "window", "--alternate", "-1", "--out", str(out)])
