@@ -140,7 +140,7 @@ def _tailed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec, 
 class _TailedBias(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rel: torch.Tensor, plan: tails.Plan) -> torch.Tensor:
-        out, lse, far = flushed(_forward, q, k, v, rel, plan)
+        out, lse, far = flushed(_forward, q, k, v, rel, plan, when=_sloped(plan))
         ctx.plan = plan
         ctx.far = far if ctx.needs_input_grad[3] else None
         ctx.save_for_backward(q, k, v, rel, out, lse)
@@ -150,7 +150,7 @@ class _TailedBias(torch.autograd.Function):
     def backward(ctx: Any, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         q, k, v, rel, out, lse = ctx.saved_tensors
         need_rel = ctx.needs_input_grad[3]
-        dq, dk, dv, drel = flushed(_backward, ctx.plan, ctx.far, need_rel, dout, q, k, v, rel, out, lse)
+        dq, dk, dv, drel = flushed(_backward, ctx.plan, ctx.far, need_rel, dout, q, k, v, rel, out, lse, when=_sloped(ctx.plan))
         return dq, dk, dv, drel, None
 
 
@@ -214,6 +214,12 @@ def _backward(
     _band_backward(plan, rel, drel, q, k, v, out, lse, dout, dsum, grads)
     dq, dk, dv = grads.result()
     return dq, dk, dv, (None if drel is None else drel.to(rel.dtype))
+
+
+def _sloped(plan: tails.Plan) -> bool:
+    """A tail that falls with distance (ALiBi): far keys' probabilities reach float32's denormals,
+    so the kernel loops run with them flushed; a constant tail (T5) runs them in the caller's thread."""
+    return any(s is not None for s in plan.slopes)
 
 
 def _key_mask(term: torch.Tensor | None, region: Region) -> torch.Tensor | None:

@@ -130,7 +130,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec, w
     parts, lone = plan(q.shape[-2], k.shape[-2], spec.offset, window, block)
     part_masks = [_part_mask(spec, p, q.dtype) for p in parts]
     lone_masks = [_mask(spec, r, q.dtype) if spec.has_bias else None for r in lone]
-    return apply(_Window, q, k, v, parts, part_masks, lone, lone_masks, spec.scale)
+    return apply(_Window, q, k, v, parts, part_masks, lone, lone_masks, spec.scale, spec.has_bias)
 
 
 def _part_mask(spec: ScoreSpec, part: Part, dtype: torch.dtype) -> torch.Tensor | None:
@@ -163,17 +163,19 @@ def _bias(spec: ScoreSpec, rows: tuple[int, int], keys: tuple[int, int], dtype: 
 class _Window(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, parts: list[Part], part_masks: list[torch.Tensor | None],
-                lone: list[Region], lone_masks: list[torch.Tensor | None], scale: float) -> torch.Tensor:
-        out, lse = flushed(_forward, q, k, v, parts, part_masks, lone, lone_masks, scale)
+                lone: list[Region], lone_masks: list[torch.Tensor | None], scale: float, biased: bool) -> torch.Tensor:
+        # Denormals flushed where a bias falls with distance (ALiBi's far keys); plain windows run here.
+        out, lse = flushed(_forward, q, k, v, parts, part_masks, lone, lone_masks, scale, when=biased)
         ctx.plan = parts, part_masks, lone, lone_masks, scale
+        ctx.biased = biased
         ctx.save_for_backward(q, k, v, out, lse)
         return out
 
     @staticmethod
     def backward(ctx: Any, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = flushed(_backward, dout.contiguous(), q, k, v, out, lse, *ctx.plan)
-        return dq, dk, dv, None, None, None, None, None
+        dq, dk, dv = flushed(_backward, dout.contiguous(), q, k, v, out, lse, *ctx.plan, when=ctx.biased)
+        return dq, dk, dv, None, None, None, None, None, None
 
 
 def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, parts: list[Part], part_masks: list[torch.Tensor | None],
