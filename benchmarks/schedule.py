@@ -15,10 +15,11 @@ and min-max over rounds are reported.
 
 ``--quick``: tiny sizes and one round, to check that the script runs (its figures mean nothing);
 ``--in-process`` runs the jobs without a fresh interpreter each (the test does both).
-``--alternate K`` (the window table): each method's full and windowed steps in one fresh process per
-round, alternated K times (full then window, then window then full, ...), the round's time of each the
-median of its K; on a machine whose speed drifts between processes this keeps the two sides of each
-ratio under the same conditions (the peak memory is then the process's, over both steps).
+``--alternate K``: each table's variants of one method (full and windowed steps; the two caches; the
+local, global and 3:1 models) in one fresh process per method and round, alternated K times (in
+turn, the order reversed every other time), the round's time of each the median of its K; on a
+machine whose speed drifts between processes this keeps the sides of each ratio under the same
+conditions (the peak memory is then the process's, over all of them).
 
 Usage: ``python benchmarks/schedule.py [--rounds 3] [--tables window decode schedule]
 [--methods rope alibi] [--alternate K] [--quick] [--out benchmarks/results/schedule]``. Writes table.md and
@@ -52,7 +53,7 @@ def schedule_text(method: str, variant: str, window: int) -> str:
 
 
 def job_list(table: str, methods: list[str], sizes: dict, alternate: int = 0) -> list[dict]:
-    if table == "window" and alternate:
+    if alternate and table in TABLES:
         return [{"table": table, "method": m, "variant": "alternate", "alternate": alternate, **sizes} for m in methods]
     if table == "window":
         return [{"table": table, "method": m, "variant": v, **sizes} for m in methods for v in ("full", "window")]
@@ -67,86 +68,113 @@ def job_list(table: str, methods: list[str], sizes: dict, alternate: int = 0) ->
 # The worker: one job, timed, in its own process
 
 
-def work(job: dict) -> dict:
+VARIANTS = {"window": ("full", "window"), "schedule": ("local", "global", "mixed")}  # decode: "cache N" per cache size
+REPS = {"window": 2, "decode": 3, "schedule": 2}  # timed steps after one warm-up, per job
+
+
+def variants(job: dict) -> tuple[str, ...]:
+    if job["table"] == "decode":
+        return tuple(f"cache {c}" for c in job["caches"])
+    return VARIANTS[job["table"]]
+
+
+def steps(job: dict, names: tuple[str, ...]) -> dict:
+    """{variant: (step, extra)} for the job's table: ``step()`` runs one timed unit, ``extra(record)``
+    the variant's own fields for its result record."""
     import torch
 
     import posenc
-    from posenc.bench.worker import timed
     from posenc.cache import LayerCache
 
     torch.manual_seed(0)
-    table, method, variant = job["table"], job["method"], job["variant"]
+    table, method = job["table"], job["method"]
     h, dim, w = job["heads"], job["dim"], job["window"]
     d = dim // h
+    made = {}
     if table == "window":
         n = job["n"]
         enc = posenc.build(method, num_heads=h, head_dim=d)
         q = torch.randn(1, h, n, d, requires_grad=True)  # (B, H, N, D)
         k = torch.randn(1, h, n, d, requires_grad=True)
         v = torch.randn(1, h, n, d, requires_grad=True)
-        window = w if variant == "window" else None
+        for name in names:
+            def step(window=w if name == "window" else None):
+                posenc.attend(q, k, v, enc, window=window).sum().backward()
 
-        def step(window=window):
-            posenc.attend(q, k, v, enc, window=window).sum().backward()
-
-        if variant == "alternate":
-            return alternated(step, w, job["alternate"])
-        return timed(step, 2)
-    if table == "decode":
+            made[name] = (step, lambda record: {})
+    elif table == "decode":
         enc = posenc.build(method, num_heads=h, head_dim=d)
         attn = posenc.Attention(dim, h, enc, window=w).eval()
-        cache = LayerCache(window=w)
-        with torch.inference_mode():
-            keys = torch.randn(1, h, job["cache"], d)  # (B, H, N, D): what a step costs does not depend on them
-            cache.append(keys, torch.randn_like(keys))
         x = torch.randn(1, 1, dim)  # (B, 1, dim) the new token's input
-        steps = job["steps"]
-
-        def step():
+        count = job["steps"]
+        for name in names:
+            cache = LayerCache(window=w)
             with torch.inference_mode():
-                for _ in range(steps):
-                    attn(x, torch.tensor([cache.length]), cache)
+                keys = torch.randn(1, h, int(name.split()[1]), d)  # (B, H, N, D): what a step costs does not depend on them
+                cache.append(keys, torch.randn_like(keys))
 
-        out = timed(step, 3)
-        return {**out, "per_token_s": out["seconds"] / steps, "kept_keys": cache.held, "cache_capacity": cache.capacity}
-    if table == "schedule":
-        n = job["lm_n"]
-        config = posenc.LMConfig(dim=dim, depth=4, num_heads=h, schedule=schedule_text(method, variant, w))
-        model = posenc.LM(config)
-        tokens = torch.randint(0, 256, (1, n))  # (B, N)
+            def step(cache=cache):
+                with torch.inference_mode():
+                    for _ in range(count):
+                        attn(x, torch.tensor([cache.length]), cache)
 
-        def step():
-            logits = model(tokens)  # (B, N, vocab)
-            torch.nn.functional.cross_entropy(logits.view(-1, 256), tokens.view(-1)).backward()
-            model.zero_grad(set_to_none=True)
+            made[name] = (step, lambda record, cache=cache, size=int(name.split()[1]): {
+                "cache": size, "per_token_s": record["seconds"] / count, "kept_keys": cache.held, "cache_capacity": cache.capacity})
+    elif table == "schedule":
+        tokens = torch.randint(0, 256, (1, job["lm_n"]))  # (B, N)
+        for name in names:
+            model = posenc.LM(posenc.LMConfig(dim=dim, depth=4, num_heads=h, schedule=schedule_text(method, name, w)))
 
-        return {**timed(step, 2), "windows": [b.attn.window for b in model.blocks]}
-    raise SystemExit(f"unknown table {table!r}")
+            def step(model=model):
+                logits = model(tokens)  # (B, N, vocab)
+                torch.nn.functional.cross_entropy(logits.view(-1, 256), tokens.view(-1)).backward()
+                model.zero_grad(set_to_none=True)
 
+            made[name] = (step, lambda record, model=model: {"windows": [b.attn.window for b in model.blocks]})
+    else:
+        raise SystemExit(f"unknown table {table!r}")
+    return made
+
+
+def work(job: dict) -> dict:
+    """One job: its variant's step timed (the fastest of REPS after one warm-up), or with
+    ``"alternate"`` every variant of the table alternated in this process (:func:`alternated`)."""
+    from posenc.bench.worker import timed
+
+    if job["variant"] == "alternate":
+        return alternated(steps(job, variants(job)), job["alternate"])
+    step, extra = steps(job, (job["variant"],))[job["variant"]]
+    record = timed(step, REPS[job["table"]])
+    return {**record, **extra(record)}
+
+
+def alternated(made: dict, times: int) -> dict:
+    """The variants' steps alternated ``times`` times in this process (in turn, the order reversed
+    every other time), after one warm-up each: {variant: record}, each record's seconds the median
+    of its runs (and its variant's own fields), the peak memory the process's over all of them."""
+    from posenc.bench.worker import maxrss_mb, reset_peak_rss
+
+    for step, _ in made.values():
+        step()
+    base = reset_peak_rss()
+    base = maxrss_mb() if base is None else base
+    runs: dict[str, list[float]] = {name: [] for name in made}
+    for n in range(times):
+        for name in (list(made) if n % 2 == 0 else list(made)[::-1]):
+            t0 = time.perf_counter()
+            made[name][0]()
+            runs[name].append(time.perf_counter() - t0)
+    peak = maxrss_mb() - base
+    out = {}
+    for name, ts in runs.items():
+        record = {"variant": name, "seconds": statistics.median(ts), "runs_s": ts, "peak_over_baseline_mb": peak}
+        out[name] = {**record, **made[name][1](record)}
+    return out
 
 
 # ------------------------------------------------------------------------------------------------
 # The parent: rounds, ratios, tables
 
-
-
-def alternated(step, window: int, times: int) -> dict:
-    """The full and the windowed step of one method alternated ``times`` times in this process, after
-    one warm-up each: {"full": record, "window": record}, each record's seconds the median of its runs."""
-    from posenc.bench.worker import maxrss_mb, reset_peak_rss
-
-    step(None)
-    step(window)
-    base = reset_peak_rss()
-    base = maxrss_mb() if base is None else base
-    runs: dict[str, list[float]] = {"full": [], "window": []}
-    for n in range(times):
-        for variant in (("full", "window") if n % 2 == 0 else ("window", "full")):
-            t0 = time.perf_counter()
-            step(window if variant == "window" else None)
-            runs[variant].append(time.perf_counter() - t0)
-    peak = maxrss_mb() - base
-    return {v: {"variant": v, "seconds": statistics.median(ts), "runs_s": ts, "peak_over_baseline_mb": peak} for v, ts in runs.items()}
 
 
 def key(job: dict) -> str:
@@ -169,9 +197,9 @@ def measure(jobs: list[dict], rounds: int, threads: int | None, in_process: bool
                 if done.returncode:
                     raise SystemExit(f"job {job} failed:\n{done.stderr[-3000:]}")
                 got[key(job)] = {**job, **json.loads(done.stdout.strip().splitlines()[-1])}
-            if job["variant"] == "alternate":  # two records: the full and the windowed step
-                print(f"round {r + 1}/{rounds}: {job['table']} {job['method']} alternated: full {got[key(job)]['full']['seconds']:.4f} s, "
-                      f"window {got[key(job)]['window']['seconds']:.4f} s", file=sys.stderr, flush=True)
+            if job["variant"] == "alternate":  # a record per variant of the table
+                times = ", ".join(f"{r_['variant']} {r_['seconds']:.4f} s" for r_ in _records(got[key(job)]))
+                print(f"round {r + 1}/{rounds}: {job['table']} {job['method']} alternated: {times}", file=sys.stderr, flush=True)
                 continue
             print(f"round {r + 1}/{rounds}: {job['table']} {job['method']} {job['variant']}: {got[key(job)]['seconds']:.4f} s",
                   file=sys.stderr, flush=True)
@@ -180,11 +208,12 @@ def measure(jobs: list[dict], rounds: int, threads: int | None, in_process: bool
 
 
 def _records(got: dict) -> list[dict]:
-    """A job's result records: one, or an alternated job's full and window records."""
+    """A job's result records: one, or an alternated job's record per variant."""
     if got.get("variant") != "alternate":
         return [got]
-    base = {k: v for k, v in got.items() if k not in ("full", "window")}
-    return [{**base, **got["full"]}, {**base, **got["window"]}]
+    names = variants(got)
+    base = {k: v for k, v in got.items() if k not in names}
+    return [{**base, **got[name]} for name in names]
 
 
 def spread(values: list[float]) -> str:
@@ -271,7 +300,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch threads per worker (default: torch's)")
     parser.add_argument("--quick", action="store_true", help="tiny sizes and one round: checks that the script runs")
     parser.add_argument("--alternate", type=int, default=0, metavar="K",
-                        help="window table: full and windowed steps alternated K times in one process per method and round")
+                        help="each table's variants alternated K times in one process per method and round")
     parser.add_argument("--in-process", action="store_true",
                         help="run every job in this process (for the tests; the timings then share one interpreter)")
     parser.add_argument("--out", default="benchmarks/results/schedule")

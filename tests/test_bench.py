@@ -453,9 +453,9 @@ def test_schedule_rows_run_in_the_bench(level, method, mode):
     assert cli.main(["bench", "--methods", method, "--level", level, "--lengths", "8", "--rounds", "0"]) == 2  # (checked first)
 
 
-def test_the_schedule_benchmark_alternates_full_and_window_in_one_process(tmp_path):
-    """--alternate K: each window record holds K runs, the round's time their median, and the
-    ratio is the window's median over the full step's, both from the one alternated job."""
+def test_the_schedule_benchmark_alternates_each_tables_variants_in_one_process(tmp_path):
+    """--alternate K: every variant's record holds K runs, the round's time their median, and each
+    ratio is the alternated records' own figures."""
     import importlib.util
     import statistics
     from pathlib import Path
@@ -465,13 +465,20 @@ def test_the_schedule_benchmark_alternates_full_and_window_in_one_process(tmp_pa
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
     out = tmp_path / "schedule"
-    script.main(["--quick", "--in-process", "--tables", "window", "--methods", "alibi", "--alternate", "3", "--out", str(out)])
+    script.main(["--quick", "--in-process", "--methods", "alibi", "--alternate", "3", "--out", str(out)])
     data = json.loads((out / "results.json").read_text())
     assert data["command"].endswith("--alternate 3")
-    records = {j["variant"]: j for j in data["jobs"]["window"][0]}
-    assert set(records) == {"full", "window"}
-    for r in records.values():
-        assert len(r["runs_s"]) == 3 and r["seconds"] == statistics.median(r["runs_s"])
-    assert data["ratios"]["window"]["alibi"]["median"] == pytest.approx(records["window"]["seconds"] / records["full"]["seconds"])
+    records = {table: {j["variant"]: j for j in rounds[0]} for table, rounds in data["jobs"].items()}
+    assert set(records["window"]) == {"full", "window"} and set(records["decode"]) == {"cache 64", "cache 512"}
+    assert set(records["schedule"]) == {"local", "global", "mixed"}
+    for per in records.values():
+        for r in per.values():
+            assert len(r["runs_s"]) == 3 and r["seconds"] == statistics.median(r["runs_s"])
+    w, c, s = records["window"], records["decode"], records["schedule"]
+    assert data["ratios"]["window"]["alibi"]["median"] == pytest.approx(w["window"]["seconds"] / w["full"]["seconds"])
+    assert data["ratios"]["decode"]["alibi"]["median"] == pytest.approx(c["cache 512"]["per_token_s"] / c["cache 64"]["per_token_s"])
+    assert c["cache 512"]["kept_keys"] <= c["cache 512"]["cache_capacity"]
+    mean = 0.75 * s["local"]["seconds"] + 0.25 * s["global"]["seconds"]
+    assert data["ratios"]["schedule"]["alibi"]["median"] == pytest.approx(s["mixed"]["seconds"] / mean)
     with pytest.raises(SystemExit, match="--alternate"):
         script.main(["--quick", "--in-process", "--tables", "window", "--alternate", "-1", "--out", str(out)])
