@@ -122,3 +122,38 @@ def test_watched_work_stays_in_the_callers_thread():
     with Seen():
         assert regions.flushed(threading.current_thread) is here
     assert regions.flushed(threading.current_thread) is not here or not regions.FLUSHED.available
+
+
+def test_flushed_when_false_runs_here_without_grad():
+    """when=False (a loop with no term that falls with distance): the caller's thread, no graph,
+    and the caller's denormal mode."""
+    import threading
+
+    here = threading.current_thread()
+    assert regions.flushed(threading.current_thread, when=False) is here
+    assert regions.flushed(lambda: torch.is_grad_enabled(), when=False) is False
+    assert regions.flushed(_flushes, when=False) == _flushes()
+
+
+@pytest.mark.parametrize("method, window, flush", [("rope", 16, False), ("nope", 16, False), ("alibi", 16, True),
+                                                   ("t5", None, False), ("alibi", None, True), ("deberta", None, False)])
+def test_kernel_loops_flush_only_where_a_term_falls_with_distance(method, window, flush, monkeypatch):
+    """The backends ask for the flushing worker for ALiBi (its loops and its windows) and run the
+    loops of a window without a bias, T5's constant tail and DeBERTa in the caller's thread."""
+    import posenc
+
+    asked = []
+    real = regions.flushed
+
+    def spy(fn, *args, when=True):
+        asked.append(when)
+        return real(fn, *args, when=when)
+
+    for module in ("posenc.backends.blocked", "posenc.backends.parts.sliding", "posenc.backends.parts.disentangled"):
+        monkeypatch.setattr(f"{module}.flushed", spy)
+    options = {"position_buckets": 8, "max_relative_positions": 16} if method == "deberta" else {}  # a short band
+    enc = posenc.build(method, num_heads=2, head_dim=8, **options)
+    n = 400 if method == "deberta" else 96  # DeBERTa's cost model sends shorter calls to eager
+    q, k, v = (torch.randn(1, 2, n, 8, requires_grad=True) for _ in range(3))
+    posenc.attend(q, k, v, enc, window=window).sum().backward()
+    assert asked and set(asked) == {flush}, asked
