@@ -140,9 +140,10 @@ def _tailed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec, 
 class _TailedBias(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rel: torch.Tensor, plan: tails.Plan) -> torch.Tensor:
-        out, lse, far = flushed(_forward, q, k, v, rel, plan, when=_sloped(plan))
+        keep = ctx.needs_input_grad[3]  # a learned table (T5): its far constants' gradient needs each far call's output
+        out, lse, far = flushed(_forward, q, k, v, rel, plan, keep, when=_sloped(plan))
         ctx.plan = plan
-        ctx.far = far if ctx.needs_input_grad[3] else None
+        ctx.far = far if keep else None
         ctx.save_for_backward(q, k, v, rel, out, lse)
         return out
 
@@ -155,9 +156,10 @@ class _TailedBias(torch.autograd.Function):
 
 
 def _forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rel: torch.Tensor, plan: tails.Plan,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rel: torch.Tensor, plan: tails.Plan, keep: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
-    """Output (B, H, Tq, Dv), its log-sum-exp (B, H, Tq) and each far call's (output, log-sum-exp)."""
+    """Output (B, H, Tq, Dv), its log-sum-exp (B, H, Tq) and, with ``keep``, each far call's
+    (output, log-sum-exp); otherwise each far output is freed once merged."""
     b, h, tq, d = q.shape
     hkv = k.shape[1]
     merged = Merge(b, h, tq, v.shape[-1], q.dtype, q.device)
@@ -170,7 +172,8 @@ def _forward(
         lz = call_order(lz, r, -1) + shift  # (B, h, C): back to the true bias
         o = call_order(o, r)
         merged.add(r.rows, o, lz, hs)
-        far.append((o, lz))
+        if keep:
+            far.append((o, lz))
     for group in plan.bands:
         bias, _ = _band_bias(plan, rel, group)
         hs = group.heads
