@@ -53,15 +53,12 @@ def schedule_text(method: str, variant: str, window: int) -> str:
 
 
 def job_list(table: str, methods: list[str], sizes: dict, alternate: int = 0) -> list[dict]:
-    if alternate and table in TABLES:
+    """A job per method and variant of the table, or with ``alternate`` one per method (all its variants)."""
+    if table not in TABLES:
+        raise SystemExit(f"unknown table {table!r}; choose from {', '.join(TABLES)}")
+    if alternate:
         return [{"table": table, "method": m, "variant": "alternate", "alternate": alternate, **sizes} for m in methods]
-    if table == "window":
-        return [{"table": table, "method": m, "variant": v, **sizes} for m in methods for v in ("full", "window")]
-    if table == "decode":
-        return [{"table": table, "method": m, "variant": f"cache {c}", "cache": c, **sizes} for m in methods for c in sizes["caches"]]
-    if table == "schedule":
-        return [{"table": table, "method": m, "variant": v, **sizes} for m in methods for v in ("local", "global", "mixed")]
-    raise SystemExit(f"unknown table {table!r}; choose from {', '.join(TABLES)}")
+    return [{"table": table, "method": m, "variant": v, **sizes} for m in methods for v in variants({"table": table, **sizes})]
 
 
 # ------------------------------------------------------------------------------------------------

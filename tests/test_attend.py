@@ -94,8 +94,7 @@ def test_the_blocked_backend_takes_grouped_heads_as_they_are(method, hkv, monkey
     monkeypatch.setattr("posenc.backends.blocked.kernel_forward", spy)
     monkeypatch.setattr("posenc.backends.parts.explicit.kernel_forward", spy)
     out = attend(q, k, v, enc)
-    g = h // hkv  # whole groups of query heads with their key/value heads, or heads of one group with its one
-    native = seen and all(qh == kh * g or (kh == 1 and qh <= g) for qh, kh in seen)
+    native = seen and all(qh == kh * (h // hkv) for qh, kh in seen)  # whole groups of query heads with their key/value heads
     if method in ("kerple", "fire") or (method == "t5" and hkv >= 2):
         assert native, seen  # (one key/value head for a far call of T5 would run its backward on one thread)
     else:  # ALiBi's plan, and T5's with one key/value head, take them grouped or repeated, whole

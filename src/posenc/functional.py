@@ -27,6 +27,7 @@ import torch
 from . import backends, local
 from .axes import as_taken, check_takes_axes
 from .backends.parts import single
+from .backends.parts.regions import repeated_heads
 from .encodings.base import PositionalEncoding, content_scale
 from .encodings.protocol import Gates, Rotates, offers, require
 from .errors import UsageError
@@ -172,13 +173,11 @@ def _call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec, ba
     name, chosen = backends.choose(backend, spec, q)
     group = q.shape[1] // k.shape[1]
     if group > 1:
-        if name == "sdpa" and spec.plain:  # sdpa broadcasts grouped heads in the kernel (enable_gqa)
-            return chosen.attend(q, k, v, spec), name
-        if backends.takes_grouped_heads(chosen, spec):  # the backend reads each key/value head for its group
+        if backends.takes_grouped_heads(chosen, spec):  # sdpa's kernel, blocked: each key/value head read for its group
             return chosen.attend(q, k, v, spec), name
         if name != "eager" and not (spec.has_query_terms or spec.has_value_terms) and single.applies(spec, q, k, v):
             return single.attend(q, k, v, spec), name  # a decode step: the query heads of a group as its queries
-        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # (B, H, Tk, D)
+        k, v = repeated_heads(k, v, q.shape[1])  # (B, H, Tk, D)
     return chosen.attend(q, k, v, spec), name
 
 

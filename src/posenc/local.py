@@ -52,6 +52,7 @@ import torch.nn.functional as F
 
 from .backends.parts import sliding
 from .backends.parts.base import accumulation_dtype
+from .backends.parts.regions import repeated_heads
 from .encodings.protocol import Biases, QueryTerms, ValueTerms, require
 from .errors import UsageError
 from .geometry import ScoreSpec
@@ -171,7 +172,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec, e
             o, name = call(qb, kb, vb, sub, backend)
         else:
             if group > 1:
-                kb, vb = kb.repeat_interleave(group, dim=1), vb.repeat_interleave(group, dim=1)  # (B, H, L, D)
+                kb, vb = repeated_heads(kb, vb, h)  # (B, H, L, D)
             allowed = visible(qp, kp, extras, spec.causal)  # (Lq, Lk)
             o, name = formula(qb, kb, vb, sub, allowed, extras.sinks)
         outs.append(o)

@@ -40,13 +40,14 @@ Other bias encodings (no affine tails: KERPLE, FIRE, any ``bias``) take the path
 mask, and a written-out backward that also gives the bias its gradient.
 
 Grouped-query heads (k, v with Hkv heads, H = g x Hkv) are taken as they are where every part of
-the plan takes whole groups of g query heads or heads of one group alone
-(:func:`~posenc.backends.parts.tails.grouped`: T5's one part of every head always does, ALiBi's
-slope groups for 8 heads in 1, 2 or 4 groups do): the kernel calls broadcast a group's key/value
-head, and the written-out backward folds the group into one batch of rows
-(:func:`~posenc.backends.parts.regions.fold_heads`), so dk and dv come out with Hkv heads. Slope
-groups that take part of one group and more besides take k and v repeated: aligning the slope
-groups instead would give a steep head the window of the gentlest head of its group, far more keys.
+the plan takes whole groups of g query heads and every far call at least two key/value heads
+(:func:`~posenc.backends.parts.tails.grouped`; T5's one part of every head, with two or more
+key/value heads): the kernel calls broadcast a group's key/value head, and the written-out backward
+folds the group into one batch of rows (:func:`~posenc.backends.parts.regions.fold_heads`), so dk
+and dv come out with Hkv heads. Other plans take k and v repeated: ALiBi's slope groups are a few
+heads each, so its far calls take part of a group or one key/value head (8 heads with 1, 2 or 4
+key/value heads, at every length tried). Aligning the slope groups to the groups instead would give
+a steep head the window of the gentlest head of its group, far more keys.
 
 A decode step (one query, no gradient) skips all of the above: the bias is one vector per head,
 the fused kernel's mask (``backends/parts/single.py``). Left-padded rows are split into unpadded calls
@@ -78,6 +79,7 @@ from .parts.regions import (
     kv_heads,
     opaque_to_compile,
     region_backward,
+    repeated_heads,
     rows_of,
     unfold_heads,
     up,
@@ -126,9 +128,8 @@ def _tailed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec, 
     """The far calls and band blocks of a bias with affine tails, planned from this call's |q . k|."""
     tq, tk = q.shape[-2], k.shape[-2]
     plan = tails.make_plan(spec, tq, tk, q.dtype, block, tails.spread(q, k, spec.scale))
-    h, hkv = q.shape[1], k.shape[1]
-    if hkv != h and not tails.grouped(plan, h, hkv):  # a slope group takes part of a group of query heads
-        k, v = k.repeat_interleave(h // hkv, dim=1), v.repeat_interleave(h // hkv, dim=1)  # (B, H, Tk, D)
+    if k.shape[1] != q.shape[1] and not tails.grouped(plan, q.shape[1], k.shape[1]):
+        k, v = repeated_heads(k, v, q.shape[1])  # (B, H, Tk, D)
     rel = spec.memo.relative_values(spec.encoding, plan.r_lo, plan.r_hi, q.device)  # (H, R)
     return apply(_TailedBias, q, k, v, rel, plan)
 

@@ -30,6 +30,11 @@ def preferred(spec: ScoreSpec, q: torch.Tensor) -> bool:
     return spec.plain or (spec.has_bias and supports(spec, q) and fallback)
 
 
+def takes_grouped_heads(spec: ScoreSpec) -> bool:
+    """Without score terms the fused kernel broadcasts grouped key/value heads itself (enable_gqa)."""
+    return spec.plain
+
+
 @single.steps_and_padding  # a decode step and left-padded rows first (backends/parts/single.py)
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec) -> torch.Tensor:
     tq, tk = q.shape[-2], k.shape[-2]

@@ -253,13 +253,10 @@ def unfold_heads(y: torch.Tensor, heads: int) -> torch.Tensor:
 
 def kv_heads_of(heads: slice, h: int, hkv: int) -> slice | None:
     """The key/value heads of the query heads ``heads`` (of h; g = h / hkv query heads share a key/value
-    head) as the kernel pairs them, query head n of the slice with key/value head n // (h' / hkv'):
-    whole groups, or query heads of one group alone (one key/value head for all); None for a slice
-    that takes part of one group and more besides."""
+    head) when the slice holds whole groups, as the kernel pairs them (query head n of the slice
+    with key/value head n // g); None for a slice that takes part of a group."""
     h0, h1, _ = heads.indices(h)
     g = h // hkv
-    if h1 > h0 and h0 // g == (h1 - 1) // g:
-        return slice(h0 // g, h0 // g + 1)
     if h0 % g == 0 and h1 % g == 0:
         return slice(h0 // g, h1 // g)
     return None
@@ -273,7 +270,9 @@ def kv_heads(heads: slice, h: int, hkv: int) -> slice:
     return kvs
 
 
-def _repeated(k: torch.Tensor, v: torch.Tensor, h: int) -> tuple[torch.Tensor, torch.Tensor]:
+def repeated_heads(k: torch.Tensor, v: torch.Tensor, h: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """k, v (B, Hkv, L, D) with each key/value head repeated for the h / Hkv query heads that share
+    it: (B, h, L, D), query head n with key/value head n // (h / Hkv), Hugging Face's ``repeat_kv`` order."""
     g = h // k.shape[1]
     return k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
 
@@ -291,7 +290,7 @@ def kernel_forward(
     k and v may have Hkv heads, H a multiple of Hkv (grouped-query attention)."""
     grouped = k.shape[1] != q.shape[1]
     if grouped and not (GROUPED_KERNEL and use_kernel(q, v)):
-        return kernel_forward(q, *_repeated(k, v, q.shape[1]), causal, scale, mask)
+        return kernel_forward(q, *repeated_heads(k, v, q.shape[1]), causal, scale, mask)
     if use_kernel(q, v):
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, attn_mask=mask, scale=scale)[:2]
         return out, lse
@@ -312,7 +311,7 @@ def kernel_backward(
     key/value heads, dk and dv have k's heads (each group's gradients summed)."""
     hkv = k.shape[1]
     if hkv != q.shape[1] and not (GROUPED_KERNEL and use_kernel(q, v)):
-        dq, dk, dv = kernel_backward(do, q, *_repeated(k, v, q.shape[1]), out, lse, causal, scale, mask)
+        dq, dk, dv = kernel_backward(do, q, *repeated_heads(k, v, q.shape[1]), out, lse, causal, scale, mask)
         return dq, _grouped_sum(dk, hkv), _grouped_sum(dv, hkv)
     if use_kernel(q, v):
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(

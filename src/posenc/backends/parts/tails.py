@@ -114,8 +114,8 @@ def head_groups(
 def grouped(plan: Plan, h: int, hkv: int) -> bool:
     """The calls of the plan can take the grouped keys and values as they are: every far call and
     band block takes whole groups of query heads (those that share a key/value head, h / hkv of
-    them) or heads of one group alone (:func:`~posenc.backends.parts.regions.kv_heads_of`), and every
-    far call at least MIN_GROUP_HEADS key/value heads: the kernel's backward runs one key/value head
+    them: :func:`~posenc.backends.parts.regions.kv_heads_of`), and every far call at least
+    MIN_GROUP_HEADS key/value heads: the kernel's backward runs one key/value head
     per thread when they are grouped, so a far call of one would run on one thread (band blocks are
     batched, which keeps the threads busy)."""
     for heads in [b.heads for b in plan.bands]:
