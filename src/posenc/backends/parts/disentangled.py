@@ -75,6 +75,7 @@ from .regions import Merge, Region, apply, call_order, flushed, kernel_forward, 
 
 BLOCK = 64  # queries per band block
 WIDTH_MULTIPLE = 16  # band widths are rounded up to this
+SKEW_CHUNK = 16  # band distances per chunk of the p2c product (divides WIDTH_MULTIPLE)
 MIN_PAIRS = 1 << 16  # calls with fewer (query, key) pairs run eager: fixed costs dominate
 GROUP_ELEMENTS = 1 << 20  # band temporaries per group: at most this many (B x H x blocks x rows x keys)
 # The kernel loops run in the caller's thread (regions.flushed(when=False)): no position term falls
@@ -231,12 +232,12 @@ def _skew(pk: torch.Tensor, tq: int, start: int) -> torch.Tensor:
     return pk.as_strided((*lead, tq, width), (*pk.stride()[:-2], width, width + 1), pk.storage_offset() + start * width)
 
 
-def _segments(b: int, h: int, tq: int, tk: int, geo: _BandGeometry) -> list[tuple[int, int, int]]:
+def _segments(tq: int, tk: int, geo: _BandGeometry) -> list[tuple[int, int, int]]:
     """(t0, n, C): n blocks of C = :data:`BLOCK` queries from query t0 (the last block shorter).
     A block whose C + W - 1 window keys all exist is *inner*; consecutive inner blocks go in
-    groups of at most :data:`GROUP_ELEMENTS` scores, every other block alone (n = 1)."""
+    groups of at most :data:`GROUP_ELEMENTS` scores of one head, every other block alone (n = 1)."""
     width = geo.width
-    size = max(1, GROUP_ELEMENTS // (b * h * BLOCK * (BLOCK + width - 1)))
+    size = max(1, GROUP_ELEMENTS // (BLOCK * (BLOCK + width - 1)))
     out: list[tuple[int, int, int]] = []
     for t0 in range(0, tq, BLOCK):
         c = min(BLOCK, tq - t0)
@@ -263,23 +264,24 @@ def _columns(t0: int, c: int, tk: int, geo: _BandGeometry) -> tuple[int, int]:
 
 
 def _rows(x: torch.Tensor, t0: int, n: int, c: int) -> torch.Tensor:
-    """Queries t0 .. t0 + n*C of x (B, H, T, X) as n blocks: a (B, H, n, C, X) view."""
-    return torch.unflatten(x[:, :, t0 : t0 + n * c], 2, (n, c))
+    """Queries t0 .. t0 + n*C of one head's x (T, X) as n blocks: an (n, C, X) view."""
+    return torch.unflatten(x[t0 : t0 + n * c], 0, (n, c))
 
 
 def _windows(x: torch.Tensor, k0: int, n: int, c: int, length: int) -> torch.Tensor:
-    """The keys of n blocks of one (batch, head), x (Tp, D): block m reads keys k0 + m*C + [0, L);
-    an (n, L, D) view of overlapping windows (no copy: one GEMM per (batch, head) reads it)."""
+    """The keys of n blocks of one head, x (Tk, D): block m reads keys k0 + m*C + [0, L);
+    an (n, L, D) view of overlapping windows (no copy: one batched GEMM reads it)."""
     return x[k0 : k0 + (n - 1) * c + length].unfold(0, length, c).transpose(-1, -2)
 
 
-def _add_windows(buf: torch.Tensor, k0: int, c: int, g: torch.Tensor) -> None:
-    """buf[:, :, keys of block m] += g[:, :, m] for the overlapping windows of :func:`_windows`:
-    g (B, H, n, L, D), buf (B, H, Tp + C, D) (C spare rows: no segment overhangs)."""
-    n, length = g.shape[2], g.shape[3]
+def _add_windows(buf: torch.Tensor, k0: int, c: int, x: torch.Tensor, y: torch.Tensor) -> None:
+    """buf[keys of block m] += x[m]^T y[m] for the overlapping windows of :func:`_windows`:
+    x (n, C, L), y (n, C, D), buf (Tk + C, D) (C spare rows: no segment overhangs). One batched
+    GEMM per C window columns, accumulating in place (no (n, L, D) temporary to add back)."""
+    n, length = x.shape[0], x.shape[2]
     for s0 in range(0, length, c):
-        seg = g[:, :, :, s0 : s0 + c]  # (B, H, n, c', D): this segment of every window
-        torch.unflatten(buf[:, :, k0 + s0 : k0 + s0 + n * c], 2, (n, c))[:, :, :, : seg.shape[3]] += seg
+        part = x[:, :, s0 : s0 + c]  # (n, C, c'): these window columns of every block
+        torch.unflatten(buf[k0 + s0 : k0 + s0 + n * c], 0, (n, c))[:, : part.shape[2]].baddbmm_(part.transpose(-1, -2), y)
 
 
 def _triangles(c: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -289,34 +291,71 @@ def _triangles(c: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor
     return ones.tril(-1), ones.triu(1)
 
 
-def _per_key(k: torch.Tensor, b_w: torch.Tensor | None, geo: _BandGeometry) -> torch.Tensor | None:
-    """p2c per key and band distance, ``k_j . B_w[w]`` (B, H, Tp, W): the keys with ``pad_l`` rows
-    before and ``pad_r`` after them (left unset: the cells that read them are no keys, and the scores
-    set them to -inf), so the skewed view of every query exists; or None without p2c. One GEMM per
-    (batch, head)."""
-    if b_w is None:
-        return None
-    b, h, tk, _ = k.shape
-    pk = k.new_empty(b, h, geo.pad_l + tk + geo.pad_r, geo.width)  # (B, H, Tp, W); padding rows never reach a score
-    for i in range(b):
-        for j in range(h):
-            torch.mm(k[i, j], b_w[j].t(), out=pk[i, j, geo.pad_l : geo.pad_l + tk])
-    return pk
+def _key_windows(k: torch.Tensor, tq: int, geo: _BandGeometry) -> torch.Tensor:
+    """The keys of each chunk of :data:`SKEW_CHUNK` band distances, from one head's k (Tk, D): chunk c
+    reads keys ``start + cV + [0, Tq + V - 1)`` (with ``pad_l`` zero rows before the keys and
+    ``pad_r`` after them, so that every query's window exists); a (W/V, Tq + V - 1, D) view."""
+    v = SKEW_CHUNK
+    if geo.pad_l or geo.pad_r:
+        kp = k.new_zeros(geo.pad_l + k.shape[0] + geo.pad_r, k.shape[1])  # (Tp, D)
+        kp[geo.pad_l : geo.pad_l + k.shape[0]] = k
+    else:
+        kp = k
+    return kp[geo.start : geo.start + geo.width + tq - 1].unfold(0, tq + v - 1, v).transpose(-1, -2)
+
+
+def _chunks(x: torch.Tensor) -> torch.Tensor:
+    """Table rows (W, D) as chunks of V = :data:`SKEW_CHUNK` distances, each chunk's rows in reverse
+    order: (W/V, V, D), ``[c, u'] = x[cV + V - 1 - u']`` (a copy of the W table rows)."""
+    return x.view(x.shape[0] // SKEW_CHUNK, SKEW_CHUNK, x.shape[1]).flip(1)
+
+
+def _chunk_skew(g: torch.Tensor, tq: int) -> torch.Tensor:
+    """Per-chunk products g (W/V, Tq + V - 1, V), contiguous, with reversed chunks (:func:`_chunks`),
+    read per query and distance: a (Tq, W/V, V) view with ``[a, c, u] = g[c, a + u, V - 1 - u]``
+    (strides V, (Tq + V - 1) V, V - 1: every stride positive, and the distance's the smallest, so an
+    elementwise copy into or out of this view runs along the distances of a row)."""
+    n, rows, v = g.shape
+    return g.as_strided((tq, n, v), (v, rows * v, v - 1), g.storage_offset() + v - 1)
+
+
+def _bias(q_s: torch.Tensor, k: torch.Tensor, a_s: torch.Tensor | None, b_w: torch.Tensor | None, geo: _BandGeometry,
+          out: torch.Tensor) -> None:
+    """One head's position terms in distance layout, ``q_a . A_w[w] + k_(a + w) . B_w[w]``, into
+    ``out`` (Tq, W), contiguous (key index a + w counted from ``start``).
+
+    c2p is one GEMM (q_s (Tq, D) is q * scale and a_s (W, D) the rows / scale). p2c reads key a + w
+    for distance w: the distances are cut into chunks of V = :data:`SKEW_CHUNK`, chunk c's keys are
+    one window of Tq + V - 1 keys (a view, :func:`_key_windows`), so one batched GEMM makes the
+    chunks' products ``g[c, r, u'] = k_(cV + r) . B_w[cV + V - 1 - u']`` (W/V, Tq + V - 1, V), and
+    the term is their skewed view (:func:`_chunk_skew`) copied once: a read of stride V - 1, where
+    the same view of the whole ``k B_w^T`` (Tk, W) would read with stride W + 1.
+    """
+    tq, width = q_s.shape[0], geo.width
+    if b_w is not None:
+        g = torch.bmm(_key_windows(k, tq, geo), _chunks(b_w).transpose(-1, -2))  # (W/V, Tq + V - 1, V)
+        out.view(tq, width // SKEW_CHUNK, SKEW_CHUNK).copy_(_chunk_skew(g, tq))
+        if a_s is not None:
+            out.addmm_(q_s, a_s.t())
+    elif a_s is not None:
+        torch.mm(q_s, a_s.t(), out=out)
 
 
 class _Band(torch.autograd.Function):
     """Attention restricted to the band: (output (B, H, Tq, D), log-sum-exp (B, H, Tq)).
 
-    Per block of C queries, ``q k^T * scale`` against the block's C + W - 1 keys (key layout, one
-    GEMM per batch and head on overlapping key windows, a view) gets the position terms added on
-    its band diagonal, a strided view in distance layout: c2p ``q A_w^T`` (one more GEMM per block)
-    and p2c, a skewed view of ``k B_w^T`` (B, H, Tp, W) made once per call (A_w, B_w: the table
-    rows of the W band distances, term scale folded in); -inf on the two off-band triangles and on
-    padding keys. The backward recomputes each block's probabilities from the saved log-sum-exp
-    (as flash attention does); dS's band diagonal is the gradient of the position terms, which
-    GEMMs send to q and A_w per block, and one skewed copy into a (B, H, Tp, W) buffer to k and B_w.
-    Nothing of size (keys x rows) is filled per block, and only q, k, v, the tables, the output
-    and the log-sum-exp are saved.
+    One head at a time, per group of blocks of C queries: ``q k^T * scale`` against each block's
+    C + W - 1 keys (key layout, one batched GEMM on overlapping key windows, a view) gets the
+    position terms added on its band diagonal, a strided view in distance layout: c2p ``q A_w^T``
+    (one more batched GEMM, written straight into that view) and p2c, a skewed view of the head's
+    ``k B_w^T`` (Tp, W) made once per head (A_w, B_w: the table rows of the W band distances, term
+    scale folded in); -inf on the two off-band triangles and on padding keys. The backward
+    recomputes each group's probabilities from the saved log-sum-exp (as flash attention does);
+    dS's band diagonal is the gradient of the position terms, which GEMMs send to q and A_w per
+    group, and one skewed copy into the head's (Tp, W) buffer to k and B_w. Every temporary is one
+    head's (a few MB at N = 4096, reused by the allocator from head to head), nothing of size
+    (keys x rows) is filled per block, and only q, k, v, the tables, the output and the
+    log-sum-exp are saved.
     """
 
     @staticmethod
@@ -335,31 +374,26 @@ class _Band(torch.autograd.Function):
 
 
 def _scores(
-    q: torch.Tensor, q_s: torch.Tensor, k: torch.Tensor, a_w: torch.Tensor | None, pk: torch.Tensor | None,
-    segment: tuple[int, int, int], geo: _BandGeometry, masks: dict[int, tuple[torch.Tensor, torch.Tensor]],
+    q_s: torch.Tensor, k: torch.Tensor, bias: torch.Tensor | None, segment: tuple[int, int, int], geo: _BandGeometry,
+    masks: dict[int, tuple[torch.Tensor, torch.Tensor]],
 ) -> tuple[torch.Tensor, int, int]:
-    """Scores of a segment's n blocks of C queries, key layout (B, H, n, C, L): q k^T * scale on
-    the window columns that are keys ([x, L - y), returned with them), the position terms on the
-    band diagonal, -inf off the band and on the columns that are no keys."""
+    """Scores of one head's segment of n blocks of C queries, key layout (n, C, L): q k^T * scale
+    (q_s = q * scale) on the window columns that are keys ([x, L - y), returned with them), the
+    position terms (``bias``, :func:`_bias`) added on the band diagonal, -inf off the band and on
+    the columns that are no keys."""
     t0, n, c = segment
-    b, h, tq, _ = q_s.shape
-    tk = k.shape[-2]
+    tk = k.shape[0]
     width, length = geo.width, c + geo.width - 1
     k0 = geo.offset + geo.first + t0  # key index of the first window column
     x, y = (0, length) if n > 1 else _columns(t0, c, tk, geo)
-    s = q_s.new_empty(b, h, n, c, length)  # (B, H, n, C, L); columns outside [x, y) are set below
-    diag = _diagonal(s, width)  # (B, H, n, C, W)
-    qb = _rows(q_s, t0, n, c)
-    for i in range(b):
-        for j in range(h):
-            if n > 1:
-                torch.bmm(qb[i, j], _windows(k[i, j], k0, n, c, length).transpose(-1, -2), out=s[i, j])
-            else:
-                s[i, j, 0, :, x:y] = torch.mm(qb[i, j, 0], k[i, j, k0 + x : k0 + y].t())
-            if a_w is not None:  # c2p: q_a . A_w[w]
-                diag[i, j].add_(torch.mm(q[i, j, t0 : t0 + n * c], a_w[j].t()).view(n, c, width))
-    if pk is not None:  # p2c: k_(a + w) . B_w[w]
-        diag.add_(_rows(_skew(pk, tq, geo.start), t0, n, c))
+    s = q_s.new_empty(n, c, length)  # (n, C, L); columns outside [x, y) are set below
+    qb = _rows(q_s, t0, n, c)  # (n, C, D)
+    if n > 1:
+        torch.bmm(qb, _windows(k, k0, n, c, length).transpose(-1, -2), out=s)
+    else:
+        s[0, :, x:y] = torch.mm(qb[0], k[k0 + x : k0 + y].t())
+    if bias is not None:
+        _diagonal(s, width).add_(_rows(bias, t0, n, c))  # (n, C, W), both with unit column stride
     if c not in masks:
         masks[c] = _triangles(c, q_s.device)
     left, right = masks[c]
@@ -370,34 +404,44 @@ def _scores(
     return s, x, y
 
 
+def _prepared(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a_w: torch.Tensor | None, geo: _BandGeometry) -> tuple[torch.Tensor, ...]:
+    """q * scale, k, v contiguous, and the c2p rows / scale (or an empty tensor without c2p)."""
+    q_s, k, v = (q * geo.scale).contiguous(), k.contiguous(), v.contiguous()  # the content scale folded into q
+    a_s = q.new_empty(0) if a_w is None else a_w / geo.scale  # (H, W, D): q_s . a_s = q . a_w
+    return q_s, k, v, a_s
+
+
 def _band_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a_w: torch.Tensor | None, b_w: torch.Tensor | None, geo: _BandGeometry,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     b, h, tq, _ = q.shape
     tk = k.shape[-2]
-    q_s, k, v = (q * geo.scale).contiguous(), k.contiguous(), v.contiguous()  # the content scale folded into q
-    pk = _per_key(k, b_w, geo)
+    q_s, k, v, a_s = _prepared(q, k, v, a_w, geo)
     out = q.new_empty(b, h, tq, v.shape[-1])  # (B, H, Tq, D)
-    lse = q.new_empty(b, h, tq)  # (B, H, Tq)
+    lse = q.new_empty(b, h, tq, 1)  # (B, H, Tq, 1)
+    bias = None if a_w is None and b_w is None else q.new_empty(tq, geo.width)  # (Tq, W): one head's position terms
     masks: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-    for segment in _segments(b, h, tq, tk, geo):
-        t0, n, c = segment
-        k0 = geo.offset + geo.first + t0
-        s, x, y = _scores(q, q_s, k, a_w, pk, segment, geo, masks)  # (B, H, n, C, L)
-        s = s[..., x:y]
-        top = s.amax(-1, keepdim=True)  # finite: every query sees its own key
-        p = s.sub_(top).exp_()
-        total = p.sum(-1, keepdim=True)  # (B, H, n, C, 1)
-        o = _rows(out, t0, n, c)  # (B, H, n, C, D), written by the GEMMs
-        for i in range(b):
-            for j in range(h):
+    segments = _segments(tq, tk, geo)
+    for i in range(b):
+        for j in range(h):
+            if bias is not None:
+                _bias(q_s[i, j], k[i, j], None if a_w is None else a_s[j], None if b_w is None else b_w[j], geo, bias)
+            for segment in segments:
+                t0, n, c = segment
+                k0 = geo.offset + geo.first + t0
+                s, x, y = _scores(q_s[i, j], k[i, j], bias, segment, geo, masks)  # (n, C, L)
+                s = s[..., x:y]
+                top = s.amax(-1, keepdim=True)  # finite: every query sees its own key
+                p = s.sub_(top).exp_()
+                total = p.sum(-1, keepdim=True)  # (n, C, 1)
+                o = _rows(out[i, j], t0, n, c)  # (n, C, D), written by the GEMM
                 if n > 1:
-                    torch.bmm(p[i, j], _windows(v[i, j], k0, n, c, y - x), out=o[i, j])
+                    torch.bmm(p, _windows(v[i, j], k0, n, c, y - x), out=o)
                 else:
-                    torch.mm(p[i, j, 0], v[i, j, k0 + x : k0 + y], out=o[i, j, 0])
-        o.div_(total)
-        _rows(lse[..., None], t0, n, c).copy_(total.log_().add_(top))
-    return out, lse
+                    torch.mm(p[0], v[i, j, k0 + x : k0 + y], out=o[0])
+                o.div_(total)
+                _rows(lse[i, j], t0, n, c).copy_(total.log_().add_(top))
+    return out, lse[..., 0]
 
 
 def _band_backward(
@@ -406,68 +450,69 @@ def _band_backward(
 ) -> tuple[torch.Tensor | None, ...]:
     b, h, tq, d = q.shape
     tk, width = k.shape[-2], geo.width
-    q_s, k, v = (q * geo.scale).contiguous(), k.contiguous(), v.contiguous()
-    pk = _per_key(k, b_w, geo)
+    q_s, k, v, a_s = _prepared(q, k, v, a_w, geo)
     d_out = d_out.contiguous()
     # dS = P (dP - rowsum(dO * O) + d lse): the band's output and log-sum-exp both reach the merge.
     total = ((d_out * out).sum(-1) - d_lse)[..., None]  # (B, H, Tq, 1)
-    dq = q.new_empty(b, h, tq, d)
-    dk, dv = (q.new_zeros(b, h, tk + BLOCK, d) for _ in range(2))  # (B, H, Tk + C, D): C spare rows
+    lse = lse[..., None]  # (B, H, Tq, 1)
+    dq, dk, dv = torch.empty_like(q_s), torch.empty_like(k), torch.empty_like(v)  # (B, H, T, D)
     d_a = None if a_w is None else torch.zeros_like(a_w)  # (H, W, D)
-    d_a_t = q.new_empty(0) if d_a is None else d_a
-    d_pk = None
-    if pk is not None:  # (B, H, Tp, W); the padding's rows only receive zeros, never read
-        d_pk = torch.empty_like(pk)
-        d_pk[:, :, geo.pad_l : geo.pad_l + tk].zero_()
+    d_b = None if b_w is None else torch.zeros_like(b_w)  # (H, W, D)
+    keys = slice(geo.pad_l, geo.pad_l + tk)  # the key rows of a (Tp, W) buffer
+    bias = None if a_w is None and b_w is None else q.new_empty(tq, width)  # (Tq, W): one head's position terms
+    d_bias = None if bias is None else torch.empty_like(bias)  # (Tq, W): dS on the band, distance layout
     masks: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-    for segment in _segments(b, h, tq, tk, geo):
-        t0, n, c = segment
-        k0, length = geo.offset + geo.first + t0, c + width - 1
-        s, x, y = _scores(q, q_s, k, a_w, pk, segment, geo, masks)
-        p = s[..., x:y].sub_(_rows(lse[..., None], t0, n, c)).exp_()  # (B, H, n, C, L'): P on the key columns
-        g, qb, dqb = _rows(d_out, t0, n, c), _rows(q_s, t0, n, c), _rows(dq, t0, n, c)
-        dp = q.new_empty(b, h, n, c, length)
-        dp[..., :x].zero_()
-        dp[..., y:].zero_()
-        per_key = q.new_empty(b, h, n, length, d) if n > 1 else q.new_empty(0)  # (B, H, n, L, D): the blocks' key gradients
-        for i in range(b):
-            for j in range(h):
+    segments = _segments(tq, tk, geo)
+    for i in range(b):
+        for j in range(h):
+            kh, vh, qh = k[i, j], v[i, j], q_s[i, j]  # (Tk, D), (Tk, D), (Tq, D)
+            if bias is not None:  # recomputed, as the scores are
+                _bias(qh, kh, None if a_w is None else a_s[j], None if b_w is None else b_w[j], geo, bias)
+            dkh, dvh = q.new_zeros(tk + BLOCK, d), q.new_zeros(tk + BLOCK, vh.shape[-1])  # (Tk + C, D): C spare rows
+            for segment in segments:
+                t0, n, c = segment
+                k0, length = geo.offset + geo.first + t0, c + width - 1
+                s, x, y = _scores(qh, kh, bias, segment, geo, masks)
+                p = s[..., x:y].sub_(_rows(lse[i, j], t0, n, c)).exp_()  # (n, C, L'): P on the key columns
+                g, qb, dqb = _rows(d_out[i, j], t0, n, c), _rows(qh, t0, n, c), _rows(dq[i, j], t0, n, c)
                 if n > 1:
-                    torch.bmm(g[i, j], _windows(v[i, j], k0, n, c, length).transpose(-1, -2), out=dp[i, j])
-                    torch.bmm(p[i, j].transpose(-1, -2), g[i, j], out=per_key[i, j])
+                    dp = torch.bmm(g, _windows(vh, k0, n, c, length).transpose(-1, -2))  # (n, C, L)
+                    _add_windows(dvh, k0, c, p, g)
                 else:
-                    dp[i, j, 0, :, x:y] = torch.mm(g[i, j, 0], v[i, j, k0 + x : k0 + y].t())
-                    dv[i, j, k0 + x : k0 + y].addmm_(p[i, j, 0].t(), g[i, j, 0])
-        if n > 1:
-            _add_windows(dv, k0, c, per_key)
-        dp[..., x:y].sub_(_rows(total, t0, n, c)).mul_(p)
-        ds = dp  # dS (B, H, n, C, L), 0 off the band and on the columns that are no keys
-        diag = _diagonal(ds, width)  # (B, H, n, C, W): the position terms' gradient
-        for i in range(b):
-            for j in range(h):
+                    dp = q.new_zeros(n, c, length)
+                    dp[0, :, x:y] = torch.mm(g[0], vh[k0 + x : k0 + y].t())
+                    dvh[k0 + x : k0 + y].addmm_(p[0].t(), g[0])
+                dp[..., x:y].sub_(_rows(total[i, j], t0, n, c)).mul_(p)
+                ds = dp  # dS (n, C, L), 0 off the band and on the columns that are no keys
                 if n > 1:
-                    torch.bmm(ds[i, j], _windows(k[i, j], k0, n, c, length), out=dqb[i, j])
-                    torch.bmm(ds[i, j].transpose(-1, -2), qb[i, j], out=per_key[i, j])
+                    torch.bmm(ds, _windows(kh, k0, n, c, length), out=dqb)
+                    _add_windows(dkh, k0, c, ds, qb)
                 else:
-                    torch.mm(ds[i, j, 0, :, x:y], k[i, j, k0 + x : k0 + y], out=dqb[i, j, 0])
-                    dk[i, j, k0 + x : k0 + y].addmm_(ds[i, j, 0, :, x:y].t(), qb[i, j, 0])
-                dqb[i, j].mul_(geo.scale)
-                if a_w is not None:  # c2p = q A_w^T: to q and A_w
-                    dqb[i, j].baddbmm_(diag[i, j], a_w[j].expand(n, width, d))
-                    d_a_t[j] += torch.bmm(diag[i, j].transpose(-1, -2), _rows(q, t0, n, c)[i, j]).sum(0)
-        if n > 1:
-            _add_windows(dk, k0, c, per_key)
-        if d_pk is not None:  # every (key, distance) cell of the skew is read by one query
-            _rows(_skew(d_pk, tq, geo.start), t0, n, c).copy_(diag)
-    dk, dv = dk[:, :, :tk], dv[:, :, :tk]
-    d_b = None
-    if d_pk is not None and b_w is not None:  # p2c = skew(k B_w^T): to k and B_w
-        d_b = torch.zeros_like(b_w)  # (H, W, D)
-        keys = slice(geo.pad_l, geo.pad_l + tk)
-        for i in range(b):
-            for j in range(h):
-                dk[i, j].addmm_(d_pk[i, j, keys], b_w[j])
-                d_b[j].addmm_(d_pk[i, j, keys].t(), k[i, j])
+                    torch.mm(ds[0, :, x:y], kh[k0 + x : k0 + y], out=dqb[0])
+                    dkh[k0 + x : k0 + y].addmm_(ds[0, :, x:y].t(), qb[0])
+                dqb.mul_(geo.scale)
+                if d_bias is not None:
+                    _rows(d_bias, t0, n, c).copy_(_diagonal(ds, width))  # the position terms' gradient
+            dk[i, j], dv[i, j] = dkh[:tk], dvh[:tk]
+            if d_bias is None:
+                continue
+            if a_w is not None and d_a is not None:  # c2p = q A_w^T: to q and A_w
+                dq[i, j].addmm_(d_bias, a_w[j])
+                d_a[j].addmm_(d_bias.t(), qh, alpha=1 / geo.scale)  # qh is q * scale
+            if b_w is not None and d_b is not None:  # p2c = skew(k B_w^T): to k and B_w
+                windows = _key_windows(kh, tq, geo)  # (W/V, Tq + V - 1, D)
+                d_g = k.new_empty(windows.shape[0], windows.shape[1], SKEW_CHUNK)  # (W/V, Tq + V - 1, V)
+                d_g[:, : SKEW_CHUNK - 1].zero_()  # the cells no query reads: two triangles of each chunk
+                d_g[:, tq:].zero_()
+                _chunk_skew(d_g, tq).copy_(d_bias.view(tq, -1, SKEW_CHUNK))
+                d_b[j] += torch.bmm(d_g.transpose(-1, -2), windows).flip(1).reshape(width, d)
+                # dk: d_pk (Tp, W), the key-layout gradient with reversed chunks: chunk c's columns are
+                # d_g[c] moved down cV rows
+                d_pk = k.new_empty(geo.pad_l + tk + geo.pad_r, width)  # (Tp, W)
+                d_pk[geo.pad_l : geo.start + width - SKEW_CHUNK].zero_()  # key rows some chunk does not cover
+                d_pk[geo.start + tq + SKEW_CHUNK - 1 : geo.pad_l + tk].zero_()
+                d_pk.as_strided(d_g.shape, ((width + 1) * SKEW_CHUNK, width, 1), geo.start * width).copy_(d_g)
+                dk[i, j].addmm_(d_pk[keys], _chunks(b_w[j]).reshape(width, d))
     return dq, dk, dv, d_a, d_b
 
 
