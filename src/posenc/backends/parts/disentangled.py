@@ -458,7 +458,6 @@ def _band_backward(
     dq, dk, dv = torch.empty_like(q_s), torch.empty_like(k), torch.empty_like(v)  # (B, H, T, D)
     d_a = None if a_w is None else torch.zeros_like(a_w)  # (H, W, D)
     d_b = None if b_w is None else torch.zeros_like(b_w)  # (H, W, D)
-    keys = slice(geo.pad_l, geo.pad_l + tk)  # the key rows of a (Tp, W) buffer
     bias = None if a_w is None and b_w is None else q.new_empty(tq, width)  # (Tq, W): one head's position terms
     d_bias = None if bias is None else torch.empty_like(bias)  # (Tq, W): dS on the band, distance layout
     masks: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -468,7 +467,8 @@ def _band_backward(
             kh, vh, qh = k[i, j], v[i, j], q_s[i, j]  # (Tk, D), (Tk, D), (Tq, D)
             if bias is not None:  # recomputed, as the scores are
                 _bias(qh, kh, None if a_w is None else a_s[j], None if b_w is None else b_w[j], geo, bias)
-            dkh, dvh = q.new_zeros(tk + BLOCK, d), q.new_zeros(tk + BLOCK, vh.shape[-1])  # (Tk + C, D): C spare rows
+            dkp = q.new_zeros(geo.pad_l + tk + max(geo.pad_r, BLOCK), d)  # (Tp + spare rows, D): dk with the padding's rows
+            dkh, dvh = dkp[geo.pad_l :], q.new_zeros(tk + BLOCK, vh.shape[-1])  # (Tk + C, D), indexed by key: C spare rows
             for segment in segments:
                 t0, n, c = segment
                 k0, length = geo.offset + geo.first + t0, c + width - 1
@@ -493,26 +493,19 @@ def _band_backward(
                 dqb.mul_(geo.scale)
                 if d_bias is not None:
                     _rows(d_bias, t0, n, c).copy_(_diagonal(ds, width))  # the position terms' gradient
-            dk[i, j], dv[i, j] = dkh[:tk], dvh[:tk]
-            if d_bias is None:
-                continue
-            if a_w is not None and d_a is not None:  # c2p = q A_w^T: to q and A_w
+            if a_w is not None and d_a is not None and d_bias is not None:  # c2p = q A_w^T: to q and A_w
                 dq[i, j].addmm_(d_bias, a_w[j])
                 d_a[j].addmm_(d_bias.t(), qh, alpha=1 / geo.scale)  # qh is q * scale
-            if b_w is not None and d_b is not None:  # p2c = skew(k B_w^T): to k and B_w
+            if b_w is not None and d_b is not None and d_bias is not None:  # p2c = skew(k B_w^T): to k and B_w
                 windows = _key_windows(kh, tq, geo)  # (W/V, Tq + V - 1, D)
                 d_g = k.new_empty(windows.shape[0], windows.shape[1], SKEW_CHUNK)  # (W/V, Tq + V - 1, V)
                 d_g[:, : SKEW_CHUNK - 1].zero_()  # the cells no query reads: two triangles of each chunk
                 d_g[:, tq:].zero_()
                 _chunk_skew(d_g, tq).copy_(d_bias.view(tq, -1, SKEW_CHUNK))
                 d_b[j] += torch.bmm(d_g.transpose(-1, -2), windows).flip(1).reshape(width, d)
-                # dk: d_pk (Tp, W), the key-layout gradient with reversed chunks: chunk c's columns are
-                # d_g[c] moved down cV rows
-                d_pk = k.new_empty(geo.pad_l + tk + geo.pad_r, width)  # (Tp, W)
-                d_pk[geo.pad_l : geo.start + width - SKEW_CHUNK].zero_()  # key rows some chunk does not cover
-                d_pk[geo.start + tq + SKEW_CHUNK - 1 : geo.pad_l + tk].zero_()
-                d_pk.as_strided(d_g.shape, ((width + 1) * SKEW_CHUNK, width, 1), geo.start * width).copy_(d_g)
-                dk[i, j].addmm_(d_pk[keys], _chunks(b_w[j]).reshape(width, d))
+                for c, rows in enumerate(_chunks(b_w[j])):  # dk: chunk c's keys start + cV + r get d_g[c] B_c
+                    dkp[geo.start + c * SKEW_CHUNK : geo.start + c * SKEW_CHUNK + d_g.shape[1]].addmm_(d_g[c], rows)
+            dk[i, j], dv[i, j] = dkh[:tk], dvh[:tk]
     return dq, dk, dv, d_a, d_b
 
 
