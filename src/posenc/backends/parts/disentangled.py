@@ -21,20 +21,23 @@ off the diagonal: e_p <= -1, s_f >= 1).
   regions of :mod:`~posenc.backends.parts.regions` (``lower`` for the past, ``upper`` on reversed
   sequences for the future), with its own causal skip.
 - **The band** (first <= r <= top: the W distances whose rows differ, W rounded up to a multiple
-  of :data:`WIDTH_MULTIPLE`; top = 0 for a decoder), written out in blocks of :data:`BLOCK`
-  queries against their C + W - 1 window keys. The position terms live in *distance layout*,
-  one value per (query, band distance): c2p is ``q A_w^T`` (A_w: the rows of the W distances) and
-  p2c a skewed view of the per-key products ``k B_w^T`` (B, H, Tk, W) (``[a, w] = pk[a + w, w]``,
-  strides (W, W + 1): no copy). The content ``q k^T`` is one GEMM per block in *key layout*, and
-  the band cells of a key-layout block are a strided view of it in distance layout (row stride
-  L + 1: Transformer-XL's relative shift, Dai et al. 2019, appendix B), onto which the terms are
-  added; the two off-band triangles (and window columns that are no keys) get -inf. The backward
-  is written out (:class:`_Band`): each block's probabilities are recomputed from the saved
-  log-sum-exp, as flash attention does, and dS's band diagonal, the same view, is the gradient of
-  the position terms: GEMMs take it to q and A_w per block, one skewed copy into a (B, H, Tk, W)
-  buffer takes it to k and B_w. No (keys x rows) tensor is filled per block (autograd through
-  gathers would fill one, zeroed, for every block's backward), and only q, k, v, the W table rows,
-  the band's output and log-sum-exp are saved.
+  of :data:`WIDTH_MULTIPLE`; top = 0 for a decoder), one head at a time, written out in blocks of
+  :data:`BLOCK` queries against their C + W - 1 window keys. The position terms are one (Tq, W)
+  matrix per head in *distance layout*, one value per (query, band distance) (:func:`_bias`): c2p
+  ``q A_w^T`` (A_w: the rows of the W distances) is one GEMM, p2c ``k_(a + w) . B_w[w]`` one
+  batched GEMM over chunks of :data:`SKEW_CHUNK` distances, each chunk's keys a window (a view),
+  and one skewed copy of its output whose reads stay within a few cache lines. The content
+  ``q k^T`` is one batched GEMM per group of blocks in *key layout*, and the band cells of a
+  key-layout block are a strided view of it in distance layout (row stride L + 1: Transformer-XL's
+  relative shift, Dai et al. 2019, appendix B), onto which the terms are added, both with unit
+  column stride; the two off-band triangles (and window columns that are no keys) get -inf. The
+  backward is written out (:class:`_Band`): each group's probabilities are recomputed from the
+  saved log-sum-exp, as flash attention does, and dS's band diagonal, the same view, is the
+  gradient of the position terms: one GEMM each takes it to q and A_w, and, skewed back into the
+  chunks, batched and per-chunk GEMMs take it to B_w and k. Every temporary is one head's (a few
+  MB at N = 4096, reused by the allocator from head to head: buffers of all heads at once, tens of
+  MB, are fresh pages for every call), no (keys x rows) tensor is filled per block, and only q, k,
+  v, the W table rows, the band's output and log-sum-exp are saved.
 
 The parts are merged through their log-sum-exps; the far regions' backward is the flash backward
 given the merged output and log-sum-exp (shifted by c_i), so its probabilities and its
@@ -43,11 +46,11 @@ far part's share of ``sum_j dS_ij = w_i (dO_i . o_far_i - D_i)``, and the shifte
 reaches q and B[t] through autograd. Memory: O(B x H x N x W), never N^2.
 
 **When it runs** (:func:`worthwhile`, asked by ``terms``' selection): the band costs per (query,
-band distance), eager per (query, key), so a short encoder call whose band covers nearly every pair
-(the default buckets below about 1000 tokens) and any call of fewer than :data:`MIN_PAIRS` pairs
-(fixed costs) is left to eager; the rough cost model is in :func:`worthwhile`, fitted to CPU
-timings of forward + backward (``posenc bench --level attention --methods deberta`` times both
-paths).
+band distance), eager per (query, key), so a short call whose band covers nearly every pair (with
+the default buckets: causal below about 300 tokens, encoder below about 600) and any call of fewer
+than :data:`MIN_PAIRS` pairs (fixed costs) is left to eager; the cost model is in
+:func:`worthwhile`, fitted to CPU timings of forward + backward (``posenc bench --level attention
+--methods deberta`` times the chosen path).
 
 :func:`step` is one query against a KV cache (no gradient): the band's keys written out (its rows
 of B gathered per key, a fixed number), the far keys one fused call of the shifted query with c as
@@ -55,12 +58,13 @@ the log-sum-exp shift, left padding one additive mask. The rows of every distanc
 capacity, the position tables and the band's rows of them are kept in the cache's workspace, so a
 step computes no table and no row: O(keys x D).
 
-The module is longer than most (about 500 lines of code and prose): the band's forward and its
+The module is longer than most (about 600 lines of code and prose): the band's forward and its
 written-out backward, the far merge, the cost model and the decode step share one geometry, and the
 issue kept DeBERTa's fast path in this one file.
 
 Shape legend: B batch, H heads, Tq / Tk queries / keys, D head dim, R table rows, W band distances,
-C block rows, L = C + W - 1 block keys, Tp keys with the skew's padding rows.
+C block rows, L = C + W - 1 block keys, n blocks in a group, V distances per p2c chunk, Tp keys with
+the padding rows before and after them.
 """
 
 from __future__ import annotations
@@ -77,7 +81,7 @@ BLOCK = 64  # queries per band block
 WIDTH_MULTIPLE = 16  # band widths are rounded up to this
 SKEW_CHUNK = 16  # band distances per chunk of the p2c product (divides WIDTH_MULTIPLE)
 MIN_PAIRS = 1 << 16  # calls with fewer (query, key) pairs run eager: fixed costs dominate
-GROUP_ELEMENTS = 1 << 20  # band temporaries per group: at most this many (B x H x blocks x rows x keys)
+GROUP_ELEMENTS = 1 << 20  # band temporaries per group: at most this many (blocks x rows x keys) of one head
 # The kernel loops run in the caller's thread (regions.flushed(when=False)): no position term falls
 # with distance (the far keys share one table row), so nothing makes the probabilities denormal
 # that plain attention's would not, and the hand-off to the flushing worker cost a third of a
@@ -145,15 +149,15 @@ def worthwhile(spec: ScoreSpec, tq: int, tk: int, device: torch.device) -> bool:
     eager formula. Decided from the shapes and the rows the encoding declares (:class:`Plan`), never
     from its name.
 
-    Cost, in units of one position-term cell (rough CPU fits of forward + backward, float32):
-    band + far path ~ 1.07 per band pair + 1 per (query, band distance) + 0.31 per far pair
-    (the flash kernel) + 12.5 per query + 10^4 (its loops' fixed costs); eager ~ 1.52 per (query,
-    key) pair (it writes the whole rectangle, causal or not) + 1.09 per (query, table row) for its
-    two (T x rows) products (the rows the call reads: eager's whole table is at least that). The band pays per
-    distance, the rectangle per key: a short encoder call whose band covers nearly every pair (the
-    default buckets, b = 256 and M = 512, below about 1000 tokens) is cheaper eager. Below
-    :data:`MIN_PAIRS` pairs the path's fixed costs (its loops per batch row, head and block, the
-    kernel thread) outweigh everything, and eager is the faster one there.
+    Cost per (batch, head), in units of one (query, band distance) cell of the position terms
+    (a least-squares fit of forward + backward CPU timings, float32, D = 64, N = 192..2048, causal
+    and encoder; both paths' times scale with batch x heads, so their ratio does not depend on it):
+    band + far path ~ 0.14 per band pair + 1 per (query, band distance) + 0.17 per far pair (the
+    flash kernel) + 170 per query + 117,000 (its loops' fixed costs); eager ~ 2.4 per (query, key)
+    pair (it writes the whole rectangle, causal or not) + 15,000. The band pays per distance, the
+    rectangle per key: with the default buckets (b = 256, M = 512) a causal call of more than about
+    300 tokens and an encoder call of more than about 600 take the band (eager's cost jumps near
+    300 tokens, which the fit smooths over); below :data:`MIN_PAIRS` pairs eager runs at once.
     """
     if tq * tk < MIN_PAIRS:
         return False
@@ -161,9 +165,8 @@ def worthwhile(spec: ScoreSpec, tq: int, tk: int, device: torch.device) -> bool:
     off = spec.offset
     band = _clamped_sum(tq, off + p.top + 1, tk) - _clamped_sum(tq, off + p.first, tk)  # pairs with first <= r <= top
     visible = _clamped_sum(tq, off + 1, tk) if spec.causal else tq * tk
-    rows = max(p.listed) - min(p.listed) + 1
-    fast = 1.07 * band + tq * p.width + 0.31 * (visible - band) + 12.5 * tq + 10_000
-    slow = 1.52 * tq * tk + 1.09 * (tq + tk) / 2 * rows
+    fast = 0.14 * band + tq * p.width + 0.17 * (visible - band) + 170 * tq + 117_000
+    slow = 2.4 * tq * tk + 15_000
     return fast < slow
 
 
@@ -207,8 +210,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec
 class _BandGeometry:
     """Where the band lies: distances ``first <= r <= top`` (r = key index - query index - offset),
     W = top - first + 1 of them, for Tq queries and Tk keys; ``scale`` the content product's factor.
-    The per-key p2c products get ``pad_l`` rows before the keys and ``pad_r`` after them, so that
-    the skewed view of every query exists: query a reads rows ``start + a + w``, w = 0..W-1."""
+    p2c's keys get ``pad_l`` rows before them and ``pad_r`` after them, so that every query's
+    window exists: query a reads row ``start + a + w`` of the padded keys, w = 0..W-1."""
 
     def __init__(self, offset: int, first: int, top: int, scale: float, tq: int, tk: int) -> None:
         self.offset, self.first, self.top, self.scale = offset, first, top, scale
@@ -223,13 +226,6 @@ def _diagonal(s: torch.Tensor, width: int) -> torch.Tensor:
     distance layout: [a, w] = s[a, a + w] (row stride L + 1: Transformer-XL's relative shift)."""
     *lead, c, length = s.shape
     return s.as_strided((*lead, c, width), (*s.stride()[:-2], length + 1, 1), s.storage_offset())
-
-
-def _skew(pk: torch.Tensor, tq: int, start: int) -> torch.Tensor:
-    """Per-key terms pk (..., Tp, W), contiguous, read per query: a (..., Tq, W) view with
-    [a, w] = pk[start + a + w, w] (row stride W, column stride W + 1)."""
-    *lead, _, width = pk.shape
-    return pk.as_strided((*lead, tq, width), (*pk.stride()[:-2], width, width + 1), pk.storage_offset() + start * width)
 
 
 def _segments(tq: int, tk: int, geo: _BandGeometry) -> list[tuple[int, int, int]]:
@@ -346,16 +342,14 @@ class _Band(torch.autograd.Function):
 
     One head at a time, per group of blocks of C queries: ``q k^T * scale`` against each block's
     C + W - 1 keys (key layout, one batched GEMM on overlapping key windows, a view) gets the
-    position terms added on its band diagonal, a strided view in distance layout: c2p ``q A_w^T``
-    (one more batched GEMM, written straight into that view) and p2c, a skewed view of the head's
-    ``k B_w^T`` (Tp, W) made once per head (A_w, B_w: the table rows of the W band distances, term
-    scale folded in); -inf on the two off-band triangles and on padding keys. The backward
-    recomputes each group's probabilities from the saved log-sum-exp (as flash attention does);
-    dS's band diagonal is the gradient of the position terms, which GEMMs send to q and A_w per
-    group, and one skewed copy into the head's (Tp, W) buffer to k and B_w. Every temporary is one
-    head's (a few MB at N = 4096, reused by the allocator from head to head), nothing of size
-    (keys x rows) is filled per block, and only q, k, v, the tables, the output and the
-    log-sum-exp are saved.
+    head's position terms (:func:`_bias`, (Tq, W) in distance layout, made once per head; A_w, B_w
+    are the table rows of the W band distances, term scale folded in) added on its band diagonal,
+    a strided view in distance layout; -inf on the two off-band triangles and on padding keys. The
+    backward recomputes the terms and each group's probabilities from the saved log-sum-exp (as
+    flash attention does); dS's band diagonal is the terms' gradient, which one GEMM each sends to
+    q and A_w per head, and, skewed back into chunks of :data:`SKEW_CHUNK` distances, a batched GEMM
+    to B_w and per-chunk GEMMs to k. Every temporary is one head's, nothing of size (keys x rows)
+    is filled per block, and only q, k, v, the tables, the output and the log-sum-exp are saved.
     """
 
     @staticmethod
