@@ -57,8 +57,8 @@ encoding also offers ``DisentangledTables`` (``disentangled_tables`` and ``relat
 every key past the last bucket on one side reads one row t (2k - 1 in the past, 0 in the future),
 so for those keys A_ij / sqrt(D (1 + n)) = ((q_i + Q_r[t]) . k_j + q_i . K_r[t]) / sqrt(D (1 + n)),
 plain attention of a shifted query plus a per-query constant (the flash kernel); only the band of
-distinct buckets is written out, from the two (T x 2k) products and their gathers; a decode step
-(causal form, KV cache) is the same split for one query.
+distinct buckets is written out, its position terms one (T x W) matrix per head (W band distances); a
+decode step (causal form, KV cache) is the same split for one query.
 """
 
 from __future__ import annotations
