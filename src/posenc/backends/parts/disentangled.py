@@ -228,35 +228,27 @@ def _diagonal(s: torch.Tensor, width: int) -> torch.Tensor:
     return s.as_strided((*lead, c, width), (*s.stride()[:-2], length + 1, 1), s.storage_offset())
 
 
-def _segments(tq: int, tk: int, geo: _BandGeometry) -> list[tuple[int, int, int]]:
-    """(t0, n, C): n blocks of C = :data:`BLOCK` queries from query t0 (the last block shorter).
-    A block whose C + W - 1 window keys all exist is *inner*; consecutive inner blocks go in
-    groups of at most :data:`GROUP_ELEMENTS` scores of one head, every other block alone (n = 1)."""
-    width = geo.width
-    size = max(1, GROUP_ELEMENTS // (BLOCK * (BLOCK + width - 1)))
-    out: list[tuple[int, int, int]] = []
-    for t0 in range(0, tq, BLOCK):
-        c = min(BLOCK, tq - t0)
-        first = geo.offset + geo.first + t0  # key index of the block's first window column
-        inner = c == BLOCK and first >= 0 and first + c + width - 1 <= tk
-        if inner and out and out[-1][2] == BLOCK and out[-1][1] < size and _inner(out[-1], tk, geo):
-            out[-1] = (out[-1][0], out[-1][1] + 1, BLOCK)
-        else:
-            out.append((t0, 1, c))
+def _segments(tq: int, geo: _BandGeometry) -> list[tuple[int, int, int]]:
+    """(t0, n, C): n blocks of C = :data:`BLOCK` queries from query t0, in groups of at most
+    :data:`GROUP_ELEMENTS` scores of one head; a last block shorter than C alone (n = 1)."""
+    size = max(1, GROUP_ELEMENTS // (BLOCK * (BLOCK + geo.width - 1)))
+    full = tq // BLOCK
+    out = [(t0 * BLOCK, min(size, full - t0), BLOCK) for t0 in range(0, full, size)]
+    if tq % BLOCK:
+        out.append((full * BLOCK, 1, tq % BLOCK))
     return out
 
 
-def _inner(segment: tuple[int, int, int], tk: int, geo: _BandGeometry) -> bool:
+def _outside(segment: tuple[int, int, int], tk: int, geo: _BandGeometry, device: torch.device) -> torch.Tensor | None:
+    """Where a segment's window columns are no keys (before key 0 or after the last key): an
+    (n, 1, L) bool mask, or None where every column is a key."""
     t0, n, c = segment
-    first = geo.offset + geo.first + t0
-    return c == BLOCK and first >= 0 and first + (n - 1) * c + c + geo.width - 1 <= tk
-
-
-def _columns(t0: int, c: int, tk: int, geo: _BandGeometry) -> tuple[int, int]:
-    """The window columns of a lone block that are keys, [x, L - y) (the rest is before key 0 or
-    after the last key)."""
-    first, length = geo.offset + geo.first + t0, c + geo.width - 1
-    return max(0, -first), length - max(0, first + length - tk)
+    length = c + geo.width - 1
+    k0 = geo.start + t0  # padded row of the first window column
+    if k0 >= geo.pad_l and k0 + (n - 1) * c + length <= geo.pad_l + tk:
+        return None
+    rows = k0 + c * torch.arange(n, device=device)[:, None] + torch.arange(length, device=device)  # (n, L)
+    return ((rows < geo.pad_l) | (rows >= geo.pad_l + tk))[:, None, :]
 
 
 def _rows(x: torch.Tensor, t0: int, n: int, c: int) -> torch.Tensor:
@@ -287,16 +279,20 @@ def _triangles(c: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor
     return ones.tril(-1), ones.triu(1)
 
 
-def _key_windows(k: torch.Tensor, tq: int, geo: _BandGeometry) -> torch.Tensor:
-    """The keys of each chunk of :data:`SKEW_CHUNK` band distances, from one head's k (Tk, D): chunk c
-    reads keys ``start + cV + [0, Tq + V - 1)`` (with ``pad_l`` zero rows before the keys and
-    ``pad_r`` after them, so that every query's window exists); a (W/V, Tq + V - 1, D) view."""
+def _padded(x: torch.Tensor, geo: _BandGeometry) -> torch.Tensor:
+    """Keys or values (B, H, Tk, D) with ``pad_l`` zero rows before and ``pad_r`` + :data:`BLOCK`
+    after them, contiguous: (B, H, Tp + C, D). Every block's window, and every p2c chunk's, is then
+    a view (its rows that are no keys are masked in the scores)."""
+    b, h, tk, d = x.shape
+    out = x.new_zeros(b, h, geo.pad_l + tk + geo.pad_r + BLOCK, d)
+    out[:, :, geo.pad_l : geo.pad_l + tk] = x
+    return out
+
+
+def _key_windows(kp: torch.Tensor, tq: int, geo: _BandGeometry) -> torch.Tensor:
+    """The keys of each chunk of :data:`SKEW_CHUNK` band distances, from one head's padded keys kp
+    (Tp + C, D): chunk c reads rows ``start + cV + [0, Tq + V - 1)``; a (W/V, Tq + V - 1, D) view."""
     v = SKEW_CHUNK
-    if geo.pad_l or geo.pad_r:
-        kp = k.new_zeros(geo.pad_l + k.shape[0] + geo.pad_r, k.shape[1])  # (Tp, D)
-        kp[geo.pad_l : geo.pad_l + k.shape[0]] = k
-    else:
-        kp = k
     return kp[geo.start : geo.start + geo.width + tq - 1].unfold(0, tq + v - 1, v).transpose(-1, -2)
 
 
@@ -315,7 +311,7 @@ def _chunk_skew(g: torch.Tensor, tq: int) -> torch.Tensor:
     return g.as_strided((tq, n, v), (v, rows * v, v - 1), g.storage_offset() + v - 1)
 
 
-def _bias(q_s: torch.Tensor, k: torch.Tensor, a_s: torch.Tensor | None, b_w: torch.Tensor | None, geo: _BandGeometry,
+def _bias(q_s: torch.Tensor, kp: torch.Tensor, a_s: torch.Tensor | None, b_w: torch.Tensor | None, geo: _BandGeometry,
           out: torch.Tensor) -> None:
     """One head's position terms in distance layout, ``q_a . A_w[w] + k_(a + w) . B_w[w]``, into
     ``out`` (Tq, W), contiguous (key index a + w counted from ``start``).
@@ -329,7 +325,7 @@ def _bias(q_s: torch.Tensor, k: torch.Tensor, a_s: torch.Tensor | None, b_w: tor
     """
     tq, width = q_s.shape[0], geo.width
     if b_w is not None:
-        g = torch.bmm(_key_windows(k, tq, geo), _chunks(b_w).transpose(-1, -2))  # (W/V, Tq + V - 1, V)
+        g = torch.bmm(_key_windows(kp, tq, geo), _chunks(b_w).transpose(-1, -2))  # (W/V, Tq + V - 1, V)
         out.view(tq, width // SKEW_CHUNK, SKEW_CHUNK).copy_(_chunk_skew(g, tq))
         if a_s is not None:
             out.addmm_(q_s, a_s.t())
@@ -368,24 +364,16 @@ class _Band(torch.autograd.Function):
 
 
 def _scores(
-    q_s: torch.Tensor, k: torch.Tensor, bias: torch.Tensor | None, segment: tuple[int, int, int], geo: _BandGeometry,
-    masks: dict[int, tuple[torch.Tensor, torch.Tensor]],
-) -> tuple[torch.Tensor, int, int]:
+    q_s: torch.Tensor, kp: torch.Tensor, bias: torch.Tensor | None, segment: tuple[int, int, int], geo: _BandGeometry,
+    masks: dict[int, tuple[torch.Tensor, torch.Tensor]], outside: torch.Tensor | None,
+) -> torch.Tensor:
     """Scores of one head's segment of n blocks of C queries, key layout (n, C, L): q k^T * scale
-    (q_s = q * scale) on the window columns that are keys ([x, L - y), returned with them), the
-    position terms (``bias``, :func:`_bias`) added on the band diagonal, -inf off the band and on
-    the columns that are no keys."""
+    (q_s = q * scale, kp the padded keys), the position terms (``bias``, :func:`_bias`) added on the
+    band diagonal, -inf off the band and on the columns that are no keys (``outside``)."""
     t0, n, c = segment
-    tk = k.shape[0]
     width, length = geo.width, c + geo.width - 1
-    k0 = geo.offset + geo.first + t0  # key index of the first window column
-    x, y = (0, length) if n > 1 else _columns(t0, c, tk, geo)
-    s = q_s.new_empty(n, c, length)  # (n, C, L); columns outside [x, y) are set below
-    qb = _rows(q_s, t0, n, c)  # (n, C, D)
-    if n > 1:
-        torch.bmm(qb, _windows(k, k0, n, c, length).transpose(-1, -2), out=s)
-    else:
-        s[0, :, x:y] = torch.mm(qb[0], k[k0 + x : k0 + y].t())
+    s = q_s.new_empty(n, c, length)  # (n, C, L)
+    torch.bmm(_rows(q_s, t0, n, c), _windows(kp, geo.start + t0, n, c, length).transpose(-1, -2), out=s)
     if bias is not None:
         _diagonal(s, width).add_(_rows(bias, t0, n, c))  # (n, C, W), both with unit column stride
     if c not in masks:
@@ -393,16 +381,17 @@ def _scores(
     left, right = masks[c]
     s[..., :c].masked_fill_(left, float("-inf"))
     s[..., length - c :].masked_fill_(right, float("-inf"))
-    s[..., :x] = float("-inf")  # overwrites whatever the band diagonal added there
-    s[..., y:] = float("-inf")
-    return s, x, y
+    if outside is not None:
+        s.masked_fill_(outside, float("-inf"))
+    return s
 
 
 def _prepared(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a_w: torch.Tensor | None, geo: _BandGeometry) -> tuple[torch.Tensor, ...]:
-    """q * scale, k, v contiguous, and the c2p rows / scale (or an empty tensor without c2p)."""
-    q_s, k, v = (q * geo.scale).contiguous(), k.contiguous(), v.contiguous()  # the content scale folded into q
+    """q * scale (contiguous), k and v padded (:func:`_padded`), and the c2p rows / scale (or an
+    empty tensor without c2p)."""
+    q_s = (q * geo.scale).contiguous()  # the content scale folded into q
     a_s = q.new_empty(0) if a_w is None else a_w / geo.scale  # (H, W, D): q_s . a_s = q . a_w
-    return q_s, k, v, a_s
+    return q_s, _padded(k, geo), _padded(v, geo), a_s
 
 
 def _band_forward(
@@ -410,29 +399,24 @@ def _band_forward(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     b, h, tq, _ = q.shape
     tk = k.shape[-2]
-    q_s, k, v, a_s = _prepared(q, k, v, a_w, geo)
+    q_s, kp, vp, a_s = _prepared(q, k, v, a_w, geo)
     out = q.new_empty(b, h, tq, v.shape[-1])  # (B, H, Tq, D)
     lse = q.new_empty(b, h, tq, 1)  # (B, H, Tq, 1)
     bias = None if a_w is None and b_w is None else q.new_empty(tq, geo.width)  # (Tq, W): one head's position terms
     masks: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-    segments = _segments(tq, tk, geo)
+    segments = [(segment, _outside(segment, tk, geo, q.device)) for segment in _segments(tq, geo)]
     for i in range(b):
         for j in range(h):
             if bias is not None:
-                _bias(q_s[i, j], k[i, j], None if a_w is None else a_s[j], None if b_w is None else b_w[j], geo, bias)
-            for segment in segments:
+                _bias(q_s[i, j], kp[i, j], None if a_w is None else a_s[j], None if b_w is None else b_w[j], geo, bias)
+            for segment, outside in segments:
                 t0, n, c = segment
-                k0 = geo.offset + geo.first + t0
-                s, x, y = _scores(q_s[i, j], k[i, j], bias, segment, geo, masks)  # (n, C, L)
-                s = s[..., x:y]
+                s = _scores(q_s[i, j], kp[i, j], bias, segment, geo, masks, outside)  # (n, C, L)
                 top = s.amax(-1, keepdim=True)  # finite: every query sees its own key
                 p = s.sub_(top).exp_()
                 total = p.sum(-1, keepdim=True)  # (n, C, 1)
                 o = _rows(out[i, j], t0, n, c)  # (n, C, D), written by the GEMM
-                if n > 1:
-                    torch.bmm(p, _windows(v[i, j], k0, n, c, y - x), out=o)
-                else:
-                    torch.mm(p[0], v[i, j, k0 + x : k0 + y], out=o[0])
+                torch.bmm(p, _windows(vp[i, j], geo.start + t0, n, c, c + geo.width - 1), out=o)
                 o.div_(total)
                 _rows(lse[i, j], t0, n, c).copy_(total.log_().add_(top))
     return out, lse[..., 0]
@@ -444,53 +428,41 @@ def _band_backward(
 ) -> tuple[torch.Tensor | None, ...]:
     b, h, tq, d = q.shape
     tk, width = k.shape[-2], geo.width
-    q_s, k, v, a_s = _prepared(q, k, v, a_w, geo)
+    q_s, kp, vp, a_s = _prepared(q, k, v, a_w, geo)
     d_out = d_out.contiguous()
     # dS = P (dP - rowsum(dO * O) + d lse): the band's output and log-sum-exp both reach the merge.
     total = ((d_out * out).sum(-1) - d_lse)[..., None]  # (B, H, Tq, 1)
     lse = lse[..., None]  # (B, H, Tq, 1)
-    dq, dk, dv = torch.empty_like(q_s), torch.empty_like(k), torch.empty_like(v)  # (B, H, T, D)
+    dq = torch.empty_like(q_s)  # (B, H, Tq, D)
+    dkp, dvp = torch.zeros_like(kp), torch.zeros_like(vp)  # (B, H, Tp + C, D): padded, as kp and vp
     d_a = None if a_w is None else torch.zeros_like(a_w)  # (H, W, D)
     d_b = None if b_w is None else torch.zeros_like(b_w)  # (H, W, D)
     bias = None if a_w is None and b_w is None else q.new_empty(tq, width)  # (Tq, W): one head's position terms
     d_bias = None if bias is None else torch.empty_like(bias)  # (Tq, W): dS on the band, distance layout
     masks: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-    segments = _segments(tq, tk, geo)
+    segments = [(segment, _outside(segment, tk, geo, q.device)) for segment in _segments(tq, geo)]
     for i in range(b):
         for j in range(h):
-            kh, vh, qh = k[i, j], v[i, j], q_s[i, j]  # (Tk, D), (Tk, D), (Tq, D)
+            kh, vh, qh, dkh, dvh = kp[i, j], vp[i, j], q_s[i, j], dkp[i, j], dvp[i, j]
             if bias is not None:  # recomputed, as the scores are
                 _bias(qh, kh, None if a_w is None else a_s[j], None if b_w is None else b_w[j], geo, bias)
-            dkp = q.new_zeros(geo.pad_l + tk + max(geo.pad_r, BLOCK), d)  # (Tp + spare rows, D): dk with the padding's rows
-            dkh, dvh = dkp[geo.pad_l :], q.new_zeros(tk + BLOCK, vh.shape[-1])  # (Tk + C, D), indexed by key: C spare rows
-            for segment in segments:
+            for segment, outside in segments:
                 t0, n, c = segment
-                k0, length = geo.offset + geo.first + t0, c + width - 1
-                s, x, y = _scores(qh, kh, bias, segment, geo, masks)
-                p = s[..., x:y].sub_(_rows(lse[i, j], t0, n, c)).exp_()  # (n, C, L'): P on the key columns
+                k0, length = geo.start + t0, c + width - 1
+                p = _scores(qh, kh, bias, segment, geo, masks, outside).sub_(_rows(lse[i, j], t0, n, c)).exp_()  # (n, C, L): P
                 g, qb, dqb = _rows(d_out[i, j], t0, n, c), _rows(qh, t0, n, c), _rows(dq[i, j], t0, n, c)
-                if n > 1:
-                    dp = torch.bmm(g, _windows(vh, k0, n, c, length).transpose(-1, -2))  # (n, C, L)
-                    _add_windows(dvh, k0, c, p, g)
-                else:
-                    dp = q.new_zeros(n, c, length)
-                    dp[0, :, x:y] = torch.mm(g[0], vh[k0 + x : k0 + y].t())
-                    dvh[k0 + x : k0 + y].addmm_(p[0].t(), g[0])
-                dp[..., x:y].sub_(_rows(total[i, j], t0, n, c)).mul_(p)
-                ds = dp  # dS (n, C, L), 0 off the band and on the columns that are no keys
-                if n > 1:
-                    torch.bmm(ds, _windows(kh, k0, n, c, length), out=dqb)
-                    _add_windows(dkh, k0, c, ds, qb)
-                else:
-                    torch.mm(ds[0, :, x:y], kh[k0 + x : k0 + y], out=dqb[0])
-                    dkh[k0 + x : k0 + y].addmm_(ds[0, :, x:y].t(), qb[0])
+                ds = torch.bmm(g, _windows(vh, k0, n, c, length).transpose(-1, -2))  # dP (n, C, L)
+                _add_windows(dvh, k0, c, p, g)
+                ds.sub_(_rows(total[i, j], t0, n, c)).mul_(p)  # dS, 0 off the band and on the columns that are no keys
+                torch.bmm(ds, _windows(kh, k0, n, c, length), out=dqb)
+                _add_windows(dkh, k0, c, ds, qb)
                 dqb.mul_(geo.scale)
                 if d_bias is not None:
                     _rows(d_bias, t0, n, c).copy_(_diagonal(ds, width))  # the position terms' gradient
             if a_w is not None and d_a is not None and d_bias is not None:  # c2p = q A_w^T: to q and A_w
                 dq[i, j].addmm_(d_bias, a_w[j])
                 d_a[j].addmm_(d_bias.t(), qh, alpha=1 / geo.scale)  # qh is q * scale
-            if b_w is not None and d_b is not None and d_bias is not None:  # p2c = skew(k B_w^T): to k and B_w
+            if b_w is not None and d_b is not None and d_bias is not None:  # p2c: to k and B_w
                 windows = _key_windows(kh, tq, geo)  # (W/V, Tq + V - 1, D)
                 d_g = k.new_empty(windows.shape[0], windows.shape[1], SKEW_CHUNK)  # (W/V, Tq + V - 1, V)
                 d_g[:, : SKEW_CHUNK - 1].zero_()  # the cells no query reads: two triangles of each chunk
@@ -498,9 +470,9 @@ def _band_backward(
                 _chunk_skew(d_g, tq).copy_(d_bias.view(tq, -1, SKEW_CHUNK))
                 d_b[j] += torch.bmm(d_g.transpose(-1, -2), windows).flip(1).reshape(width, d)
                 for c, rows in enumerate(_chunks(b_w[j])):  # dk: chunk c's keys start + cV + r get d_g[c] B_c
-                    dkp[geo.start + c * SKEW_CHUNK : geo.start + c * SKEW_CHUNK + d_g.shape[1]].addmm_(d_g[c], rows)
-            dk[i, j], dv[i, j] = dkh[:tk], dvh[:tk]
-    return dq, dk, dv, d_a, d_b
+                    dkh[geo.start + c * SKEW_CHUNK : geo.start + c * SKEW_CHUNK + d_g.shape[1]].addmm_(d_g[c], rows)
+    keys = slice(geo.pad_l, geo.pad_l + tk)
+    return dq, dkp[:, :, keys], dvp[:, :, keys], d_a, d_b
 
 
 class _MergeFar(torch.autograd.Function):
