@@ -451,9 +451,9 @@ def _band_backward(
                 k0, length = geo.start + t0, c + width - 1
                 p = _scores(qh, kh, bias, segment, geo, masks, outside).sub_(_rows(lse[i, j], t0, n, c)).exp_()  # (n, C, L): P
                 g, qb, dqb = _rows(d_out[i, j], t0, n, c), _rows(qh, t0, n, c), _rows(dq[i, j], t0, n, c)
-                ds = torch.bmm(g, _windows(vh, k0, n, c, length).transpose(-1, -2))  # dP (n, C, L)
                 _add_windows(dvh, k0, c, p, g)
-                ds.sub_(_rows(total[i, j], t0, n, c)).mul_(p)  # dS, 0 off the band and on the columns that are no keys
+                ds = torch.baddbmm(_rows(total[i, j], t0, n, c), g, _windows(vh, k0, n, c, length).transpose(-1, -2), beta=-1)
+                ds.mul_(p)  # dS = P (dP - total) (n, C, L): 0 off the band and on the columns that are no keys
                 torch.bmm(ds, _windows(kh, k0, n, c, length), out=dqb)
                 _add_windows(dkh, k0, c, ds, qb)
                 dqb.mul_(geo.scale)
