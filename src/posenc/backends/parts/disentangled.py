@@ -257,14 +257,14 @@ def _rows(x: torch.Tensor, t0: int, n: int, c: int) -> torch.Tensor:
 
 
 def _windows(x: torch.Tensor, k0: int, n: int, c: int, length: int) -> torch.Tensor:
-    """The keys of n blocks of one head, x (Tk, D): block m reads keys k0 + m*C + [0, L);
-    an (n, L, D) view of overlapping windows (no copy: one batched GEMM reads it)."""
+    """The keys of n blocks of one head, x (Tp + C, D) padded (:func:`_padded`): block m reads rows
+    k0 + m*C + [0, L); an (n, L, D) view of overlapping windows (no copy: one batched GEMM reads it)."""
     return x[k0 : k0 + (n - 1) * c + length].unfold(0, length, c).transpose(-1, -2)
 
 
 def _add_windows(buf: torch.Tensor, k0: int, c: int, x: torch.Tensor, y: torch.Tensor) -> None:
     """buf[keys of block m] += x[m]^T y[m] for the overlapping windows of :func:`_windows`:
-    x (n, C, L), y (n, C, D), buf (Tk + C, D) (C spare rows: no segment overhangs). One batched
+    x (n, C, L), y (n, C, D), buf (Tp + C, D) (C spare rows: no segment overhangs). One batched
     GEMM per C window columns, accumulating in place (no (n, L, D) temporary to add back)."""
     n, length = x.shape[0], x.shape[2]
     for s0 in range(0, length, c):
