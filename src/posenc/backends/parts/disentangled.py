@@ -228,18 +228,22 @@ def _diagonal(s: torch.Tensor, width: int) -> torch.Tensor:
     return s.as_strided((*lead, c, width), (*s.stride()[:-2], length + 1, 1), s.storage_offset())
 
 
-def _segments(tq: int, geo: _BandGeometry) -> list[tuple[int, int, int]]:
-    """(t0, n, C): n blocks of C = :data:`BLOCK` queries from query t0, in groups of at most
-    :data:`GROUP_ELEMENTS` scores of one head; a last block shorter than C alone (n = 1)."""
+Segment = tuple[int, int, int]  # (t0, n, C): n blocks of C queries from query t0
+
+
+def _segments(tq: int, tk: int, geo: _BandGeometry, device: torch.device) -> list[tuple[Segment, torch.Tensor | None]]:
+    """The call's segments, each with :func:`_outside`'s mask: n blocks of C = :data:`BLOCK` queries
+    from query t0, in groups of at most :data:`GROUP_ELEMENTS` scores of one head; a last block
+    shorter than C alone (n = 1). The same for every head (forward and backward)."""
     size = max(1, GROUP_ELEMENTS // (BLOCK * (BLOCK + geo.width - 1)))
     full = tq // BLOCK
     out = [(t0 * BLOCK, min(size, full - t0), BLOCK) for t0 in range(0, full, size)]
     if tq % BLOCK:
         out.append((full * BLOCK, 1, tq % BLOCK))
-    return out
+    return [(segment, _outside(segment, tk, geo, device)) for segment in out]
 
 
-def _outside(segment: tuple[int, int, int], tk: int, geo: _BandGeometry, device: torch.device) -> torch.Tensor | None:
+def _outside(segment: Segment, tk: int, geo: _BandGeometry, device: torch.device) -> torch.Tensor | None:
     """Where a segment's window columns are no keys (before key 0 or after the last key): an
     (n, 1, L) bool mask, or None where every column is a key."""
     t0, n, c = segment
@@ -311,12 +315,13 @@ def _chunk_skew(g: torch.Tensor, tq: int) -> torch.Tensor:
     return g.as_strided((tq, n, v), (v, rows * v, v - 1), g.storage_offset() + v - 1)
 
 
-def _bias(q_s: torch.Tensor, kp: torch.Tensor, a_s: torch.Tensor | None, b_w: torch.Tensor | None, geo: _BandGeometry,
-          out: torch.Tensor) -> None:
+def _bias(q_s: torch.Tensor, kp: torch.Tensor, a_s: torch.Tensor | None, b_w: torch.Tensor | None, head: int,
+          geo: _BandGeometry, out: torch.Tensor) -> None:
     """One head's position terms in distance layout, ``q_a . A_w[w] + k_(a + w) . B_w[w]``, into
-    ``out`` (Tq, W), contiguous (key index a + w counted from ``start``).
+    ``out`` (Tq, W), contiguous (key index a + w counted from ``start``); q_s (Tq, D) and kp (Tp + C,
+    D) are the head's, a_s and b_w (H, W, D) every head's (either may be None).
 
-    c2p is one GEMM (q_s (Tq, D) is q * scale and a_s (W, D) the rows / scale). p2c reads key a + w
+    c2p is one GEMM (q_s is q * scale and a_s the rows / scale). p2c reads key a + w
     for distance w: the distances are cut into chunks of V = :data:`SKEW_CHUNK`, chunk c's keys are
     one window of Tq + V - 1 keys (a view, :func:`_key_windows`), so one batched GEMM makes the
     chunks' products ``g[c, r, u'] = k_(cV + r) . B_w[cV + V - 1 - u']`` (W/V, Tq + V - 1, V), and
@@ -325,12 +330,12 @@ def _bias(q_s: torch.Tensor, kp: torch.Tensor, a_s: torch.Tensor | None, b_w: to
     """
     tq, width = q_s.shape[0], geo.width
     if b_w is not None:
-        g = torch.bmm(_key_windows(kp, tq, geo), _chunks(b_w).transpose(-1, -2))  # (W/V, Tq + V - 1, V)
+        g = torch.bmm(_key_windows(kp, tq, geo), _chunks(b_w[head]).transpose(-1, -2))  # (W/V, Tq + V - 1, V)
         out.view(tq, width // SKEW_CHUNK, SKEW_CHUNK).copy_(_chunk_skew(g, tq))
         if a_s is not None:
-            out.addmm_(q_s, a_s.t())
+            out.addmm_(q_s, a_s[head].t())
     elif a_s is not None:
-        torch.mm(q_s, a_s.t(), out=out)
+        torch.mm(q_s, a_s[head].t(), out=out)
 
 
 class _Band(torch.autograd.Function):
@@ -364,7 +369,7 @@ class _Band(torch.autograd.Function):
 
 
 def _scores(
-    q_s: torch.Tensor, kp: torch.Tensor, bias: torch.Tensor | None, segment: tuple[int, int, int], geo: _BandGeometry,
+    q_s: torch.Tensor, kp: torch.Tensor, bias: torch.Tensor | None, segment: Segment, geo: _BandGeometry,
     masks: dict[int, tuple[torch.Tensor, torch.Tensor]], outside: torch.Tensor | None,
 ) -> torch.Tensor:
     """Scores of one head's segment of n blocks of C queries, key layout (n, C, L): q k^T * scale
@@ -386,11 +391,13 @@ def _scores(
     return s
 
 
-def _prepared(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a_w: torch.Tensor | None, geo: _BandGeometry) -> tuple[torch.Tensor, ...]:
-    """q * scale (contiguous), k and v padded (:func:`_padded`), and the c2p rows / scale (or an
-    empty tensor without c2p)."""
+def _prepared(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a_w: torch.Tensor | None, geo: _BandGeometry,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """q * scale (contiguous), k and v padded (:func:`_padded`), and the c2p rows / scale (None
+    without c2p)."""
     q_s = (q * geo.scale).contiguous()  # the content scale folded into q
-    a_s = q.new_empty(0) if a_w is None else a_w / geo.scale  # (H, W, D): q_s . a_s = q . a_w
+    a_s = None if a_w is None else a_w / geo.scale  # (H, W, D): q_s . a_s = q . a_w
     return q_s, _padded(k, geo), _padded(v, geo), a_s
 
 
@@ -404,11 +411,11 @@ def _band_forward(
     lse = q.new_empty(b, h, tq, 1)  # (B, H, Tq, 1)
     bias = None if a_w is None and b_w is None else q.new_empty(tq, geo.width)  # (Tq, W): one head's position terms
     masks: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-    segments = [(segment, _outside(segment, tk, geo, q.device)) for segment in _segments(tq, geo)]
+    segments = _segments(tq, tk, geo, q.device)
     for i in range(b):
         for j in range(h):
             if bias is not None:
-                _bias(q_s[i, j], kp[i, j], None if a_w is None else a_s[j], None if b_w is None else b_w[j], geo, bias)
+                _bias(q_s[i, j], kp[i, j], a_s, b_w, j, geo, bias)
             for segment, outside in segments:
                 t0, n, c = segment
                 s = _scores(q_s[i, j], kp[i, j], bias, segment, geo, masks, outside)  # (n, C, L)
@@ -440,12 +447,12 @@ def _band_backward(
     bias = None if a_w is None and b_w is None else q.new_empty(tq, width)  # (Tq, W): one head's position terms
     d_bias = None if bias is None else torch.empty_like(bias)  # (Tq, W): dS on the band, distance layout
     masks: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-    segments = [(segment, _outside(segment, tk, geo, q.device)) for segment in _segments(tq, geo)]
+    segments = _segments(tq, tk, geo, q.device)
     for i in range(b):
         for j in range(h):
             kh, vh, qh, dkh, dvh = kp[i, j], vp[i, j], q_s[i, j], dkp[i, j], dvp[i, j]
             if bias is not None:  # recomputed, as the scores are
-                _bias(qh, kh, None if a_w is None else a_s[j], None if b_w is None else b_w[j], geo, bias)
+                _bias(qh, kh, a_s, b_w, j, geo, bias)
             for segment, outside in segments:
                 t0, n, c = segment
                 k0, length = geo.start + t0, c + width - 1
