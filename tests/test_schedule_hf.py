@@ -89,7 +89,7 @@ def test_missing_or_unknown_keys_are_named():
     with pytest.raises(UsageError, match="striped_attention"):
         posenc.schedule_from_hf({**base, "layer_types": ["striped_attention", "full_attention"], "rope_parameters": {"rope_theta": 1e4}})
     with pytest.raises(UsageError, match="model_type"):
-        posenc.schedule_from_hf({"model_type": "llama"})
+        posenc.schedule_from_hf({"model_type": "mamba"})
     with pytest.raises(UsageError, match=r"rope_parameters\['full_attention'\]"):
         posenc.schedule_from_hf({**base, "model_type": "olmo3", "rope_parameters": {"sliding_attention": {"rope_theta": 1e4}}})
     with pytest.raises(UsageError, match="no_rope_layers"):

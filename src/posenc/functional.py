@@ -58,6 +58,7 @@ def attend(
     sinks: torch.Tensor | None = None,
     query_scale: QueryScale | None = None,
     log_gates: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Scaled dot-product attention with ``encoding``'s positions: (B, H, Tq, D).
 
@@ -102,6 +103,8 @@ def attend(
             for an encoding with the ``Gates`` hook (the Forgetting Transformer): query i and key j
             gain the sum of the gates of the keys after j up to i (restarting at each document).
             Required for such an encoding; None otherwise.
+        softcap: logit soft-capping (Gemma 2): each content score s = q . k * scale becomes
+            ``softcap * tanh(s / softcap)`` before the position terms and masks; None: no cap.
 
     Returns:
         (B, H, Tq, D) in q's dtype.
@@ -126,10 +129,10 @@ def attend(
     elif (geometry.batch, geometry.tq, geometry.tk) != (b, tq, tk):
         raise UsageError(f"geometry was built for (batch, queries, keys) = {(geometry.batch, geometry.tq, geometry.tk)}, got {(b, tq, tk)}")
     extras = None
-    if window is not None or chunk is not None or sinks is not None or query_scale is not None:
-        extras = Extras(window, chunk, sinks, query_scale)
-        if log_gates is not None and (window is not None or chunk is not None or sinks is not None):
-            raise UsageError("log_gates (forget gates) take no window, chunk or sinks: give the full causal attention")
+    if window is not None or chunk is not None or sinks is not None or query_scale is not None or softcap is not None:
+        extras = Extras(window, chunk, sinks, query_scale, softcap)
+        if log_gates is not None and extras.restricts:
+            raise UsageError("log_gates (forget gates) take no window, chunk, sinks or softcap: give the full causal attention")
     return _attend(q, k, v, encoding, geometry, scale, ForwardMemo() if memo is None else memo, backend, rotate, extras,
                    log_gates)[0]
 

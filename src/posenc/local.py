@@ -9,6 +9,9 @@ Definitions (i the query's position, j a key's; W the window, C the chunk size):
   ModernBERT's local layers) sees ``|i - j| <= W // 2``, so W is the total width.
 - **Chunked attention** (Llama 4): positions are cut into chunks of C, ``[cC, (c + 1)C)``; a query
   sees the keys of its own chunk (causal: up to itself). Positions stay global: a rotation uses i.
+- **Logit soft-capping** (Gemma 2, Gemma Team 2024, §2): the content score s = q . k * scale
+  becomes ``cap * tanh(s / cap)`` before the position terms and masks are added, so no content
+  logit leaves (-cap, cap).
 - **Attention sinks** (Xiao et al. 2024, "StreamingLLM"; gpt-oss, OpenAI 2025 model card): one
   learned logit s_h per head joins each softmax row with no value,
   ``p_ij = exp(z_ij) / (exp(s_h) + sum_j exp(z_ij))``; an output is thus the plain output times
@@ -44,6 +47,7 @@ The result equals the eager formula with the explicit (Tq, Tk) mask, outputs and
 from __future__ import annotations
 
 import bisect
+import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -70,12 +74,14 @@ class Extras:
         chunk: chunk size C, or None (at most one of window and chunk).
         sinks: (H,) logits, one per query head, or None.
         query_scale: a per-query factor (:mod:`posenc.query_scale`), or None.
+        softcap: the logit cap (> 0) of the content scores (see the module docstring), or None.
     """
 
     window: int | None = None
     chunk: int | None = None
     sinks: torch.Tensor | None = None
     query_scale: QueryScale | None = None
+    softcap: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("window", "chunk"):
@@ -86,11 +92,19 @@ class Extras:
             raise UsageError(f"give window or chunk, not both (got window={self.window}, chunk={self.chunk})")
         if self.sinks is not None and (not isinstance(self.sinks, torch.Tensor) or self.sinks.dim() != 1 or not self.sinks.is_floating_point()):
             raise UsageError(f"sinks must be a 1-D float tensor (one logit per query head), got {getattr(self.sinks, 'shape', self.sinks)!r}")
+        if self.softcap is not None and (isinstance(self.softcap, bool) or not isinstance(self.softcap, (int, float))
+                                         or not math.isfinite(self.softcap) or self.softcap <= 0):
+            raise UsageError(f"softcap must be a finite number > 0 or None, got {self.softcap!r}")
 
     @property
     def restricts(self) -> bool:
-        """The call needs this module (a window, a chunk or sinks); a query scale alone does not."""
-        return self.window is not None or self.chunk is not None or self.sinks is not None
+        """The call needs this module (a window, a chunk, sinks or a soft cap); a query scale alone does not."""
+        return self.window is not None or self.chunk is not None or self.sinks is not None or self.softcap is not None
+
+    @property
+    def written_out(self) -> bool:
+        """Every block runs the formula written out (sinks or a soft cap change the softmax itself)."""
+        return self.sinks is not None or self.softcap is not None
 
 
 def bounds(extras: Extras, causal: bool) -> Callable[[int], tuple[float, float]]:
@@ -126,7 +140,7 @@ def plan(qv: list[int], kv: list[int], extras: Extras, causal: bool) -> list[tup
                 block(a, t)
                 a = t
         return out
-    if extras.window is None:  # sinks on full attention: blocks bound memory, not keys
+    if extras.window is None:  # sinks or a soft cap on full attention: blocks bound memory, not keys
         for a in range(0, tq, 256):
             block(a, min(a + 256, tq))
         return out
@@ -158,7 +172,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec, e
     if tq == 0:
         return q.new_zeros(*q.shape[:-1], v.shape[-1]), "eager"
     window = extras.window
-    if backend == "auto" and window is not None and extras.sinks is None and sliding.applies(spec, q, window):
+    if backend == "auto" and window is not None and not extras.written_out and sliding.applies(spec, q, window):
         return sliding.attend(q, k, v, spec, window), "blocked"  # batched flash-kernel calls, as blocked's
     qv, kv = spec.q_positions.tolist(), spec.k_positions.tolist()
     group = h // k.shape[1]
@@ -168,13 +182,13 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec, e
         sub = ScoreSpec(spec.encoding, qp, kp, spec.causal, spec.scale, spec.memo, spec.consecutive, spec.starts,
                         spec.workspace if q1 - q0 == 1 else None, known_q_start=qv[q0], known_k_start=kv[k0] if k1 > k0 else 0)
         qb, kb, vb = q[:, :, q0:q1], k[:, :, k0:k1], v[:, :, k0:k1]
-        if plain and extras.sinks is None and k1 > k0:
+        if plain and not extras.written_out and k1 > k0:
             o, name = call(qb, kb, vb, sub, backend)
         else:
             if group > 1:
                 kb, vb = repeated_heads(kb, vb, h)  # (B, H, L, D)
             allowed = visible(qp, kp, extras, spec.causal)  # (Lq, Lk)
-            o, name = formula(qb, kb, vb, sub, allowed, extras.sinks)
+            o, name = formula(qb, kb, vb, sub, allowed, extras.sinks, extras.softcap)
         outs.append(o)
     return torch.cat(outs, dim=-2), name
 
@@ -191,15 +205,15 @@ def visible(q_positions: torch.Tensor, k_positions: torch.Tensor, extras: Extras
 
 
 def formula(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec, allowed: torch.Tensor,
-            sinks: torch.Tensor | None) -> tuple[torch.Tensor, str]:
+            sinks: torch.Tensor | None, softcap: float | None = None) -> tuple[torch.Tensor, str]:
     """The attention of one block written out, ``allowed`` (Lq, Lk) as its mask; q, k, v (B, H, L, D)
     with as many key heads as query heads. (out (B, H, Lq, D), "sdpa" or "eager")."""
     hidden = spec.hidden()  # (B, 1, Lq, Lk) left padding, or None
-    if spec.plain and sinks is None:
+    if spec.plain and sinks is None and softcap is None:
         mask = allowed if hidden is None else allowed & ~hidden
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=spec.scale), "sdpa"
     enc, qp, kp = spec.encoding, spec.q_positions, spec.k_positions
-    if not (spec.has_query_terms or spec.has_value_terms) and q.dtype in (torch.float32, torch.float64):
+    if softcap is None and not (spec.has_query_terms or spec.has_value_terms) and q.dtype in (torch.float32, torch.float64):
         # A bias and/or sinks only: the fused kernel with an additive mask (its gradient reaches the
         # bias and the sinks). A sink is one more key of zeros whose mask entry is s_h and whose
         # value is zero: exactly the term the softmax needs. Half precision keeps the eager formula,
@@ -218,6 +232,8 @@ def formula(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec, 
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=spec.scale), "sdpa"
     acc = accumulation_dtype(q.dtype)
     scores = torch.matmul(q, k.transpose(-1, -2)).to(acc) * spec.scale  # (B, H, Lq, Lk)
+    if softcap is not None:  # on the content score only; position terms and masks add after
+        scores = torch.tanh(scores / softcap) * softcap
     if spec.has_bias:
         scores = scores + require(enc, Biases).bias(qp, kp).to(acc)
     if spec.has_query_terms:

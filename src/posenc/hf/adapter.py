@@ -1,40 +1,39 @@
-"""posenc's attention inside Hugging Face ``transformers`` decoder models: :func:`use`.
+"""posenc's attention inside Hugging Face ``transformers`` models: :func:`use`.
 
-How it plugs in (``transformers`` 5.x):
+One adapter for the decoder families, driven by their rows in :data:`posenc.families.FAMILIES`
+(what differs between families is data there; this module is the same for all of them):
 
 - An attention function and a mask function are registered under one name, ``"posenc"``, with
   ``AttentionInterface`` and ``AttentionMaskInterface``; the model's ``config._attn_implementation``
   is set to it. Without the mask function every mask the attention receives would be None; ours
   hands the attention the 2-D padding mask (B, Tk), True = real token, or None when nothing is
-  padded.
-- The model's rotary module is replaced by :class:`RotaryStandIn`, which returns cos = 1, sin = 0,
-  so the model's own rotation is the identity (q * 1 + rotate_half(q) * 0 = q exactly); the
-  attention function applies the encoding's rotation itself (``posenc.attend(..., rotate=True)``),
-  so the KV cache holds un-rotated keys and every key is rotated at its position at every step.
-  One exception, for speed: a plain RoPE in float32 (half layout, every feature rotated, no
-  length-dependent scaling) hands the model posenc's own cos/sin tables instead, the keys enter
-  the cache rotated, and the attention does not rotate again (``rotate=False``).
+  padded. Windows, chunks and documents are posenc's, read from the layer's plan, not from masks.
+- The model's rotary module is wrapped by :class:`RotaryStandIn`, which returns the original's
+  output as the identity rotation, so the model's own rotation leaves q and k exactly as they are;
+  the attention function applies the layer's encoding (``posenc.attend``), so the KV cache holds
+  un-rotated keys and every key is rotated at its position at every step.
+- Each attention layer gets a :class:`LayerPlan`: its encoding and attention kind (window, chunk,
+  sinks, query scale), from the model's own schedule (:func:`posenc.schedule_from_hf` of its row)
+  or from what :func:`use` was given. Logit soft-capping arrives from the layer (``softcap``).
 - HF passes the queries' ``position_ids`` but no key positions. Without a cache past (Tq == Tk),
   the keys are the queries. With one (Tq < Tk), the keys are taken as consecutive and ending at each
   row's last query position, and a key whose position would be negative is not attended: that is
-  left padding in ``generate``, and, after a packed prefill, the earlier documents.
+  left padding in ``generate``, and, after a packed prefill, the earlier documents. A sliding
+  layer's cache holds the last keys, so the same rule holds there. Families whose layers are not
+  passed ``position_ids`` (Llama 4) take those given to the model, read by a pre-hook.
 - Packed batches (several documents in one row, ``position_ids`` restarting): a document starts
   wherever a real token's position is not its predecessor's plus one, and attention never crosses
-  documents, with or without a cache (HF itself detects packing only without a cache and without
-  a mask). A cached call whose queries restart is a UsageError (their keys' documents are unknown).
+  documents, with or without a cache. A cached call whose queries restart is a UsageError (their
+  keys' documents are unknown).
 - A static cache's unwritten slots (False in every row of the mask) are dropped from the keys.
-- The layers of one model forward share one :class:`~posenc.geometry.Geometry` (positions,
-  documents and padding, read once) and one :class:`~posenc.memo.ForwardMemo`; the stand-in rotary
-  module, which the model calls once per forward, marks where a forward starts.
+- The layers of one model forward share one :class:`~posenc.geometry.Geometry` per key length
+  (positions, documents and padding, read once) and one :class:`~posenc.memo.ForwardMemo`.
 
 Encodings with parameters (T5's table, FIRE's MLP, ...) are modules of the model
-(``<base>.posenc_encodings``: one shared by all layers, or one per layer when the method learns per
-layer), so they train with the model, follow ``.to()``, and are saved by ``save_pretrained``; the
-config records the encoding (``config.posenc``), and :func:`from_pretrained` rebuilds it.
-
-Supported families: the ones in :data:`SUPPORTED` (Llama, Mistral, Qwen2, Qwen3 in transformers
-5.24): decoder-only models whose attention modules have ``q_proj``/``k_proj``/``v_proj``, whose base
-model has one ``rotary_emb`` and whose layers call the registered attention function.
+(``<decoder stack>.posenc_encodings``: one shared by all layers, or one per layer when the method
+learns per layer), so they train with the model, follow ``.to()``, and are saved by
+``save_pretrained``; the config records the encoding (``config.posenc``), and
+:func:`from_pretrained` rebuilds it.
 """
 
 from __future__ import annotations
@@ -42,7 +41,8 @@ from __future__ import annotations
 import copy
 import json
 import os
-from typing import Any, Callable, TypeGuard, TypeVar, cast
+from dataclasses import dataclass
+from typing import Any, Callable, TypeVar, cast
 
 import torch
 import transformers
@@ -52,19 +52,23 @@ from transformers.masking_utils import AttentionMaskInterface
 
 from ..encodings import build, get_class, options_of
 from ..encodings.base import PositionalEncoding
-from ..encodings.protocol import Embeds, Gates, offers
+from ..encodings.protocol import Embeds, Gates, offers, require
 from ..encodings.rope import RoPE
 from ..errors import UsageError
+from ..families import FAMILIES, Family, family_of, qk_head_dim, text_config
 from ..functional import attend
 from ..geometry import Geometry
 from ..memo import ForwardMemo, Workspace
+from ..query_scale import QueryScale
+from ..schedule import Layer, Schedule
+from ..schedule_hf import schedule_from_hf
 
 NAME = "posenc"
 
 _Model = TypeVar("_Model", bound=PreTrainedModel)
 
-#: model_type -> family name, for the families :func:`use` supports.
-SUPPORTED = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}
+#: model_type -> family name, for the families of the table (:data:`posenc.families.FAMILIES`).
+SUPPORTED = {t: f.name for f in FAMILIES if f.causal for t in f.model_types}
 
 
 # -- the registered functions --------------------------------------------------------------------
@@ -133,7 +137,10 @@ def _geometry(query: torch.Tensor, tk: int, attention_mask: torch.Tensor | None,
             q_pos = torch.arange(first, first + tq, device=device)
             k_pos = torch.arange(past, past + tk, device=device)
             return Geometry(batch, tq, tk, causal, q_pos, k_pos, True, None, first, past, True)
-    if position_ids is None:
+    if position_ids is None and real is not None:
+        # positions counted from each row's first real key (as HF's generate derives them)
+        q_pos = (real.long().cumsum(-1) - 1)[:, tk - tq:]
+    elif position_ids is None:
         q_pos = torch.arange(tk - tq, tk, device=device).expand(batch, tq)
     else:
         q_pos = position_ids.to(device=device, dtype=torch.long).expand(batch, tq)
@@ -162,53 +169,95 @@ def _geometry(query: torch.Tensor, tk: int, attention_mask: torch.Tensor | None,
                        document_ids=document_ids, key_padding_mask=real)
 
 
+@dataclass
+class LayerPlan:
+    """What one attention layer runs: its encoding and its attention kind (see :func:`use`).
+
+    ``rope_last``: r > 0 when the model's rotated features are the last r of each q/k head (MLA);
+    they are moved to the front before the encoding sees them (the same move on q and k leaves
+    q . k unchanged), so a RoPE with ``rotary_dim=r`` rotates exactly them.
+    """
+
+    encoding: PositionalEncoding
+    window: int | None = None
+    chunk: int | None = None
+    sinks: str | None = None  # the attention module's attribute holding (H,) sink logits
+    query_scale: QueryScale | None = None
+    rope_last: int = 0
+    causal: bool = True
+
+
 def posenc_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                      attention_mask: torch.Tensor | None, *, scaling: float | None = None, dropout: float = 0.0,
                      **kwargs: Any) -> tuple[torch.Tensor, None]:
     """The attention function registered as ``"posenc"``: ``posenc.attend`` with the layer's
-    encoding. query (B, H, Tq, D), key/value (B, Hkv, Tk, D) un-rotated (cache included); returns
-    (out (B, Tq, H, D), None).
+    encoding and attention kind (its :class:`LayerPlan`). query (B, H, Tq, D), key (B, Hkv, Tk, D)
+    and value (B, Hkv, Tk, Dv) un-rotated, cache included; returns (out (B, Tq, H, Dv), None).
 
-    The geometry (positions, documents, padding) is derived once per model forward and shared by
-    its layers, with one :class:`~posenc.memo.ForwardMemo` (T5's bias is then computed once): the
-    stand-in rotary module, which the model calls once per forward, starts a new forward. Under
+    The geometry (positions, documents, padding) is derived once per model forward and per key
+    length (full and sliding layers keep caches of different lengths) and shared by the layers,
+    with one :class:`~posenc.memo.ForwardMemo` (T5's bias is then computed once): the stand-in
+    rotary call, which the model makes at the start of each forward, starts a new forward. Under
     gradient checkpointing each layer gets its own memo (a recomputed layer must redo its work).
+    ``softcap`` (Gemma 2) arrives from the layer; sinks are read from the module.
 
     Raises:
         UsageError: the model was not prepared with :func:`posenc.hf.use`, ``attention_dropout`` is
-            not 0, the keys exceed a configured sliding window, or the mask is a prepared 4-D one.
+            not 0 in training, or the mask is a prepared 4-D one.
     """
-    encoding = module.__dict__.get("_posenc_encoding")
-    forward = module.__dict__.get("_posenc_forward")
-    if encoding is None or forward is None:
+    plan: LayerPlan | None = module.__dict__.get("_posenc_plan")
+    forward: _Forward | None = module.__dict__.get("_posenc_forward")
+    if plan is None or forward is None:
         raise UsageError(f"{type(module).__name__} {getattr(module, 'layer_idx', '')}: attn_implementation='posenc' "
                          "needs posenc.hf.use(model, encoding) first")
     if dropout and module.training:
         raise UsageError(f"attention_dropout must be 0 with posenc.hf (got {dropout})")
-    window = kwargs.get("sliding_window")
-    if window is not None and key.shape[2] > window:
-        raise UsageError(f"sliding_window={window}: posenc.hf runs full attention only; {key.shape[2]} keys exceed the window "
-                         "(set config.sliding_window=None, or keep sequences within it)")
     if attention_mask is not None and (attention_mask.dim() != 2 or attention_mask.dtype != torch.bool):
         raise UsageError("attention_mask: posenc.hf takes a 2-D padding mask; a prepared 4-D mask is not supported")
     position_ids = kwargs.get("position_ids")
-    sizes = (forward.serial, query.shape[2], key.shape[2])
-    if (forward.key is None or forward.key[0] != sizes or forward.key[1] is not attention_mask
-            or forward.key[2] is not position_ids):
-        state = (sizes, attention_mask, position_ids)
-        key_end = _key_end(query.shape[2], key.shape[2], attention_mask)
-        forward.key, forward.key_end, forward.memo = state, key_end, ForwardMemo(forward.workspace)
-        forward.geometry = _geometry(query, key_end, attention_mask, position_ids, bool(getattr(module, "is_causal", True)))
-    if forward.key_end < key.shape[2]:  # a static cache's unwritten slots
-        key, value = key[:, :, : forward.key_end], value[:, :, : forward.key_end]
+    if position_ids is None:
+        position_ids = forward.position_ids  # families whose layers do not pass them (Llama 4)
+    tq, tk = query.shape[2], key.shape[2]
+    entry = forward.find(tq, tk, attention_mask, position_ids)
+    if entry is None:
+        key_end = _key_end(tq, tk, attention_mask)
+        geometry = _geometry(query, key_end, attention_mask, position_ids, plan.causal)
+        entry = forward.add(tq, tk, attention_mask, position_ids, key_end, geometry)
+    key_end, geometry = entry[4], entry[5]
+    if key_end < tk:  # a static cache's unwritten slots
+        key, value = key[:, :, :key_end], value[:, :, :key_end]
     memo = forward.memo
     if module.training and getattr(forward.base, "gradient_checkpointing", False):
         # A checkpointed layer is run again in backward and must save the same tensors as in its
         # first run: nothing shared with the other layers (each computes its own bias).
         memo = ForwardMemo()
-    out = attend(query, key, value, encoding, scale=scaling, geometry=forward.geometry, memo=memo,
-                 causal=forward.geometry.causal, rotate=not forward.pre_rotated)
+    r = plan.rope_last
+    if r:  # MLA: the rope features to the front, for a rotation of the first r
+        query = torch.cat((query[..., -r:], query[..., :-r]), dim=-1)
+        key = torch.cat((key[..., -r:], key[..., :-r]), dim=-1)
+    sinks = None if plan.sinks is None else getattr(module, plan.sinks)
+    softcap = kwargs.get("softcap")
+    log_gates = None
+    if offers(plan.encoding, Gates):
+        log_gates = _gates(module, plan.encoding, tq, tk)
+    out = attend(query, key, value, plan.encoding, scale=scaling, geometry=geometry, memo=memo, causal=geometry.causal,
+                 window=plan.window, chunk=plan.chunk, sinks=sinks, query_scale=plan.query_scale,
+                 softcap=None if softcap is None else float(softcap), log_gates=log_gates)
     return out.transpose(1, 2).contiguous(), None
+
+
+def _gates(module: nn.Module, encoding: PositionalEncoding, tq: int, tk: int) -> torch.Tensor:
+    """The layer's per-key log forget gates (B, H, Tk) from its input (kept by a pre-hook)."""
+    x = module.__dict__.get("_posenc_input")
+    if tq != tk or x is None or x.shape[1] != tk:
+        raise UsageError("use_cache: a method with forget gates (fox) runs inside HF models without a KV cache "
+                         "(use_cache=False): the cached keys' gates are not kept by HF's cache")
+    return require(encoding, Gates).log_gates(x)
+
+
+def _keep_input(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    hidden = args[0] if args else kwargs.get("hidden_states")
+    module.__dict__["_posenc_input"] = hidden
 
 
 def register() -> None:
@@ -217,94 +266,327 @@ def register() -> None:
     AttentionMaskInterface.register(NAME, padding_mask)
 
 
-# -- the rotary replacement ----------------------------------------------------------------------
+# -- the rotary stand-in -------------------------------------------------------------------------
 
 
 class _Forward:
-    """What the layers of one model forward share: the geometry, its memo, and what it was built from."""
+    """What the layers of one model forward share: geometries (one per key length and mask), their
+    memo, the model-level position_ids, and the decode steps' workspace."""
 
     def __init__(self) -> None:
         self.base: nn.Module | None = None  # the decoder stack (its gradient_checkpointing flag)
-        self.serial = 0
-        self.key: tuple[tuple[int, int, int], torch.Tensor | None, torch.Tensor | None] | None = None
-        self.key_end = 0
-        self.geometry: Geometry | None = None
-        self.memo: ForwardMemo | None = None
+        self.entries: list[tuple[Any, ...]] = []
+        self.memo: ForwardMemo = ForwardMemo()
+        self.position_ids: torch.Tensor | None = None
         # The single-query paths' buffers between decode steps (a relative bias vector, a padding
         # mask), kept across forwards as posenc's own KV cache keeps them: every entry is rebuilt
         # when what made it (sizes, padding, the encoding's parameter versions) changes.
         self.workspace = Workspace()
-        self.pre_rotated = False  # q and k came rotated by the model (see RotaryStandIn)
+
+    def start(self) -> None:
+        self.entries = []
+        self.memo = ForwardMemo(self.workspace)
+
+    def find(self, tq: int, tk: int, mask: torch.Tensor | None, pos: torch.Tensor | None) -> tuple[Any, ...] | None:
+        for entry in self.entries:
+            if entry[0] == tq and entry[1] == tk and entry[2] is mask and entry[3] is pos:
+                return entry
+        return None
+
+    def add(self, tq: int, tk: int, mask: torch.Tensor | None, pos: torch.Tensor | None, key_end: int,
+            geometry: Geometry) -> tuple[Any, ...]:
+        entry = (tq, tk, mask, pos, key_end, geometry)
+        self.entries.append(entry)
+        return entry
 
 
 class RotaryStandIn(nn.Module):
-    """Stands in for a model's rotary module. No parameters, no buffers. The model calls it once
-    per forward: that call starts a new forward for the attention layers (a fresh geometry and
-    memo). It returns, of shape (*position_ids.shape, head_dim):
-
-    - cos = 1, sin = 0 (the model's own rotation leaves q and k exactly as they are; the attention
-      rotates them with the encoding), or
-    - for a plain RoPE encoding that the model's rotation can apply (the "half" layout, every
-      feature rotated, a rotation that does not depend on the length) and float32 inputs: the
-      encoding's own float32 cos/sin tables at ``position_ids`` (times its attention factor, in
-      the layout HF's ``rotate_half`` reads), so q and k enter the KV cache rotated and a decode
-      step rotates one key, not the whole cache. The result equals posenc's in-attention rotation
-      to rounding; in lower precision the attention rotates (in float32), as it does for every
-      other rotary method.
+    """Stands in for a model's rotary module, holding it (``original``, a submodule, so it follows
+    ``.to()``; its tables are not persistent buffers, so checkpoints do not change). Each call
+    starts a new forward for the attention layers, calls the original and returns its output's
+    types and shapes as the identity rotation (cos = 1, sin = 0; a complex table of ones), so the
+    model's own rotation leaves q and k exactly as they are, whatever its layout, slice or dtype.
     """
 
-    def __init__(self, head_dim: int) -> None:
+    def __init__(self, original: nn.Module) -> None:
         super().__init__()
-        self.head_dim = head_dim
+        self.original = original
         self.forward_state = _Forward()
-        self.rope: RoPE | None = None  # a plain reference (the encoding lives in posenc_encodings)
 
-    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        state = self.forward_state
-        state.serial += 1
-        state.key = state.geometry = state.memo = None  # nothing is kept across forwards
-        shape = (*position_ids.shape, self.head_dim)
-        rope = self.rope
-        state.pre_rotated = rope is not None and x.dtype == torch.float32
-        if rope is None or not state.pre_rotated:
-            return x.new_ones(shape), x.new_zeros(shape)
-        cos, sin = rope.cos_sin(position_ids.reshape(-1).to(x.device, torch.long).clamp(min=0))  # (N, D/2) float32
-        factor = rope.attention_factor
-        if factor != 1.0:
-            cos, sin = cos * factor, sin * factor
-        return torch.cat((cos, cos), dim=-1).view(shape), torch.cat((sin, sin), dim=-1).view(shape)
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self.forward_state.start()
+        out = self.original(*args, **kwargs)
+        if isinstance(out, tuple):
+            return (torch.ones_like(out[0]), torch.zeros_like(out[1]), *out[2:])
+        return torch.ones_like(out)
 
 
-def _pre_rotatable(encoding: nn.Module, head_dim: int) -> TypeGuard[RoPE]:
-    """A RoPE encoding whose rotation the model's own ``apply_rotary_pos_emb`` can apply."""
-    return (type(encoding) is RoPE and encoding.layout == "half" and encoding.rotary_dim == head_dim
-            and not encoding.rotation_depends_on_length and encoding.attention_factor > 0)
+# -- the plan: family, sizes, schedule -----------------------------------------------------------
 
 
-# -- use ------------------------------------------------------------------------------------------
+def _decoder_stack(model: nn.Module) -> nn.Module:
+    """The module holding ``layers`` and ``rotary_emb`` (``LlamaModel`` & co.).
+
+    Raises:
+        UsageError: no such module within three levels (base model prefix, ``model``, ``language_model``).
+    """
+    frontier: list[nn.Module] = [model]
+    for _ in range(4):
+        found: list[nn.Module] = []
+        for node in frontier:
+            if isinstance(getattr(node, "layers", None), nn.ModuleList) and isinstance(getattr(node, "rotary_emb", None), nn.Module):
+                return node
+            for name in (getattr(node, "base_model_prefix", None), "model", "language_model"):
+                child = getattr(node, name, None) if isinstance(name, str) else None
+                if isinstance(child, nn.Module) and child is not node:
+                    found.append(child)
+        frontier = found
+    raise UsageError(f"model: {type(model).__name__} has no decoder stack with `layers` and one `rotary_emb` module "
+                     "(posenc.hf needs the model's rotary embedding computed once per forward on the decoder stack)")
 
 
-def _base_model(model: nn.Module) -> nn.Module:
-    """The decoder stack (``LlamaModel`` & co.) of ``model``, after checking its family."""
-    config = getattr(model, "config", None)
-    model_type = getattr(config, "model_type", None)
-    if model_type not in SUPPORTED:
-        raise UsageError(f"model: posenc.hf supports the {', '.join(SUPPORTED.values())} families "
-                         f"(model_type {', '.join(repr(k) for k in SUPPORTED)}), got {type(model).__name__} "
-                         f"with model_type {model_type!r}")
-    base: nn.Module | None = model
-    for _ in range(3):
-        if base is None:
-            break
-        if isinstance(getattr(base, "layers", None), nn.ModuleList) and hasattr(base, "rotary_emb"):
-            return base
-        base = getattr(base, getattr(base, "base_model_prefix", "model"), None) or getattr(base, "model", None)
-    raise UsageError(f"model: found no decoder stack with layers and rotary_emb in {type(model).__name__}")
+def _attention_of(layer: nn.Module) -> nn.Module | None:
+    """A decoder layer's attention module (the one with ``layer_idx``), or None (a linear-attention layer)."""
+    for name in ("self_attn", "attention", "attn"):
+        module = getattr(layer, name, None)
+        if isinstance(module, nn.Module) and hasattr(module, "layer_idx"):
+            return module
+    return None
 
 
-def _installed(model: nn.Module) -> nn.ModuleList:
-    """The encodings :func:`use` installed in ``model`` (its decoder stack's ``posenc_encodings``)."""
-    return cast(nn.ModuleList, _base_model(model).posenc_encodings)
+def _layer_types(config: Any) -> list[str] | None:
+    types = getattr(config, "layer_types", None)
+    return list(types) if types is not None else None
+
+
+def _rotary_tables(rotary: nn.Module, kind: str | None) -> tuple[torch.Tensor, float]:
+    """The model's own inverse frequencies (r/2,) and attention factor for layers of ``kind``."""
+    inv = getattr(rotary, f"{kind}_inv_freq", None) if kind else None
+    factor = getattr(rotary, f"{kind}_attention_scaling", None) if kind else None
+    if inv is None:
+        inv = getattr(rotary, "inv_freq", None)
+        factor = getattr(rotary, "attention_scaling", 1.0)
+    if not isinstance(inv, torch.Tensor):
+        raise UsageError(f"model: its rotary module {type(rotary).__name__} has no inv_freq buffer to read the rotated "
+                         "features from")
+    inv = inv.detach()
+    return (inv if inv.is_meta else inv.float().cpu()), float(1.0 if factor is None else factor)
+
+
+def _family_schedule(config: Any, family: Family | None, depth: int) -> Schedule:
+    """The model's own schedule: its table row read by :func:`posenc.schedule_from_hf`, or for a
+    model outside the table the LLaMA pattern: RoPE from the config on every layer, windowed
+    where ``layer_types`` says sliding or, without them, everywhere when ``sliding_window`` is set."""
+    if family is not None:
+        return schedule_from_hf(config, temperature=False)
+    from ..encodings.rope_scaling import options_from_hf
+
+    found = options_from_hf(config)
+    options: dict[str, Any] = {"base": float(found["base"])}
+    scaling = {k: v for k, v in found["scaling"].items() if k != "rope_theta"}
+    if scaling.get("rope_type", scaling.get("type", "default")) != "default" or set(scaling) - {"rope_type", "type"}:
+        options["scaling"] = scaling
+    window = getattr(config, "sliding_window", None)
+    types = _layer_types(config) or ["sliding_attention" if window is not None else "full_attention"] * depth
+    layers = []
+    for kind in types:
+        if kind not in ("full_attention", "sliding_attention"):
+            raise UsageError(f"model: model_type {config.model_type!r} is not in posenc's family table and has layers of "
+                             f"type {kind!r}, which the LLaMA pattern does not describe")
+        layers.append(Layer("rope", dict(options), window=int(window) if kind == "sliding_attention" else None))
+    return Schedule(tuple(layers))
+
+
+def _check_rotation(model: nn.Module, rotary: nn.Module, r: int, layout: str) -> None:
+    """For a model outside the family table: its ``apply_rotary_pos_emb`` must rotate as posenc's
+    RoPE in ``layout`` over r features, or the model is refused."""
+    import sys
+
+    module = sys.modules.get(type(rotary).__module__)
+    apply = getattr(module, "apply_rotary_pos_emb", None)
+    if apply is None:
+        raise UsageError(f"model: model_type {model.config.model_type!r} is not in posenc's family table and its modeling "
+                         "module has no apply_rotary_pos_emb(q, k, cos, sin) to check its rotation against")
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 1, 6, r, generator=gen)
+    positions = torch.arange(6)
+    inv, _ = _rotary_tables(rotary, None)
+    angles = positions[:, None].float() * inv[None]  # (T, r/2)
+    cos, sin = torch.cat((angles.cos(), angles.cos()), -1)[None], torch.cat((angles.sin(), angles.sin()), -1)[None]
+    try:
+        theirs = apply(x, x, cos, sin)[0]
+    except Exception as error:  # their function's own signature or shapes
+        raise UsageError(f"model: model_type {model.config.model_type!r} is not in posenc's family table and its "
+                         f"apply_rotary_pos_emb does not take (q, k, cos, sin) as LLaMA's does ({error})") from error
+    if not torch.allclose(theirs, _rotate_with(layout, x, inv, positions), atol=1e-5):
+        raise UsageError(f"model: model_type {model.config.model_type!r} is not in posenc's family table and its rotation "
+                         f"is not LLaMA's ({layout} pairs over the first {r} features); add a family row "
+                         "(posenc.families.FAMILIES) to describe it")
+
+
+def _rotate_with(layout: str, x: torch.Tensor, inv: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """x (1, 1, T, r) rotated at ``positions`` by frequencies ``inv`` (r/2,) in ``layout``."""
+    from ..encodings.rope import apply_rotation
+
+    angles = positions[:, None].float() * inv[None]
+    return apply_rotation(x, angles.cos(), angles.sin(), layout)
+
+
+@dataclass
+class _Sizes:
+    heads: int
+    kv_heads: int
+    head_dim: int  # D, the q/k head dim the attention function sees
+    rotary_dim: int  # r, read from the model's rotary module
+    layout: str
+    rope_last: bool
+
+
+def _sizes(model: nn.Module, config: Any, family: Family | None, rotary: nn.Module) -> _Sizes:
+    heads = int(config.num_attention_heads)
+    kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
+    d = qk_head_dim(config, family)
+    inv, _ = _rotary_tables(rotary, (_layer_types(config) or [None])[-1])
+    r = 2 * int(inv.numel())
+    if family is not None and family.rope_slice == "last":
+        r = int(config.qk_rope_head_dim)
+    if not 2 <= r <= d:
+        raise UsageError(f"model: its rotary module turns {r} features, outside [2, head_dim={d}]")
+    layout = family.layout if family is not None else "half"
+    if family is None and not inv.is_meta:
+        _check_rotation(model, rotary, r, layout)
+    return _Sizes(heads, kv_heads, d, r, layout, family is not None and family.rope_slice == "last")
+
+
+def _build(name: str, options: dict[str, Any], sizes: _Sizes, causal: bool) -> PositionalEncoding:
+    """A registry encoding for the model's heads, the family's layout and rotated features by default."""
+    cls = get_class(name)
+    accepted = options_of(cls)
+    extra: dict[str, Any] = {}
+    if "layout" in accepted and "layout" not in options and sizes.layout != "half":
+        extra["layout"] = sizes.layout
+    if "rotary_dim" in accepted and "rotary_dim" not in options and sizes.rotary_dim != sizes.head_dim:
+        extra["rotary_dim"] = sizes.rotary_dim
+    if "num_kv_heads" in accepted and "num_kv_heads" not in options:
+        extra["num_kv_heads"] = sizes.kv_heads
+    return build(name, num_heads=sizes.heads, head_dim=sizes.head_dim, causal=causal, **options, **extra)
+
+
+def _verify_rope(encoding: PositionalEncoding, rotary: nn.Module, kind: str | None, family: Family | None) -> None:
+    """posenc's RoPE read from the config against the model's own tables: the same frequencies
+    and attention factor, or a UsageError naming the difference (never a silently wrong model)."""
+    if not isinstance(encoding, RoPE):
+        return
+    inv, factor = _rotary_tables(rotary, kind)
+    if inv.is_meta or encoding.inv_freq.is_meta:  # a model being built by from_pretrained: checked once loaded
+        return
+    ours = encoding.inv_freq.detach().float().cpu()
+    name = family.name if family is not None else "this model"
+    if ours.shape != inv.shape or not torch.allclose(ours, inv, rtol=1e-5, atol=1e-9):
+        raise UsageError(f"rope: posenc's RoPE read from the {name} config ({ours.numel()} frequencies) differs from the "
+                         f"model's rotary module ({inv.numel()}) on layers of type {kind!r}; refusing a wrong model")
+    if abs(encoding.attention_factor - factor) > 1e-6 * max(1.0, abs(factor)):
+        raise UsageError(f"rope: posenc's attention factor {encoding.attention_factor} differs from the {name} model's "
+                         f"{factor} on layers of type {kind!r}")
+
+
+def _plans(model: nn.Module, config: Any, family: Family | None, attentions: list[nn.Module | None], rotary: nn.Module,
+           encoding: str | nn.Module | Schedule, options: dict[str, Any]) -> tuple[list[LayerPlan | None], nn.ModuleList, dict[str, Any]]:
+    """One plan per layer (None where a layer has no attention), the encoding modules, the record."""
+    depth = len(attentions)
+    sizes = _sizes(model, config, family, rotary)
+    causal = family.causal if family is not None else True
+    own = _family_schedule(config, family, depth)
+    types = _layer_types(config)
+    record: dict[str, Any]
+    absolute: nn.Module | None = None
+    if isinstance(encoding, str) and "[" in encoding:
+        encoding = Schedule.parse(encoding, depth)
+    if isinstance(encoding, Schedule):
+        if options:
+            raise UsageError("options: give them inside the schedule's layers, not beside a schedule")
+        schedule = Schedule.of(encoding, depth)
+        layers = [_with_own_rope(layer, own.layers[i]) for i, layer in enumerate(schedule.layers)]
+        record = {"encoding": None, "options": {}, "schedule": schedule.to_list(), "causal": causal}
+        from_config = False
+    elif isinstance(encoding, nn.Module):
+        layers = [Layer("nope", window=o.window, chunk=o.chunk, sinks=o.sinks, query_scale=o.query_scale) for o in own.layers]
+        record, from_config = _module_record(encoding, options, sizes, causal), False
+    elif isinstance(encoding, str):
+        cls = get_class(encoding)
+        if not _jsonable(options):
+            raise UsageError("options: posenc.hf records them in the model's config, so they must be JSON values")
+        from_config = encoding == "rope" and not options
+        if from_config:
+            layers = list(own.layers)
+        elif offers(cls, Embeds):  # absolute: one module, its embed on the input, nothing in the layers
+            layers = [Layer("nope", window=o.window, chunk=o.chunk, sinks=o.sinks, query_scale=o.query_scale) for o in own.layers]
+            absolute = _build(encoding, dict(options), sizes, causal)
+        else:
+            _build(encoding, dict(options), sizes, causal)  # the registry's own errors for a bad option, first
+            layers = [Layer(encoding, dict(options), o.window, o.chunk, o.sinks, o.query_scale) for o in own.layers]
+        record = {"encoding": encoding, "options": dict(options), "causal": causal}
+        if from_config:
+            record["from_config"] = True
+    else:
+        raise UsageError(f"encoding must be a posenc encoding name, a schedule or an encoding module, got {type(encoding).__name__}")
+    built: dict[str, PositionalEncoding] = {}
+    modules: list[nn.Module] = []
+    plans: list[LayerPlan | None] = []
+    shared_module = encoding if isinstance(encoding, nn.Module) else absolute
+    for i, (attention, layer) in enumerate(zip(attentions, layers)):
+        if attention is None:
+            plans.append(None)
+            continue
+        kind = types[i] if types is not None else None
+        if shared_module is not None:
+            enc: PositionalEncoding = cast(PositionalEncoding, shared_module if i == 0 or shared_module.shares_across_layers
+                                           else copy.deepcopy(shared_module))
+        else:
+            key = layer.sharing_key
+            cached = built.get(key)
+            if cached is not None and cached.shares_across_layers:
+                enc = cached
+            else:
+                enc = _build(layer.encoding, dict(layer.options), sizes, causal)
+                built[key] = enc
+        if from_config:
+            _verify_rope(enc, rotary, kind, family)
+        if layer.sinks and (family is None or family.sinks is None):
+            raise UsageError(f"schedule: layer {i} asks for sinks, but the {type(attention).__name__} of this model has no "
+                             "sink logits")
+        if layer.query_scale is not None and getattr(attention, "attn_temperature_tuning", False) and not getattr(attention, "use_rope", True):
+            raise UsageError(f"schedule: layer {i} has a query scale, but the model applies its own temperature on this layer")
+        if enc not in modules:
+            modules.append(enc)
+        plans.append(LayerPlan(enc, layer.window, layer.chunk, family.sinks if layer.sinks and family is not None else None,
+                               layer.query_scale, sizes.rotary_dim if sizes.rope_last else 0, causal))
+    return plans, nn.ModuleList(modules), record
+
+
+def _with_own_rope(layer: Layer, own: Layer) -> Layer:
+    """A schedule layer of ``rope`` without a base takes the model's own RoPE options for that layer."""
+    if layer.encoding != "rope" or "base" in layer.options or own.encoding != "rope":
+        return layer
+    return Layer("rope", {**own.options, **layer.options}, layer.window, layer.chunk, layer.sinks, layer.query_scale)
+
+
+def _module_record(encoding: nn.Module, options: dict[str, Any], sizes: _Sizes, causal: bool) -> dict[str, Any]:
+    if options:
+        raise UsageError("options: give them to posenc.build, not with an encoding module")
+    if not isinstance(encoding, PositionalEncoding) or encoding.num_heads != sizes.heads or encoding.head_dim != sizes.head_dim:
+        raise UsageError(f"encoding: needs a posenc encoding for num_heads={sizes.heads}, head_dim={sizes.head_dim}, "
+                         f"got {encoding!r}")
+    if encoding.causal != causal:
+        raise UsageError("encoding: a decoder needs a causal encoding (causal=True), got a bidirectional one "
+                         "(for T5, import the decoder's table: t5_from_hf(model, stack='decoder'))")
+    cls = type(encoding)
+    recorded = {k: getattr(encoding, k) for k in options_of(cls) if hasattr(encoding, k) and _jsonable(getattr(encoding, k))}
+    unrecorded = [k for k in options_of(cls) if hasattr(encoding, k) and k not in recorded]
+    record: dict[str, Any] = {"encoding": cls.name, "options": recorded, "causal": encoding.causal}
+    if unrecorded:
+        record["unrecorded"] = unrecorded
+    return record
 
 
 def _jsonable(value: Any) -> bool:
@@ -313,60 +595,6 @@ def _jsonable(value: Any) -> bool:
     except (TypeError, ValueError):
         return False
     return True
-
-
-def _kv_heads(config: Any, cls: type[PositionalEncoding], options: dict[str, Any]) -> dict[str, int]:
-    """The model's key heads, for an encoding whose parameters are per key head (RoPE-Mixed's
-    frequencies); derived from the config on every build, so not recorded among the options."""
-    if "num_kv_heads" not in options_of(cls) or "num_kv_heads" in options:
-        return {}
-    return {"num_kv_heads": int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads)}
-
-
-def _build_encodings(config: Any, encoding: str | nn.Module, options: dict[str, Any], layers: int) -> tuple[list[nn.Module], dict[str, Any]]:
-    """The encoding modules (one, or one per layer) and the record kept in ``config.posenc``."""
-    heads = int(config.num_attention_heads)
-    head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
-    if isinstance(encoding, nn.Module):
-        if options:
-            raise UsageError("options: give them to posenc.build, not with an encoding module")
-        if not isinstance(encoding, PositionalEncoding) or encoding.num_heads != heads or encoding.head_dim != head_dim:
-            raise UsageError(f"encoding: needs a posenc encoding for num_heads={heads}, head_dim={head_dim}, "
-                             f"got {encoding!r}")
-        if not encoding.causal:
-            raise UsageError("encoding: a decoder needs a causal encoding (causal=True), got a bidirectional one "
-                             "(for T5, import the decoder's table: t5_from_hf(model, stack='decoder'))")
-        cls = type(encoding)
-        recorded = {k: getattr(encoding, k) for k in options_of(cls) if hasattr(encoding, k) and _jsonable(getattr(encoding, k))}
-        unrecorded = [k for k in options_of(cls) if hasattr(encoding, k) and k not in recorded]
-        record = {"encoding": cls.name, "options": recorded, "causal": encoding.causal}
-        if unrecorded:
-            record["unrecorded"] = unrecorded
-        first = encoding
-    else:
-        if not isinstance(encoding, str):
-            raise UsageError(f"encoding must be a posenc encoding name or module, got {type(encoding).__name__}")
-        cls = get_class(encoding)
-        if not _jsonable(options):
-            raise UsageError("options: posenc.hf records them in the model's config, so they must be JSON values")
-        record = {"encoding": encoding, "options": dict(options), "causal": True}
-        if encoding == "rope" and not options:
-            from ..encodings.rope import rope_from_hf
-            first = rope_from_hf(config)
-            record["from_config"] = True
-        else:
-            first = build(encoding, num_heads=heads, head_dim=head_dim, causal=True, **options, **_kv_heads(config, cls, options))
-    if offers(first, Gates):
-        raise UsageError(f"encoding: {cls.name} computes forget gates from each layer's input (the Gates hook), which "
-                         "HF's attention interface does not pass; use it in posenc.LM or posenc.Attention")
-    if first.shares_across_layers:
-        return [first], record
-    if isinstance(encoding, str):  # a fresh initialisation per layer, as posenc's own model builds them
-        rest = [build(encoding, num_heads=heads, head_dim=head_dim, causal=True, **options, **_kv_heads(config, cls, options))
-                for _ in range(layers - 1)]
-    else:  # a given module: every layer starts from its values
-        rest = [copy.deepcopy(first) for _ in range(layers - 1)]
-    return [first, *rest], record
 
 
 _PreHook = Callable[[nn.Module, tuple[Any, ...], dict[str, Any]], tuple[tuple[Any, ...], dict[str, Any]]]
@@ -393,54 +621,97 @@ def _embed_hook(encoding: Embeds) -> _PreHook:
     return hook
 
 
-def use(model: _Model, encoding: str | nn.Module, **options: Any) -> _Model:
+def _positions_hook(state: _Forward) -> Callable[[nn.Module, tuple[Any, ...], dict[str, Any]], None]:
+    """A forward pre-hook on the decoder stack: the forward's ``position_ids`` as given (None when
+    the model makes them), for layers that are not passed them."""
+
+    def hook(stack: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        pos = kwargs.get("position_ids")
+        state.position_ids = pos if isinstance(pos, torch.Tensor) and pos.dim() == 2 else None
+
+    return hook
+
+
+def _remove_hooks(holder: nn.Module) -> None:
+    for key in [k for k in holder.__dict__ if k.startswith("_posenc_hook")]:
+        holder.__dict__.pop(key).remove()
+
+
+def use(model: _Model, encoding: str | nn.Module | Schedule, **options: Any) -> _Model:
     """Turn ``model``'s attention into posenc's attention with ``encoding``; returns ``model``.
 
-    ``encoding``: a registry name (``posenc.available()``) built with ``options`` for the model's
-    heads and head dim, or a built posenc encoding (e.g. from :func:`posenc.hf.t5_from_hf`).
-    ``use(model, "rope")`` without options takes the model's own RoPE parameters (base, scaling,
-    partial rotary: :func:`posenc.rope_from_hf`); ``use(model, "nope")`` drops positions (DroPE).
-    The model's rotary module becomes the identity, and posenc's rotation (if the method rotates)
-    is applied inside the attention; biases and score terms too. Calling it again replaces the
-    encoding. See the module docstring for the positions, masks and documents it derives.
+    ``encoding``:
+
+    - ``"rope"`` without options: the model's own schedule (:func:`posenc.schedule_from_hf` of its
+      family row in :data:`posenc.families.FAMILIES`): per-layer RoPE bases and scaling, windows,
+      chunks, sinks, NoPE layers, partial and interleaved rotation, MLA's rope part, the YaRN /
+      LongRoPE attention factor; checked at once against the model's own rotary tables. The result
+      equals the untouched model.
+    - another registry name (``posenc.available()``) built with ``options`` for the model's heads
+      and head dim (the family's pair layout and rotated features by default), on every layer, each
+      layer keeping the family's window, chunk and sinks.
+    - a layer schedule (its text, ``"3x[rope window=512] 1x[nope]"``, or a
+      :class:`~posenc.schedule.Schedule`): each layer as it says; a ``rope`` layer without a base
+      takes the model's own RoPE parameters for that layer.
+    - a built posenc encoding module (e.g. from :func:`posenc.hf.t5_from_hf`).
+
+    The model's rotary module is made the identity (its output's types and shapes kept), and the
+    rotation, biases and score terms are applied inside the attention, so the KV cache holds
+    un-rotated keys. FoX's gates come from each layer's input (without a KV cache). The config
+    records the choice (``config.posenc``); :func:`from_pretrained` restores it. Calling ``use``
+    again replaces the encoding.
 
     Raises:
-        UsageError: a model outside the supported families (or without a decoder stack with
-            ``layers``, ``rotary_emb`` and ``self_attn.q_proj``), an unknown encoding name or
-            option, options that are not JSON values or given with a built encoding, a built
-            encoding for other heads or head dim or a bidirectional one, or a method with forget
-            gates (which needs each layer's input).
+        UsageError: a model without a decoder stack of ``layers`` and one ``rotary_emb``, a model
+            outside the family table whose rotation is not LLaMA's, an unknown encoding name or
+            option, options that are not JSON values or given with a module or schedule, a built
+            encoding for other heads or head dim or of the other causality, a schedule of another
+            depth or asking for sinks the model lacks, or a RoPE read from the config that differs
+            from the model's own tables.
     """
-    base = _base_model(model)
-    config: Any = model.config  # a transformers config, read by attribute (its fields are per model class)
-    layers = list(cast(nn.ModuleList, base.layers))  # _base_model checked it
-    attentions = [getattr(layer, "self_attn", None) for layer in layers]
-    if any(a is None or not hasattr(a, "q_proj") for a in attentions):
-        raise UsageError(f"model: every decoder layer of a {SUPPORTED[config.model_type]} model needs self_attn with q_proj")
-    encodings, record = _build_encodings(config, encoding, options, len(layers))
+    config: Any = model.config
+    inner = text_config(config)
+    family = family_of(getattr(inner, "model_type", None))
+    stack = _decoder_stack(model)
+    layers = list(cast(nn.ModuleList, stack.layers))
+    attentions = [_attention_of(layer) for layer in layers]
+    if not any(a is not None for a in attentions):
+        raise UsageError(f"model: no decoder layer of {type(model).__name__} has an attention module with layer_idx")
+    if getattr(inner, "use_bidirectional_attention", None):
+        raise UsageError("model: use_bidirectional_attention is not supported by posenc.hf (a decoder with causal masks)")
+    if not isinstance(stack.rotary_emb, RotaryStandIn):
+        stack.rotary_emb = RotaryStandIn(stack.rotary_emb)
+    stand_in = cast(RotaryStandIn, stack.rotary_emb)
+    rotary = stand_in.original
+    plans, modules, record = _plans(model, inner, family, attentions, rotary, encoding, options)
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
-    modules = nn.ModuleList(encodings).to(device=device, dtype=dtype)
-    base.posenc_encodings = modules
-    head_dim = int(getattr(attentions[0], "head_dim"))
-    if not isinstance(base.rotary_emb, RotaryStandIn):
-        base.__dict__["_posenc_model_rotary"] = base.rotary_emb  # kept, not a submodule
-        base.rotary_emb = RotaryStandIn(head_dim)
-    only = modules[0]
-    base.rotary_emb.rope = only if len(encodings) == 1 and _pre_rotatable(only, head_dim) else None
-    for i, attention in enumerate(attentions):
-        attention.__dict__["_posenc_encoding"] = modules[i if len(encodings) > 1 else 0]
-        attention.__dict__["_posenc_forward"] = base.rotary_emb.forward_state
-    base.rotary_emb.forward_state.base = base
-    old_hook = base.__dict__.pop("_posenc_embed_hook", None)
-    if old_hook is not None:
-        old_hook.remove()
-    if offers(encodings[0], Embeds):
-        base.__dict__["_posenc_embed_hook"] = layers[0].register_forward_pre_hook(_embed_hook(encodings[0]), with_kwargs=True)
+    stack.posenc_encodings = modules.to(device=device, dtype=dtype)
+    state = stand_in.forward_state
+    state.base = stack
+    for attention, plan in zip(attentions, plans):
+        if attention is None:
+            continue
+        _remove_hooks(attention)
+        attention.__dict__["_posenc_plan"] = plan
+        attention.__dict__["_posenc_forward"] = state
+        if plan is not None and offers(plan.encoding, Gates):
+            attention.__dict__["_posenc_hook_input"] = attention.register_forward_pre_hook(_keep_input, with_kwargs=True)
+    _remove_hooks(stack)
+    stack.__dict__["_posenc_hook_positions"] = stack.register_forward_pre_hook(_positions_hook(state), with_kwargs=True)
+    _remove_hooks(layers[0])
+    if offers(modules[0], Embeds):
+        hook = _embed_hook(cast(Embeds, modules[0]))
+        layers[0].__dict__["_posenc_hook_embed"] = layers[0].register_forward_pre_hook(hook, with_kwargs=True)
     register()
     model.set_attn_implementation(NAME)
     config.posenc = record
     return model
+
+
+def _installed(model: nn.Module) -> nn.ModuleList:
+    """The encodings :func:`use` installed in ``model`` (its decoder stack's ``posenc_encodings``)."""
+    return cast(nn.ModuleList, _decoder_stack(model).posenc_encodings)
 
 
 def from_pretrained(model_class: Any, path: str | os.PathLike[str], *, encoding: nn.Module | None = None, **kwargs: Any) -> PreTrainedModel:
@@ -487,16 +758,19 @@ def from_pretrained(model_class: Any, path: str | os.PathLike[str], *, encoding:
     return model
 
 
-def recorded_encoding(config: Any, record: dict[str, Any]) -> nn.Module | str:
-    """The encoding a ``config.posenc`` record describes: a built module, or "rope" for the model's
-    own RoPE parameters (then :func:`use` reads them from the config)."""
+def recorded_encoding(config: Any, record: dict[str, Any]) -> nn.Module | str | Schedule:
+    """The encoding a ``config.posenc`` record describes: a built module, a schedule, or "rope" for
+    the model's own RoPE parameters (then :func:`use` reads them from the config)."""
     if record.get("from_config"):
         return "rope"
-    heads = int(config.num_attention_heads)
-    head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
+    if record.get("schedule") is not None:
+        return Schedule.of(record["schedule"])
+    inner = text_config(config)
+    heads = int(inner.num_attention_heads)
+    head_dim = qk_head_dim(inner, family_of(getattr(inner, "model_type", None)))
     return build(record["encoding"], num_heads=heads, head_dim=head_dim, causal=bool(record.get("causal", True)),
                  **dict(record.get("options") or {}))
 
 
-__all__ = ["RotaryStandIn", "NAME", "SUPPORTED", "from_pretrained", "padding_mask", "posenc_attention",
+__all__ = ["LayerPlan", "RotaryStandIn", "NAME", "SUPPORTED", "from_pretrained", "padding_mask", "posenc_attention",
            "recorded_encoding", "register", "use"]

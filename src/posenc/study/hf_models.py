@@ -340,22 +340,14 @@ class HFModels:
         return model.to(device)
 
 
-def _sliding_window(config: Any) -> int | None:
-    """The window of a config whose layers attend through one (Mistral's default 4096), else None."""
-    window = getattr(config, "sliding_window", None)
-    types = getattr(config, "layer_types", None)
-    if window is None or (types is not None and "sliding_attention" not in types):
-        return None
-    return int(window)
-
-
 def check(cfg: StudyConfig) -> Architecture:
     """UsageError now, before any file is written, for a config file this study cannot run (see
     the module docstring; each row is :meth:`HFModels.check`'s); returns the architecture.
 
     Raises:
-        UsageError: ``pack_documents`` with hf_config, an ``attention_dropout`` that is not 0, a
-            sliding window shorter than the longest sequence, or a config that does not build a model.
+        UsageError: ``pack_documents`` with hf_config, an ``attention_dropout`` that is not 0, or a
+            config that does not build a model. (A family's windows, sinks and chunks stay on every
+            row: posenc.hf keeps them.)
     """
     arch = load_architecture(_config_path(cfg))
     if cfg.pack_documents:
@@ -365,12 +357,6 @@ def check(cfg: StudyConfig) -> Architecture:
     if dropout:
         raise UsageError(f"hf_config: attention_dropout must be 0 (posenc.hf's attention takes no dropout, and every "
                          f"row must train alike), got {dropout} in {arch.path}")
-    longest = max(cfg.train_length, *cfg.eval_lengths, cfg.ft_length if cfg.finetune_steps else 0)
-    window = _sliding_window(arch.config)
-    if window is not None and window < longest:
-        raise UsageError(f"hf_config: sliding_window={window} is shorter than the longest sequence ({longest}): posenc.hf "
-                         f"runs full attention, so the rows would not see the same keys; set \"sliding_window\": null in "
-                         f"{arch.path}, or keep every length within {window}")
     try:
         with torch.device("meta"):
             HFModels(cfg, arch).build(rows.parse(rows.NATIVE))

@@ -1,0 +1,170 @@
+"""The Hugging Face ``transformers`` decoder families, as data: one :class:`Family` row each.
+
+What differs between families, for a layer schedule (:func:`posenc.schedule_from_hf`) and for
+posenc's attention inside a model (:func:`posenc.hf.use`), read from ``transformers`` 5.24's
+``configuration_*.py`` / ``modeling_*.py``. Everything else is common to every family and lives in
+the code, not here: one text rotary module on the decoder stack (``rotary_emb``), called once per
+forward (once per layer type where the RoPE parameters differ by type); q, k, v reaching the
+registered attention function as (B, H, T, D) / (B, Hkv, S, D) with the cached past included, k and
+v never repeated; ``scaling`` passed by the layer; ``config.layer_types`` naming each layer's kind
+where the family has kinds.
+
+Definitions (r the rotated features of a head, D its q/k head dim):
+
+- ``layout``: the pairs the model's rotation turns: ``"half"`` (feature i with i + r/2, GPT-NeoX /
+  LLaMA ``rotate_half``) or ``"interleaved"`` (2i with 2i + 1: RoFormer, GPT-J, and the complex
+  products of Llama 4 and DeepSeek-V2). DeepSeek-V3 rotates interleaved pairs by first moving its
+  rope features to [evens | odds]; the attention function sees them moved, so its row says half.
+- ``rope_slice``: which r of the D features rotate: ``"first"`` (partial rotary: Phi, GPT-NeoX,
+  StableLM, GLM-4, Qwen3-Next) or ``"last"`` (multi-head latent attention, DeepSeek-V2/V3: each
+  head is [no-position part | rope part], the rope key part one head shared by all). r itself is
+  read from the model's rotary module (twice its number of frequencies).
+- ``rope_blocks``: ``"shared"``, one ``rope_parameters`` block for every layer, or ``"per_type"``,
+  one per layer type (Gemma 3, OLMo 3, ModernBERT: local base 1e4, global 1e6 or 1.6e5).
+- ``typed_layers``: the config must say each layer's kind (``layer_types``); a config without it
+  is refused rather than read as all-full.
+- ``window``: which layers slide, over ``window_key`` keys: ``"layer_types"`` (the layers typed
+  ``sliding_attention``), ``"every_layer"`` (all of them, when the config sets the key: Mistral,
+  Mixtral, Qwen3-MoE, Phi-3, StarCoder2) or ``"none"``.
+- ``nope``: which layers have no positions: ``"none"``, ``"no_rope_layers"`` (SmolLM3, Llama 4:
+  ``no_rope_layers[l] == 1`` means RoPE, despite the name) or ``"full_layers"`` (Cohere2: only its
+  sliding layers rotate).
+- ``chunk_key``: the chunk size of the ``chunked_attention`` layers (Llama 4).
+- ``sinks``: the attention module's attribute holding one sink logit per head (gpt-oss).
+- ``softcap``: the config key of the logit soft cap of the content scores (Gemma 2).
+- ``temperature``: Llama 4's query temperature on its NoPE layers, which the model applies itself
+  before the attention function (so posenc's attention does not apply it again).
+- ``log_beta``: Ministral 3's query scale, a key of its RoPE block.
+- ``no_attention``: layer types whose layers never call the attention function (Qwen3-Next's Gated
+  DeltaNet layers): they have no positions.
+- ``qk_head_dim``: the config keys whose sum is D (MLA: ``qk_nope_head_dim + qk_rope_head_dim``);
+  by default ``head_dim``, else ``hidden_size // num_attention_heads``.
+- ``causal``: a decoder; ModernBERT is an encoder.
+
+A family not in :data:`FAMILIES` is read as its config's ``model_type`` says nothing more: the
+adapter checks the model against the LLaMA pattern (see :func:`posenc.hf.use`) and refuses it,
+naming what differs, when it does not fit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Family:
+    """One ``transformers`` family (see the module docstring for each field)."""
+
+    name: str
+    model_types: tuple[str, ...]
+    layout: str = "half"
+    rope_slice: str = "first"
+    rope_blocks: str = "shared"
+    typed_layers: bool = False
+    window: str = "layer_types"
+    window_key: str = "sliding_window"
+    nope: str = "none"
+    chunk_key: str | None = None
+    sinks: str | None = None
+    softcap: str | None = None
+    temperature: bool = False
+    log_beta: bool = False
+    no_attention: tuple[str, ...] = ()
+    qk_head_dim: tuple[str, ...] = ("head_dim",)
+    causal: bool = True
+    needs: str = ""  # what the family needed beyond the LLaMA pattern, for docs/hf.md
+
+
+_EVERY = "every_layer"
+
+FAMILIES: tuple[Family, ...] = (
+    Family("Llama", ("llama",), needs="the pattern itself"),
+    Family("Mistral", ("mistral",), window=_EVERY, needs="a window on every layer (config.sliding_window)"),
+    Family("Mixtral", ("mixtral",), window=_EVERY, needs="a window on every layer; router kwargs ignored"),
+    Family("Ministral", ("ministral",), needs="per-layer windows (layer_types)"),
+    Family("Ministral 3", ("ministral3",), window=_EVERY, log_beta=True, needs="a window on every layer; the log-floor query scale"),
+    Family("Qwen2", ("qwen2",), needs="per-layer windows (layer_types)"),
+    Family("Qwen2-MoE", ("qwen2_moe",), needs="per-layer windows from layer_types (the window kwarg is not passed)"),
+    Family("Qwen3", ("qwen3",), needs="q/k norms before RoPE (nothing to do); per-layer windows"),
+    Family("Qwen3-MoE", ("qwen3_moe",), window=_EVERY, needs="a window on every layer when set"),
+    Family("Qwen3-Next", ("qwen3_next",), no_attention=("linear_attention",),
+           needs="partial rotary (first quarter); linear-attention layers have no positions"),
+    Family("Gemma", ("gemma",), needs="the pattern itself"),
+    Family("Gemma 2", ("gemma2",), typed_layers=True, softcap="attn_logit_softcapping",
+           needs="logit soft-capping; query_pre_attn_scalar scaling; alternating windows"),
+    Family("Gemma 3", ("gemma3_text", "gemma3"), typed_layers=True, rope_blocks="per_type",
+           needs="a RoPE block per layer type (local 1e4, global 1e6); 5 sliding : 1 full"),
+    Family("Phi", ("phi",), needs="partial rotary (first half)"),
+    Family("Phi-3", ("phi3",), window=_EVERY, needs="a window on every layer when set; LongRoPE's attention factor"),
+    Family("OLMo", ("olmo",), needs="float32 rotary tables"),
+    Family("OLMo 2", ("olmo2",), needs="whole-projection q/k norms before RoPE"),
+    Family("OLMo 3", ("olmo3",), typed_layers=True, rope_blocks="per_type", needs="a RoPE block per layer type; 3 sliding : 1 full"),
+    Family("OLMoE", ("olmoe",), window="none", needs="the pattern; router kwargs ignored"),
+    Family("SmolLM3", ("smollm3",), typed_layers=True, nope="no_rope_layers", needs="NoPE layers (no_rope_layers: 1 = RoPE)"),
+    Family("Granite", ("granite",), needs="scaling = attention_multiplier (passed by the layer)"),
+    Family("GraniteMoE", ("granitemoe",), needs="scaling = attention_multiplier"),
+    Family("GPT-NeoX", ("gpt_neox",), needs="partial rotary (rotary_pct); no head_dim attribute"),
+    Family("StarCoder2", ("starcoder2",), window=_EVERY, needs="a window on every layer when set"),
+    Family("StableLM", ("stablelm",), needs="partial rotary; its layers pass position_ids only"),
+    Family("Cohere", ("cohere",), layout="interleaved", needs="interleaved pairs"),
+    Family("Cohere2", ("cohere2",), typed_layers=True, layout="interleaved", nope="full_layers",
+           needs="interleaved pairs; RoPE on the sliding layers only (full layers NoPE)"),
+    Family("DeepSeek-V2", ("deepseek_v2",), layout="interleaved", rope_slice="last", window="none",
+           qk_head_dim=("qk_nope_head_dim", "qk_rope_head_dim"),
+           needs="MLA: the rope part is the last qk_rope_head_dim features (complex pairs); value head dim differs"),
+    Family("DeepSeek-V3", ("deepseek_v3",), rope_slice="last", window="none",
+           qk_head_dim=("qk_nope_head_dim", "qk_rope_head_dim"),
+           needs="MLA: the rope part is the last qk_rope_head_dim features, de-interleaved; value head dim differs"),
+    Family("GLM-4", ("glm4",), layout="interleaved", needs="partial rotary (first half), interleaved pairs"),
+    Family("GLM-4-MoE", ("glm4_moe",), needs="partial rotary (first half)"),
+    Family("gpt-oss", ("gpt_oss",), typed_layers=True, sinks="sinks", needs="attention sinks (module.sinks); YaRN; alternating windows"),
+    Family("Llama 4", ("llama4_text", "llama4"), typed_layers=True, layout="interleaved", nope="no_rope_layers",
+           chunk_key="attention_chunk_size", temperature=True,
+           needs="NoPE layers with the model's own query temperature; chunked attention on RoPE layers; complex pairs"),
+    Family("ModernBERT", ("modernbert",), typed_layers=True, rope_blocks="per_type", window_key="local_attention", causal=False,
+           needs="an encoder; a RoPE block per layer type; local windows"),
+)
+
+#: model_type -> its :class:`Family`.
+BY_MODEL_TYPE: dict[str, Family] = {t: f for f in FAMILIES for t in f.model_types}
+
+#: The multimodal wrappers whose text model is read from ``text_config``.
+WRAPPERS = ("gemma3", "llama4")
+
+
+def family_of(model_type: Any) -> Family | None:
+    """The row of ``model_type``, or None when the table has none."""
+    return BY_MODEL_TYPE.get(model_type) if isinstance(model_type, str) else None
+
+
+def getter(config: Any):
+    """``get(key, default)`` over a config object or its dict."""
+
+    def get(key: str, default: Any = None) -> Any:
+        if isinstance(config, Mapping):
+            return config.get(key, default)
+        return getattr(config, key, default)
+
+    return get
+
+
+def text_config(config: Any) -> Any:
+    """The text model's config of a multimodal wrapper (Gemma 3, Llama 4), else ``config``."""
+    get = getter(config)
+    if get("model_type") in WRAPPERS and get("text_config") is not None:
+        return get("text_config")
+    return config
+
+
+def qk_head_dim(config: Any, family: Family | None) -> int:
+    """D, the q/k head dim the attention function sees."""
+    get = getter(config)
+    keys = family.qk_head_dim if family is not None else ("head_dim",)
+    if all(get(k) is not None for k in keys):
+        return sum(int(get(k)) for k in keys)
+    return int(get("hidden_size")) // int(get("num_attention_heads"))
+
+
+__all__ = ["BY_MODEL_TYPE", "FAMILIES", "Family", "WRAPPERS", "family_of", "getter", "qk_head_dim", "text_config"]
