@@ -18,8 +18,9 @@ try:
 except ImportError as error:  # an optional extra
     raise ImportError("posenc.hf needs Hugging Face transformers >= 5: pip install 'posenc[hf]'") from error
 
-from .adapter import NAME, SUPPORTED, from_pretrained, register, use
+from .adapter import NAME, SUPPORTED, RotaryStandIn, from_pretrained, register, use
 from .deberta import deberta_from_hf
 from .importers import alibi_from_bloom, t5_attention, t5_from_hf, t5_to_hf
 
-__all__ = ["NAME", "SUPPORTED", "alibi_from_bloom", "deberta_from_hf", "from_pretrained", "register", "t5_attention", "t5_from_hf", "t5_to_hf", "use"]
+__all__ = ["NAME", "SUPPORTED", "RotaryStandIn", "alibi_from_bloom", "deberta_from_hf", "from_pretrained", "register",
+           "t5_attention", "t5_from_hf", "t5_to_hf", "use"]

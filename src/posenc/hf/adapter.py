@@ -41,7 +41,7 @@ from __future__ import annotations
 import copy
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, TypeVar, cast
 
 import torch
@@ -185,6 +185,7 @@ class LayerPlan:
     query_scale: QueryScale | None = None
     rope_last: int = 0
     causal: bool = True
+    rotate: bool = True  # False: q and k come rotated by the model's own rotary (see use)
 
 
 def posenc_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -231,7 +232,7 @@ def posenc_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
         # A checkpointed layer is run again in backward and must save the same tensors as in its
         # first run: nothing shared with the other layers (each computes its own bias).
         memo = ForwardMemo()
-    r = plan.rope_last
+    r = plan.rope_last if plan.rotate else 0
     if r:  # MLA: the rope features to the front, for a rotation of the first r
         query = torch.cat((query[..., -r:], query[..., :-r]), dim=-1)
         key = torch.cat((key[..., -r:], key[..., :-r]), dim=-1)
@@ -240,7 +241,7 @@ def posenc_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
     log_gates = None
     if offers(plan.encoding, Gates):
         log_gates = _gates(module, plan.encoding, tq, tk)
-    out = attend(query, key, value, plan.encoding, scale=scaling, geometry=geometry, memo=memo, causal=geometry.causal,
+    out = attend(query, key, value, plan.encoding, scale=scaling, geometry=geometry, memo=memo, causal=geometry.causal, rotate=plan.rotate,
                  window=plan.window, chunk=plan.chunk, sinks=sinks, query_scale=plan.query_scale,
                  softcap=None if softcap is None else float(softcap), log_gates=log_gates)
     return out.transpose(1, 2).contiguous(), None
@@ -312,10 +313,13 @@ class RotaryStandIn(nn.Module):
         super().__init__()
         self.original = original
         self.forward_state = _Forward()
+        self.identity = True  # False: the original's own tables pass through (the model rotates)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self.forward_state.start()
         out = self.original(*args, **kwargs)
+        if not self.identity:
+            return out
         if isinstance(out, tuple):
             return (torch.ones_like(out[0]), torch.zeros_like(out[1]), *out[2:])
         return torch.ones_like(out)
@@ -393,11 +397,11 @@ def _family_schedule(config: Any, family: Family | None, depth: int) -> Schedule
         if kind not in ("full_attention", "sliding_attention"):
             raise UsageError(f"model: model_type {config.model_type!r} is not in posenc's family table and has layers of "
                              f"type {kind!r}, which the LLaMA pattern does not describe")
-        layers.append(Layer("rope", dict(options), window=int(window) if kind == "sliding_attention" else None))
+        layers.append(Layer("rope", dict(options), window=int(window) if window is not None and kind == "sliding_attention" else None))
     return Schedule(tuple(layers))
 
 
-def _check_rotation(model: nn.Module, rotary: nn.Module, r: int, layout: str) -> None:
+def _check_rotation(model: Any, rotary: nn.Module, r: int, layout: str) -> None:
     """For a model outside the family table: its ``apply_rotary_pos_emb`` must rotate as posenc's
     RoPE in ``layout`` over r features, or the model is refused."""
     import sys
@@ -442,11 +446,12 @@ class _Sizes:
     rope_last: bool
 
 
-def _sizes(model: nn.Module, config: Any, family: Family | None, rotary: nn.Module) -> _Sizes:
+def _sizes(model: Any, config: Any, family: Family | None, rotary: nn.Module) -> _Sizes:
     heads = int(config.num_attention_heads)
     kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
     d = qk_head_dim(config, family)
-    inv, _ = _rotary_tables(rotary, (_layer_types(config) or [None])[-1])
+    types = _layer_types(config)
+    inv, _ = _rotary_tables(rotary, types[-1] if types else None)
     r = 2 * int(inv.numel())
     if family is not None and family.rope_slice == "last":
         r = int(config.qk_rope_head_dim)
@@ -490,7 +495,7 @@ def _verify_rope(encoding: PositionalEncoding, rotary: nn.Module, kind: str | No
                          f"{factor} on layers of type {kind!r}")
 
 
-def _plans(model: nn.Module, config: Any, family: Family | None, attentions: list[nn.Module | None], rotary: nn.Module,
+def _plans(model: Any, config: Any, family: Family | None, attentions: list[nn.Module | None], rotary: nn.Module,
            encoding: str | nn.Module | Schedule, options: dict[str, Any]) -> tuple[list[LayerPlan | None], nn.ModuleList, dict[str, Any]]:
     """One plan per layer (None where a layer has no attention), the encoding modules, the record."""
     depth = len(attentions)
@@ -679,14 +684,21 @@ def use(model: _Model, encoding: str | nn.Module | Schedule, **options: Any) -> 
         raise UsageError(f"model: no decoder layer of {type(model).__name__} has an attention module with layer_idx")
     if getattr(inner, "use_bidirectional_attention", None):
         raise UsageError("model: use_bidirectional_attention is not supported by posenc.hf (a decoder with causal masks)")
-    if not isinstance(stack.rotary_emb, RotaryStandIn):
-        stack.rotary_emb = RotaryStandIn(stack.rotary_emb)
-    stand_in = cast(RotaryStandIn, stack.rotary_emb)
+    current = stack.rotary_emb
+    stand_in = current if isinstance(current, RotaryStandIn) else RotaryStandIn(cast(nn.Module, current))
+    stack.rotary_emb = stand_in
     rotary = stand_in.original
     plans, modules, record = _plans(model, inner, family, attentions, rotary, encoding, options)
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
     stack.posenc_encodings = modules.to(device=device, dtype=dtype)
+    # The model's own RoPE, verified equal to posenc's (use(model, "rope")), whose rotation does not
+    # depend on the length: the model rotates q and k itself, so the cache keeps rotated keys and a
+    # decode step rotates one key, not the whole cache. Everything else rotates in the attention.
+    stand_in.identity = not (record.get("from_config") and not any(
+        isinstance(p.encoding, RoPE) and p.encoding.rotation_depends_on_length for p in plans if p is not None))
+    if not stand_in.identity:
+        plans = [None if p is None else replace(p, rotate=not isinstance(p.encoding, RoPE)) for p in plans]
     state = stand_in.forward_state
     state.base = stack
     for attention, plan in zip(attentions, plans):

@@ -1,0 +1,270 @@
+"""posenc.hf in every family of posenc's table, each against its untouched ``transformers`` model
+built from a tiny config with random weights (nothing downloaded).
+
+``use(model, "rope")`` with no options must *be* the untouched model: logits to 1e-5 on a forward
+past the family's window, on a left-padded batch and on a packed row (against its documents run one
+by one through the untouched model, no cache); greedy ``generate`` gives identical tokens, with a
+dynamic and with a static cache. A bias method (ALiBi) keeps the family's windows and sinks and is
+checked against invariants: a packed row equals its documents alone, a padded batch its rows alone,
+cached decoding the full pass.
+
+:data:`TESTED` is the tests' own list of families; docs/hf.md's family table is generated from it
+and the family rows (``python tests/test_hf_families.py`` rewrites it; a test checks it).
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import posenc
+from posenc.families import FAMILIES, family_of
+
+transformers = pytest.importorskip("transformers")
+transformers.logging.set_verbosity_error()
+
+import posenc.hf as phf  # noqa: E402
+
+pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.filterwarnings("ignore")]
+
+VOCAB = 64
+WINDOW = 8
+COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=16, max_position_embeddings=256, pad_token_id=0, bos_token_id=1,
+              eos_token_id=2)
+MOE = dict(num_experts_per_tok=2, moe_intermediate_size=32)
+MLA = dict(n_routed_experts=4, kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=12,
+           first_k_dense_replace=1, n_group=1, topk_group=1, num_key_value_heads=4, head_dim=None, **MOE)
+TWO_TYPES = ["sliding_attention", "full_attention"] * 2
+
+#: model_type -> the config keys beyond COMMON that make a tiny model of the family with its
+#: distinctive parts on (windows shorter than the test's sequences, NoPE layers, experts, MLA).
+TESTED: dict[str, dict] = {
+    "llama": {},
+    "mistral": dict(sliding_window=WINDOW),
+    "mixtral": dict(sliding_window=WINDOW, num_local_experts=4, num_experts_per_tok=2),
+    "ministral": dict(sliding_window=WINDOW, layer_types=TWO_TYPES),
+    "qwen2": dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=2),
+    "qwen2_moe": dict(num_experts=4, shared_expert_intermediate_size=32, **MOE),
+    "qwen3": dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=2),
+    "qwen3_moe": dict(num_experts=4, sliding_window=WINDOW, **MOE),
+    "qwen3_next": dict(num_experts=4, shared_expert_intermediate_size=32, linear_num_value_heads=4, linear_num_key_heads=2,
+                       linear_key_head_dim=16, linear_value_head_dim=16, **MOE),
+    "gemma": {},
+    "gemma2": dict(sliding_window=WINDOW),
+    "gemma3_text": dict(sliding_window=WINDOW, layer_types=TWO_TYPES),
+    "phi": {},
+    "phi3": dict(sliding_window=WINDOW),
+    "olmo": {},
+    "olmo2": {},
+    "olmo3": dict(sliding_window=WINDOW),
+    "olmoe": dict(num_experts=4, num_experts_per_tok=2),
+    "smollm3": {},
+    "granite": dict(attention_multiplier=0.3),
+    "granitemoe": dict(num_local_experts=4, num_experts_per_tok=2, attention_multiplier=0.3),
+    "gpt_neox": {},
+    "starcoder2": dict(sliding_window=WINDOW),
+    "stablelm": {},
+    "cohere": {},
+    "cohere2": dict(sliding_window=WINDOW),
+    "deepseek_v2": dict(MLA),
+    "deepseek_v3": dict(MLA),
+    "glm4": {},
+    "glm4_moe": dict(n_routed_experts=4, first_k_dense_replace=1, n_group=1, topk_group=1, **MOE),
+    "ministral3": dict(sliding_window=WINDOW),
+    "gpt_oss": dict(sliding_window=WINDOW, num_local_experts=4, num_experts_per_tok=2),
+    "llama4_text": dict(num_local_experts=4, num_experts_per_tok=1, intermediate_size_mlp=64, attention_chunk_size=WINDOW),
+}
+
+
+def untouched(model_type: str):
+    """The family's tiny model with its default attention, every weight moved off its init value
+    (so norm weights are not 1 and sinks not 0)."""
+    kwargs = {**COMMON, **TESTED[model_type]}
+    kwargs = {k: v for k, v in kwargs.items() if v is not None}
+    config = transformers.AutoConfig.for_model(model_type, **kwargs)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    return model
+
+
+def stand_in(model) -> phf.RotaryStandIn:
+    return next(m for m in model.modules() if isinstance(m, phf.RotaryStandIn))
+
+
+def tokens(batch: int, length: int, seed: int = 1) -> torch.Tensor:
+    return torch.randint(3, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def logits(model, ids, **kwargs) -> torch.Tensor:
+    with torch.no_grad():
+        return model(ids, **kwargs).logits
+
+
+def err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max())
+
+
+def packed_and_alone(model, ref, lengths=(7, 12, 5)) -> float:
+    """A packed row (position_ids restarting) through ``model`` against each document alone through
+    ``ref`` with no cache: the largest logit difference."""
+    docs = [tokens(1, n, seed=10 + i) for i, n in enumerate(lengths)]
+    ids = torch.cat(docs, dim=1)
+    pos = torch.cat([torch.arange(n) for n in lengths])[None]
+    packed = logits(model, ids, position_ids=pos, use_cache=False)
+    alone = torch.cat([logits(ref, d, use_cache=False) for d in docs], dim=1)
+    return err(packed, alone)
+
+
+@pytest.mark.parametrize("model_type", list(TESTED))
+def test_rope_is_the_untouched_model(model_type: str) -> None:
+    ref = untouched(model_type)
+    model = phf.use(copy.deepcopy(ref), "rope")
+    assert not stand_in(model).identity  # the model's own verified RoPE rotates q and k; the cache keeps them rotated
+    ids = tokens(2, 20)  # past every window (8) and chunk (8)
+    assert err(logits(model, ids), logits(ref, ids)) < 1e-5
+    mask = torch.ones(2, 20, dtype=torch.long)
+    mask[0, :5] = 0
+    real = mask.bool()
+    assert err(logits(model, ids, attention_mask=mask)[real], logits(ref, ids, attention_mask=mask)[real]) < 1e-5
+    if not family_of(model_type).no_attention:  # linear-attention layers carry state across documents (HF's own)
+        assert packed_and_alone(model, ref) < 1e-5
+    for cache in ("dynamic", "static"):
+        kwargs = {} if cache == "dynamic" else {"cache_implementation": "static"}
+        ours = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, **kwargs)
+        theirs = ref.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, **kwargs)
+        assert torch.equal(ours, theirs), cache
+
+
+@pytest.mark.parametrize("model_type", list(TESTED))
+def test_the_family_schedule_rotated_in_the_attention_is_the_untouched_model(model_type: str) -> None:
+    """The model's own schedule given as a schedule: posenc's RoPE rotates inside the attention
+    (the family row's layout and rotated slice), the model's rotary is the identity."""
+    ref = untouched(model_type)
+    schedule = posenc.schedule_from_hf(ref.config, temperature=False)
+    model = phf.use(copy.deepcopy(ref), schedule)
+    assert stand_in(model).identity
+    ids = tokens(2, 20)
+    mask = torch.ones(2, 20, dtype=torch.long)
+    mask[0, :5] = 0
+    real = mask.bool()
+    assert err(logits(model, ids, attention_mask=mask)[real], logits(ref, ids, attention_mask=mask)[real]) < 1e-5
+    ours = model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
+    assert torch.equal(ours, ref.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False))
+
+
+@pytest.mark.parametrize("model_type", list(TESTED))
+def test_a_bias_method_keeps_the_invariants(model_type: str) -> None:
+    """ALiBi in the family, its windows and sinks kept: packed == alone, padded == alone, cached
+    greedy decoding == the full forward of the generated tokens."""
+    model = phf.use(untouched(model_type), "alibi")
+    if not family_of(model_type).no_attention:
+        assert packed_and_alone(model, model) < 1e-5
+    ids = tokens(2, 14)
+    mask = torch.ones(2, 14, dtype=torch.long)
+    mask[1, :4] = 0
+    padded = logits(model, ids, attention_mask=mask)
+    assert err(padded[1, 4:], logits(model, ids[1:, 4:])[0]) < 1e-5
+    out = model.generate(ids[:1], max_new_tokens=5, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    full = logits(model, out.sequences, use_cache=False)[0]
+    for step, step_logits in enumerate(out.logits):
+        assert err(step_logits[0], full[13 + step]) < 1e-4
+
+
+def test_schedules_and_records() -> None:
+    """A schedule text in a family with its own schedule: each layer as it says (a RoPE layer without
+    a base keeps the model's own); the config records it and from_pretrained restores it."""
+    ref = untouched("gemma3_text")
+    model = phf.use(copy.deepcopy(ref), "1x[rope window=8] 1x[alibi]")
+    plans = [layer.self_attn.__dict__["_posenc_plan"] for layer in model.model.layers]
+    assert [type(p.encoding).name for p in plans] == ["rope", "alibi"] * 2
+    assert [p.window for p in plans] == [8, None] * 2
+    assert plans[0].encoding.base == 10000.0  # the sliding layers' own base, kept
+    assert model.config.posenc["schedule"][1]["encoding"] == "alibi"
+    rope_only = phf.use(copy.deepcopy(ref), "2x[rope]")  # the model's RoPE without windows: only its window layers differ
+    ids = tokens(1, 6)
+    assert err(logits(rope_only, ids), logits(ref, ids)) < 1e-5  # within the window, the same model
+    with pytest.raises(posenc.UsageError, match="sinks"):
+        phf.use(untouched("llama"), "1x[alibi sinks]")
+    with pytest.raises(posenc.UsageError, match="depth"):
+        phf.use(untouched("llama"), posenc.Schedule.parse("2x[rope]"))
+
+
+def test_schedule_round_trip(tmp_path) -> None:
+    model = phf.use(untouched("gpt_oss"), "1x[alibi window=8 sinks] 1x[t5 sinks]")
+    ids = tokens(1, 12)
+    expected = logits(model, ids)
+    model.save_pretrained(tmp_path)
+    loaded = phf.from_pretrained(transformers.AutoModelForCausalLM, tmp_path).eval()
+    assert err(logits(loaded, ids), expected) < 1e-6
+
+
+def test_cache_and_past_key_values_both_work() -> None:
+    """transformers 5.24 renamed ``past_key_values`` to ``cache`` (the old name accepted until 5.40)."""
+    model = phf.use(untouched("mistral"), "t5")
+    ids = tokens(1, 12)
+    full = logits(model, ids)
+    for name in ("cache", "past_key_values"):
+        with torch.no_grad():
+            first = model(ids[:, :9], use_cache=True)
+            step = model(ids[:, 9:], **{name: first.cache}, use_cache=True).logits
+        assert err(step, full[:, 9:]) < 1e-5, name
+
+
+def test_a_model_outside_the_table() -> None:
+    """A family that follows the LLaMA pattern works (arcee: not in the table); one that does not is
+    refused naming what differs."""
+    config = transformers.AutoConfig.for_model("arcee", **{k: v for k, v in COMMON.items()})
+    ref = transformers.AutoModelForCausalLM.from_config(config).eval()
+    assert family_of("arcee") is None
+    model = phf.use(copy.deepcopy(ref), "rope")
+    ids = tokens(1, 12)
+    assert err(logits(model, ids), logits(ref, ids)) < 1e-5
+    helium = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model("helium", **COMMON))
+    with pytest.raises(posenc.UsageError, match="not in posenc's family table and its rotation is not LLaMA's"):
+        phf.use(helium, "rope")  # interleaved pairs
+
+
+# -- docs/hf.md's family table ---------------------------------------------------------------------
+
+DOCS = Path(__file__).resolve().parents[1] / "docs" / "hf.md"
+BEGIN, END = "<!-- families: begin (python tests/test_hf_families.py) -->", "<!-- families: end -->"
+CHECKS = "forward past the window, left padding, packed row, greedy generate (dynamic and static cache); ALiBi invariants"
+
+
+def family_table() -> str:
+    rows = ["| family | model_type | what it needed | tested |", "|---|---|---|---|"]
+    for family in FAMILIES:
+        tested = [t for t in family.model_types if t in TESTED]
+        if not family.causal:
+            continue
+        rows.append(f"| {family.name} | {', '.join(f'`{t}`' for t in family.model_types)} | {family.needs} | "
+                    f"{CHECKS if tested else 'the schedule only (tests/test_schedule_hf.py)'} |")
+    return "\n".join(rows)
+
+
+def test_docs_family_table_is_generated_from_this_list() -> None:
+    text = DOCS.read_text()
+    found = re.search(re.escape(BEGIN) + r"\n(.*?)\n" + re.escape(END), text, re.S)
+    assert found is not None, f"docs/hf.md lacks the {BEGIN} block"
+    assert found.group(1) == family_table(), "run: python tests/test_hf_families.py"
+    assert all(family_of(t) is not None for t in TESTED)
+
+
+if __name__ == "__main__":  # rewrite docs/hf.md's table
+    text = DOCS.read_text()
+    block = f"{BEGIN}\n{family_table()}\n{END}"
+    if BEGIN in text:
+        text = re.sub(re.escape(BEGIN) + r".*?" + re.escape(END), lambda _: block, text, flags=re.S)
+    else:
+        text += "\n" + block + "\n"
+    DOCS.write_text(text)
+    sys.exit(0)
