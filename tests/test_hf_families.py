@@ -32,62 +32,13 @@ import posenc.hf as phf  # noqa: E402
 
 pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.filterwarnings("ignore")]
 
-VOCAB = 64
-WINDOW = 8
-COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
-              num_key_value_heads=2, head_dim=16, max_position_embeddings=256, pad_token_id=0, bos_token_id=1,
-              eos_token_id=2)
-MOE = dict(num_experts_per_tok=2, moe_intermediate_size=32)
-MLA = dict(n_routed_experts=4, kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=12,
-           first_k_dense_replace=1, n_group=1, topk_group=1, num_key_value_heads=4, head_dim=None, **MOE)
-TWO_TYPES = ["sliding_attention", "full_attention"] * 2
-
-#: model_type -> the config keys beyond COMMON that make a tiny model of the family with its
-#: distinctive parts on (windows shorter than the test's sequences, NoPE layers, experts, MLA).
-TESTED: dict[str, dict] = {
-    "llama": {},
-    "mistral": dict(sliding_window=WINDOW),
-    "mixtral": dict(sliding_window=WINDOW, num_local_experts=4, num_experts_per_tok=2),
-    "ministral": dict(sliding_window=WINDOW, layer_types=TWO_TYPES),
-    "qwen2": dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=2),
-    "qwen2_moe": dict(num_experts=4, shared_expert_intermediate_size=32, **MOE),
-    "qwen3": dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=2),
-    "qwen3_moe": dict(num_experts=4, sliding_window=WINDOW, **MOE),
-    "qwen3_next": dict(num_experts=4, shared_expert_intermediate_size=32, linear_num_value_heads=4, linear_num_key_heads=2,
-                       linear_key_head_dim=16, linear_value_head_dim=16, **MOE),
-    "gemma": {},
-    "gemma2": dict(sliding_window=WINDOW),
-    "gemma3_text": dict(sliding_window=WINDOW, layer_types=TWO_TYPES),
-    "phi": {},
-    "phi3": dict(sliding_window=WINDOW),
-    "olmo": {},
-    "olmo2": {},
-    "olmo3": dict(sliding_window=WINDOW),
-    "olmoe": dict(num_experts=4, num_experts_per_tok=2),
-    "smollm3": {},
-    "granite": dict(attention_multiplier=0.3),
-    "granitemoe": dict(num_local_experts=4, num_experts_per_tok=2, attention_multiplier=0.3),
-    "gpt_neox": {},
-    "starcoder2": dict(sliding_window=WINDOW),
-    "stablelm": {},
-    "cohere": {},
-    "cohere2": dict(sliding_window=WINDOW),
-    "deepseek_v2": dict(MLA),
-    "deepseek_v3": dict(MLA),
-    "glm4": {},
-    "glm4_moe": dict(n_routed_experts=4, first_k_dense_replace=1, n_group=1, topk_group=1, **MOE),
-    "ministral3": dict(sliding_window=WINDOW),
-    "gpt_oss": dict(sliding_window=WINDOW, num_local_experts=4, num_experts_per_tok=2),
-    "llama4_text": dict(num_local_experts=4, num_experts_per_tok=1, intermediate_size_mlp=64, attention_chunk_size=WINDOW),
-}
+from hf_family_configs import COMMON, TESTED, VOCAB, config_kwargs  # noqa: E402
 
 
 def untouched(model_type: str):
     """The family's tiny model with its default attention, every weight moved off its init value
     (so norm weights are not 1 and sinks not 0)."""
-    kwargs = {**COMMON, **TESTED[model_type]}
-    kwargs = {k: v for k, v in kwargs.items() if v is not None}
-    config = transformers.AutoConfig.for_model(model_type, **kwargs)
+    config = transformers.AutoConfig.for_model(model_type, **config_kwargs(model_type))
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
     with torch.no_grad():
