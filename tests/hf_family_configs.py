@@ -53,7 +53,8 @@ TESTED: dict[str, dict] = {
     "glm4_moe": dict(n_routed_experts=4, first_k_dense_replace=1, n_group=1, topk_group=1, **MOE),
     "ministral3": dict(sliding_window=WINDOW),
     "gpt_oss": dict(sliding_window=WINDOW, num_local_experts=4, num_experts_per_tok=2),
-    "llama4_text": dict(num_local_experts=4, num_experts_per_tok=1, intermediate_size_mlp=64, attention_chunk_size=WINDOW),
+    "llama4_text": dict(num_local_experts=4, num_experts_per_tok=1, intermediate_size_mlp=64, attention_chunk_size=WINDOW,
+                        floor_scale=4, attn_scale=0.5),
 }
 
 

@@ -32,8 +32,11 @@ Definitions (r the rotated features of a head, D its q/k head dim):
 - ``chunk_key``: the chunk size of the ``chunked_attention`` layers (Llama 4).
 - ``sinks``: the attention module's attribute holding one sink logit per head (gpt-oss).
 - ``softcap``: the config key of the logit soft cap of the content scores (Gemma 2).
-- ``temperature``: Llama 4's query temperature on its NoPE layers, which the model applies itself
-  before the attention function (so posenc's attention does not apply it again).
+- ``temperature``: Llama 4's query temperature on its NoPE layers. The model applies it to q before
+  the attention function at index positions (a packed row's later documents, a left-padded row's
+  tokens get the temperature of where they sit in the row); inside posenc.hf the model's is turned
+  off and posenc's query scale applies it at each token's own position, so a packed row equals its
+  documents alone.
 - ``log_beta``: Ministral 3's query scale, a key of its RoPE block.
 - ``no_attention``: layer types whose layers never call the attention function (Qwen3-Next's Gated
   DeltaNet layers): they have no positions.
@@ -122,7 +125,7 @@ FAMILIES: tuple[Family, ...] = (
     Family("gpt-oss", ("gpt_oss",), typed_layers=True, sinks="sinks", needs="attention sinks (module.sinks); YaRN; alternating windows"),
     Family("Llama 4", ("llama4_text", "llama4"), typed_layers=True, layout="interleaved", nope="no_rope_layers",
            chunk_key="attention_chunk_size", temperature=True,
-           needs="NoPE layers with the model's own query temperature; chunked attention on RoPE layers; complex pairs"),
+           needs="NoPE layers with the query temperature (posenc's, at each document's positions); chunked attention on RoPE layers; complex pairs"),
     Family("ModernBERT", ("modernbert",), typed_layers=True, rope_blocks="per_type", window_key="local_attention", causal=False,
            needs="an encoder; a RoPE block per layer type; local windows"),
 )

@@ -88,14 +88,12 @@ def _rope(get, block_name: str, block, family: str, layout: str) -> dict:
     return options
 
 
-def schedule_from_hf(config, *, temperature: bool = True) -> Schedule:
+def schedule_from_hf(config) -> Schedule:
     """The :class:`~posenc.schedule.Schedule` of a ``transformers`` config (object or dict) of a
     family in :data:`posenc.families.FAMILIES` (see the module docstring).
 
     Args:
         config: the config, or its dict.
-        temperature: give Llama 4's NoPE layers their query temperature (False: the model applies
-            it itself, as inside a ``transformers`` model).
 
     Raises:
         UsageError: another family, a missing key (naming it), an unknown layer type or scaling key.
@@ -159,7 +157,7 @@ def schedule_from_hf(config, *, temperature: bool = True) -> Schedule:
         if len(no_rope) != depth:
             raise UsageError(f"schedule_from_hf: no_rope_layers has {len(no_rope)} entries, num_hidden_layers is {depth}")
     tuning = None
-    if family.temperature and temperature and get("attn_temperature_tuning"):
+    if family.temperature and get("attn_temperature_tuning"):
         tuning = Temperature(float(_need(get, "attn_scale", name)), int(_need(get, "floor_scale", name)))
     layers = []
     for i, kind in enumerate(types):

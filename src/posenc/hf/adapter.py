@@ -382,7 +382,7 @@ def _family_schedule(config: Any, family: Family | None, depth: int) -> Schedule
     model outside the table the LLaMA pattern: RoPE from the config on every layer, windowed
     where ``layer_types`` says sliding or, without them, everywhere when ``sliding_window`` is set."""
     if family is not None:
-        return schedule_from_hf(config, temperature=False)
+        return schedule_from_hf(config)
     from ..encodings.rope_scaling import options_from_hf
 
     found = options_from_hf(config)
@@ -560,8 +560,6 @@ def _plans(model: Any, config: Any, family: Family | None, attentions: list[nn.M
         if layer.sinks and (family is None or family.sinks is None):
             raise UsageError(f"schedule: layer {i} asks for sinks, but the {type(attention).__name__} of this model has no "
                              "sink logits")
-        if layer.query_scale is not None and getattr(attention, "attn_temperature_tuning", False) and not getattr(attention, "use_rope", True):
-            raise UsageError(f"schedule: layer {i} has a query scale, but the model applies its own temperature on this layer")
         if enc not in modules:
             modules.append(enc)
         plans.append(LayerPlan(enc, layer.window, layer.chunk, family.sinks if layer.sinks and family is not None else None,
@@ -704,6 +702,8 @@ def use(model: _Model, encoding: str | nn.Module | Schedule, **options: Any) -> 
     for attention, plan in zip(attentions, plans):
         if attention is None:
             continue
+        if family is not None and family.temperature and getattr(attention, "attn_temperature_tuning", False):
+            attention.attn_temperature_tuning = False  # the layer's plan applies it (posenc.families: temperature)
         _remove_hooks(attention)
         attention.__dict__["_posenc_plan"] = plan
         attention.__dict__["_posenc_forward"] = state
