@@ -703,7 +703,7 @@ def use(model: _Model, encoding: str | nn.Module | Schedule, **options: Any) -> 
         if attention is None:
             continue
         if family is not None and family.temperature and getattr(attention, "attn_temperature_tuning", False):
-            attention.attn_temperature_tuning = False  # the layer's plan applies it (posenc.families: temperature)
+            setattr(attention, "attn_temperature_tuning", False)  # the layer's plan applies it (posenc.families: temperature)
         _remove_hooks(attention)
         attention.__dict__["_posenc_plan"] = plan
         attention.__dict__["_posenc_forward"] = state
