@@ -70,6 +70,24 @@ def finite(results: dict, rows: list[str], key: str = "perplexity") -> None:
             assert all(e["ppl_low"] <= e["perplexity"] <= e["ppl_high"] for e in entry["eval"])
 
 
+@pytest.mark.parametrize("model_type", ["gemma3_text", "gpt_oss", "deepseek_v3"])
+def test_a_study_on_other_families(tmp_path, text, model_type: str) -> None:
+    """--hf-config takes any family of posenc.hf's table: Gemma 3 (windows, a base per layer type),
+    gpt-oss (sinks, YaRN), DeepSeek-V3 (MLA); each row keeps the family's windows and sinks."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from hf_family_configs import config_kwargs
+
+    kwargs = config_kwargs(model_type, vocab_size=256, hidden_size=32, head_dim=8, max_position_embeddings=64)
+    config = write_config(tmp_path / f"{model_type}.json", transformers.AutoConfig.for_model(model_type, **kwargs))
+    results = study(tmp_path, config, text, ["hf", "rope", "alibi"])
+    finite(results, ["hf", "rope", "alibi"])
+    hf, rope = (results["methods"][m]["eval"] for m in ("hf", "rope"))
+    assert [e["perplexity"] for e in hf] == pytest.approx([e["perplexity"] for e in rope], rel=1e-4)
+
+
 def test_llama_study_end_to_end_and_the_hf_row_is_the_untouched_model(tmp_path, llama, text) -> None:
     results = study(tmp_path, llama, text, ["hf", "rope", "alibi"])
     finite(results, ["hf", "rope", "alibi"])
