@@ -320,7 +320,7 @@ def test_cached_chunk_without_position_ids_takes_consecutive_positions() -> None
     """Several queries after a cache, without position_ids (the registered attention function is
     public; HF's models pass them): the queries follow the cached keys, as with position_ids 3, 4.
     (mypy found it: the decode fast path read the missing position_ids and raised TypeError.)"""
-    from posenc.hf.adapter import _geometry
+    from posenc.hf.attention import _geometry
 
     q = torch.zeros(1, 4, 2, 16)  # (B, H, Tq, D): 2 queries after 3 cached keys (Tk = 5)
     derived = _geometry(q, 5, None, None, True)
@@ -363,7 +363,7 @@ def test_imported_t5_decoder_table_inside_llama() -> None:
 
 def test_one_geometry_per_forward(monkeypatch) -> None:
     """The layers of one forward share one geometry (positions and documents read once)."""
-    from posenc.hf import adapter
+    from posenc.hf import attention as adapter
 
     calls = []
     real_of = adapter.Geometry.of

@@ -1,7 +1,10 @@
 """posenc's attention inside Hugging Face ``transformers`` models: :func:`use`.
 
 One adapter for the decoder families, driven by their rows in :data:`posenc.families.FAMILIES`
-(what differs between families is data there; this module is the same for all of them):
+(what differs between families is data there; the code is the same for all of them). Three
+modules: :mod:`posenc.hf.attention` (what ``transformers`` calls inside the model),
+:mod:`posenc.hf.plan` (each layer's plan, from the family row and what :func:`use` is given), and
+this one (:func:`use`, the hooks it installs, saving and loading). How it plugs in:
 
 - An attention function and a mask function are registered under one name, ``"posenc"``, with
   ``AttentionInterface`` and ``AttentionMaskInterface``; the model's ``config._attn_implementation``
@@ -38,566 +41,28 @@ learns per layer), so they train with the model, follow ``.to()``, and are saved
 
 from __future__ import annotations
 
-import copy
-import json
 import os
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any, Callable, TypeVar, cast
 
 import torch
 import transformers
 from torch import nn
-from transformers import AttentionInterface, PreTrainedModel
-from transformers.masking_utils import AttentionMaskInterface
+from transformers import PreTrainedModel
 
-from ..encodings import build, get_class, options_of
-from ..encodings.base import PositionalEncoding
-from ..encodings.protocol import Embeds, Gates, offers, require
+from ..encodings import build
+from ..encodings.protocol import Embeds, Gates, offers
 from ..encodings.rope import RoPE
 from ..errors import UsageError
-from ..families import FAMILIES, Family, family_of, qk_head_dim, text_config
-from ..functional import attend
-from ..geometry import Geometry
-from ..memo import ForwardMemo, Workspace
-from ..query_scale import QueryScale
-from ..schedule import Layer, Schedule
-from ..schedule_hf import schedule_from_hf
-
-NAME = "posenc"
+from ..families import FAMILIES, family_of, qk_head_dim, text_config
+from ..schedule import Schedule
+from .attention import NAME, ForwardState, LayerPlan, RotaryStandIn, keep_input, padding_mask, posenc_attention, register
+from .plan import attention_of, decoder_stack, layer_plans
 
 _Model = TypeVar("_Model", bound=PreTrainedModel)
 
 #: model_type -> family name, for the families of the table (:data:`posenc.families.FAMILIES`).
 SUPPORTED = {t: f.name for f in FAMILIES if f.causal for t in f.model_types}
-
-
-# -- the registered functions --------------------------------------------------------------------
-
-
-def padding_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
-                 attention_mask: torch.Tensor | None = None, device: torch.device | str = "cpu", **_: Any) -> torch.Tensor | None:
-    """The mask function registered as ``"posenc"``: the 2-D key mask (B, kv_length), bool, True =
-    a real token, for the keys ``kv_offset .. kv_offset + kv_length - 1``; None when every key is
-    real. A key slot past the last query (a static cache's unwritten slots) is not real.
-    Causality, documents and positions are the attention function's business.
-
-    Raises:
-        UsageError: ``attention_mask`` is not a 2-D padding mask (B, T).
-    """
-    slots = torch.arange(kv_offset, kv_offset + kv_length, device=device)
-    written = slots < q_offset + q_length  # (Tk,); q_offset may be a tensor (static caches)
-    mask = None
-    if attention_mask is not None:
-        if attention_mask.dim() != 2:
-            raise UsageError(f"attention_mask: posenc.hf takes a 2-D padding mask (B, T), got shape {tuple(attention_mask.shape)}")
-        mask = attention_mask.to(device=device, dtype=torch.bool)
-        short = kv_offset + kv_length - mask.shape[-1]
-        if short > 0:  # keys past the mask are not real
-            mask = torch.nn.functional.pad(mask, (0, short), value=False)
-        mask = mask[:, kv_offset: kv_offset + kv_length] & written
-        if mask.shape[0] != batch_size:
-            mask = mask.expand(batch_size, -1)
-    elif not bool(written.all()):
-        mask = written.expand(batch_size, -1)
-    return None if mask is None or bool(mask.all()) else mask
-
-
-def _restarts(positions: torch.Tensor, real: torch.Tensor | None) -> torch.Tensor:
-    """(B, T) bool: a token whose position is not its predecessor's + 1, both real."""
-    step = positions[:, 1:] != positions[:, :-1] + 1  # (B, T-1)
-    if real is not None:
-        step = step & real[:, 1:] & real[:, :-1]
-    return torch.nn.functional.pad(step, (1, 0), value=False)
-
-
-def _key_end(tq: int, tk: int, real: torch.Tensor | None) -> int:
-    """How many key slots hold keys: a static cache's unwritten slots end every row (their mask is
-    False in every row) and are dropped; Tk otherwise."""
-    if real is None or tq == tk:
-        return tk
-    written = real.any(dim=0)  # (Tk,)
-    end = int(torch.nonzero(written).max()) + 1 if bool(written.any()) else tk
-    return max(end, tq)
-
-
-def _geometry(query: torch.Tensor, tk: int, attention_mask: torch.Tensor | None,
-              position_ids: torch.Tensor | None, causal: bool) -> Geometry:
-    """The call's geometry from what HF passes: the queries' ``position_ids`` and the padding mask
-    (see the module docstring for the key positions and documents derived from them)."""
-    batch, _, tq, _ = query.shape
-    real = None if attention_mask is None else attention_mask[:, :tk]  # (B, Tk) or None
-    device = query.device
-    shared = position_ids is None or position_ids.shape[0] == 1
-    if real is None and shared and tq < tk:
-        # A decode step of rows that share positions (no padding): plain consecutive positions,
-        # built without the general planning (one host read of the first query position).
-        first = tk - tq if position_ids is None else int(position_ids[0, 0])
-        past = first - (tk - tq)  # the first key's position
-        if past >= 0 and (position_ids is None or tq == 1 or not bool(_restarts(position_ids, None).any())):
-            q_pos = torch.arange(first, first + tq, device=device)
-            k_pos = torch.arange(past, past + tk, device=device)
-            return Geometry(batch, tq, tk, causal, q_pos, k_pos, True, None, first, past, True)
-    if position_ids is None and real is not None:
-        # positions counted from each row's first real key (as HF's generate derives them)
-        q_pos = (real.long().cumsum(-1) - 1)[:, tk - tq:]
-    elif position_ids is None:
-        q_pos = torch.arange(tk - tq, tk, device=device).expand(batch, tq)
-    else:
-        q_pos = position_ids.to(device=device, dtype=torch.long).expand(batch, tq)
-    document_ids = None
-    if tq == tk:
-        k_pos = q_pos
-        restarts = _restarts(q_pos, real) if tq > 1 else None
-        if restarts is not None and bool(restarts.any()):
-            document_ids = restarts.long().cumsum(-1)  # (B, T)
-    else:
-        if tq > 1 and bool(_restarts(q_pos, None).any()):
-            raise UsageError("position_ids: queries that restart (packed documents) after a cache past are not "
-                             "supported: their keys' documents are unknown; run each document's chunks with its own cache")
-        k_pos = q_pos[:, -1:] - torch.arange(tk - 1, -1, -1, device=device)  # (B, Tk): consecutive, ending at the last query
-        before = k_pos < 0  # left padding, or an earlier document of a packed prefill
-        if bool(before.any()):
-            real = ~before if real is None else real & ~before
-            k_pos = k_pos.clamp(min=0)
-    if real is not None:  # positions at padding slots do not matter; keep them in range
-        q_pos = q_pos.clamp(min=0)
-        k_pos = k_pos.clamp(min=0)
-    same_rows = position_ids is None or position_ids.shape[0] == 1
-    if same_rows and real is None:
-        q_pos, k_pos = q_pos[0], k_pos[0]
-    return Geometry.of(batch, tq, tk, device, positions=q_pos, k_positions=k_pos, causal=causal,
-                       document_ids=document_ids, key_padding_mask=real)
-
-
-@dataclass
-class LayerPlan:
-    """What one attention layer runs: its encoding and its attention kind (see :func:`use`).
-
-    ``rope_last``: r > 0 when the model's rotated features are the last r of each q/k head (MLA);
-    they are moved to the front before the encoding sees them (the same move on q and k leaves
-    q . k unchanged), so a RoPE with ``rotary_dim=r`` rotates exactly them.
-    """
-
-    encoding: PositionalEncoding
-    window: int | None = None
-    chunk: int | None = None
-    sinks: str | None = None  # the attention module's attribute holding (H,) sink logits
-    query_scale: QueryScale | None = None
-    rope_last: int = 0
-    causal: bool = True
-    rotate: bool = True  # False: q and k come rotated by the model's own rotary (see use)
-
-
-def posenc_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                     attention_mask: torch.Tensor | None, *, scaling: float | None = None, dropout: float = 0.0,
-                     **kwargs: Any) -> tuple[torch.Tensor, None]:
-    """The attention function registered as ``"posenc"``: ``posenc.attend`` with the layer's
-    encoding and attention kind (its :class:`LayerPlan`). query (B, H, Tq, D), key (B, Hkv, Tk, D)
-    and value (B, Hkv, Tk, Dv) un-rotated, cache included; returns (out (B, Tq, H, Dv), None).
-
-    The geometry (positions, documents, padding) is derived once per model forward and per key
-    length (full and sliding layers keep caches of different lengths) and shared by the layers,
-    with one :class:`~posenc.memo.ForwardMemo` (T5's bias is then computed once): the stand-in
-    rotary call, which the model makes at the start of each forward, starts a new forward. Under
-    gradient checkpointing each layer gets its own memo (a recomputed layer must redo its work).
-    ``softcap`` (Gemma 2) arrives from the layer; sinks are read from the module.
-
-    Raises:
-        UsageError: the model was not prepared with :func:`posenc.hf.use`, ``attention_dropout`` is
-            not 0 in training, or the mask is a prepared 4-D one.
-    """
-    plan: LayerPlan | None = module.__dict__.get("_posenc_plan")
-    forward: _Forward | None = module.__dict__.get("_posenc_forward")
-    if plan is None or forward is None:
-        raise UsageError(f"{type(module).__name__} {getattr(module, 'layer_idx', '')}: attn_implementation='posenc' "
-                         "needs posenc.hf.use(model, encoding) first")
-    if dropout and module.training:
-        raise UsageError(f"attention_dropout must be 0 with posenc.hf (got {dropout})")
-    if attention_mask is not None and (attention_mask.dim() != 2 or attention_mask.dtype != torch.bool):
-        raise UsageError("attention_mask: posenc.hf takes a 2-D padding mask; a prepared 4-D mask is not supported")
-    position_ids = kwargs.get("position_ids")
-    if position_ids is None:
-        position_ids = forward.position_ids  # families whose layers do not pass them (Llama 4)
-    tq, tk = query.shape[2], key.shape[2]
-    entry = forward.find(tq, tk, attention_mask, position_ids)
-    if entry is None:
-        key_end = _key_end(tq, tk, attention_mask)
-        geometry = _geometry(query, key_end, attention_mask, position_ids, plan.causal)
-        entry = forward.add(tq, tk, attention_mask, position_ids, key_end, geometry)
-    key_end, geometry = entry[4], entry[5]
-    if key_end < tk:  # a static cache's unwritten slots
-        key, value = key[:, :, :key_end], value[:, :, :key_end]
-    memo = forward.memo
-    if module.training and getattr(forward.base, "gradient_checkpointing", False):
-        # A checkpointed layer is run again in backward and must save the same tensors as in its
-        # first run: nothing shared with the other layers (each computes its own bias).
-        memo = ForwardMemo()
-    r = plan.rope_last if plan.rotate else 0
-    if r:  # MLA: the rope features to the front, for a rotation of the first r
-        query = torch.cat((query[..., -r:], query[..., :-r]), dim=-1)
-        key = torch.cat((key[..., -r:], key[..., :-r]), dim=-1)
-    sinks = None if plan.sinks is None else getattr(module, plan.sinks)
-    softcap = kwargs.get("softcap")
-    log_gates = None
-    if offers(plan.encoding, Gates):
-        log_gates = _gates(module, plan.encoding, tq, tk)
-    out = attend(query, key, value, plan.encoding, scale=scaling, geometry=geometry, memo=memo, causal=geometry.causal, rotate=plan.rotate,
-                 window=plan.window, chunk=plan.chunk, sinks=sinks, query_scale=plan.query_scale,
-                 softcap=None if softcap is None else float(softcap), log_gates=log_gates)
-    return out.transpose(1, 2).contiguous(), None
-
-
-def _gates(module: nn.Module, encoding: PositionalEncoding, tq: int, tk: int) -> torch.Tensor:
-    """The layer's per-key log forget gates (B, H, Tk) from its input (kept by a pre-hook)."""
-    x = module.__dict__.get("_posenc_input")
-    if tq != tk or x is None or x.shape[1] != tk:
-        raise UsageError("use_cache: a method with forget gates (fox) runs inside HF models without a KV cache "
-                         "(use_cache=False): the cached keys' gates are not kept by HF's cache")
-    return require(encoding, Gates).log_gates(x)
-
-
-def _keep_input(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-    hidden = args[0] if args else kwargs.get("hidden_states")
-    module.__dict__["_posenc_input"] = hidden
-
-
-def register() -> None:
-    """Register posenc's attention and mask functions under the name ``"posenc"`` (idempotent)."""
-    AttentionInterface.register(NAME, posenc_attention)
-    AttentionMaskInterface.register(NAME, padding_mask)
-
-
-# -- the rotary stand-in -------------------------------------------------------------------------
-
-
-class _Forward:
-    """What the layers of one model forward share: geometries (one per key length and mask), their
-    memo, the model-level position_ids, and the decode steps' workspace."""
-
-    def __init__(self) -> None:
-        self.base: nn.Module | None = None  # the decoder stack (its gradient_checkpointing flag)
-        self.entries: list[tuple[Any, ...]] = []
-        self.memo: ForwardMemo = ForwardMemo()
-        self.position_ids: torch.Tensor | None = None
-        # The single-query paths' buffers between decode steps (a relative bias vector, a padding
-        # mask), kept across forwards as posenc's own KV cache keeps them: every entry is rebuilt
-        # when what made it (sizes, padding, the encoding's parameter versions) changes.
-        self.workspace = Workspace()
-
-    def start(self) -> None:
-        self.entries = []
-        self.memo = ForwardMemo(self.workspace)
-
-    def find(self, tq: int, tk: int, mask: torch.Tensor | None, pos: torch.Tensor | None) -> tuple[Any, ...] | None:
-        for entry in self.entries:
-            if entry[0] == tq and entry[1] == tk and entry[2] is mask and entry[3] is pos:
-                return entry
-        return None
-
-    def add(self, tq: int, tk: int, mask: torch.Tensor | None, pos: torch.Tensor | None, key_end: int,
-            geometry: Geometry) -> tuple[Any, ...]:
-        entry = (tq, tk, mask, pos, key_end, geometry)
-        self.entries.append(entry)
-        return entry
-
-
-class RotaryStandIn(nn.Module):
-    """Stands in for a model's rotary module, holding it (``original``, a submodule, so it follows
-    ``.to()``; its tables are not persistent buffers, so checkpoints do not change). Each call
-    starts a new forward for the attention layers, calls the original and returns its output's
-    types and shapes as the identity rotation (cos = 1, sin = 0; a complex table of ones), so the
-    model's own rotation leaves q and k exactly as they are, whatever its layout, slice or dtype.
-    """
-
-    def __init__(self, original: nn.Module) -> None:
-        super().__init__()
-        self.original = original
-        self.forward_state = _Forward()
-        self.identity = True  # False: the original's own tables pass through (the model rotates)
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        self.forward_state.start()
-        out = self.original(*args, **kwargs)
-        if not self.identity:
-            return out
-        if isinstance(out, tuple):
-            return (torch.ones_like(out[0]), torch.zeros_like(out[1]), *out[2:])
-        return torch.ones_like(out)
-
-
-# -- the plan: family, sizes, schedule -----------------------------------------------------------
-
-
-def _decoder_stack(model: nn.Module) -> nn.Module:
-    """The module holding ``layers`` and ``rotary_emb`` (``LlamaModel`` & co.).
-
-    Raises:
-        UsageError: no such module within three levels (base model prefix, ``model``, ``language_model``).
-    """
-    frontier: list[nn.Module] = [model]
-    for _ in range(4):
-        found: list[nn.Module] = []
-        for node in frontier:
-            if isinstance(getattr(node, "layers", None), nn.ModuleList) and isinstance(getattr(node, "rotary_emb", None), nn.Module):
-                return node
-            for name in (getattr(node, "base_model_prefix", None), "model", "language_model"):
-                child = getattr(node, name, None) if isinstance(name, str) else None
-                if isinstance(child, nn.Module) and child is not node:
-                    found.append(child)
-        frontier = found
-    raise UsageError(f"model: {type(model).__name__} has no decoder stack with `layers` and one `rotary_emb` module "
-                     "(posenc.hf needs the model's rotary embedding computed once per forward on the decoder stack)")
-
-
-def _attention_of(layer: nn.Module) -> nn.Module | None:
-    """A decoder layer's attention module (the one with ``layer_idx``), or None (a linear-attention layer)."""
-    for name in ("self_attn", "attention", "attn"):
-        module = getattr(layer, name, None)
-        if isinstance(module, nn.Module) and hasattr(module, "layer_idx"):
-            return module
-    return None
-
-
-def _layer_types(config: Any) -> list[str] | None:
-    types = getattr(config, "layer_types", None)
-    return list(types) if types is not None else None
-
-
-def _rotary_tables(rotary: nn.Module, kind: str | None) -> tuple[torch.Tensor, float]:
-    """The model's own inverse frequencies (r/2,) and attention factor for layers of ``kind``."""
-    inv = getattr(rotary, f"{kind}_inv_freq", None) if kind else None
-    factor = getattr(rotary, f"{kind}_attention_scaling", None) if kind else None
-    if inv is None:
-        inv = getattr(rotary, "inv_freq", None)
-        factor = getattr(rotary, "attention_scaling", 1.0)
-    if not isinstance(inv, torch.Tensor):
-        raise UsageError(f"model: its rotary module {type(rotary).__name__} has no inv_freq buffer to read the rotated "
-                         "features from")
-    inv = inv.detach()
-    return (inv if inv.is_meta else inv.float().cpu()), float(1.0 if factor is None else factor)
-
-
-def _family_schedule(config: Any, family: Family | None, depth: int) -> Schedule:
-    """The model's own schedule: its table row read by :func:`posenc.schedule_from_hf`, or for a
-    model outside the table the LLaMA pattern: RoPE from the config on every layer, windowed
-    where ``layer_types`` says sliding or, without them, everywhere when ``sliding_window`` is set."""
-    if family is not None:
-        return schedule_from_hf(config)
-    from ..encodings.rope_scaling import options_from_hf
-
-    found = options_from_hf(config)
-    options: dict[str, Any] = {"base": float(found["base"])}
-    scaling = {k: v for k, v in found["scaling"].items() if k != "rope_theta"}
-    if scaling.get("rope_type", scaling.get("type", "default")) != "default" or set(scaling) - {"rope_type", "type"}:
-        options["scaling"] = scaling
-    window = getattr(config, "sliding_window", None)
-    types = _layer_types(config) or ["sliding_attention" if window is not None else "full_attention"] * depth
-    layers = []
-    for kind in types:
-        if kind not in ("full_attention", "sliding_attention"):
-            raise UsageError(f"model: model_type {config.model_type!r} is not in posenc's family table and has layers of "
-                             f"type {kind!r}, which the LLaMA pattern does not describe")
-        layers.append(Layer("rope", dict(options), window=int(window) if window is not None and kind == "sliding_attention" else None))
-    return Schedule(tuple(layers))
-
-
-def _check_rotation(model: Any, rotary: nn.Module, r: int, layout: str) -> None:
-    """For a model outside the family table: its ``apply_rotary_pos_emb`` must rotate as posenc's
-    RoPE in ``layout`` over r features, or the model is refused."""
-    import sys
-
-    module = sys.modules.get(type(rotary).__module__)
-    apply = getattr(module, "apply_rotary_pos_emb", None)
-    if apply is None:
-        raise UsageError(f"model: model_type {model.config.model_type!r} is not in posenc's family table and its modeling "
-                         "module has no apply_rotary_pos_emb(q, k, cos, sin) to check its rotation against")
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randn(1, 1, 6, r, generator=gen)
-    positions = torch.arange(6)
-    inv, _ = _rotary_tables(rotary, None)
-    angles = positions[:, None].float() * inv[None]  # (T, r/2)
-    cos, sin = torch.cat((angles.cos(), angles.cos()), -1)[None], torch.cat((angles.sin(), angles.sin()), -1)[None]
-    try:
-        theirs = apply(x, x, cos, sin)[0]
-    except Exception as error:  # their function's own signature or shapes
-        raise UsageError(f"model: model_type {model.config.model_type!r} is not in posenc's family table and its "
-                         f"apply_rotary_pos_emb does not take (q, k, cos, sin) as LLaMA's does ({error})") from error
-    if not torch.allclose(theirs, _rotate_with(layout, x, inv, positions), atol=1e-5):
-        raise UsageError(f"model: model_type {model.config.model_type!r} is not in posenc's family table and its rotation "
-                         f"is not LLaMA's ({layout} pairs over the first {r} features); add a family row "
-                         "(posenc.families.FAMILIES) to describe it")
-
-
-def _rotate_with(layout: str, x: torch.Tensor, inv: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """x (1, 1, T, r) rotated at ``positions`` by frequencies ``inv`` (r/2,) in ``layout``."""
-    from ..encodings.rope import apply_rotation
-
-    angles = positions[:, None].float() * inv[None]
-    return apply_rotation(x, angles.cos(), angles.sin(), layout)
-
-
-@dataclass
-class _Sizes:
-    heads: int
-    kv_heads: int
-    head_dim: int  # D, the q/k head dim the attention function sees
-    rotary_dim: int  # r, read from the model's rotary module
-    layout: str
-    rope_last: bool
-
-
-def _sizes(model: Any, config: Any, family: Family | None, rotary: nn.Module) -> _Sizes:
-    heads = int(config.num_attention_heads)
-    kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
-    d = qk_head_dim(config, family)
-    types = _layer_types(config)
-    inv, _ = _rotary_tables(rotary, types[-1] if types else None)
-    r = 2 * int(inv.numel())
-    if family is not None and family.rope_slice == "last":
-        r = int(config.qk_rope_head_dim)
-    if not 2 <= r <= d:
-        raise UsageError(f"model: its rotary module turns {r} features, outside [2, head_dim={d}]")
-    layout = family.layout if family is not None else "half"
-    if family is None and not inv.is_meta:
-        _check_rotation(model, rotary, r, layout)
-    return _Sizes(heads, kv_heads, d, r, layout, family is not None and family.rope_slice == "last")
-
-
-def _build(name: str, options: dict[str, Any], sizes: _Sizes, causal: bool) -> PositionalEncoding:
-    """A registry encoding for the model's heads, the family's layout and rotated features by default."""
-    cls = get_class(name)
-    accepted = options_of(cls)
-    extra: dict[str, Any] = {}
-    if "layout" in accepted and "layout" not in options and sizes.layout != "half":
-        extra["layout"] = sizes.layout
-    if "rotary_dim" in accepted and "rotary_dim" not in options and sizes.rotary_dim != sizes.head_dim:
-        extra["rotary_dim"] = sizes.rotary_dim
-    if "num_kv_heads" in accepted and "num_kv_heads" not in options:
-        extra["num_kv_heads"] = sizes.kv_heads
-    return build(name, num_heads=sizes.heads, head_dim=sizes.head_dim, causal=causal, **options, **extra)
-
-
-def _verify_rope(encoding: PositionalEncoding, rotary: nn.Module, kind: str | None, family: Family | None) -> None:
-    """posenc's RoPE read from the config against the model's own tables: the same frequencies
-    and attention factor, or a UsageError naming the difference (never a silently wrong model)."""
-    if not isinstance(encoding, RoPE):
-        return
-    inv, factor = _rotary_tables(rotary, kind)
-    if inv.is_meta or encoding.inv_freq.is_meta:  # a model being built by from_pretrained: checked once loaded
-        return
-    ours = encoding.inv_freq.detach().float().cpu()
-    name = family.name if family is not None else "this model"
-    if ours.shape != inv.shape or not torch.allclose(ours, inv, rtol=1e-5, atol=1e-9):
-        raise UsageError(f"rope: posenc's RoPE read from the {name} config ({ours.numel()} frequencies) differs from the "
-                         f"model's rotary module ({inv.numel()}) on layers of type {kind!r}; refusing a wrong model")
-    if abs(encoding.attention_factor - factor) > 1e-6 * max(1.0, abs(factor)):
-        raise UsageError(f"rope: posenc's attention factor {encoding.attention_factor} differs from the {name} model's "
-                         f"{factor} on layers of type {kind!r}")
-
-
-def _plans(model: Any, config: Any, family: Family | None, attentions: list[nn.Module | None], rotary: nn.Module,
-           encoding: str | nn.Module | Schedule, options: dict[str, Any]) -> tuple[list[LayerPlan | None], nn.ModuleList, dict[str, Any]]:
-    """One plan per layer (None where a layer has no attention), the encoding modules, the record."""
-    depth = len(attentions)
-    sizes = _sizes(model, config, family, rotary)
-    causal = family.causal if family is not None else True
-    own = _family_schedule(config, family, depth)
-    types = _layer_types(config)
-    record: dict[str, Any]
-    absolute: nn.Module | None = None
-    if isinstance(encoding, str) and "[" in encoding:
-        encoding = Schedule.parse(encoding, depth)
-    if isinstance(encoding, Schedule):
-        if options:
-            raise UsageError("options: give them inside the schedule's layers, not beside a schedule")
-        schedule = Schedule.of(encoding, depth)
-        layers = [_with_own_rope(layer, own.layers[i]) for i, layer in enumerate(schedule.layers)]
-        record = {"encoding": None, "options": {}, "schedule": schedule.to_list(), "causal": causal}
-        from_config = False
-    elif isinstance(encoding, nn.Module):
-        layers = [Layer("nope", window=o.window, chunk=o.chunk, sinks=o.sinks, query_scale=o.query_scale) for o in own.layers]
-        record, from_config = _module_record(encoding, options, sizes, causal), False
-    elif isinstance(encoding, str):
-        cls = get_class(encoding)
-        if not _jsonable(options):
-            raise UsageError("options: posenc.hf records them in the model's config, so they must be JSON values")
-        from_config = encoding == "rope" and not options
-        if from_config:
-            layers = list(own.layers)
-        elif offers(cls, Embeds):  # absolute: one module, its embed on the input, nothing in the layers
-            layers = [Layer("nope", window=o.window, chunk=o.chunk, sinks=o.sinks, query_scale=o.query_scale) for o in own.layers]
-            absolute = _build(encoding, dict(options), sizes, causal)
-        else:
-            _build(encoding, dict(options), sizes, causal)  # the registry's own errors for a bad option, first
-            layers = [Layer(encoding, dict(options), o.window, o.chunk, o.sinks, o.query_scale) for o in own.layers]
-        record = {"encoding": encoding, "options": dict(options), "causal": causal}
-        if from_config:
-            record["from_config"] = True
-    else:
-        raise UsageError(f"encoding must be a posenc encoding name, a schedule or an encoding module, got {type(encoding).__name__}")
-    built: dict[str, PositionalEncoding] = {}
-    modules: list[nn.Module] = []
-    plans: list[LayerPlan | None] = []
-    shared_module = encoding if isinstance(encoding, nn.Module) else absolute
-    for i, (attention, layer) in enumerate(zip(attentions, layers)):
-        if attention is None:
-            plans.append(None)
-            continue
-        kind = types[i] if types is not None else None
-        if shared_module is not None:
-            enc: PositionalEncoding = cast(PositionalEncoding, shared_module if i == 0 or shared_module.shares_across_layers
-                                           else copy.deepcopy(shared_module))
-        else:
-            key = layer.sharing_key
-            cached = built.get(key)
-            if cached is not None and cached.shares_across_layers:
-                enc = cached
-            else:
-                enc = _build(layer.encoding, dict(layer.options), sizes, causal)
-                built[key] = enc
-        if from_config:
-            _verify_rope(enc, rotary, kind, family)
-        if layer.sinks and (family is None or family.sinks is None):
-            raise UsageError(f"schedule: layer {i} asks for sinks, but the {type(attention).__name__} of this model has no "
-                             "sink logits")
-        if enc not in modules:
-            modules.append(enc)
-        plans.append(LayerPlan(enc, layer.window, layer.chunk, family.sinks if layer.sinks and family is not None else None,
-                               layer.query_scale, sizes.rotary_dim if sizes.rope_last else 0, causal))
-    return plans, nn.ModuleList(modules), record
-
-
-def _with_own_rope(layer: Layer, own: Layer) -> Layer:
-    """A schedule layer of ``rope`` without a base takes the model's own RoPE options for that layer."""
-    if layer.encoding != "rope" or "base" in layer.options or own.encoding != "rope":
-        return layer
-    return Layer("rope", {**own.options, **layer.options}, layer.window, layer.chunk, layer.sinks, layer.query_scale)
-
-
-def _module_record(encoding: nn.Module, options: dict[str, Any], sizes: _Sizes, causal: bool) -> dict[str, Any]:
-    if options:
-        raise UsageError("options: give them to posenc.build, not with an encoding module")
-    if not isinstance(encoding, PositionalEncoding) or encoding.num_heads != sizes.heads or encoding.head_dim != sizes.head_dim:
-        raise UsageError(f"encoding: needs a posenc encoding for num_heads={sizes.heads}, head_dim={sizes.head_dim}, "
-                         f"got {encoding!r}")
-    if encoding.causal != causal:
-        raise UsageError("encoding: a decoder needs a causal encoding (causal=True), got a bidirectional one "
-                         "(for T5, import the decoder's table: t5_from_hf(model, stack='decoder'))")
-    cls = type(encoding)
-    recorded = {k: getattr(encoding, k) for k in options_of(cls) if hasattr(encoding, k) and _jsonable(getattr(encoding, k))}
-    unrecorded = [k for k in options_of(cls) if hasattr(encoding, k) and k not in recorded]
-    record: dict[str, Any] = {"encoding": cls.name, "options": recorded, "causal": encoding.causal}
-    if unrecorded:
-        record["unrecorded"] = unrecorded
-    return record
-
-
-def _jsonable(value: Any) -> bool:
-    try:
-        json.dumps(value)
-    except (TypeError, ValueError):
-        return False
-    return True
 
 
 _PreHook = Callable[[nn.Module, tuple[Any, ...], dict[str, Any]], tuple[tuple[Any, ...], dict[str, Any]]]
@@ -624,7 +89,7 @@ def _embed_hook(encoding: Embeds) -> _PreHook:
     return hook
 
 
-def _positions_hook(state: _Forward) -> Callable[[nn.Module, tuple[Any, ...], dict[str, Any]], None]:
+def _positions_hook(state: ForwardState) -> Callable[[nn.Module, tuple[Any, ...], dict[str, Any]], None]:
     """A forward pre-hook on the decoder stack: the forward's ``position_ids`` as given (None when
     the model makes them), for layers that are not passed them."""
 
@@ -675,9 +140,9 @@ def use(model: _Model, encoding: str | nn.Module | Schedule, **options: Any) -> 
     config: Any = model.config
     inner = text_config(config)
     family = family_of(getattr(inner, "model_type", None))
-    stack = _decoder_stack(model)
+    stack = decoder_stack(model)
     layers = list(cast(nn.ModuleList, stack.layers))
-    attentions = [_attention_of(layer) for layer in layers]
+    attentions = [attention_of(layer) for layer in layers]
     if not any(a is not None for a in attentions):
         raise UsageError(f"model: no decoder layer of {type(model).__name__} has an attention module with layer_idx")
     if getattr(inner, "use_bidirectional_attention", None):
@@ -686,7 +151,7 @@ def use(model: _Model, encoding: str | nn.Module | Schedule, **options: Any) -> 
     stand_in = current if isinstance(current, RotaryStandIn) else RotaryStandIn(cast(nn.Module, current))
     stack.rotary_emb = stand_in
     rotary = stand_in.original
-    plans, modules, record = _plans(model, inner, family, attentions, rotary, encoding, options)
+    plans, modules, record = layer_plans(model, inner, family, attentions, rotary, encoding, options)
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
     stack.posenc_encodings = modules.to(device=device, dtype=dtype)
@@ -708,7 +173,7 @@ def use(model: _Model, encoding: str | nn.Module | Schedule, **options: Any) -> 
         attention.__dict__["_posenc_plan"] = plan
         attention.__dict__["_posenc_forward"] = state
         if plan is not None and offers(plan.encoding, Gates):
-            attention.__dict__["_posenc_hook_input"] = attention.register_forward_pre_hook(_keep_input, with_kwargs=True)
+            attention.__dict__["_posenc_hook_input"] = attention.register_forward_pre_hook(keep_input, with_kwargs=True)
     _remove_hooks(stack)
     stack.__dict__["_posenc_hook_positions"] = stack.register_forward_pre_hook(_positions_hook(state), with_kwargs=True)
     _remove_hooks(layers[0])
@@ -723,7 +188,7 @@ def use(model: _Model, encoding: str | nn.Module | Schedule, **options: Any) -> 
 
 def _installed(model: nn.Module) -> nn.ModuleList:
     """The encodings :func:`use` installed in ``model`` (its decoder stack's ``posenc_encodings``)."""
-    return cast(nn.ModuleList, _decoder_stack(model).posenc_encodings)
+    return cast(nn.ModuleList, decoder_stack(model).posenc_encodings)
 
 
 def from_pretrained(model_class: Any, path: str | os.PathLike[str], *, encoding: nn.Module | None = None, **kwargs: Any) -> PreTrainedModel:

@@ -1,0 +1,286 @@
+"""The functions ``transformers`` calls inside a model prepared by :func:`posenc.hf.use`: the
+registered attention and mask functions, and the rotary stand-in that marks each forward.
+
+One attention function serves every family (their differences are data: each layer's
+:class:`LayerPlan`, made by :mod:`posenc.hf.plan` from the family's row). See
+:mod:`posenc.hf.adapter` for how positions, documents, padding and caches are derived from what HF
+passes.
+"""
+
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface
+
+from ..encodings.base import PositionalEncoding
+from ..encodings.protocol import Gates, offers, require
+from ..errors import UsageError
+from ..functional import attend
+from ..geometry import Geometry
+from ..memo import ForwardMemo, Workspace
+from ..query_scale import QueryScale
+
+NAME = "posenc"
+
+
+# -- the registered functions --------------------------------------------------------------------
+
+
+def padding_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
+                 attention_mask: torch.Tensor | None = None, device: torch.device | str = "cpu", **_: Any) -> torch.Tensor | None:
+    """The mask function registered as ``"posenc"``: the 2-D key mask (B, kv_length), bool, True =
+    a real token, for the keys ``kv_offset .. kv_offset + kv_length - 1``; None when every key is
+    real. A key slot past the last query (a static cache's unwritten slots) is not real.
+    Causality, documents and positions are the attention function's business.
+
+    Raises:
+        UsageError: ``attention_mask`` is not a 2-D padding mask (B, T).
+    """
+    slots = torch.arange(kv_offset, kv_offset + kv_length, device=device)
+    written = slots < q_offset + q_length  # (Tk,); q_offset may be a tensor (static caches)
+    mask = None
+    if attention_mask is not None:
+        if attention_mask.dim() != 2:
+            raise UsageError(f"attention_mask: posenc.hf takes a 2-D padding mask (B, T), got shape {tuple(attention_mask.shape)}")
+        mask = attention_mask.to(device=device, dtype=torch.bool)
+        short = kv_offset + kv_length - mask.shape[-1]
+        if short > 0:  # keys past the mask are not real
+            mask = torch.nn.functional.pad(mask, (0, short), value=False)
+        mask = mask[:, kv_offset: kv_offset + kv_length] & written
+        if mask.shape[0] != batch_size:
+            mask = mask.expand(batch_size, -1)
+    elif not bool(written.all()):
+        mask = written.expand(batch_size, -1)
+    return None if mask is None or bool(mask.all()) else mask
+
+
+def _restarts(positions: torch.Tensor, real: torch.Tensor | None) -> torch.Tensor:
+    """(B, T) bool: a token whose position is not its predecessor's + 1, both real."""
+    step = positions[:, 1:] != positions[:, :-1] + 1  # (B, T-1)
+    if real is not None:
+        step = step & real[:, 1:] & real[:, :-1]
+    return torch.nn.functional.pad(step, (1, 0), value=False)
+
+
+def _key_end(tq: int, tk: int, real: torch.Tensor | None) -> int:
+    """How many key slots hold keys: a static cache's unwritten slots end every row (their mask is
+    False in every row) and are dropped; Tk otherwise."""
+    if real is None or tq == tk:
+        return tk
+    written = real.any(dim=0)  # (Tk,)
+    end = int(torch.nonzero(written).max()) + 1 if bool(written.any()) else tk
+    return max(end, tq)
+
+
+def _geometry(query: torch.Tensor, tk: int, attention_mask: torch.Tensor | None,
+              position_ids: torch.Tensor | None, causal: bool) -> Geometry:
+    """The call's geometry from what HF passes: the queries' ``position_ids`` and the padding mask
+    (see the module docstring for the key positions and documents derived from them)."""
+    batch, _, tq, _ = query.shape
+    real = None if attention_mask is None else attention_mask[:, :tk]  # (B, Tk) or None
+    device = query.device
+    shared = position_ids is None or position_ids.shape[0] == 1
+    if real is None and shared and tq < tk:
+        # A decode step of rows that share positions (no padding): plain consecutive positions,
+        # built without the general planning (one host read of the first query position).
+        first = tk - tq if position_ids is None else int(position_ids[0, 0])
+        past = first - (tk - tq)  # the first key's position
+        if past >= 0 and (position_ids is None or tq == 1 or not bool(_restarts(position_ids, None).any())):
+            q_pos = torch.arange(first, first + tq, device=device)
+            k_pos = torch.arange(past, past + tk, device=device)
+            return Geometry(batch, tq, tk, causal, q_pos, k_pos, True, None, first, past, True)
+    if position_ids is None and real is not None:
+        # positions counted from each row's first real key (as HF's generate derives them)
+        q_pos = (real.long().cumsum(-1) - 1)[:, tk - tq:]
+    elif position_ids is None:
+        q_pos = torch.arange(tk - tq, tk, device=device).expand(batch, tq)
+    else:
+        q_pos = position_ids.to(device=device, dtype=torch.long).expand(batch, tq)
+    document_ids = None
+    if tq == tk:
+        k_pos = q_pos
+        restarts = _restarts(q_pos, real) if tq > 1 else None
+        if restarts is not None and bool(restarts.any()):
+            document_ids = restarts.long().cumsum(-1)  # (B, T)
+    else:
+        if tq > 1 and bool(_restarts(q_pos, None).any()):
+            raise UsageError("position_ids: queries that restart (packed documents) after a cache past are not "
+                             "supported: their keys' documents are unknown; run each document's chunks with its own cache")
+        k_pos = q_pos[:, -1:] - torch.arange(tk - 1, -1, -1, device=device)  # (B, Tk): consecutive, ending at the last query
+        before = k_pos < 0  # left padding, or an earlier document of a packed prefill
+        if bool(before.any()):
+            real = ~before if real is None else real & ~before
+            k_pos = k_pos.clamp(min=0)
+    if real is not None:  # positions at padding slots do not matter; keep them in range
+        q_pos = q_pos.clamp(min=0)
+        k_pos = k_pos.clamp(min=0)
+    same_rows = position_ids is None or position_ids.shape[0] == 1
+    if same_rows and real is None:
+        q_pos, k_pos = q_pos[0], k_pos[0]
+    return Geometry.of(batch, tq, tk, device, positions=q_pos, k_positions=k_pos, causal=causal,
+                       document_ids=document_ids, key_padding_mask=real)
+
+
+@dataclass
+class LayerPlan:
+    """What one attention layer runs: its encoding and its attention kind (see :func:`use`).
+
+    ``rope_last``: r > 0 when the model's rotated features are the last r of each q/k head (MLA);
+    they are moved to the front before the encoding sees them (the same move on q and k leaves
+    q . k unchanged), so a RoPE with ``rotary_dim=r`` rotates exactly them.
+    """
+
+    encoding: PositionalEncoding
+    window: int | None = None
+    chunk: int | None = None
+    sinks: str | None = None  # the attention module's attribute holding (H,) sink logits
+    query_scale: QueryScale | None = None
+    rope_last: int = 0
+    causal: bool = True
+    rotate: bool = True  # False: q and k come rotated by the model's own rotary (see use)
+
+
+def posenc_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     attention_mask: torch.Tensor | None, *, scaling: float | None = None, dropout: float = 0.0,
+                     **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """The attention function registered as ``"posenc"``: ``posenc.attend`` with the layer's
+    encoding and attention kind (its :class:`LayerPlan`). query (B, H, Tq, D), key (B, Hkv, Tk, D)
+    and value (B, Hkv, Tk, Dv) un-rotated, cache included; returns (out (B, Tq, H, Dv), None).
+
+    The geometry (positions, documents, padding) is derived once per model forward and per key
+    length (full and sliding layers keep caches of different lengths) and shared by the layers,
+    with one :class:`~posenc.memo.ForwardMemo` (T5's bias is then computed once): the stand-in
+    rotary call, which the model makes at the start of each forward, starts a new forward. Under
+    gradient checkpointing each layer gets its own memo (a recomputed layer must redo its work).
+    ``softcap`` (Gemma 2) arrives from the layer; sinks are read from the module.
+
+    Raises:
+        UsageError: the model was not prepared with :func:`posenc.hf.use`, ``attention_dropout`` is
+            not 0 in training, or the mask is a prepared 4-D one.
+    """
+    plan: LayerPlan | None = module.__dict__.get("_posenc_plan")
+    forward: ForwardState | None = module.__dict__.get("_posenc_forward")
+    if plan is None or forward is None:
+        raise UsageError(f"{type(module).__name__} {getattr(module, 'layer_idx', '')}: attn_implementation='posenc' "
+                         "needs posenc.hf.use(model, encoding) first")
+    if dropout and module.training:
+        raise UsageError(f"attention_dropout must be 0 with posenc.hf (got {dropout})")
+    if attention_mask is not None and (attention_mask.dim() != 2 or attention_mask.dtype != torch.bool):
+        raise UsageError("attention_mask: posenc.hf takes a 2-D padding mask; a prepared 4-D mask is not supported")
+    position_ids = kwargs.get("position_ids")
+    if position_ids is None:
+        position_ids = forward.position_ids  # families whose layers do not pass them (Llama 4)
+    tq, tk = query.shape[2], key.shape[2]
+    entry = forward.find(tq, tk, attention_mask, position_ids)
+    if entry is None:
+        key_end = _key_end(tq, tk, attention_mask)
+        geometry = _geometry(query, key_end, attention_mask, position_ids, plan.causal)
+        entry = forward.add(tq, tk, attention_mask, position_ids, key_end, geometry)
+    key_end, geometry = entry[4], entry[5]
+    if key_end < tk:  # a static cache's unwritten slots
+        key, value = key[:, :, :key_end], value[:, :, :key_end]
+    memo = forward.memo
+    if module.training and getattr(forward.base, "gradient_checkpointing", False):
+        # A checkpointed layer is run again in backward and must save the same tensors as in its
+        # first run: nothing shared with the other layers (each computes its own bias).
+        memo = ForwardMemo()
+    r = plan.rope_last if plan.rotate else 0
+    if r:  # MLA: the rope features to the front, for a rotation of the first r
+        query = torch.cat((query[..., -r:], query[..., :-r]), dim=-1)
+        key = torch.cat((key[..., -r:], key[..., :-r]), dim=-1)
+    sinks = None if plan.sinks is None else getattr(module, plan.sinks)
+    softcap = kwargs.get("softcap")
+    log_gates = None
+    if offers(plan.encoding, Gates):
+        log_gates = _gates(module, plan.encoding, tq, tk)
+    out = attend(query, key, value, plan.encoding, scale=scaling, geometry=geometry, memo=memo, causal=geometry.causal, rotate=plan.rotate,
+                 window=plan.window, chunk=plan.chunk, sinks=sinks, query_scale=plan.query_scale,
+                 softcap=None if softcap is None else float(softcap), log_gates=log_gates)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _gates(module: nn.Module, encoding: PositionalEncoding, tq: int, tk: int) -> torch.Tensor:
+    """The layer's per-key log forget gates (B, H, Tk) from its input (kept by a pre-hook)."""
+    x = module.__dict__.get("_posenc_input")
+    if tq != tk or x is None or x.shape[1] != tk:
+        raise UsageError("use_cache: a method with forget gates (fox) runs inside HF models without a KV cache "
+                         "(use_cache=False): the cached keys' gates are not kept by HF's cache")
+    return require(encoding, Gates).log_gates(x)
+
+
+def keep_input(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    hidden = args[0] if args else kwargs.get("hidden_states")
+    module.__dict__["_posenc_input"] = hidden
+
+
+def register() -> None:
+    """Register posenc's attention and mask functions under the name ``"posenc"`` (idempotent)."""
+    AttentionInterface.register(NAME, posenc_attention)
+    AttentionMaskInterface.register(NAME, padding_mask)
+
+
+# -- the rotary stand-in -------------------------------------------------------------------------
+
+
+class ForwardState:
+    """What the layers of one model forward share: geometries (one per key length and mask), their
+    memo, the model-level position_ids, and the decode steps' workspace."""
+
+    def __init__(self) -> None:
+        self.base: nn.Module | None = None  # the decoder stack (its gradient_checkpointing flag)
+        self.entries: list[tuple[Any, ...]] = []
+        self.memo: ForwardMemo = ForwardMemo()
+        self.position_ids: torch.Tensor | None = None
+        # The single-query paths' buffers between decode steps (a relative bias vector, a padding
+        # mask), kept across forwards as posenc's own KV cache keeps them: every entry is rebuilt
+        # when what made it (sizes, padding, the encoding's parameter versions) changes.
+        self.workspace = Workspace()
+
+    def start(self) -> None:
+        self.entries = []
+        self.memo = ForwardMemo(self.workspace)
+
+    def find(self, tq: int, tk: int, mask: torch.Tensor | None, pos: torch.Tensor | None) -> tuple[Any, ...] | None:
+        for entry in self.entries:
+            if entry[0] == tq and entry[1] == tk and entry[2] is mask and entry[3] is pos:
+                return entry
+        return None
+
+    def add(self, tq: int, tk: int, mask: torch.Tensor | None, pos: torch.Tensor | None, key_end: int,
+            geometry: Geometry) -> tuple[Any, ...]:
+        entry = (tq, tk, mask, pos, key_end, geometry)
+        self.entries.append(entry)
+        return entry
+
+
+class RotaryStandIn(nn.Module):
+    """Stands in for a model's rotary module, holding it (``original``, a submodule, so it follows
+    ``.to()``; its tables are not persistent buffers, so checkpoints do not change). Each call
+    starts a new forward for the attention layers, calls the original and returns its output's
+    types and shapes as the identity rotation (cos = 1, sin = 0; a complex table of ones), so the
+    model's own rotation leaves q and k exactly as they are, whatever its layout, slice or dtype.
+    """
+
+    def __init__(self, original: nn.Module) -> None:
+        super().__init__()
+        self.original = original
+        self.forward_state = ForwardState()
+        self.identity = True  # False: the original's own tables pass through (the model rotates)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self.forward_state.start()
+        out = self.original(*args, **kwargs)
+        if not self.identity:
+            return out
+        if isinstance(out, tuple):
+            return (torch.ones_like(out[0]), torch.zeros_like(out[1]), *out[2:])
+        return torch.ones_like(out)
+
+
+__all__ = ["LayerPlan", "NAME", "RotaryStandIn", "padding_mask", "posenc_attention", "register"]

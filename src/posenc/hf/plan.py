@@ -1,0 +1,304 @@
+"""The plan of a model for :func:`posenc.hf.use`: its decoder stack, its family's row
+(:data:`posenc.families.FAMILIES`), its sizes (heads, the q/k head dim, the rotated features read
+from its rotary module), its own schedule, and per attention layer a
+:class:`~posenc.hf.attention.LayerPlan` with the encoding :func:`use` installs.
+
+For ``use(model, "rope")`` each layer's RoPE is checked against the model's own rotary tables
+(frequencies and attention factor); a model outside the table is checked against its own
+``apply_rotary_pos_emb``. A difference is a UsageError, never a silently different model.
+"""
+
+
+from __future__ import annotations
+
+import copy
+import json
+from dataclasses import dataclass
+from typing import Any, cast
+
+import torch
+from torch import nn
+
+from ..encodings import build, get_class, options_of
+from ..encodings.base import PositionalEncoding
+from ..encodings.protocol import Embeds, offers
+from ..encodings.rope import RoPE
+from ..errors import UsageError
+from ..families import Family, qk_head_dim
+from ..schedule import Layer, Schedule
+from ..schedule_hf import schedule_from_hf
+from .attention import LayerPlan
+
+# -- the plan: family, sizes, schedule -----------------------------------------------------------
+
+
+def decoder_stack(model: nn.Module) -> nn.Module:
+    """The module holding ``layers`` and ``rotary_emb`` (``LlamaModel`` & co.).
+
+    Raises:
+        UsageError: no such module within three levels (base model prefix, ``model``, ``language_model``).
+    """
+    frontier: list[nn.Module] = [model]
+    for _ in range(4):
+        found: list[nn.Module] = []
+        for node in frontier:
+            if isinstance(getattr(node, "layers", None), nn.ModuleList) and isinstance(getattr(node, "rotary_emb", None), nn.Module):
+                return node
+            for name in (getattr(node, "base_model_prefix", None), "model", "language_model"):
+                child = getattr(node, name, None) if isinstance(name, str) else None
+                if isinstance(child, nn.Module) and child is not node:
+                    found.append(child)
+        frontier = found
+    raise UsageError(f"model: {type(model).__name__} has no decoder stack with `layers` and one `rotary_emb` module "
+                     "(posenc.hf needs the model's rotary embedding computed once per forward on the decoder stack)")
+
+
+def attention_of(layer: nn.Module) -> nn.Module | None:
+    """A decoder layer's attention module (the one with ``layer_idx``), or None (a linear-attention layer)."""
+    for name in ("self_attn", "attention", "attn"):
+        module = getattr(layer, name, None)
+        if isinstance(module, nn.Module) and hasattr(module, "layer_idx"):
+            return module
+    return None
+
+
+def _layer_types(config: Any) -> list[str] | None:
+    types = getattr(config, "layer_types", None)
+    return list(types) if types is not None else None
+
+
+def _rotary_tables(rotary: nn.Module, kind: str | None) -> tuple[torch.Tensor, float]:
+    """The model's own inverse frequencies (r/2,) and attention factor for layers of ``kind``."""
+    inv = getattr(rotary, f"{kind}_inv_freq", None) if kind else None
+    factor = getattr(rotary, f"{kind}_attention_scaling", None) if kind else None
+    if inv is None:
+        inv = getattr(rotary, "inv_freq", None)
+        factor = getattr(rotary, "attention_scaling", 1.0)
+    if not isinstance(inv, torch.Tensor):
+        raise UsageError(f"model: its rotary module {type(rotary).__name__} has no inv_freq buffer to read the rotated "
+                         "features from")
+    inv = inv.detach()
+    return (inv if inv.is_meta else inv.float().cpu()), float(1.0 if factor is None else factor)
+
+
+def _family_schedule(config: Any, family: Family | None, depth: int) -> Schedule:
+    """The model's own schedule: its table row read by :func:`posenc.schedule_from_hf`, or for a
+    model outside the table the LLaMA pattern: RoPE from the config on every layer, windowed
+    where ``layer_types`` says sliding or, without them, everywhere when ``sliding_window`` is set."""
+    if family is not None:
+        return schedule_from_hf(config)
+    from ..encodings.rope_scaling import options_from_hf
+
+    found = options_from_hf(config)
+    options: dict[str, Any] = {"base": float(found["base"])}
+    scaling = {k: v for k, v in found["scaling"].items() if k != "rope_theta"}
+    if scaling.get("rope_type", scaling.get("type", "default")) != "default" or set(scaling) - {"rope_type", "type"}:
+        options["scaling"] = scaling
+    window = getattr(config, "sliding_window", None)
+    types = _layer_types(config) or ["sliding_attention" if window is not None else "full_attention"] * depth
+    layers = []
+    for kind in types:
+        if kind not in ("full_attention", "sliding_attention"):
+            raise UsageError(f"model: model_type {config.model_type!r} is not in posenc's family table and has layers of "
+                             f"type {kind!r}, which the LLaMA pattern does not describe")
+        layers.append(Layer("rope", dict(options), window=int(window) if window is not None and kind == "sliding_attention" else None))
+    return Schedule(tuple(layers))
+
+
+def _check_rotation(model: Any, rotary: nn.Module, r: int, layout: str) -> None:
+    """For a model outside the family table: its ``apply_rotary_pos_emb`` must rotate as posenc's
+    RoPE in ``layout`` over r features, or the model is refused."""
+    import sys
+
+    module = sys.modules.get(type(rotary).__module__)
+    apply = getattr(module, "apply_rotary_pos_emb", None)
+    if apply is None:
+        raise UsageError(f"model: model_type {model.config.model_type!r} is not in posenc's family table and its modeling "
+                         "module has no apply_rotary_pos_emb(q, k, cos, sin) to check its rotation against")
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 1, 6, r, generator=gen)
+    positions = torch.arange(6)
+    inv, _ = _rotary_tables(rotary, None)
+    angles = positions[:, None].float() * inv[None]  # (T, r/2)
+    cos, sin = torch.cat((angles.cos(), angles.cos()), -1)[None], torch.cat((angles.sin(), angles.sin()), -1)[None]
+    try:
+        theirs = apply(x, x, cos, sin)[0]
+    except Exception as error:  # their function's own signature or shapes
+        raise UsageError(f"model: model_type {model.config.model_type!r} is not in posenc's family table and its "
+                         f"apply_rotary_pos_emb does not take (q, k, cos, sin) as LLaMA's does ({error})") from error
+    if not torch.allclose(theirs, _rotate_with(layout, x, inv, positions), atol=1e-5):
+        raise UsageError(f"model: model_type {model.config.model_type!r} is not in posenc's family table and its rotation "
+                         f"is not LLaMA's ({layout} pairs over the first {r} features); add a family row "
+                         "(posenc.families.FAMILIES) to describe it")
+
+
+def _rotate_with(layout: str, x: torch.Tensor, inv: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """x (1, 1, T, r) rotated at ``positions`` by frequencies ``inv`` (r/2,) in ``layout``."""
+    from ..encodings.rope import apply_rotation
+
+    angles = positions[:, None].float() * inv[None]
+    return apply_rotation(x, angles.cos(), angles.sin(), layout)
+
+
+@dataclass
+class _Sizes:
+    heads: int
+    kv_heads: int
+    head_dim: int  # D, the q/k head dim the attention function sees
+    rotary_dim: int  # r, read from the model's rotary module
+    layout: str
+    rope_last: bool
+
+
+def _sizes(model: Any, config: Any, family: Family | None, rotary: nn.Module) -> _Sizes:
+    heads = int(config.num_attention_heads)
+    kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
+    d = qk_head_dim(config, family)
+    types = _layer_types(config)
+    inv, _ = _rotary_tables(rotary, types[-1] if types else None)
+    r = 2 * int(inv.numel())
+    if family is not None and family.rope_slice == "last":
+        r = int(config.qk_rope_head_dim)
+    if not 2 <= r <= d:
+        raise UsageError(f"model: its rotary module turns {r} features, outside [2, head_dim={d}]")
+    layout = family.layout if family is not None else "half"
+    if family is None and not inv.is_meta:
+        _check_rotation(model, rotary, r, layout)
+    return _Sizes(heads, kv_heads, d, r, layout, family is not None and family.rope_slice == "last")
+
+
+def _build(name: str, options: dict[str, Any], sizes: _Sizes, causal: bool) -> PositionalEncoding:
+    """A registry encoding for the model's heads, the family's layout and rotated features by default."""
+    cls = get_class(name)
+    accepted = options_of(cls)
+    extra: dict[str, Any] = {}
+    if "layout" in accepted and "layout" not in options and sizes.layout != "half":
+        extra["layout"] = sizes.layout
+    if "rotary_dim" in accepted and "rotary_dim" not in options and sizes.rotary_dim != sizes.head_dim:
+        extra["rotary_dim"] = sizes.rotary_dim
+    if "num_kv_heads" in accepted and "num_kv_heads" not in options:
+        extra["num_kv_heads"] = sizes.kv_heads
+    return build(name, num_heads=sizes.heads, head_dim=sizes.head_dim, causal=causal, **options, **extra)
+
+
+def _verify_rope(encoding: PositionalEncoding, rotary: nn.Module, kind: str | None, family: Family | None) -> None:
+    """posenc's RoPE read from the config against the model's own tables: the same frequencies
+    and attention factor, or a UsageError naming the difference (never a silently wrong model)."""
+    if not isinstance(encoding, RoPE):
+        return
+    inv, factor = _rotary_tables(rotary, kind)
+    if inv.is_meta or encoding.inv_freq.is_meta:  # a model being built by from_pretrained: checked once loaded
+        return
+    ours = encoding.inv_freq.detach().float().cpu()
+    name = family.name if family is not None else "this model"
+    if ours.shape != inv.shape or not torch.allclose(ours, inv, rtol=1e-5, atol=1e-9):
+        raise UsageError(f"rope: posenc's RoPE read from the {name} config ({ours.numel()} frequencies) differs from the "
+                         f"model's rotary module ({inv.numel()}) on layers of type {kind!r}; refusing a wrong model")
+    if abs(encoding.attention_factor - factor) > 1e-6 * max(1.0, abs(factor)):
+        raise UsageError(f"rope: posenc's attention factor {encoding.attention_factor} differs from the {name} model's "
+                         f"{factor} on layers of type {kind!r}")
+
+
+def layer_plans(model: Any, config: Any, family: Family | None, attentions: list[nn.Module | None], rotary: nn.Module,
+           encoding: str | nn.Module | Schedule, options: dict[str, Any]) -> tuple[list[LayerPlan | None], nn.ModuleList, dict[str, Any]]:
+    """One plan per layer (None where a layer has no attention), the encoding modules, the record."""
+    depth = len(attentions)
+    sizes = _sizes(model, config, family, rotary)
+    causal = family.causal if family is not None else True
+    own = _family_schedule(config, family, depth)
+    types = _layer_types(config)
+    record: dict[str, Any]
+    absolute: nn.Module | None = None
+    if isinstance(encoding, str) and "[" in encoding:
+        encoding = Schedule.parse(encoding, depth)
+    if isinstance(encoding, Schedule):
+        if options:
+            raise UsageError("options: give them inside the schedule's layers, not beside a schedule")
+        schedule = Schedule.of(encoding, depth)
+        layers = [_with_own_rope(layer, own.layers[i]) for i, layer in enumerate(schedule.layers)]
+        record = {"encoding": None, "options": {}, "schedule": schedule.to_list(), "causal": causal}
+        from_config = False
+    elif isinstance(encoding, nn.Module):
+        layers = [Layer("nope", window=o.window, chunk=o.chunk, sinks=o.sinks, query_scale=o.query_scale) for o in own.layers]
+        record, from_config = _module_record(encoding, options, sizes, causal), False
+    elif isinstance(encoding, str):
+        cls = get_class(encoding)
+        if not _jsonable(options):
+            raise UsageError("options: posenc.hf records them in the model's config, so they must be JSON values")
+        from_config = encoding == "rope" and not options
+        if from_config:
+            layers = list(own.layers)
+        elif offers(cls, Embeds):  # absolute: one module, its embed on the input, nothing in the layers
+            layers = [Layer("nope", window=o.window, chunk=o.chunk, sinks=o.sinks, query_scale=o.query_scale) for o in own.layers]
+            absolute = _build(encoding, dict(options), sizes, causal)
+        else:
+            _build(encoding, dict(options), sizes, causal)  # the registry's own errors for a bad option, first
+            layers = [Layer(encoding, dict(options), o.window, o.chunk, o.sinks, o.query_scale) for o in own.layers]
+        record = {"encoding": encoding, "options": dict(options), "causal": causal}
+        if from_config:
+            record["from_config"] = True
+    else:
+        raise UsageError(f"encoding must be a posenc encoding name, a schedule or an encoding module, got {type(encoding).__name__}")
+    built: dict[str, PositionalEncoding] = {}
+    modules: list[nn.Module] = []
+    plans: list[LayerPlan | None] = []
+    shared_module = encoding if isinstance(encoding, nn.Module) else absolute
+    for i, (attention, layer) in enumerate(zip(attentions, layers)):
+        if attention is None:
+            plans.append(None)
+            continue
+        kind = types[i] if types is not None else None
+        if shared_module is not None:
+            enc: PositionalEncoding = cast(PositionalEncoding, shared_module if i == 0 or shared_module.shares_across_layers
+                                           else copy.deepcopy(shared_module))
+        else:
+            key = layer.sharing_key
+            cached = built.get(key)
+            if cached is not None and cached.shares_across_layers:
+                enc = cached
+            else:
+                enc = _build(layer.encoding, dict(layer.options), sizes, causal)
+                built[key] = enc
+        if from_config:
+            _verify_rope(enc, rotary, kind, family)
+        if layer.sinks and (family is None or family.sinks is None):
+            raise UsageError(f"schedule: layer {i} asks for sinks, but the {type(attention).__name__} of this model has no "
+                             "sink logits")
+        if enc not in modules:
+            modules.append(enc)
+        plans.append(LayerPlan(enc, layer.window, layer.chunk, family.sinks if layer.sinks and family is not None else None,
+                               layer.query_scale, sizes.rotary_dim if sizes.rope_last else 0, causal))
+    return plans, nn.ModuleList(modules), record
+
+
+def _with_own_rope(layer: Layer, own: Layer) -> Layer:
+    """A schedule layer of ``rope`` without a base takes the model's own RoPE options for that layer."""
+    if layer.encoding != "rope" or "base" in layer.options or own.encoding != "rope":
+        return layer
+    return Layer("rope", {**own.options, **layer.options}, layer.window, layer.chunk, layer.sinks, layer.query_scale)
+
+
+def _module_record(encoding: nn.Module, options: dict[str, Any], sizes: _Sizes, causal: bool) -> dict[str, Any]:
+    if options:
+        raise UsageError("options: give them to posenc.build, not with an encoding module")
+    if not isinstance(encoding, PositionalEncoding) or encoding.num_heads != sizes.heads or encoding.head_dim != sizes.head_dim:
+        raise UsageError(f"encoding: needs a posenc encoding for num_heads={sizes.heads}, head_dim={sizes.head_dim}, "
+                         f"got {encoding!r}")
+    if encoding.causal != causal:
+        raise UsageError("encoding: a decoder needs a causal encoding (causal=True), got a bidirectional one "
+                         "(for T5, import the decoder's table: t5_from_hf(model, stack='decoder'))")
+    cls = type(encoding)
+    recorded = {k: getattr(encoding, k) for k in options_of(cls) if hasattr(encoding, k) and _jsonable(getattr(encoding, k))}
+    unrecorded = [k for k in options_of(cls) if hasattr(encoding, k) and k not in recorded]
+    record: dict[str, Any] = {"encoding": cls.name, "options": recorded, "causal": encoding.causal}
+    if unrecorded:
+        record["unrecorded"] = unrecorded
+    return record
+
+
+def _jsonable(value: Any) -> bool:
+    try:
+        json.dumps(value)
+    except (TypeError, ValueError):
+        return False
+    return True
