@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import posenc
-from posenc.encodings.protocol import Gates, RelativeBias, offers
+from posenc.encodings.protocol import RelativeBias, offers
 
 transformers = pytest.importorskip("transformers")
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
@@ -259,15 +259,6 @@ def test_every_encoding_generates_as_its_full_forward_and_packs(method: str) -> 
     full forward of each row alone; a packed row equals its documents alone."""
     model = llama()
     phf.use(model, method)
-    if offers(posenc.build(method, num_heads=4, head_dim=16), Gates):  # gates from each layer's input, no cache
-        ids = tokens(1, 9)
-        with pytest.raises(posenc.UsageError, match="use_cache"):
-            model.generate(ids, max_new_tokens=2, do_sample=False)
-        doc = logits(model, ids[:, :5], use_cache=False)
-        packed = logits(model, ids, position_ids=torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 3]]), use_cache=False)
-        assert max_err(packed[:, :5], doc) < 1e-5
-        assert max_err(packed[:, 5:], logits(model, ids[:, 5:], use_cache=False)) < 1e-5
-        return
     ids = tokens(2, 9)
     mask = torch.ones(2, 9, dtype=torch.long)
     mask[1, :3] = 0
@@ -435,3 +426,18 @@ def test_dynamic_ntk_plain_forward_equals_untouched_model() -> None:
     for n in (12, 40):
         ids = tokens(1, n)
         assert max_err(logits(model, ids), logits(ref, ids)) < 1e-5, n
+
+
+def test_fox_gates_follow_the_cache() -> None:
+    """FoX inside HF: the cached tokens' gates are kept with the cache, so cached beam search and a
+    static cache give the tokens of generation without a cache."""
+    model = phf.use(llama(), "fox")
+    ids = tokens(2, 7)
+    plain = model.generate(ids, max_new_tokens=5, do_sample=False, num_beams=2, use_cache=False)
+    assert torch.equal(model.generate(ids, max_new_tokens=5, do_sample=False, num_beams=2), plain)
+    greedy = model.generate(ids, max_new_tokens=5, do_sample=False, use_cache=False)
+    assert torch.equal(model.generate(ids, max_new_tokens=5, do_sample=False, cache_implementation="static"), greedy)
+    with torch.no_grad():
+        first = phf.use(llama(), "alibi")(ids, use_cache=True)  # a cache filled by another model's calls
+        with pytest.raises(posenc.UsageError, match="fox: the KV cache holds 7 keys"):
+            model(ids[:, :1], cache=first.cache)

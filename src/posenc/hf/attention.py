@@ -198,7 +198,7 @@ def posenc_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
     softcap = kwargs.get("softcap")
     log_gates = None
     if offers(plan.encoding, Gates):
-        log_gates = _gates(module, plan.encoding, tq, tk)
+        log_gates = _gates(module, plan.encoding, tq, key_end)
     out = attend(query, key, value, plan.encoding, scale=scaling, geometry=geometry, memo=memo, causal=geometry.causal, rotate=plan.rotate,
                  window=plan.window, chunk=plan.chunk, sinks=sinks, query_scale=plan.query_scale,
                  softcap=None if softcap is None else float(softcap), log_gates=log_gates)
@@ -206,17 +206,57 @@ def posenc_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
 
 
 def _gates(module: nn.Module, encoding: PositionalEncoding, tq: int, tk: int) -> torch.Tensor:
-    """The layer's per-key log forget gates (B, H, Tk) from its input (kept by a pre-hook)."""
+    """The layer's per-key log forget gates (B, H, Tk): the new tokens' from the layer's input (kept
+    by :func:`keep_input`), after the cached tokens' gates, which are kept on the KV cache object
+    beside its keys (and reordered with them by beam search).
+
+    Raises:
+        UsageError: a cached call whose cache holds no gates for this layer, or gates of another
+            batch or length than its keys (a cache grown or cut outside this model's calls).
+    """
     x = module.__dict__.get("_posenc_input")
-    if tq != tk or x is None or x.shape[1] != tk:
-        raise UsageError("use_cache: a method with forget gates (fox) runs inside HF models without a KV cache "
-                         "(use_cache=False): the cached keys' gates are not kept by HF's cache")
-    return require(encoding, Gates).log_gates(x)
+    if x is None or x.shape[1] != tq:
+        raise UsageError("fox: the layer's input did not reach posenc's attention (its gates come from it)")
+    new = require(encoding, Gates).log_gates(x)  # (B, H, Tq)
+    cache = module.__dict__.get("_posenc_cache")
+    layer = getattr(module, "layer_idx", 0)
+    kept: dict[int, torch.Tensor] | None = None if cache is None else cache.__dict__.get("_posenc_gates")
+    if tq == tk:
+        gates = new
+    else:
+        past = None if kept is None else kept.get(layer)
+        if past is None or past.shape[0] != new.shape[0] or past.shape[-1] + tq != tk:
+            have = None if past is None else tuple(past.shape)
+            raise UsageError(f"fox: the KV cache holds {tk - tq} keys but gates of shape {have} for layer {layer}: "
+                             "a method with forget gates needs the cache its own calls filled (use_cache, generate)")
+        gates = torch.cat((past, new), dim=-1)
+    if cache is not None:
+        if kept is None:
+            kept = cache.__dict__["_posenc_gates"] = {}
+            _reorder_with(cache, kept)
+        kept[layer] = gates.detach() if not torch.is_grad_enabled() else gates
+    return gates
+
+
+def _reorder_with(cache: Any, kept: dict[int, torch.Tensor]) -> None:
+    """Beam search reorders the cache's rows (``reorder_cache``): the kept gates follow."""
+    reorder = getattr(cache, "reorder_cache", None)
+    if reorder is None:
+        return
+
+    def reordered(beam_idx: torch.Tensor) -> Any:
+        for key, value in kept.items():
+            kept[key] = value.index_select(0, beam_idx.to(value.device))
+        return reorder(beam_idx)
+
+    cache.reorder_cache = reordered
 
 
 def keep_input(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-    hidden = args[0] if args else kwargs.get("hidden_states")
-    module.__dict__["_posenc_input"] = hidden
+    """A forward pre-hook on an attention module: its input (the gates' source) and its KV cache."""
+    module.__dict__["_posenc_input"] = args[0] if args else kwargs.get("hidden_states")
+    cache = kwargs.get("cache", kwargs.get("past_key_values", kwargs.get("past_key_value")))
+    module.__dict__["_posenc_cache"] = cache
 
 
 def register() -> None:
