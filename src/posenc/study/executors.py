@@ -33,7 +33,7 @@ from typing import Any, Callable, Protocol, Sequence
 import torch
 
 from ..errors import UsageError
-from . import distributed
+from . import distributed, seeds
 from .builders import models_for
 from .config import StudyConfig
 from .data import Corpus
@@ -103,25 +103,36 @@ def key_of(run: Run) -> Key:
     return run.row.name, run.index
 
 
+def chain(run: Run) -> list[Run]:
+    """``run`` and its bases, nearest first."""
+    out = [run]
+    while out[-1].base is not None:
+        out.append(out[-1].parent)
+    return out
+
+
 # -- the worker's side --------------------------------------------------------------------------------
 
 
 class WorkerBook(Book):
     """A worker's view of results.json: the entries its task brought; each save sends the records
-    of the current run and its bases to the main process instead of writing the file."""
+    this task set (its run's; a base's, trained again when its checkpoint was missing) to the main
+    process instead of writing the file."""
 
     def __init__(self, paths: Paths, ctx: distributed.Context, cfg: StudyConfig, runs: dict[Key, Run], emit: Emit) -> None:
         super().__init__({"methods": {}}, paths, ctx, cfg)
         self.runs, self.emit = runs, emit
-        self.current: Run | None = None
+        self.touched: dict[Key, Run] = {}  # the runs this task set a record of
+
+    def set(self, run: Run, record: dict) -> dict:
+        self.touched[key_of(run)] = run
+        return super().set(run, record)
 
     def save(self, outputs: bool = False) -> None:
-        run = self.current
-        while run is not None:
+        for key, run in self.touched.items():
             record = self.run_of(run)
             if record is not None:
-                self.emit(("record", key_of(run), {k: v for k, v in record.items() if k not in ("row", "seeds", "across_seeds")}))
-            run = run.base
+                self.emit(("record", key, {k: v for k, v in record.items() if k not in ("row", "seeds", "across_seeds")}))
 
     def aggregate(self, run: Run) -> None:  # (the main process aggregates the seeds)
         self.save()
@@ -162,7 +173,7 @@ def run_task(stages: Stages, task: Task, emit: Emit) -> bool:
     stages.ui.emit = emit
     run = book.runs[task.key]
     book.results["methods"] = copy.deepcopy(task.methods)
-    book.current = run
+    book.touched = {}
     try:
         stages.run(run)
     except KeyboardInterrupt:
@@ -180,10 +191,13 @@ def run_task(stages: Stages, task: Task, emit: Emit) -> bool:
 
 def _local_worker(setup: Setup, tasks: Any, messages: Any) -> None:  # (multiprocessing queues)
     """A local worker process: runs tasks until told to stop (None) or one fails."""
-    stages = make_stages(setup, messages.put)
-    while (task := tasks.get()) is not None:
-        if not run_task(stages, task, messages.put):
-            break
+    try:
+        stages = make_stages(setup, messages.put)
+        while (task := tasks.get()) is not None:
+            if not run_task(stages, task, messages.put):
+                break
+    except KeyboardInterrupt:  # (between tasks: the main process stops the study)
+        return
 
 
 _RAY_STAGES: dict[str, Stages] = {}  # a Ray worker process's stages, per study (Ray reuses its workers)
@@ -221,11 +235,22 @@ class Pool(Protocol):
     def close(self) -> None: ...
 
 
+def _context() -> Any:  # (a multiprocessing context)
+    """Fresh worker processes: forked from a server process that has imported posenc and torch but
+    run nothing (``forkserver``: no thread pool is forked, the imports are paid once per study
+    command, not per worker), or started anew (``spawn``) where there is no fork."""
+    if "forkserver" in multiprocessing.get_all_start_methods():
+        mp = multiprocessing.get_context("forkserver")
+        mp.set_forkserver_preload([__name__])
+        return mp
+    return multiprocessing.get_context("spawn")
+
+
 class LocalPool:
-    """``jobs`` worker processes (started fresh: ``spawn``), fed through one task queue."""
+    """``jobs`` worker processes (:func:`_context`), fed through one task queue."""
 
     def __init__(self, setup: Setup, jobs: int) -> None:
-        mp = multiprocessing.get_context("spawn")
+        mp = _context()
         self.tasks, self.messages = mp.Queue(), mp.Queue()
         self.procs = [mp.Process(target=_local_worker, args=(setup, self.tasks, self.messages), daemon=True,
                                  name=f"posenc-study-worker-{i}") for i in range(jobs)]
@@ -366,20 +391,15 @@ def schedule(pool: Pool, book: Book, runs: Sequence[Run], slots: int, ui: Progre
         KeyboardInterrupt: an interrupt here or in a worker (every worker is stopped).
         RuntimeError: a worker failed (its traceback) or died.
     """
-    by_key = {key_of(r): r for r in runs}
+    by_key = {key_of(r): r for run in runs for r in chain(run)}
     waiting, running = list(runs), set()
 
     def ready(run: Run) -> bool:
         return run.base is None or (key_of(run.base) not in running and book.finished(run.base))
 
     def snapshot(run: Run) -> dict:
-        names, r = [], run
-        while r.base is not None:
-            names.append(r.row.name)
-            r = r.base
-        names.append(r.row.name)
         methods = book.results["methods"]
-        return {n: copy.deepcopy(methods[n]) for n in names if n in methods}
+        return {r.row.name: copy.deepcopy(methods[r.row.name]) for r in chain(run) if r.row.name in methods}
 
     def handle(message: Message, records_only: bool = False) -> None:
         kind = message[0]
@@ -395,6 +415,8 @@ def schedule(pool: Pool, book: Book, runs: Sequence[Run], slots: int, ui: Progre
         elif kind == "done":
             run = by_key[message[1]]
             running.discard(message[1])
+            for base in chain(run)[1:]:  # (a base's record that came again: its seeds' mean again)
+                seeds.aggregate(book.results["methods"][base.row.name], base.row.stem, book.paths, book.cfg.task == "recall")
             book.aggregate(run)
             ui.method_done()
         elif kind == "failed":
