@@ -197,7 +197,7 @@ def test_bad_execution_options_are_refused(tmp_path):
     assert cli.main(["study", *ARGS, "--jobs", "0", "--out", str(tmp_path / "y")]) == 2
 
 
-LONG = ["--preset", "smoke", "--methods", "t5", "rope", "--steps", "400", "--checkpoint-every", "5", "--eval-lengths", "32",
+LONG = ["--preset", "smoke", "--methods", "t5", "rope", "--steps", "120", "--checkpoint-every", "5", "--eval-lengths", "32",
         "--threads", "1", "--quiet"]
 
 

@@ -277,8 +277,10 @@ class LocalPool:
                 out = self._drain()
                 if out:
                     return out
-                raise RuntimeError(f"a study worker (pid {dead[0].pid}) ended with exit code {dead[0].exitcode} "
-                                   "without a word (killed, or out of memory?); finished work is kept: continue with resume")
+                raise RuntimeError(f"a study worker (pid {dead[0].pid}) ended with exit code {dead[0].exitcode} without a "
+                                   "word: killed or out of memory, or its error is printed above (a script that starts a "
+                                   "study with jobs > 1 must do so under `if __name__ == \"__main__\":`, as the workers "
+                                   "import it); finished work is kept: continue with resume")
             return []
         return [first, *self._drain()]
 
@@ -317,7 +319,10 @@ class RayPool:
         self.ray = ray
         self.owned = not ray.is_initialized()
         if self.owned:
-            ray.init(address=address, include_dashboard=False, log_to_driver=True)
+            try:
+                ray.init(address=address, include_dashboard=False, log_to_driver=True)
+            except (ConnectionError, ValueError, RuntimeError) as err:
+                raise UsageError(f"ray_address: cannot start or join Ray at {address or 'a local instance'} ({err})") from None
         gpus = 1 if torch.device(setup.cfg.device).type == "cuda" else 0
         self.setup = ray.put(setup)
         self.remote = ray.remote(num_cpus=setup.threads, num_gpus=gpus, max_retries=0)(_ray_task)
