@@ -59,10 +59,13 @@ def serial(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def shards(tmp_path_factory):
+    """Three parts of the 4 groups (rope and alibi at seeds 0 and 1): part 1 has rope's first seed
+    and alibi's second, so its alibi entry is a placeholder holding a later seed; part 3 has rope's
+    second seed alone."""
     root = tmp_path_factory.mktemp("shards")
-    for k in (1, 2):
-        assert cli.main(["study", *ARGS, "--shard", f"{k}/2", "--out", str(root / f"part{k}")]) == 0
-    return root / "part1", root / "part2"
+    for k in (1, 2, 3):
+        assert cli.main(["study", *ARGS, "--shard", f"{k}/3", "--out", str(root / f"part{k}")]) == 0
+    return root / "part1", root / "part2", root / "part3"
 
 
 def test_jobs_2_equal_a_serial_study_number_for_number(serial, tmp_path):
@@ -81,18 +84,19 @@ def table(out: Path) -> list[str]:
 
 
 def test_shards_merged_equal_a_serial_study(serial, shards, tmp_path):
-    one, two = shards
-    first = json.loads((one / "results.json").read_text())
-    assert first["shard"] == {"index": 1, "count": 2} and first["status"] == "done"
+    first = json.loads((shards[0] / "results.json").read_text())
+    assert first["shard"] == {"index": 1, "count": 3} and first["status"] == "done"
+    assert first["methods"]["alibi"]["status"] == "pending" and first["methods"]["alibi"]["seeds"][0]["status"] == "done"
+    assert cli.main(["report", str(shards[2]), "--out", str(tmp_path / "part3.html")]) == 0  # a part alone reads too
     out = tmp_path / "merged"
-    assert cli.main(["study", "merge", str(one), str(two), "--out", str(out)]) == 0
+    assert cli.main(["study", "merge", *map(str, shards), "--out", str(out)]) == 0
     assert numbers(out) == numbers(serial) and table(out) == table(serial)
     assert checkpoints(out) == checkpoints(serial)
     windows = sorted(p.relative_to(out).as_posix() for p in (out / "windows").rglob("*.json"))
     assert windows == sorted(p.relative_to(serial).as_posix() for p in (serial / "windows").rglob("*.json"))
     merged = json.loads((out / "results.json").read_text())
     assert merged["status"] == "done" and "shard" not in merged
-    assert [m["shard"] for m in merged["merged_from"]] == [{"index": 1, "count": 2}, {"index": 2, "count": 2}]
+    assert [m["shard"] for m in merged["merged_from"]] == [{"index": k, "count": 3} for k in (1, 2, 3)]
     assert cli.main(["report", str(out), "--out", str(tmp_path / "report.html")]) == 0
 
 
@@ -116,7 +120,7 @@ def _copy(src: Path, dst: Path, edit=None) -> Path:
 
 
 def test_merge_refuses_what_cannot_be_one_study(serial, shards, tmp_path):
-    one, two = shards
+    one, two, _ = shards
 
     def steps(r):
         r["config"]["steps"] = 13
@@ -153,10 +157,10 @@ def test_merge_refuses_what_cannot_be_one_study(serial, shards, tmp_path):
 
 def test_a_part_resumes_as_the_same_part(shards, tmp_path):
     one = _copy(shards[0], tmp_path / "one")
-    with pytest.raises(UsageError, match="holds part 1/2, not part 2/2"):
-        run_experiment(_cfg(), one, resume=True, progress=False, shard=(2, 2))
+    with pytest.raises(UsageError, match="holds part 1/3, not part 2/3"):
+        run_experiment(_cfg(), one, resume=True, progress=False, shard=(2, 3))
     results = run_experiment(_cfg(), one, resume=True, progress=False)  # (no shard given: the saved part)
-    assert results["shard"] == {"index": 1, "count": 2} and results["status"] == "done"
+    assert results["shard"] == {"index": 1, "count": 3} and results["status"] == "done"
 
 
 def _cfg(**kw) -> StudyConfig:
