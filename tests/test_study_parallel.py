@@ -198,7 +198,13 @@ def test_bad_execution_options_are_refused(tmp_path):
     with pytest.raises(UsageError, match="on_step"):
         run_experiment(_cfg(), tmp_path / "x", progress=False, execution=Execution(jobs=2), on_step=lambda m, s: None)
     assert not (tmp_path / "x").exists()
-    assert cli.main(["study", *ARGS, "--jobs", "0", "--out", str(tmp_path / "y")]) == 2
+    for bad in ("0", "two", "-1"):
+        assert cli.main(["study", *ARGS, "--jobs", bad, "--out", str(tmp_path / "y")]) == 2
+    assert not (tmp_path / "y").exists()
+    from posenc.study.cli import jobs_of
+    from posenc.study.executors import cores
+
+    assert jobs_of("auto") == cores() and jobs_of("3") == 3
 
 
 LONG = ["--preset", "smoke", "--methods", "t5", "rope", "--steps", "120", "--checkpoint-every", "5", "--eval-lengths", "32",

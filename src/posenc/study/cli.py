@@ -72,9 +72,10 @@ def add_study_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--resume", action="store_true", help="continue the study in --out: finished methods are skipped")
     p.add_argument("--threads", type=int, help="CPU threads of each run (default: 1 for smoke and for executor ray, "
                    "else the cores / jobs)")
-    p.add_argument("--jobs", type=int, default=1, help="runs at a time, each in a worker process of its own (a row at a "
-                   "seed; a run evaluated or fine-tuned from another waits for it); numbers equal a serial study's "
-                   "at the same threads (default 1: one after another in this process)")
+    p.add_argument("--jobs", default="1", metavar="N|auto", help="runs at a time, each in a worker process of its own (a "
+                   "row at a seed; a run evaluated or fine-tuned from another waits for it); numbers equal a serial "
+                   "study's at the same threads; auto: one per core, at 1 thread each (default 1: one after another "
+                   "in this process)")
     p.add_argument("--executor", choices=EXECUTORS, default="local",
                    help="where runs go: local (worker processes, --jobs) or ray (each run a Ray task needing --threads "
                    "CPUs, or a GPU; pip install 'posenc[ray]') (default local)")
@@ -188,7 +189,25 @@ def threads_of(args: argparse.Namespace, cfg: StudyConfig, threads: int) -> int:
         return PRESET_THREADS[cfg.preset]
     if args.executor == "ray":
         return 1
-    return threads if args.jobs == 1 else max(1, cores() // args.jobs)
+    jobs = jobs_of(args.jobs)
+    return threads if jobs == 1 else max(1, cores() // jobs)
+
+
+def jobs_of(text: str | int) -> int:
+    """``--jobs``: a positive integer, or ``auto`` (the cores this process may use).
+
+    Raises:
+        UsageError: neither a positive integer nor auto.
+    """
+    if text == "auto":
+        return cores()
+    try:
+        jobs = int(text)
+    except ValueError:
+        jobs = 0
+    if jobs < 1:
+        raise UsageError(f"jobs must be an integer >= 1 or auto, got {text!r}")
+    return jobs
 
 
 def _merge(args: argparse.Namespace) -> int:
@@ -204,8 +223,8 @@ def _merge(args: argparse.Namespace) -> int:
         raise UsageError("merge needs the folders to join and --out: posenc study merge DIR... --out DIR")
     other = sorted(k for k, v in vars(args).items() if k not in ("merge", "out", "quiet", "command", "_run", "jobs",
                                                                     "executor") and v not in (None, False))
-    if other or args.jobs != 1 or args.executor != "local":
-        names = other + (["jobs"] if args.jobs != 1 else []) + (["executor"] if args.executor != "local" else [])
+    if other or str(args.jobs) != "1" or args.executor != "local":
+        names = other + (["jobs"] if str(args.jobs) != "1" else []) + (["executor"] if args.executor != "local" else [])
         raise UsageError(f"merge takes the folders and --out only, not --{names[0].replace('_', '-')} (the study's "
                          "options come from the folders)")
     from .merge import merge
@@ -232,8 +251,7 @@ def run_study(args: argparse.Namespace, on_step: StepCallback | None = None) -> 
         raise UsageError(f"threads must be >= 1, got {args.threads}")
     if args.merge:
         return _merge(args)
-    if args.jobs < 1:
-        raise UsageError(f"jobs must be >= 1, got {args.jobs}")
+    jobs = jobs_of(args.jobs)
     part = parse_shard(args.shard) if args.shard is not None else None
     out = default_out(args)
     parts = study_parts(args, out)
@@ -243,7 +261,7 @@ def run_study(args: argparse.Namespace, on_step: StepCallback | None = None) -> 
     try:
         started = time.perf_counter()
         for cfg, where, resume in parts:
-            execution = Execution(args.jobs, threads_of(args, cfg, threads), args.executor, args.ray_address)
+            execution = Execution(jobs, threads_of(args, cfg, threads), args.executor, args.ray_address)
             torch.set_num_threads(execution.threads or threads)
             t0 = time.perf_counter()
             results = run_experiment(cfg, where, resume=resume, progress=not args.quiet, ctx=ctx, on_step=on_step,

@@ -377,7 +377,7 @@ def executor(execution: Execution, cfg: StudyConfig, out: Path, corpus: Corpus |
     def execute(book: Book, runs: Sequence[Run], ui: Progress) -> None:
         if not runs:
             return
-        pool: Pool = RayPool(setup, execution.address) if execution.executor == "ray" else LocalPool(setup, execution.jobs)
+        pool: Pool = RayPool(setup, execution.address) if execution.executor == "ray" else LocalPool(setup, min(execution.jobs, len(runs)))
         slots = execution.jobs if execution.jobs > 1 or execution.executor == "local" else len(runs)
         try:
             schedule(pool, book, runs, slots, ui)
