@@ -15,11 +15,13 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from posenc import cli
 from posenc.errors import UsageError
 from posenc.study import StudyConfig, run_experiment
 from posenc.study.builders import models_for
+from posenc.study.distributed import Context
 from posenc.study.executors import Execution
 from posenc.study.merge import merge
 from posenc.study.plan import groups, parse_shard, plan, shard
@@ -195,6 +197,9 @@ def test_bad_execution_options_are_refused(tmp_path):
                             (Execution(address="auto"), "ray_address needs executor ray")):
         with pytest.raises(UsageError, match=what):
             run_experiment(_cfg(), tmp_path / "x", progress=False, execution=execution)
+    with pytest.raises(UsageError, match="torchrun"):  # (DDP's processes: one big run)
+        run_experiment(_cfg(), tmp_path / "x", progress=False, execution=Execution(jobs=2),
+                       ctx=Context(torch.device("cpu"), 0, 2))
     with pytest.raises(UsageError, match="on_step"):
         run_experiment(_cfg(), tmp_path / "x", progress=False, execution=Execution(jobs=2), on_step=lambda m, s: None)
     assert not (tmp_path / "x").exists()
