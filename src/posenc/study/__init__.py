@@ -30,6 +30,8 @@ The modules, in the order a run meets them:
     plan.py        the study's runs (a row at a seed: paths, TrainSettings)
     pipeline.py    the stages of a run: its model (trained, fine-tuned or loaded), its scores at
                    each length, its record in results.json
+    executors.py   (jobs > 1, executor ray) the runs in worker processes or Ray tasks, the main
+                   process keeping results.json and the one progress display
     studied.py     the model a study trains: posenc's LM or hf_models' StudyModel
     train.py       the training loop (it reads only its TrainSettings), optimizer and schedule,
                    clean stop on Ctrl-C, RNG state
@@ -48,6 +50,7 @@ The modules, in the order a run meets them:
     figures.py     the study's figures (one fixed colour per method, shades for its variants)
     data.py        byte-level corpora: the built-in stdlib corpus, a file or folder, a Hugging Face dataset
     distributed.py DDP plumbing for ``torchrun ... -m posenc study``
+    merge.py       ``posenc study merge``: the folders of a study's parts (``--shard K/N``) joined, checked
 
 Every file is written to a temporary name and renamed, so a kill at any moment leaves either the
 old or the new version; ``resume=True`` (``--resume``) continues from the last saved step and gives

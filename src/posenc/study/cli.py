@@ -22,6 +22,8 @@ from ..encodings import available
 from ..errors import UsageError
 from . import distributed
 from .config import COMPANIONS, LM_ONLY, PAIR_PARTS, PRESET_DESCRIPTIONS, PRESET_THREADS, PRESETS, RECALL_ONLY, StudyConfig
+from .executors import EXECUTORS, Execution, cores
+from .plan import parse_shard
 from .results import load_results, markdown_table
 from .run import run_experiment
 from .train import StepCallback
@@ -68,7 +70,21 @@ def add_study_arguments(p: argparse.ArgumentParser) -> None:
                        help=help_text)
     p.add_argument("--out", default=None, help="output directory (default runs/PRESET)")
     p.add_argument("--resume", action="store_true", help="continue the study in --out: finished methods are skipped")
-    p.add_argument("--threads", type=int, help="CPU threads for torch (default: 1 for smoke, else torch's choice)")
+    p.add_argument("--threads", type=int, help="CPU threads of each run (default: 1 for smoke and for executor ray, "
+                   "else the cores / jobs)")
+    p.add_argument("--jobs", default="1", metavar="N|auto", help="runs at a time, each in a worker process of its own (a "
+                   "row at a seed; a run evaluated or fine-tuned from another waits for it); numbers equal a serial "
+                   "study's at the same threads; auto: one per core, at 1 thread each (default 1: one after another "
+                   "in this process)")
+    p.add_argument("--executor", choices=EXECUTORS, default="local",
+                   help="where runs go: local (worker processes, --jobs) or ray (each run a Ray task needing --threads "
+                   "CPUs, or a GPU; pip install 'posenc[ray]') (default local)")
+    p.add_argument("--ray-address", default=None, help="an existing Ray cluster (ray.init's address; default: start a "
+                   "local Ray instance)")
+    p.add_argument("--shard", default=None, metavar="K/N", help="only the K-th of N parts of the runs, for a job array; "
+                   "`posenc study merge` joins the parts' folders")
+    p.add_argument("merge", nargs="*", metavar="merge DIR", help="posenc study merge DIR... --out DIR: join the folders "
+                   "of a study's parts (--shard) into one, checked, with the tables and figures across seeds")
     p.add_argument("--quiet", action="store_true", help="no progress output")
 
 
@@ -164,6 +180,62 @@ def _print_table(cfg: StudyConfig, results: dict, out: Path, wall: float) -> Non
           f"`posenc report {out}` makes an HTML page; wall time {_minutes(wall)}")
 
 
+def threads_of(args: argparse.Namespace, cfg: StudyConfig, threads: int) -> int:
+    """The threads of each run: ``--threads``, else the preset's (smoke: 1), else 1 on Ray, else the
+    cores / ``--jobs`` (``threads``: torch's own choice, for one job)."""
+    if args.threads:
+        return int(args.threads)
+    if cfg.preset in PRESET_THREADS:
+        return PRESET_THREADS[cfg.preset]
+    if args.executor == "ray":
+        return 1
+    jobs = jobs_of(args.jobs)
+    return threads if jobs == 1 else max(1, cores() // jobs)
+
+
+def jobs_of(text: str | int) -> int:
+    """``--jobs``: a positive integer, or ``auto`` (the cores this process may use).
+
+    Raises:
+        UsageError: neither a positive integer nor auto.
+    """
+    if text == "auto":
+        return cores()
+    try:
+        jobs = int(text)
+    except ValueError:
+        jobs = 0
+    if jobs < 1:
+        raise UsageError(f"jobs must be an integer >= 1 or auto, got {text!r}")
+    return jobs
+
+
+def _merge(args: argparse.Namespace) -> int:
+    """``posenc study merge DIR... --out DIR``.
+
+    Raises:
+        UsageError: not ``merge`` first, no folders or no ``--out``, or a study option beside them.
+    """
+    if args.merge[0] != "merge":
+        raise UsageError(f"unexpected argument {args.merge[0]!r}: the one word `posenc study` takes is merge "
+                         "(posenc study merge DIR... --out DIR)")
+    if len(args.merge) < 2 or args.out is None:
+        raise UsageError("merge needs the folders to join and --out: posenc study merge DIR... --out DIR")
+    other = sorted(k for k, v in vars(args).items() if k not in ("merge", "out", "quiet", "command", "_run", "jobs",
+                                                                    "executor") and v not in (None, False))
+    if other or str(args.jobs) != "1" or args.executor != "local":
+        names = other + (["jobs"] if str(args.jobs) != "1" else []) + (["executor"] if args.executor != "local" else [])
+        raise UsageError(f"merge takes the folders and --out only, not --{names[0].replace('_', '-')} (the study's "
+                         "options come from the folders)")
+    from .merge import merge
+
+    results = merge([Path(d) for d in args.merge[1:]], Path(args.out), progress=not args.quiet)
+    print(markdown_table(results, intervals=True))
+    print(f"\nmerged {len(args.merge) - 1} folders into {args.out}/ (status {results['status']}); "
+          f"`posenc report {args.out}` makes an HTML page")
+    return 0
+
+
 def _minutes(seconds: float) -> str:
     return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.1f} min"
 
@@ -177,6 +249,10 @@ def run_study(args: argparse.Namespace, on_step: StepCallback | None = None) -> 
     """
     if args.threads is not None and args.threads < 1:
         raise UsageError(f"threads must be >= 1, got {args.threads}")
+    if args.merge:
+        return _merge(args)
+    jobs = jobs_of(args.jobs)
+    part = parse_shard(args.shard) if args.shard is not None else None
     out = default_out(args)
     parts = study_parts(args, out)
     ctx = distributed.setup(parts[0][0].device)
@@ -185,9 +261,11 @@ def run_study(args: argparse.Namespace, on_step: StepCallback | None = None) -> 
     try:
         started = time.perf_counter()
         for cfg, where, resume in parts:
-            torch.set_num_threads(args.threads or PRESET_THREADS.get(cfg.preset) or threads)
+            execution = Execution(jobs, threads_of(args, cfg, threads), args.executor, args.ray_address)
+            torch.set_num_threads(execution.threads or threads)
             t0 = time.perf_counter()
-            results = run_experiment(cfg, where, resume=resume, progress=not args.quiet, ctx=ctx, on_step=on_step)
+            results = run_experiment(cfg, where, resume=resume, progress=not args.quiet, ctx=ctx, on_step=on_step,
+                                     execution=execution, shard=part)
             if ctx.main:
                 _print_table(cfg, results, where, time.perf_counter() - t0)
         if len(parts) > 1 and ctx.main:

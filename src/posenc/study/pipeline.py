@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass, replace
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -43,6 +43,11 @@ from .studied import StudiedModel
 from .train import Diverged, StateError, StepCallback, TrainSettings, train
 
 
+def pending(seed: int) -> dict:
+    """The record of a run that has not started, where a later seed's record needs a place."""
+    return {"seed": seed, "status": "pending", "train": {}, "eval": []}
+
+
 def record_of(results: dict, row: str, index: int) -> dict | None:
     """The record of ``row`` at its ``index``-th seed in ``results`` (0: the row's entry itself, later
     seeds in its ``seeds`` list), or None when that run has not started."""
@@ -50,7 +55,8 @@ def record_of(results: dict, row: str, index: int) -> dict | None:
     if entry is None:
         return None
     kept = seeds.runs(entry)  # (seeds.runs: the one reader of where a seed's record lives)
-    return kept[index] if index < len(kept) else None
+    record = kept[index] if index < len(kept) else None
+    return None if record is None or record.get("status") == "pending" else record
 
 
 class Book:
@@ -80,6 +86,10 @@ class Book:
     def set(self, run: Run, record: dict) -> dict:
         """Store ``record`` as ``run``'s; returns the stored dict."""
         methods = self.results["methods"]
+        if run.row.name not in methods:  # (rows in the config's order, whichever run finishes first)
+            order = {name: i for i, name in enumerate(self.results.get("config", {}).get("methods", []))}
+            methods[run.row.name] = pending(self.cfg.seed)
+            self.results["methods"] = methods = dict(sorted(methods.items(), key=lambda kv: order.get(kv[0], len(order))))
         if run.index == 0:
             old = methods.get(run.row.name, {})
             methods[run.row.name] = entry = {**record, "row": row_record(run.row, self.cfg)}
@@ -87,9 +97,11 @@ class Book:
                 entry["seeds"] = old["seeds"]
             return entry
         entry = methods[run.row.name]
+        if entry.get("status") == "pending":  # (a later seed finished first: in another worker, or shard)
+            entry["row"] = row_record(run.row, self.cfg)
         later = entry.setdefault("seeds", [])
         while len(later) < run.index:
-            later.append({"seed": self.cfg.seed + len(later) + 1, "status": "pending", "train": {}, "eval": []})
+            later.append(pending(self.cfg.seed + len(later) + 1))
         later[run.index - 1] = record
         return record
 
@@ -309,12 +321,17 @@ class Stages:
         return score
 
 
+Execute = Callable[[Book, Sequence[Run], Progress], None]  # runs the given runs, filling the book (see .executors)
+
+
 def run_all(study: Plan, corpus: Corpus | None, results: dict, ctx: distributed.Context, ui: Progress,
-            on_step: StepCallback | None, started: float) -> dict:
+            on_step: StepCallback | None, started: float, execute: Execute | None = None) -> dict:
     """Every run of ``study`` through the stages (:class:`Stages`), skipping the runs a resumed
     study finished, then the study's status and wall time into results.json with its tables and
     figures; returns the results. ``results``: as :func:`.run.prepare` made them (already in
-    results.json); ``started``: when the study began (``time.perf_counter()``)."""
+    results.json); ``started``: when the study began (``time.perf_counter()``); ``execute``: runs
+    the runs not yet finished (in plan order), several at a time (:mod:`.executors`); None: one
+    after another in this process."""
     cfg, paths = study.cfg, study.paths
     book = Book(results, paths, ctx, cfg)
     stages = Stages(study, corpus, book, ctx, ui, on_step)
@@ -332,17 +349,26 @@ def run_all(study: Plan, corpus: Corpus | None, results: dict, ctx: distributed.
         for s in corpus.skipped:
             ui.warn(f"data: skipped {s['file']}: {s['reason']}")
     try:
+        todo = []
         for run in study.runs:
-            record = book.run_of(run)
-            if record is not None and record.get("status") in ("done", "diverged"):
-                ui.log(f"[{run.label}] {record.get('status')} already, skipped")
+            if book.finished(run):
+                ui.log(f"[{run.label}] {(book.run_of(run) or {}).get('status')} already, skipped")
+                ui.method_done()
             else:
+                todo.append(run)
+        if execute is None:
+            for run in todo:
                 stages.run(run)
-            ui.method_done()
+                ui.method_done()
+        else:
+            execute(book, todo, ui)
     finally:
         ui.finish()
     count = results["config"].get("seeds", 1)  # (every row of the study: a resumed study's saved rows too)
-    status = [record_of(results, name, i) for name in results["config"]["methods"] for i in range(count)]
+    if results.get("shard"):  # (a part of a study: its own runs)
+        status = [book.run_of(run) for run in study.runs]
+    else:
+        status = [record_of(results, name, i) for name in results["config"]["methods"] for i in range(count)]
     results["status"] = "done" if all(s is not None and s.get("status") in ("done", "diverged") for s in status) \
         else "partial"
     # Wall time of the study: this run's, plus that of the earlier runs of a resumed study that finished.
@@ -389,4 +415,4 @@ def row_record(row: Row, cfg: StudyConfig) -> dict:
     return out
 
 
-__all__ = ["Book", "Stages", "record_of", "row_record", "run_all"]
+__all__ = ["Book", "Stages", "pending", "record_of", "row_record", "run_all"]

@@ -128,4 +128,49 @@ def plan(cfg: StudyConfig, models: Models, paths: Paths, world: int) -> Plan:
     return Plan(cfg, models, paths, tuple(runs))
 
 
-__all__ = ["FINETUNE_STREAM", "Plan", "Run", "check", "plan", "settings_of"]
+def root(run: Run) -> Run:
+    """The trained-from-scratch run at the start of ``run``'s chain of bases (``run`` itself for one)."""
+    while run.base is not None:
+        run = run.base
+    return run
+
+
+def groups(runs: Sequence[Run]) -> list[tuple[Run, ...]]:
+    """``runs`` in groups that share a model: each run trained from scratch with every run of
+    ``runs`` evaluated or fine-tuned from it (at the same seed), in plan order, the groups ordered by
+    their first run."""
+    out: dict[tuple[str, int], list[Run]] = {}
+    for run in runs:
+        first = root(run)
+        out.setdefault((first.row.name, first.index), []).append(run)
+    return [tuple(g) for g in out.values()]
+
+
+def parse_shard(text: str) -> tuple[int, int]:
+    """``K/N`` (1 <= K <= N) as ``(K, N)``.
+
+    Raises:
+        UsageError: ``text`` is not two positive integers ``K/N`` with K <= N.
+    """
+    k, sep, n = text.partition("/")
+    if not (sep and k.isdigit() and n.isdigit() and 1 <= int(k) <= int(n)):
+        raise UsageError(f"shard must be K/N with integers 1 <= K <= N (the K-th of N parts), got {text!r}")
+    return int(k), int(n)
+
+
+def shard(runs: Sequence[Run], index: int, count: int) -> tuple[Run, ...]:
+    """The runs of part ``index`` (1-based) of ``count``: the groups of :func:`groups` dealt in
+    turn (group g to part g mod count + 1), so a base and the runs evaluated or fine-tuned from it
+    stay in one part, and the split depends only on the study's rows and seeds.
+
+    Raises:
+        UsageError: ``count`` exceeds the number of groups (a part would have nothing to run).
+    """
+    found = groups(runs)
+    if count > len(found):
+        raise UsageError(f"shard: {count} parts exceed the study's {len(found)} groups of runs (a trained run with "
+                         f"the rows evaluated or fine-tuned from it, at each seed); use at most {len(found)} parts")
+    return tuple(r for g, group in enumerate(found) if g % count == index - 1 for r in group)
+
+
+__all__ = ["FINETUNE_STREAM", "Plan", "Run", "check", "groups", "parse_shard", "plan", "root", "settings_of", "shard"]

@@ -10,7 +10,7 @@ import json
 import platform
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
@@ -22,8 +22,10 @@ from . import distributed, recall
 from .builders import checked_models
 from .config import StudyConfig
 from .data import Corpus, load_corpus
+from .executors import Execution, executor
 from .pipeline import run_all
 from .plan import Plan, plan
+from .plan import shard as part_of
 from .progress import Progress
 from .results import SCHEMA, Paths, check_resumable, load_results
 from .rows import expand, parse
@@ -53,21 +55,22 @@ def _is_study(out: Path) -> bool:
         return False
 
 
-def prepare(cfg: StudyConfig, out: Path, resume: bool, ctx: distributed.Context
+def prepare(cfg: StudyConfig, out: Path, resume: bool, ctx: distributed.Context, part: tuple[int, int] | None = None
             ) -> tuple[Plan, Corpus | None, dict, RunDir | None]:
     """Check the study, claim ``out``, load the data and plan the runs: every user error surfaces
     here, before training. In order: the options against the rows (a resumed study's saved rows
     count too), every row's model (:func:`.builders.checked_models`), the task's data, the saved
     study (a resume), then the runs (:func:`.plan.plan`). Returns the plan, the corpus (None for
     the recall task: its sequences are generated), the results to fill, and on the main process the
-    claimed (locked) directory.
+    claimed (locked) directory. ``part``: ``(K, N)``, the K-th of N parts of the runs
+    (:func:`.plan.shard`); a study saved as a part continues as that part.
 
     Raises:
         UsageError: ``batch_size`` not divisible by the number of processes; ``resume`` without a
             study in ``out``, or a new study where ``out`` already holds one, or one saved with
             other options, model or data (:func:`.results.check_resumable`); a ``train_length`` or
             ``eval_lengths`` longer than the corpus' training or validation split allows, or too
-            short for the recall task.
+            short for the recall task; ``part`` other than the saved study's, or too many parts.
     """
     # The saved rows, read early for the option checks; read again below once the directory is
     # claimed (locked): that read is the one resumed, as another process may have written since.
@@ -109,6 +112,10 @@ def prepare(cfg: StudyConfig, out: Path, resume: bool, ctx: distributed.Context
         assert fingerprint is not None  # (the recall task's, or the corpus')
         if saved is not None:
             check_resumable(saved, comparable, fingerprint, hf, out)
+            part = _saved_part(saved, part, out)
+        made = plan(cfg, models, Paths(out), ctx.world)
+        if part is not None:
+            made = replace(made, runs=part_of(made.runs, *part))
     except BaseException:
         if rundir is not None:
             rundir.discard()  # a directory made for this run alone is removed again
@@ -126,12 +133,30 @@ def prepare(cfg: StudyConfig, out: Path, resume: bool, ctx: distributed.Context
         }
         if hf is not None:
             results["hf"] = hf  # the architecture: the file's path, sha256, model_type and contents
+    if part is not None:
+        results["shard"] = {"index": part[0], "count": part[1]}
     results["versions"] = environment(ctx)
-    return plan(cfg, models, Paths(out), ctx.world), corpus, results, rundir
+    return made, corpus, results, rundir
+
+
+def _saved_part(saved: dict, part: tuple[int, int] | None, out: Path) -> tuple[int, int] | None:
+    """The part a resumed study continues as: the saved one (``part`` must agree with it).
+
+    Raises:
+        UsageError: ``part`` differs from the saved study's (a part, or the whole study).
+    """
+    kept = saved.get("shard")
+    before = None if kept is None else (int(kept["index"]), int(kept["count"]))
+    if part is not None and part != before:
+        was = "the whole study" if before is None else f"part {before[0]}/{before[1]}"
+        raise UsageError(f"shard: {out} holds {was}, not part {part[0]}/{part[1]}; resume it as it was, "
+                         "or run the part into another out")
+    return before
 
 
 def run_experiment(cfg: StudyConfig, out: str | Path, *, resume: bool = False, progress: bool = True,
-                   ctx: distributed.Context | None = None, on_step: StepCallback | None = None) -> dict:
+                   ctx: distributed.Context | None = None, on_step: StepCallback | None = None,
+                   execution: Execution | None = None, shard: tuple[int, int] | None = None) -> dict:
     """Run (or continue) a study; returns the results dict (also in ``out/results.json``).
 
     Args:
@@ -141,19 +166,31 @@ def run_experiment(cfg: StudyConfig, out: str | Path, *, resume: bool = False, p
         resume: continue the study already in ``out`` (finished methods are skipped).
         progress: bars or log lines on stderr.
         ctx: this process's place under torchrun (default: one process on ``cfg.device``).
-        on_step: called as ``on_step(method, step)`` after every training step.
+        on_step: called as ``on_step(method, step)`` after every training step (runs in this
+            process only: not with a parallel ``execution``).
+        execution: how many runs at a time, at how many threads each, where (:mod:`.executors`);
+            default: one after another in this process.
+        shard: ``(K, N)``: only the K-th of N parts of the runs (:func:`.plan.shard`), to be merged
+            with the others (:mod:`.merge`).
 
     Raises:
         UsageError: another process of a distributed study rejected the configuration (its own
-            message names the option).
+            message names the option); a parallel ``execution`` under torchrun or with ``on_step``.
     """
     ctx = ctx or distributed.Context(torch.device(cfg.device))
+    execution = execution or Execution()
+    execution.check()
+    if execution.parallel and ctx.distributed:
+        raise UsageError("jobs: torchrun runs one study's every step in several processes (DDP); jobs and executor ray "
+                         "run several runs at a time, each in one process: use one or the other")
+    if execution.parallel and on_step is not None:
+        raise UsageError("jobs: a step callback (on_step) is called in this process only; run serially (jobs 1) to use one")
     out = Path(out)
     started = time.perf_counter()
     failure = None
     rundir = None
     try:
-        study, corpus, results, rundir = prepare(cfg, out, resume, ctx)
+        study, corpus, results, rundir = prepare(cfg, out, resume, ctx, shard)
     except UsageError as err:
         failure = err
     if ctx.distributed:  # every process stops together if any of them found a user error
@@ -166,6 +203,9 @@ def run_experiment(cfg: StudyConfig, out: str | Path, *, resume: bool = False, p
             print(f"posenc study (rank {ctx.rank}): error: {failure}", file=sys.stderr)
     if failure is not None:
         raise failure
+    if execution.parallel:  # (the threads of each run: the workers')
+        results["versions"].update(torch_threads=execution.threads or torch.get_num_threads(), jobs=execution.jobs,
+                                   executor=execution.executor)
     try:
         if ctx.main:
             write_json(study.paths.results, results)
@@ -173,7 +213,8 @@ def run_experiment(cfg: StudyConfig, out: str | Path, *, resume: bool = False, p
         ui.study_bar(len(study.runs))
         if rundir is not None and rundir.notice:
             ui.warn(rundir.notice)
-        return run_all(study, corpus, results, ctx, ui, on_step, started)
+        execute = executor(execution, cfg, out, corpus, progress) if execution.parallel else None
+        return run_all(study, corpus, results, ctx, ui, on_step, started, execute)
     except WriteError as err:
         raise WriteError(f"{err}; finished work is in {out}: make room, then continue with resume") from err
     finally:
