@@ -41,6 +41,12 @@ RECALL = [*CLASSIC, *ROPE_SCALINGS, "rope+random", "rope+drop"]
 SCHEDULES = ["rope", "3x[rope] 1x[nope]", "3x[rope] 1x[nope temp=0.1/16]", "[rope window=32]",
              "3x[rope:base=1e4 window=32] 1x[rope:base=1e6]", "alibi", "nope"]
 
+# The extension question (issue 35): a RoPE model trained at 64, extended to 256 (4x) by each RoPE
+# scaling zero-shot and fine-tuned for about 5% of its pre-training steps (a +ft row each), DroPE
+# with the positions dropped after 88% of the steps (the paper's), ALiBi and NoPE as anchors.
+EXTEND = ["rope+linear", "rope+ntk", "rope+yarn", "rope+llama3", "rope+longrope", "rope+drop", "alibi", "nope"]
+EXTEND_LENGTHS = [64, 128, 256, 512, 1024, 2048]
+
 # Model and training sizes per preset, and the rows each one studies (named here, not "every
 # registered method": a new method must not change what a preset costs). smoke: CI, seconds per
 # method, every registered method (so CI trains each new one). default: the README's main job
@@ -82,6 +88,19 @@ PRESETS: dict[str, dict[str, Any]] = {
         dim=128, depth=4, num_heads=4, train_length=64, eval_lengths=[64, 128, 256, 512, 1024],
         steps=1500, batch_size=32, lr=3e-3, valid_bytes=DEFAULT_VALID_BYTES, checkpoint_every=250,
     ),
+    # extend: the EXTEND rows at the default sizes, three seeds, fine-tuned 40 steps (5% of 800) at
+    # 256; run without a task, it is followed by its recall companion (far recall, the recall
+    # preset's training: 1500 steps, fine-tuned 75).
+    "extend": dict(
+        task="lm", methods=list(EXTEND), seeds=3, finetune_steps=40, finetune_length=256,
+        dim=128, depth=4, num_heads=4, train_length=64, eval_lengths=list(EXTEND_LENGTHS),
+        steps=800, batch_size=32, lr=2e-3, valid_bytes=DEFAULT_VALID_BYTES, checkpoint_every=100,
+    ),
+    "extend-recall": dict(
+        task="recall", methods=list(EXTEND), seeds=3, finetune_steps=75, finetune_length=256,
+        dim=128, depth=4, num_heads=4, train_length=64, eval_lengths=list(EXTEND_LENGTHS),
+        steps=1500, batch_size=32, lr=3e-3, valid_bytes=DEFAULT_VALID_BYTES, checkpoint_every=250,
+    ),
     "paper": dict(
         task="lm", methods=[*CLASSIC, *ROPE_SCALINGS],
         dim=512, depth=8, num_heads=8, train_length=512, eval_lengths=[512, 1024, 2048, 4096, 8192],
@@ -95,12 +114,14 @@ PRESET_DESCRIPTIONS = {
     "recall": "associative recall, ~15 min a seed on 2 CPU cores",
     "schedules": "layer schedules, 3 seeds, then its recall half: ~6-7 h on 2 CPU cores (21 runs of ~6 min, then 21 of ~12)",
     "schedules-recall": "the recall half of schedules alone",
+    "extend": "context extension 64 -> 256: scalings zero-shot and fine-tuned, DroPE, anchors; 3 seeds, then its recall half",
+    "extend-recall": "the recall half of extend alone",
     "paper": "train at 512, test to 16x, a GPU",
 }
 # A preset run without a task that is followed by a recall study of the same rows (one command,
 # perplexity and recall): the first into OUT/lm, the companion into OUT/recall (PAIR_PARTS), each
 # half given only the options of its task.
-COMPANIONS = {"schedules": "schedules-recall"}
+COMPANIONS = {"schedules": "schedules-recall", "extend": "extend-recall"}
 PAIR_PARTS = ("lm", "recall")
 LM_ONLY = ("data", "valid_bytes", "sliding", "pack_documents")  # options that only the lm task reads
 RECALL_ONLY = ("recall_sequences",)  # and only the recall task
