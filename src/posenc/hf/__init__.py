@@ -24,4 +24,5 @@ from .deberta import deberta_from_hf
 from .export import export
 from .importers import alibi_from_bloom, t5_attention, t5_from_hf, t5_to_hf
 
-__all__ = ["NAME", "SUPPORTED", "alibi_from_bloom", "deberta_from_hf", "export", "from_pretrained", "register", "t5_attention", "t5_from_hf", "t5_to_hf", "use"]
+__all__ = ["NAME", "SUPPORTED", "alibi_from_bloom", "deberta_from_hf", "export", "from_pretrained",
+           "register", "t5_attention", "t5_from_hf", "t5_to_hf", "use"]

@@ -100,7 +100,8 @@ def export(model: nn.Module, path: str | os.PathLike[str]) -> Path:
                              "rope_parameters block cannot say")
         block = blocks[0]
         if block["rope_type"] == "dynamic":
-            original = encodings[0].scaling.original_length
+            first = encodings[0]
+            original = first.scaling.original_length if isinstance(first, RoPE) else None
             if original is not None:
                 config.max_position_embeddings = int(original)
         elif block.get("factor") and block.get("original_max_position_embeddings"):  # the extended context
@@ -122,7 +123,8 @@ def export(model: nn.Module, path: str | os.PathLike[str]) -> Path:
     if missing or unexpected:
         raise UsageError(f"model: its weights do not fit a plain {type(model).__name__} (missing {missing[:3]}, "
                          f"unexpected {unexpected[:3]})")
-    plain.to(dtype).save_pretrained(out)
+    plain.to(dtype)  # type: ignore[call-arg, arg-type]  # (transformers wraps .to)
+    plain.save_pretrained(out)
     return out
 
 

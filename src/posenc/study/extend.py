@@ -394,11 +394,12 @@ def _run(base: LM, enc: RoPE, out: Path, cfg: ExtendConfig, data: _Data, record:
                 fresh = scaled(base, block) if block is not None else LM(LMConfig(**base.config.to_dict()))
                 if block is None:
                     fresh.load_state_dict(base.state_dict())
-                model, trained = train(f"extend {cfg.scaling}", settings, fresh, data.batches(cfg, settings),
+                tuned, trained = train(f"extend {cfg.scaling}", settings, fresh, data.batches(cfg, settings),
                                        out / "state.pt", distributed.Context(next(base.parameters()).device), ui)
             except StateError as err:
                 raise UsageError(f"{err}; delete it and continue with resume to fine-tune from step 0") from None
-            assert isinstance(model, LM)
+            assert isinstance(tuned, LM)
+            model = tuned
             record["train"] = trained.to_json()
             save_checkpoint(model, weights)
             record["status"] = "trained"

@@ -338,7 +338,8 @@ class _Search:
             return float(out["perplexity"])
         from .hf_evaluation import evaluate as hf_evaluate  # (a transformers model: needs transformers)
 
-        return float(hf_evaluate(model, self.valid, [self.settings.target_length])[self.settings.target_length]["perplexity"])
+        length = self.settings.target_length
+        return float(hf_evaluate(model, self.valid, [length])[length]["perplexity"])  # type: ignore[arg-type]
 
 
 def _mutate(parent: Individual, s: SearchSettings, g: torch.Generator) -> Individual:
