@@ -4,8 +4,9 @@ study's own fine-tune at the same size.
     PYTHONPATH=src python benchmarks/extend.py OUT [--threads 2]
 
 Trains the default preset's ``rope`` row (800 steps at 64) with its ``rope+yarn+ft`` companion (20
-steps at 256), then (1) runs LongRoPE's search (default settings) for 512 = 8x on that checkpoint,
-printing every individual's cost, and (2) runs ``posenc extend --scaling yarn`` for the same 20
+steps at 256), then (1) runs LongRoPE's search (default settings) for 512 = 8x on that checkpoint
+(on the last training windows), printing every individual's cost, then scores the found factors
+and the PI / NTK / YaRN / default-rule LongRoPE blocks on the validation bytes at 512, and (2) runs ``posenc extend --scaling yarn`` for the same 20
 steps at 256 and compares its tokens/s with the study's ``+ft`` row. Writes OUT/extend-bench.json.
 """
 
@@ -21,11 +22,14 @@ import torch
 
 from posenc.checkpoint import load_checkpoint
 from posenc.files import write_json
+from posenc.study import distributed
 from posenc.study import extend as ex
 from posenc.study.config import StudyConfig
 from posenc.study.data import load_corpus
+from posenc.study.evaluation import evaluate
 from posenc.study.longrope_search import SearchSettings, search
 from posenc.study.run import run_experiment
+from posenc.study.variants import scaling_block
 
 
 def main() -> None:
@@ -44,9 +48,21 @@ def main() -> None:
     corpus = load_corpus("default", cfg.valid_bytes)
     settings = SearchSettings(train_length=64, target_length=512)
     t0 = time.perf_counter()
-    found = search(model, corpus.valid, settings, state=out / "search-state.json",
+    need = settings.sequences * settings.target_length + 1  # training windows: the validation bytes stay unseen
+    found = search(model, corpus.train[-need:], settings, state=out / "search-state.json",
                    resume=(out / "search-state.json").exists())
     search_s = time.perf_counter() - t0
+    # the found factors against the seeds on the validation bytes (never seen by the search) at 512
+    ctx = distributed.Context(torch.device("cpu"))
+    enc = model.attentions()[0].encoding
+    blocks = {"searched": found.block(), "pi": scaling_block("linear", 8, 64, enc.base, enc.rotary_dim),
+              "ntk": scaling_block("ntk", 8, 64, enc.base, enc.rotary_dim),
+              "yarn": scaling_block("yarn", 8, 64, enc.base, enc.rotary_dim),
+              "longrope_default_rule": scaling_block("longrope", 8, 64, enc.base, enc.rotary_dim)}
+    validation = {}
+    for name, block in blocks.items():
+        with_block = ex.scaled(model, block)
+        validation[name] = round(evaluate(with_block, corpus.valid, 512, None, ctx)["perplexity"], 4)
     ext = ex.ExtendConfig(**{**ex.study_defaults(ckpt, 256), "scaling": "yarn", "steps": 20, "eval_lengths": [256]})
     target = out / "extend-yarn"
     record = ex.extend(ckpt, target, ext, resume=(target / "extend.json").exists())
@@ -56,7 +72,8 @@ def main() -> None:
                     "torch": torch.__version__},
         "search": {"target_length": 512, "scale": 8, "evaluated": len(found.evaluated), "wall_s": round(search_s, 2),
                    "seconds_per_individual": found.seconds_per_individual, "best_perplexity": found.perplexity,
-                   "baselines": found.baselines, "best": found.to_json()["best"]},
+                   "baselines_on_search_windows": found.baselines, "best": found.to_json()["best"],
+                   "validation_perplexity_at_512": validation},
         "extend_tokens_per_s": record["train"]["tokens_per_s"], "study_ft_tokens_per_s": ft["tokens_per_s"],
         "study_pretrain_tokens_per_s": results["methods"]["rope"]["train"]["tokens_per_s"],
         "extend_over_study_ft": round(record["train"]["tokens_per_s"] / ft["tokens_per_s"], 3),

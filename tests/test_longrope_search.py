@@ -115,3 +115,26 @@ def test_bad_settings_name_the_parameter():
         ls.SearchSettings(train_length=16, target_length=64, start_tokens=(16,))
     with pytest.raises(UsageError, match="parents"):
         ls.SearchSettings(train_length=16, target_length=64, population=2, parents=3)
+
+
+def test_search_takes_a_transformers_model_through_posenc_hf(valid):
+    transformers = pytest.importorskip("transformers")
+    import posenc.hf as ph
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+                                      vocab_size=256, max_position_embeddings=T)
+    model = ph.use(transformers.LlamaForCausalLM(config).eval(), "rope")
+    result = ls.search(model, valid, settings(generations=1, population=4, parents=2, mutations=2, crossovers=1),
+                       progress=False)
+    assert len(result.evaluated) >= 4 and result.block()["rope_type"] == "longrope"
+    enc = model.model.posenc_encodings[0]
+    assert enc.scaling.rope_type == "default"  # every individual's scaling undone
+    # the PI seed's fitness is the model under PI itself
+    from posenc.study.hf_evaluation import evaluate
+
+    enc.set_scaling({"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [4.0] * 8,
+                     "original_max_position_embeddings": T, "factor": 4.0,
+                     "attention_factor": math.sqrt(1 + math.log(4) / math.log(T))})
+    ppl = evaluate(model, valid[: 2 * TARGET + 1], [TARGET])[TARGET]["perplexity"]
+    assert result.baselines["pi"] == pytest.approx(ppl, rel=1e-9)

@@ -3,7 +3,8 @@
 The job of the papers on context extension, on the user's own checkpoint and data: PI (``linear``,
 Chen et al. 2023), ``ntk`` (bloc97 2023), ``yarn`` with its attention factor (Peng et al. 2023),
 ``llama3`` (Meta's Llama 3.1 rule), ``longrope`` (Ding et al. 2024: the factors given as a block,
-or found first by LongRoPE's search, :mod:`.longrope_search`), and ``drope`` (Gelberg et al. 2025:
+or found first by LongRoPE's search, :mod:`.longrope_search`, scored on the last windows of the
+training split so that the table's validation bytes stay unseen), and ``drope`` (Gelberg et al. 2025:
 the positions dropped, then the model recalibrated without them).
 
 A scaling's block is the one the study's ``+ft`` rows use (:func:`.variants.scaling_block`): the
@@ -353,7 +354,11 @@ def _block(base: LM, enc: RoPE, cfg: ExtendConfig, record: dict, out: Path, data
                 raise UsageError("search: LongRoPE's search scores perplexity on text; use task lm, or give the "
                                  "factors (longrope)")
             ui.log(f"[extend] LongRoPE's search for {cfg.length} ({cfg.factor:g}x)")
-            result = search(base, data.corpus.valid, cfg.search, state=out / "search-state.json", resume=resume or
+            need = cfg.search.sequences * cfg.length + 1  # (training windows: the table's bytes stay unseen)
+            if data.corpus.train.numel() < need:
+                raise UsageError(f"search: {cfg.search.sequences} windows of {cfg.length} need {need} training bytes, "
+                                 f"the training split has {data.corpus.train.numel()}")
+            result = search(base, data.corpus.train[-need:], cfg.search, state=out / "search-state.json", resume=resume or
                             (out / "search-state.json").exists(), progress=ui.enabled)
             record["search"] = result.to_json()
         return dict(record["search"]["block"])
@@ -447,8 +452,8 @@ def add_extend_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--longrope-block", metavar="FILE", help="a JSON file holding a longrope block (short_factor, "
                                                              "long_factor, original_max_position_embeddings, ...)")
     p.add_argument("--search", action="store_true", help="longrope: find the factors with LongRoPE's search first")
-    p.add_argument("--search-generations", type=int, default=3, help="the search's generations (default 3)")
-    p.add_argument("--search-population", type=int, default=8, help="the search's population (default 8)")
+    p.add_argument("--search-generations", type=int, default=8, help="the search's generations (default 8)")
+    p.add_argument("--search-population", type=int, default=16, help="the search's population (default 16)")
     p.add_argument("--search-sequences", type=int, default=4, help="validation windows per individual (default 4)")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--threads", type=int, help="CPU threads (torch.set_num_threads)")

@@ -88,11 +88,11 @@ class SearchSettings:
     train_length: int
     target_length: int
     sequences: int = 4
-    population: int = 8
-    generations: int = 3
+    population: int = 16
+    generations: int = 8
     parents: int = 4
-    mutations: int = 4
-    crossovers: int = 2
+    mutations: int = 8
+    crossovers: int = 4
     mutation_rate: float = 0.3
     step: float = 0.3
     max_factor: float | None = None
