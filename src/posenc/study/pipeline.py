@@ -165,6 +165,7 @@ class Stages:
                 self.diverged(run, {"base": run.row.base, "reason": f"its base row {run.row.base} diverged"})
                 return None
             weights = {k: v.detach().clone() for k, v in base.state_dict().items()}
+            start: StudiedModel
             if run.row.variant == SEARCHED:  # under the factors searched for the fine-tuning length
                 start = scaled(as_kind(base, LM), self.searched(run, base, self.plan.cfg.ft_length))
             else:
