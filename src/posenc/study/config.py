@@ -90,17 +90,18 @@ PRESETS: dict[str, dict[str, Any]] = {
         dim=128, depth=4, num_heads=4, train_length=64, eval_lengths=[64, 128, 256, 512, 1024],
         steps=1500, batch_size=32, lr=3e-3, valid_bytes=DEFAULT_VALID_BYTES, checkpoint_every=250,
     ),
-    # extend: the EXTEND rows at the default sizes, three seeds, fine-tuned 40 steps (5% of 800) at
-    # 256; run without a task, it is followed by its recall companion (far recall, the recall
-    # preset's training: 1500 steps, fine-tuned 75), without the searched LongRoPE rows (the search
-    # scores perplexity on text).
+    # extend: the EXTEND rows (expanded: with rope and the +ft rows) at the default sizes, three
+    # seeds, fine-tuned 40 steps (5% of 800) at 256; run without a task, it is followed by its recall
+    # companion (far recall, the recall preset's training: 1500 steps, fine-tuned 75), without the
+    # searched LongRoPE rows (the search scores perplexity on text).
     "extend": dict(
-        task="lm", methods=list(EXTEND), seeds=3, finetune_steps=40, finetune_length=256,
+        task="lm", methods=expand(EXTEND, True), seeds=3, finetune_steps=40, finetune_length=256,
         dim=128, depth=4, num_heads=4, train_length=64, eval_lengths=list(EXTEND_LENGTHS),
         steps=800, batch_size=32, lr=2e-3, valid_bytes=DEFAULT_VALID_BYTES, checkpoint_every=100,
     ),
     "extend-recall": dict(
-        task="recall", methods=[r for r in EXTEND if SEARCHED not in r], seeds=3, finetune_steps=75, finetune_length=256,
+        task="recall", methods=expand([r for r in EXTEND if SEARCHED not in r], True), seeds=3, finetune_steps=75,
+        finetune_length=256,
         dim=128, depth=4, num_heads=4, train_length=64, eval_lengths=list(EXTEND_LENGTHS),
         steps=1500, batch_size=32, lr=3e-3, valid_bytes=DEFAULT_VALID_BYTES, checkpoint_every=250,
     ),
