@@ -18,8 +18,10 @@ from posenc.study.run import run_experiment
 @pytest.fixture(scope="module")
 def study(tmp_path_factory):
     out = tmp_path_factory.mktemp("study")
+    text = tmp_path_factory.mktemp("data") / "corpus.txt"  # (a small file: the built-in corpus takes seconds to read)
+    text.write_text("".join(f"def f{i}(x):\n    return x * {i} + {i % 7}\n" for i in range(2000)))
     cfg = StudyConfig.from_preset("smoke", methods=["rope+yarn+ft", "rope+linear+ft"], steps=20, finetune_steps=6,
-                                  eval_lengths=[32, 64], valid_bytes=1024, dim=16, depth=1, num_heads=2,
+                                  data=str(text), eval_lengths=[32, 64], valid_bytes=1024, dim=16, depth=1, num_heads=2,
                                   checkpoint_every=4, batch_size=4)
     return out, run_experiment(cfg, out, progress=False)
 

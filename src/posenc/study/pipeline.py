@@ -228,7 +228,7 @@ class Stages:
             state = source.state.with_name(f"{source.state.stem}.search-L{length}.json")
             self.ui.log(f"[{run.label}] LongRoPE's search for L={length}")
             result = search(model, self.corpus.train[-need:], settings, state=state, resume=state.exists(),
-                            progress=self.ui.enabled)
+                            progress=False)  # (one summary line below, not one per individual)
             self.ui.log(f"[{run.label}] searched L={length}: ppl {result.perplexity:.3f} on training windows "
                         f"(PI {result.baselines['pi']:.3f}, YaRN {result.baselines['yarn']:.3f}), "
                         f"{result.seconds_per_individual:.2f}s per individual")
