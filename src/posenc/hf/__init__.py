@@ -3,6 +3,7 @@
 - :func:`use` turns a supported model's attention into posenc's attention with any posenc encoding.
 - :mod:`posenc.hf.importers`: trained position parameters of HF checkpoints (T5's relative bias
   table, BLOOM's ALiBi) into posenc encodings, and back where there is something to export.
+- :func:`export`: an extended model as a plain transformers checkpoint (``rope_parameters``, no posenc keys).
 - :func:`deberta_from_hf`: one layer of a DeBERTa-v2/v3 encoder as a posenc attention module with
   the same weights and relative table.
 
@@ -20,7 +21,8 @@ except ImportError as error:  # an optional extra
 
 from .adapter import NAME, SUPPORTED, RotaryStandIn, from_pretrained, register, use
 from .deberta import deberta_from_hf
+from .export import export
 from .importers import alibi_from_bloom, t5_attention, t5_from_hf, t5_to_hf
 
-__all__ = ["NAME", "SUPPORTED", "RotaryStandIn", "alibi_from_bloom", "deberta_from_hf", "from_pretrained", "register",
-           "t5_attention", "t5_from_hf", "t5_to_hf", "use"]
+__all__ = ["NAME", "SUPPORTED", "RotaryStandIn", "alibi_from_bloom", "deberta_from_hf", "export", "from_pretrained",
+           "register", "t5_attention", "t5_from_hf", "t5_to_hf", "use"]

@@ -36,6 +36,8 @@ The modules, in the order a run meets them:
     train.py       the training loop (it reads only its TrainSettings), optimizer and schedule,
                    clean stop on Ctrl-C, RNG state
     variants.py    evaluation variants: RoPE scalings, blockwise attention
+    longrope_search.py  LongRoPE's evolutionary search of per-frequency factors (+longrope_searched)
+    extend.py      ``posenc extend``: a checkpoint fine-tuned under a scaling at a longer length
     evaluation.py  windows and scoring at one length (perplexity, or recall accuracy)
     metrics.py     a run's typed score at one length (LMScore, RecallScore), as results.json writes it
     recall.py      the associative-recall task: sequences, batches, evaluation sets

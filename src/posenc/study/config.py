@@ -19,7 +19,7 @@ import torch
 from ..encodings import available
 from ..errors import UsageError
 from .data import DEFAULT_VALID_BYTES
-from .rows import NATIVE, SCALINGS, Row, expand, parse
+from .rows import NATIVE, ROPE_VARIANTS, SCALINGS, SEARCHED, Row, expand, parse
 
 # The classic line of methods, and the rows that only evaluate a trained RoPE model differently.
 CLASSIC = ["nope", "sinusoidal", "learned", "shaw", "transformer_xl", "t5", "rope", "alibi"]
@@ -40,6 +40,14 @@ RECALL = [*CLASSIC, *ROPE_SCALINGS, "rope+random", "rope+drop"]
 # layers of base 1e4, 1 full layer of base 1e6); ALiBi and NoPE as anchors.
 SCHEDULES = ["rope", "3x[rope] 1x[nope]", "3x[rope] 1x[nope temp=0.1/16]", "[rope window=32]",
              "3x[rope:base=1e4 window=32] 1x[rope:base=1e6]", "alibi", "nope"]
+
+# The extension question (issue 35): a RoPE model trained at 64, extended to 256 (4x) by each RoPE
+# scaling zero-shot and fine-tuned for about 5% of its pre-training steps (a +ft row each), DroPE
+# with the positions dropped after 88% (the paper's), 70% and 50% of the steps, ALiBi and NoPE as
+# anchors. LongRoPE twice: the default rule's factors and the factors of LongRoPE's search.
+EXTEND = ["rope+linear", "rope+ntk", "rope+yarn", "rope+llama3", "rope+longrope", "rope+longrope_searched", "rope+drop@88",
+          "rope+drop@70", "rope+drop@50", "alibi", "nope"]
+EXTEND_LENGTHS = [64, 128, 256, 512, 1024, 2048]
 
 # Model and training sizes per preset, and the rows each one studies (named here, not "every
 # registered method": a new method must not change what a preset costs). smoke: CI, seconds per
@@ -82,6 +90,21 @@ PRESETS: dict[str, dict[str, Any]] = {
         dim=128, depth=4, num_heads=4, train_length=64, eval_lengths=[64, 128, 256, 512, 1024],
         steps=1500, batch_size=32, lr=3e-3, valid_bytes=DEFAULT_VALID_BYTES, checkpoint_every=250,
     ),
+    # extend: the EXTEND rows (expanded: with rope and the +ft rows) at the default sizes, three
+    # seeds, fine-tuned 40 steps (5% of 800) at 256; run without a task, it is followed by its recall
+    # companion (far recall, the recall preset's training: 1500 steps, fine-tuned 75), without the
+    # searched LongRoPE rows (the search scores perplexity on text).
+    "extend": dict(
+        task="lm", methods=expand(EXTEND, True), seeds=3, finetune_steps=40, finetune_length=256,
+        dim=128, depth=4, num_heads=4, train_length=64, eval_lengths=list(EXTEND_LENGTHS),
+        steps=800, batch_size=32, lr=2e-3, valid_bytes=DEFAULT_VALID_BYTES, checkpoint_every=100,
+    ),
+    "extend-recall": dict(
+        task="recall", methods=expand([r for r in EXTEND if SEARCHED not in r], True), seeds=3, finetune_steps=75,
+        finetune_length=256,
+        dim=128, depth=4, num_heads=4, train_length=64, eval_lengths=list(EXTEND_LENGTHS),
+        steps=1500, batch_size=32, lr=3e-3, valid_bytes=DEFAULT_VALID_BYTES, checkpoint_every=250,
+    ),
     "paper": dict(
         task="lm", methods=[*CLASSIC, *ROPE_SCALINGS],
         dim=512, depth=8, num_heads=8, train_length=512, eval_lengths=[512, 1024, 2048, 4096, 8192],
@@ -95,12 +118,14 @@ PRESET_DESCRIPTIONS = {
     "recall": "associative recall, ~15 min a seed on 2 CPU cores",
     "schedules": "layer schedules, 3 seeds, then its recall half: ~6-7 h on 2 CPU cores (21 runs of ~6 min, then 21 of ~12)",
     "schedules-recall": "the recall half of schedules alone",
+    "extend": "context extension 64 -> 256: scalings zero-shot and fine-tuned, DroPE, anchors; 3 seeds, then its recall half",
+    "extend-recall": "the recall half of extend alone",
     "paper": "train at 512, test to 16x, a GPU",
 }
 # A preset run without a task that is followed by a recall study of the same rows (one command,
 # perplexity and recall): the first into OUT/lm, the companion into OUT/recall (PAIR_PARTS), each
 # half given only the options of its task.
-COMPANIONS = {"schedules": "schedules-recall"}
+COMPANIONS = {"schedules": "schedules-recall", "extend": "extend-recall"}
 PAIR_PARTS = ("lm", "recall")
 LM_ONLY = ("data", "valid_bytes", "sliding", "pack_documents")  # options that only the lm task reads
 RECALL_ONLY = ("recall_sequences",)  # and only the recall task
@@ -307,9 +332,12 @@ class StudyConfig:
             raise UsageError("pack_documents applies to the lm task (files as documents); the recall task makes its own sequences")
         if self.drop_positions_after is not None and not 0 < self.drop_positions_after < 1:
             raise UsageError(f"drop_positions_after must be a fraction in (0, 1), got {self.drop_positions_after}")
-        if any("drop" in r.train for r in parsed) and not 1 <= self.drop_step < self.steps:
-            raise UsageError(f"drop_positions_after={self.drop_fraction} of steps={self.steps} leaves no step "
-                             "with positions, or none without; use a fraction nearer 0.5")
+        for r in parsed:
+            if "drop" in r.train and not 1 <= self.drop_step_of(r) < self.steps:
+                what = (f"+drop@{round(100 * r.drop_after)}" if r.drop_after is not None else
+                        f"drop_positions_after={self.drop_fraction}")
+                raise UsageError(f"methods: {r.name!r}: {what} of steps={self.steps} leaves no step with positions, or "
+                                 "none without; use a fraction nearer 0.5 (or more steps)")
         if self.random_positions is not None and (
                 not isinstance(self.random_positions, int) or self.random_positions < max(self.eval_lengths or [0])):
             raise UsageError(f"random_positions must be an integer >= the longest of eval_lengths "
@@ -317,6 +345,10 @@ class StudyConfig:
                              f"position; got {self.random_positions!r}")
         if not isinstance(self.finetune_steps, int) or self.finetune_steps < 0:
             raise UsageError(f"finetune_steps must be an integer >= 0, got {self.finetune_steps!r}")
+        searched = [r.name for r in parsed if r.eval == SEARCHED]
+        if searched and (self.task != "lm" or self.hf_config is not None):
+            raise UsageError(f"methods: {searched[0]!r}: LongRoPE's search scores perplexity on text with posenc's LM; "
+                             "it needs task lm without hf_config")
         explicit_ft = [r.name for r in parsed if r.finetune]
         if explicit_ft and not self.finetune_steps:
             raise UsageError(f"methods {explicit_ft} are fine-tuned rows; give finetune_steps (>= 1)")
@@ -335,13 +367,13 @@ class StudyConfig:
         Raises:
             UsageError: naming the option and a row that would read it.
         """
-        if self.drop_positions_after is not None and not any("drop" in r.train for r in rows):
+        if self.drop_positions_after is not None and not any("drop" in r.train and r.drop_after is None for r in rows):
             raise UsageError("drop_positions_after applies to METHOD+drop rows, and methods has none; "
                              "add one, e.g. rope+drop")
         if self.random_positions is not None and not any("random" in r.train for r in rows):
             raise UsageError("random_positions applies to METHOD+random rows, and methods has none; "
                              "add one, e.g. rope+random")
-        if self.finetune_steps and not any(r.eval in SCALINGS for r in rows):
+        if self.finetune_steps and not any(r.eval in ROPE_VARIANTS for r in rows):
             raise UsageError("finetune_steps fine-tunes the rope scaling rows (METHOD+SCALING), and methods has "
                              "none; add one, e.g. rope+yarn")
 
@@ -374,6 +406,10 @@ class StudyConfig:
     def drop_step(self) -> int:
         """The first step a +drop row trains without positions."""
         return self.steps - round(self.drop_fraction * self.steps)
+
+    def drop_step_of(self, row: Row) -> int:
+        """The first step ``row`` (a +drop or +drop@P row) trains without positions."""
+        return self.drop_step if row.drop_after is None else round(row.drop_after * self.steps)
 
     @property
     def ft_length(self) -> int:

@@ -21,24 +21,28 @@ from __future__ import annotations
 
 import contextlib
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Sequence
 
 import torch
 
-from ..errors import UsageError
+from ..encodings.rope import RoPE
+from ..errors import UsageError, as_kind
 from ..files import write_json
+from ..model import LM
 from ..schedule import Schedule
 from . import bootstrap, distributed, fairness, recall, seeds, variants
 from .builders import lm_config, lm_sizes
 from .config import StudyConfig
 from .data import Corpus, train_batch
 from .evaluation import cannot_run, evaluate, evaluate_recall
+from .extend import scaled
+from .longrope_search import SearchSettings, search
 from .metrics import LMScore, RecallScore, Score
 from .plan import Plan, Run
 from .progress import Progress
 from .results import Paths, write_outputs
-from .rows import Row, fair_options, fair_schedule
+from .rows import SEARCHED, Row, fair_options, fair_schedule
 from .studied import StudiedModel
 from .train import Diverged, StateError, StepCallback, TrainSettings, train
 
@@ -123,6 +127,7 @@ class Stages:
     ui: Progress
     on_step: StepCallback | None
     _last: tuple[Run, StudiedModel | None] | None = None  # the last model made (None: diverged): a row's variants reuse it
+    _searched: dict[tuple[str, int], dict[str, Any]] = field(default_factory=dict)  # (base run, length) -> its block
 
     # -- model ------------------------------------------------------------------------------------
 
@@ -172,8 +177,12 @@ class Stages:
                 self.diverged(run, {"base": run.row.base, "reason": f"its base row {run.row.base} diverged"})
                 return None
             weights = {k: v.detach().clone() for k, v in base.state_dict().items()}
-            start = models.build(run.row)
-            start.load_state_dict(weights)
+            start: StudiedModel
+            if run.row.variant == SEARCHED:  # under the factors searched for the fine-tuning length
+                start = scaled(as_kind(base, LM), self.searched(run, base, self.plan.cfg.ft_length))
+            else:
+                start = models.build(run.row)
+                start.load_state_dict(weights)
         else:
             start = models.initial(run.row, run.seed)
         try:
@@ -202,6 +211,42 @@ class Stages:
         self.ui.log(f"[{run.label}] trained {record.steps} steps in {record.time_s:.1f}s "
                     f"({record.tokens_per_s:,.0f} tok/s), final loss {record.final_loss:.3f}")
         return model
+
+    def searched(self, run: Run, model: StudiedModel, length: int) -> dict[str, Any]:
+        """The longrope block LongRoPE's search finds for ``model`` (unscaled) at ``length``: its
+        fitness on training-split windows (the last ones), never on the validation bytes; kept in
+        ``state/BASE[.seedN].search-L{length}.json`` (BASE: the run whose model is searched; a resumed
+        study evaluates nothing twice) and memoised: the evaluated row and its ``+ft`` share it. At or
+        below the training length: the plain rotation (all 1)."""
+        cfg = self.plan.cfg
+        source = run.parent  # the run whose model is searched (an evaluated row's, and a fine-tune's start)
+        key = (source.label, length)
+        if key in self._searched:
+            return self._searched[key]
+        ropes = [e for e in variants.encodings(model) if isinstance(e, RoPE)]
+        if not ropes:
+            raise UsageError(f"[{run.label}] +{SEARCHED} needs a RoPE model")
+        enc = ropes[0]
+        if length <= cfg.train_length:
+            block = variants.scaling_block("longrope", 1.0, cfg.train_length, enc.base, enc.rotary_dim)
+        else:
+            if self.corpus is None:
+                raise UsageError(f"[{run.label}] +{SEARCHED}: the search scores text (task lm)")
+            settings = SearchSettings(train_length=cfg.train_length, target_length=length, seed=run.seed)
+            need = settings.sequences * length + 1
+            if self.corpus.train.numel() < need:
+                raise UsageError(f"[{run.label}] +{SEARCHED}: the search at {length} needs {need} training bytes, "
+                                 f"the training split has {self.corpus.train.numel()}")
+            state = source.state.with_name(f"{source.state.stem}.search-L{length}.json")
+            self.ui.log(f"[{run.label}] LongRoPE's search for L={length}")
+            result = search(model, self.corpus.train[-need:], settings, state=state, resume=state.exists(),
+                            progress=False)  # (one summary line below, not one per individual)
+            self.ui.log(f"[{run.label}] searched L={length}: ppl {result.perplexity:.3f} on training windows "
+                        f"(PI {result.baselines['pi']:.3f}, YaRN {result.baselines['yarn']:.3f}), "
+                        f"{result.seconds_per_individual:.2f}s per individual")
+            block = result.block()
+        self._searched[key] = block
+        return block
 
     def batches(self, settings: TrainSettings) -> Callable[[int], tuple[torch.Tensor, ...]]:
         """step -> the global batch of ``settings`` (a pure function of its data seed and the step).
@@ -269,7 +314,8 @@ class Stages:
         for length in todo:
             self.ui.evaluating(bar, length)
             t0 = time.perf_counter()
-            with variants.applied(model, run.row, length, cfg.train_length) as applied:
+            searched = (lambda n, model=model: self.searched(run, model, n)) if run.row.eval == SEARCHED else None
+            with variants.applied(model, run.row, length, cfg.train_length, searched) as applied:
                 score = self.score_length(model, run, length)
                 if score.ok and fairness.position_parameters(model):
                     if initial is None:
@@ -402,7 +448,7 @@ def row_record(row: Row, cfg: StudyConfig) -> dict:
     if row.train:
         out["train_variants"] = list(row.train)
     if "drop" in row.train:
-        out["positions_dropped_after"] = cfg.drop_fraction
+        out["positions_dropped_after"] = cfg.drop_fraction if row.drop_after is None else round(1 - row.drop_after, 6)
         out["recalibration"] = "own warmup + cosine schedule, no weight decay (DroPE)"
     if "random" in row.train:
         out["random_positions"] = lm_config(cfg, row).random_positions

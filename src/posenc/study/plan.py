@@ -88,7 +88,7 @@ def settings_of(cfg: StudyConfig, row: Row, seed: int, world: int) -> TrainSetti
     A fine-tune (``+ft``): ``finetune_steps`` at ``finetune_length`` from a batch of about as many
     tokens as pre-training's (a multiple of ``world``), a tenth of its steps of warmup to
     ``lr * min_lr_ratio`` (where pre-training ended), then held. A ``+drop`` row: positions dropped
-    at ``cfg.drop_step``, with DroPE's schedules.
+    at ``cfg.drop_step_of(row)``, with DroPE's schedules.
     """
     common: dict[str, Any] = dict(weight_decay=cfg.weight_decay, grad_clip=cfg.grad_clip, checkpoint_every=cfg.checkpoint_every,
                   min_lr_ratio=cfg.min_lr_ratio)
@@ -103,7 +103,7 @@ def settings_of(cfg: StudyConfig, row: Row, seed: int, world: int) -> TrainSetti
         raise UsageError("warmup must be an integer in [0, steps), got None")
     return TrainSettings(steps=cfg.steps, lr=cfg.lr, warmup=cfg.warmup, batch_size=cfg.batch_size,
                          length=cfg.train_length, data_seed=seed,
-                         drop_at=cfg.drop_step if "drop" in row.train else None, **common)
+                         drop_at=cfg.drop_step_of(row) if "drop" in row.train else None, **common)
 
 
 def plan(cfg: StudyConfig, models: Models, paths: Paths, world: int) -> Plan:

@@ -14,12 +14,17 @@ A row is ``METHOD[:KEY=VALUE,...][+VARIANT...]`` or ``SCHEDULE[+VARIANT...]``:
   with their own warmup + cosine schedule and no weight decay (DroPE: Gelberg et al. 2025, Sakana
   AI, "Extending the Context of Pretrained LLMs by Dropping their Positional Embeddings"); the
   trained model is then a NoPE model.
+  ``+drop@P``: the same with the positions dropped after P% of the steps (P in 1..99), whatever
+  ``drop_positions_after`` says: ``rope+drop@70`` trains its last 30% without positions.
   ``+random``: randomized positions in training and evaluation (Ruoss et al. 2023, "Randomized
   Positional Encodings Boost Length Generalization of Transformers"), through
   ``LMConfig.random_positions`` (training) and ``evaluation.eval_positions``.
 - Evaluation variants, no training: the base row's trained model evaluated another way.
   ``+linear``, ``+ntk``, ``+dynamic``, ``+yarn``, ``+llama3``, ``+longrope``: a RoPE model under that
   scaling, its factor set from evaluation length / training length (:mod:`.variants`).
+  ``+longrope_searched``: LongRoPE with the factors its search finds for this model at each
+  evaluation length (:mod:`.longrope_search`, scored on training-split windows, never on the
+  validation bytes); its ``+ft`` row fine-tunes under the factors searched for ``finetune_length``.
   ``+blockwise``: an encoding with a ``block_size`` option (xPos) evaluated with blockwise causal
   attention, blocks of half the training length (Sun et al. 2022, §3.3).
 - ``+ft`` after a scaling (``rope+yarn+ft``): the PI / YaRN protocol, a short fine-tune of the base
@@ -56,8 +61,10 @@ from ..errors import UsageError
 from ..schedule import Schedule
 
 TRAIN_VARIANTS = ("random", "drop")
-SCALINGS = ("linear", "ntk", "dynamic", "yarn", "llama3", "longrope")
-EVAL_VARIANTS = (*SCALINGS, "blockwise")
+SEARCHED = "longrope_searched"  # LongRoPE with the factors of its search (posenc.study.longrope_search)
+SCALINGS = ("linear", "ntk", "dynamic", "yarn", "llama3", "longrope")  # the scalings of one formula
+ROPE_VARIANTS = (*SCALINGS, SEARCHED)  # every RoPE scaling a row can take (and fine-tune under, +ft)
+EVAL_VARIANTS = (*ROPE_VARIANTS, "blockwise")
 FINETUNE = "ft"
 NATIVE = "hf"  # the row of a transformers model's own attention (hf_config studies only)
 
@@ -99,6 +106,7 @@ class Row:
     schedule: str | None = None  # a schedule row: its text form, as written (repeated to the depth)
     pattern: Schedule | None = field(default=None, compare=False, repr=False)  # that text, read once
     base_row: Row | None = field(default=None, compare=False, repr=False)  # :attr:`base`, parsed with this row
+    drop_after: float | None = None  # ``+drop@P``: positions dropped after P% of the steps (None: the study's)
 
     @property
     def parent(self) -> Row:
@@ -201,25 +209,45 @@ def _parse(name: str) -> Row:
                 raise UsageError(f"methods: {name!r}: option {key} is given twice; give it once")
             options[key] = _value(name, key, value)
     train, evaluation, finetune = _variants(name, suffixes)
-    row = Row(name, method, options, tuple(train), evaluation, finetune)
+    row = Row(name, method, options, tuple(train), evaluation, finetune, drop_after=_drop_after(name, suffixes))
     _check_applies(row, cls)
     return row
 
 
+DROP_AT = re.compile(r"^drop@(\d{1,2})$")
+
+
+def _drop_after(name: str, suffixes: list[str]) -> float | None:
+    """The fraction of ``+drop@P`` (P in 1..99: positions dropped after P% of the steps), or None."""
+    for s in suffixes:
+        match = DROP_AT.match(s)
+        if match:
+            percent = int(match[1])
+            if not 1 <= percent <= 99:
+                raise UsageError(f"methods: {name!r}: +drop@P drops the positions after P% of the steps, P in 1..99; "
+                                 f"got {percent}")
+            return percent / 100
+    return None
+
+
 def _variants(name: str, suffixes: list[str]) -> tuple[list[str], str | None, bool]:
-    """(training variants, evaluation variant, fine-tuned) of a row's ``+`` suffixes, in order."""
+    """(training variants, evaluation variant, fine-tuned) of a row's ``+`` suffixes, in order
+    (``drop@P`` is the training variant ``drop``)."""
     train, evaluation, finetune = [], None, False
     for s in suffixes:
+        if DROP_AT.match(s):
+            s = "drop"
         if s in TRAIN_VARIANTS and evaluation is None and not finetune and s not in train:
             train.append(s)
         elif s in EVAL_VARIANTS and evaluation is None and not finetune:
             evaluation = s
-        elif s == FINETUNE and evaluation in SCALINGS and not finetune:
+        elif s == FINETUNE and evaluation in ROPE_VARIANTS and not finetune:
             finetune = True
         else:
-            order = f"METHOD[:KEY=VALUE,...][+{'|+'.join(TRAIN_VARIANTS)}][+SCALING|+blockwise][+{FINETUNE} after a scaling]"
+            order = (f"METHOD[:KEY=VALUE,...][+{'|+'.join(TRAIN_VARIANTS)}|+drop@P][+SCALING|+blockwise]"
+                     f"[+{FINETUNE} after a scaling]")
             raise UsageError(f"methods: {name!r}: unknown or misplaced variant {s!r}; a row is {order}, "
-                             f"SCALING one of {', '.join(SCALINGS)}")
+                             f"SCALING one of {', '.join(ROPE_VARIANTS)}")
     return train, evaluation, finetune
 
 
@@ -234,7 +262,8 @@ def _parse_schedule(name: str) -> Row:
     except UsageError as err:
         raise UsageError(f"methods: {name!r}: {err}") from None
     train, evaluation, finetune = _variants(name, tail.split("+")[1:])
-    row = Row(name, pattern.layers[0].encoding, {}, tuple(train), evaluation, finetune, schedule=text, pattern=pattern)
+    row = Row(name, pattern.layers[0].encoding, {}, tuple(train), evaluation, finetune, schedule=text, pattern=pattern,
+              drop_after=_drop_after(name, tail.split("+")[1:]))
     _check_applies(row, *(get_class(layer.encoding) for layer in pattern.layers))
     return row
 
@@ -248,7 +277,7 @@ def _check_applies(row: Row, *classes: type) -> None:
     what = "no layer of its schedule is" if row.schedule is not None else f"{row.method} is not"
     if "drop" in row.train:
         raise UsageError(f"methods: {row.name!r}: a +drop model has no positions left for +{row.eval} to act on")
-    if row.eval in SCALINGS and not any(issubclass(cls, RoPE) for cls in classes):
+    if row.eval in ROPE_VARIANTS and not any(issubclass(cls, RoPE) for cls in classes):
         raise UsageError(f"methods: {row.name!r}: +{row.eval} is a RoPE scaling; {what} a RoPE encoding")
     if row.eval == "blockwise" and not any("block_size" in options_of(cls) for cls in classes):
         what = "no layer of its schedule has one" if row.schedule is not None else f"{row.method} has none"
@@ -307,7 +336,7 @@ def expand(names: list[str], finetune: bool) -> list[str]:
                 add(base + "+" + row.variant)
         if n not in out:
             out.append(n)
-        if finetune and row.kind == "eval" and row.eval in SCALINGS and n + "+" + FINETUNE not in out:
+        if finetune and row.kind == "eval" and row.eval in ROPE_VARIANTS and n + "+" + FINETUNE not in out:
             out.append(n + "+" + FINETUNE)
 
     for n in names:
@@ -315,5 +344,5 @@ def expand(names: list[str], finetune: bool) -> list[str]:
     return out
 
 
-__all__ = ["DISTANCE_BOUNDS", "EVAL_VARIANTS", "FINETUNE", "NATIVE", "Row", "SCALINGS", "TRAIN_VARIANTS", "expand",
+__all__ = ["DISTANCE_BOUNDS", "EVAL_VARIANTS", "FINETUNE", "NATIVE", "ROPE_VARIANTS", "Row", "SCALINGS", "SEARCHED", "TRAIN_VARIANTS", "expand",
            "fair_options", "fair_schedule", "parse"]

@@ -39,14 +39,17 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from torch import nn
 
 from ..encodings.base import PositionalEncoding
 from ..encodings.rope import RoPE
 from ..model import LM
-from .rows import Row
+from .rows import SEARCHED, Row
+
+# length -> the searched longrope block a +longrope_searched row evaluates with at that length
+Searched = Callable[[int], dict[str, Any]]
 
 
 def scaling_block(kind: str, factor: float, train_length: int, base: float, rotary_dim: int) -> dict[str, Any]:
@@ -63,7 +66,7 @@ def scaling_block(kind: str, factor: float, train_length: int, base: float, rota
     if kind == "llama3":
         return {"rope_type": "llama3", "factor": s, "original_max_position_embeddings": t,
                 "low_freq_factor": 1.0, "high_freq_factor": 4.0}
-    if kind == "longrope":
+    if kind in ("longrope", SEARCHED):  # (a searched row's stand-in: the shape its search's block has)
         pairs = rotary_dim // 2
         wavelengths = [2 * math.pi * base ** (2 * k / rotary_dim) for k in range(pairs)]
         return {"rope_type": "longrope", "factor": s, "original_max_position_embeddings": t,
@@ -88,9 +91,12 @@ def encodings(model: nn.Module) -> list[PositionalEncoding]:
 
 
 @contextlib.contextmanager
-def applied(model: nn.Module, row: Row, length: int, train_length: int) -> Iterator[dict[str, Any]]:
+def applied(model: nn.Module, row: Row, length: int, train_length: int, searched: Searched | None = None
+            ) -> Iterator[dict[str, Any]]:
     """Within the block, ``model`` evaluates as ``row``'s evaluation variant at ``length``; yields
-    what was applied (recorded with the row's results). A row without one changes nothing."""
+    what was applied (recorded with the row's results). A row without one changes nothing. A
+    ``+longrope_searched`` row takes its block from ``searched`` (None: the default rule's block
+    of the same shape, as the meta-device checks use)."""
     if row.kind != "eval":
         yield {}
         return
@@ -108,7 +114,10 @@ def applied(model: nn.Module, row: Row, length: int, train_length: int) -> Itera
             blocks: list[dict[str, Any]] = []
             for enc in encs:
                 if isinstance(enc, RoPE):  # (a schedule's other layers have no rotation to scale)
-                    block = scaling_block(row.variant, length / train_length, train_length, enc.base, enc.rotary_dim)
+                    if row.variant == SEARCHED and searched is not None:
+                        block = searched(length)
+                    else:
+                        block = scaling_block(row.variant, length / train_length, train_length, enc.base, enc.rotary_dim)
                     undo.append((enc, "scaling", enc.scaling))
                     enc.set_scaling(block)
                     if block not in blocks:

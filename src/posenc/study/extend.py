@@ -1,0 +1,504 @@
+"""``posenc extend``: a trained RoPE model fine-tuned under a scaling at a longer length.
+
+The job of the papers on context extension, on the user's own checkpoint and data: PI (``linear``,
+Chen et al. 2023), ``ntk`` (bloc97 2023), ``yarn`` with its attention factor (Peng et al. 2023),
+``llama3`` (Meta's Llama 3.1 rule), ``longrope`` (Ding et al. 2024: the factors given as a block,
+or found first by LongRoPE's search, :mod:`.longrope_search`, scored on the last windows of the
+training split so that the table's validation bytes stay unseen), and ``drope`` (Gelberg et al. 2025:
+the positions dropped, then the model recalibrated without them).
+
+A scaling's block is the one the study's ``+ft`` rows use (:func:`.variants.scaling_block`): the
+factor ``s = length / train_length`` for the fine-tune and for every evaluation length. The
+fine-tune is the study's: its training loop (:func:`.train.train`), its batches (random windows, a
+pure function of the data seed and the step, packed documents with ``pack_documents``), and for a
+scaling its ``+ft`` settings (:func:`.plan.settings_of`): ``steps`` at ``length`` with a tenth of
+them of warmup to ``lr``, then ``lr`` held; the data seed ``seed + FINETUNE_STREAM``. DroPE's
+recalibration takes DroPE's schedule (a 3% warmup, then cosine decay to ``min_lr_ratio``, no
+weight decay).
+
+A study's checkpoint (``OUT/checkpoints/ROW[.seedN].safetensors``) brings its study's settings as
+the defaults: train length, data, validation bytes, packing, task, evaluation lengths, seed, and
+``lr * min_lr_ratio`` with a batch of as many tokens as pre-training's, so ``posenc extend`` on
+``rope.safetensors`` with ``--scaling yarn`` is the study's ``rope+yarn+ft`` row, number for number.
+
+The output directory holds the extended checkpoint (``model.safetensors`` and its json:
+:func:`posenc.save_checkpoint`, whose ``lm_config`` records the scaling, or ``nope`` after DroPE),
+``extend.json`` (the settings, the scaling block, the training record, the search, every score),
+and the before/after table by length (``table.json``, ``table.csv``, printed): the base model as
+trained, the scaling zero-shot, and the extended model; perplexity on the lm task, far-recall
+accuracy on the recall task. An interrupted run continues with ``resume`` from its last training
+state (every ``checkpoint_every`` steps) and with the scores already written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from ..checkpoint import load_checkpoint, save_checkpoint
+from ..encodings.rope import RoPE
+from ..errors import UsageError
+from ..files import MARKER, RunDir, write_json, write_text
+from ..model import LM, LMConfig
+from . import distributed, recall
+from .data import DEFAULT_VALID_BYTES, Corpus, load_corpus, train_batch
+from .evaluation import evaluate, evaluate_recall
+from .longrope_search import SearchSettings, search
+from .plan import FINETUNE_STREAM
+from .progress import Progress
+from .rows import SCALINGS
+from .train import StateError, TrainSettings, train
+from .variants import scaling_block
+
+KINDS = ("linear", "ntk", "yarn", "llama3", "longrope", "drope")
+FORMAT = "posenc-extend-1"
+
+
+@dataclass(frozen=True)
+class ExtendConfig:
+    """One extension: what ``extend`` reads besides the checkpoint (every field checked when made).
+
+    Args:
+        scaling: one of :data:`KINDS`.
+        length: the fine-tuning (target) length.
+        steps: fine-tuning steps (0: the scaling zero-shot only, nothing trained).
+        train_length: the length the model was trained at (a study's checkpoint: its study's).
+        lr: the learning rate (a scaling: held after the warmup; DroPE: the peak).
+        batch_size: sequences per step (default: as many tokens as ``tokens_per_step``).
+        warmup: warmup steps (default: a tenth of the steps, at least 1).
+        longrope: a given ``longrope`` block (``scaling="longrope"``); None: LongRoPE's search finds
+            the factors (``search`` its settings, target ``length``), or with ``search=None`` the
+            study's default rule (:func:`.variants.scaling_block`).
+        task: "lm" (perplexity of ``data``) or "recall" (the study's associative recall).
+        eval_lengths: the lengths of the before/after table.
+    """
+
+    scaling: str
+    length: int
+    steps: int
+    train_length: int
+    lr: float = 2e-4
+    batch_size: int | None = None
+    tokens_per_step: int = 2048
+    warmup: int | None = None
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    checkpoint_every: int = 100
+    seed: int = 0
+    data: str = "default"
+    valid_bytes: int = DEFAULT_VALID_BYTES
+    pack_documents: bool = False
+    task: str = "lm"
+    recall_sequences: int = 64
+    eval_lengths: list[int] = field(default_factory=list)
+    longrope: dict[str, Any] | None = None
+    search: SearchSettings | None = None
+
+    def __post_init__(self) -> None:
+        if self.scaling not in KINDS:
+            raise UsageError(f"scaling must be one of {list(KINDS)}, got {self.scaling!r}")
+        for name in ("length", "train_length", "checkpoint_every", "tokens_per_step", "recall_sequences", "valid_bytes"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise UsageError(f"{name} must be an integer >= 1, got {v!r}")
+        if isinstance(self.steps, bool) or not isinstance(self.steps, int) or self.steps < 0:
+            raise UsageError(f"steps must be an integer >= 0, got {self.steps!r}")
+        if self.length <= self.train_length:
+            raise UsageError(f"length must be above train_length ({self.train_length}), got {self.length}")
+        if self.batch_size is not None and (isinstance(self.batch_size, bool) or not isinstance(self.batch_size, int)
+                                            or self.batch_size < 1):
+            raise UsageError(f"batch_size must be an integer >= 1, got {self.batch_size!r}")
+        if not isinstance(self.lr, (int, float)) or not math.isfinite(self.lr) or self.lr <= 0:
+            raise UsageError(f"lr must be a positive number, got {self.lr!r}")
+        if self.warmup is not None and not (isinstance(self.warmup, int) and 0 <= self.warmup <= max(self.steps, 1)):
+            raise UsageError(f"warmup must be an integer in [0, steps={self.steps}], got {self.warmup!r}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise UsageError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        if self.task not in ("lm", "recall"):
+            raise UsageError(f"task must be 'lm' or 'recall', got {self.task!r}")
+        if self.longrope is not None and self.scaling != "longrope":
+            raise UsageError(f"longrope (a given block) applies to scaling longrope, not {self.scaling!r}")
+        if self.search is not None and (self.scaling != "longrope" or self.longrope is not None):
+            raise UsageError("search applies to scaling longrope without a given block")
+        if self.search is not None and (self.search.target_length, self.search.train_length) != (self.length, self.train_length):
+            raise UsageError(f"search: its target_length and train_length ({self.search.target_length}, "
+                             f"{self.search.train_length}) must be length and train_length ({self.length}, {self.train_length})")
+        lengths = self.eval_lengths or sorted({self.train_length, self.length, 2 * self.length})
+        if any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in lengths):
+            raise UsageError(f"eval_lengths must be integers >= 1, got {lengths!r}")
+        object.__setattr__(self, "eval_lengths", sorted(set(lengths)))
+
+    @property
+    def factor(self) -> float:
+        return self.length / self.train_length
+
+    def settings(self) -> TrainSettings:
+        """The fine-tune's training settings (see the module docstring)."""
+        size = self.batch_size or max(1, self.tokens_per_step // self.length)
+        common: dict[str, Any] = dict(steps=max(1, self.steps), batch_size=size, length=self.length, grad_clip=self.grad_clip,
+                                      checkpoint_every=self.checkpoint_every, data_seed=self.seed + FINETUNE_STREAM,
+                                      min_lr_ratio=self.min_lr_ratio, weight_decay=self.weight_decay)
+        if self.scaling == "drope":
+            from .train import RECALIBRATION_WARMUP
+
+            warmup = self.warmup if self.warmup is not None else max(1, round(RECALIBRATION_WARMUP * self.steps))
+            return TrainSettings(lr=self.lr, warmup=warmup, drop_at=0, **common)
+        warmup = self.warmup if self.warmup is not None else max(1, self.steps // 10)
+        return TrainSettings(lr=self.lr, warmup=warmup, constant=True, **common)
+
+
+# -- a study's checkpoint brings its study's settings ----------------------------------------------
+
+_SEEDED = re.compile(r"^(?P<stem>.+)\.seed(?P<seed>\d+)$")
+
+
+def study_defaults(checkpoint: Path, length: int | None) -> dict[str, Any]:
+    """The settings a study's checkpoint brings (empty for any other checkpoint): see the module
+    docstring. ``length``: the fine-tuning length (for the batch size); None: the study's own."""
+    root = checkpoint.parent.parent
+    if checkpoint.parent.name != "checkpoints" or not (root / "results.json").is_file():
+        return {}
+    try:
+        results = json.loads((root / "results.json").read_text(encoding="utf-8"))
+        cfg = results["config"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}
+    match = _SEEDED.match(checkpoint.stem)
+    seed = int(match["seed"]) if match else int(cfg.get("seed", 0))
+    t = int(cfg["train_length"])
+    target = length or int(cfg.get("finetune_length") or 2 * t)
+    return {
+        "train_length": t, "lr": float(cfg["lr"]) * float(cfg["min_lr_ratio"]), "min_lr_ratio": float(cfg["min_lr_ratio"]),
+        "batch_size": max(1, int(cfg["batch_size"]) * t // target), "weight_decay": float(cfg["weight_decay"]),
+        "grad_clip": float(cfg["grad_clip"]), "checkpoint_every": int(cfg["checkpoint_every"]), "seed": seed,
+        "data": cfg.get("data", "default"), "valid_bytes": int(cfg["valid_bytes"]),
+        "pack_documents": bool(cfg.get("pack_documents", False)), "task": cfg.get("task", "lm"),
+        "recall_sequences": int(cfg.get("recall_sequences", 64)), "eval_lengths": list(cfg["eval_lengths"]),
+        "length": target,
+    }
+
+
+# -- the model under the scaling -------------------------------------------------------------------
+
+
+def _rope_of(model: LM) -> RoPE:
+    encs = {id(a.encoding): a.encoding for a in model.attentions()}
+    ropes = [e for e in encs.values() if isinstance(e, RoPE)]
+    if not ropes or len(ropes) != len(encs):
+        raise UsageError("checkpoint: posenc extend needs a RoPE model (every attention layer RoPE); this one has "
+                         f"{sorted({type(e).__name__ for e in encs.values()})}")
+    return ropes[0]
+
+
+def scaled(model: LM, block: dict[str, Any]) -> LM:
+    """A new :class:`LM` with ``model``'s weights and its RoPE under ``block`` (recorded in its config)."""
+    options = {**model.config.encoding_options, "scaling": block}
+    out = LM(LMConfig(**{**model.config.to_dict(), "encoding_options": options}))
+    out.load_state_dict({k: v.detach().clone() for k, v in model.state_dict().items()})
+    return out
+
+
+def dropped(model: LM) -> LM:
+    """A copy of ``model`` with its positions dropped (DroPE, before the recalibration)."""
+    out = LM(LMConfig(**model.config.to_dict()))
+    out.load_state_dict({k: v.detach().clone() for k, v in model.state_dict().items()})
+    out.drop_positions()
+    return out
+
+
+# -- scores ----------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Data:
+    corpus: Corpus | None  # None: the recall task
+
+    def batches(self, cfg: ExtendConfig, settings: TrainSettings) -> Callable[[int], tuple[torch.Tensor, ...]]:
+        seed, size, length = settings.data_seed, settings.batch_size, settings.length
+        if self.corpus is None:
+            return lambda step: recall.train_batch(seed, step, size, length)
+        corpus = self.corpus
+        documents = corpus.train_documents if cfg.pack_documents else None
+        if cfg.pack_documents and documents is None:
+            raise UsageError("pack_documents needs a corpus of files (the built-in one, a file or a folder); this data has no file boundaries")
+        return lambda step: train_batch(corpus.train, seed, step, size, length, documents)
+
+    def score(self, model: LM, cfg: ExtendConfig, length: int) -> dict[str, Any]:
+        ctx = distributed.Context(next(model.parameters()).device)
+        if self.corpus is None:
+            classes = evaluate_recall(model, length, cfg.train_length, cfg.recall_sequences, ctx)
+            return {"length": length, **{f"{cls}_accuracy": d["accuracy"] for cls, d in classes.items()}}
+        res = evaluate(model, self.corpus.valid, length, None, ctx)
+        return {"length": length, "perplexity": res["perplexity"], "loss": res["loss"]}
+
+
+def _metric(cfg: ExtendConfig) -> str:
+    return "far_accuracy" if cfg.task == "recall" else "perplexity"
+
+
+def table_rows(record: dict, cfg: ExtendConfig) -> list[dict]:
+    """One row per evaluation length: the base model, the scaling zero-shot, the extended model."""
+    key = _metric(cfg)
+    out = []
+    for length in cfg.eval_lengths:
+        row: dict[str, Any] = {"length": length}
+        for column in ("base", "zero_shot", "extended"):
+            found = [s for s in record["scores"].get(column, []) if s["length"] == length]
+            row[column] = found[0].get(key) if found else None
+        out.append(row)
+    return out
+
+
+def _csv(rows: list[dict], key: str) -> str:
+    lines = [f"length,base_{key},zero_shot_{key},extended_{key}"]
+    for r in rows:
+        cells = ["" if r[c] is None else f"{r[c]:.6g}" for c in ("base", "zero_shot", "extended")]
+        lines.append(",".join([str(r["length"]), *cells]))
+    return "\n".join(lines) + "\n"
+
+
+def printed(rows: list[dict], key: str, scaling: str) -> str:
+    """The before/after table as text."""
+    head = f"{'length':>8}  {'base':>12}  {scaling + ' zero-shot':>18}  {scaling + ' extended':>18}"
+    lines = [f"{key} by length", head]
+    for r in rows:
+        cells = [("-" if r[c] is None else f"{r[c]:.4f}") for c in ("base", "zero_shot", "extended")]
+        lines.append(f"{r['length']:>8}  {cells[0]:>12}  {cells[1]:>18}  {cells[2]:>18}")
+    return "\n".join(lines)
+
+
+# -- the job ---------------------------------------------------------------------------------------
+
+
+def _owned(path: Path) -> bool:
+    try:
+        return json.loads((path / "extend.json").read_text(encoding="utf-8")).get("format") == FORMAT
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def extend(checkpoint: str | Path, out: str | Path, cfg: ExtendConfig, *, resume: bool = False, progress: bool = True,
+           device: str = "cpu") -> dict:
+    """Extend the posenc checkpoint ``checkpoint`` as ``cfg`` says, into the directory ``out``
+    (see the module docstring for its files); returns the record (``out/extend.json``).
+
+    Raises:
+        UsageError: a checkpoint that is not a RoPE model, data too short for the lengths, ``out``
+            holding another run (without ``resume``) or one made with other settings.
+    """
+    checkpoint, out = Path(checkpoint), Path(out)
+    ui = Progress(progress)
+    base = load_checkpoint(checkpoint, device)
+    enc = _rope_of(base)
+    if enc.scaling.rope_type != "default":
+        raise UsageError(f"checkpoint: its RoPE already has a {enc.scaling.rope_type!r} scaling; extend a model trained "
+                         "without one")
+    data = _Data(None if cfg.task == "recall" else load_corpus(cfg.data, cfg.valid_bytes))
+    if data.corpus is not None:
+        if max(cfg.eval_lengths) > data.corpus.valid_tokens:
+            raise UsageError(f"eval_lengths: {max(cfg.eval_lengths)} exceeds the {data.corpus.valid_tokens} validation "
+                             "tokens; use shorter eval_lengths or more valid_bytes")
+        if data.corpus.train.numel() < cfg.length + 2:
+            raise UsageError(f"length ({cfg.length}) needs a training split longer than {data.corpus.train.numel()} bytes")
+    settings = {**asdict(cfg), "search": None if cfg.search is None else
+                {**asdict(cfg.search), "start_tokens": list(cfg.search.start_tokens)}}
+    fresh = not (out / MARKER).exists()
+    rundir = RunDir.claim(out, "extend", owned=_owned)
+    try:
+        record = _start(out, checkpoint, settings, resume, fresh)
+    except BaseException:
+        rundir.discard()
+        raise
+    try:
+        return _run(base, enc, out, cfg, data, record, ui, resume)
+    finally:
+        rundir.release()
+
+
+def _start(out: Path, checkpoint: Path, settings: dict, resume: bool, fresh: bool) -> dict:
+    path = out / "extend.json"
+    if path.exists():
+        if not resume:
+            raise UsageError(f"out: {out} already holds an extension (extend.json); continue it with resume, or choose another out")
+        saved = json.loads(path.read_text(encoding="utf-8"))
+        if saved.get("settings") != settings or saved.get("checkpoint") != str(checkpoint):
+            raise UsageError(f"resume: {out} was extended from another checkpoint or with other settings; use another out")
+        return dict(saved)
+    if resume and fresh:
+        raise UsageError(f"resume: {out} holds no extension (no extend.json); leave out resume to start one")
+    return {"format": FORMAT, "checkpoint": str(checkpoint), "settings": settings, "status": "running", "scores": {}}
+
+
+def _block(base: LM, enc: RoPE, cfg: ExtendConfig, record: dict, out: Path, data: _Data, ui: Progress,
+           resume: bool) -> dict[str, Any] | None:
+    """The scaling block (None: DroPE), searched first for a searched LongRoPE."""
+    if cfg.scaling == "drope":
+        return None
+    if cfg.scaling == "longrope" and cfg.longrope is not None:
+        block = dict(cfg.longrope)
+        RoPE(enc.num_heads, enc.head_dim, base=enc.base, rotary_dim=enc.rotary_dim, scaling=block)  # checked now
+        return block
+    if cfg.scaling == "longrope" and cfg.search is not None:
+        if "search" not in record:
+            if data.corpus is None:
+                raise UsageError("search: LongRoPE's search scores perplexity on text; use task lm, or give the "
+                                 "factors (longrope)")
+            ui.log(f"[extend] LongRoPE's search for {cfg.length} ({cfg.factor:g}x)")
+            need = cfg.search.sequences * cfg.length + 1  # (training windows: the table's bytes stay unseen)
+            if data.corpus.train.numel() < need:
+                raise UsageError(f"search: {cfg.search.sequences} windows of {cfg.length} need {need} training bytes, "
+                                 f"the training split has {data.corpus.train.numel()}")
+            result = search(base, data.corpus.train[-need:], cfg.search, state=out / "search-state.json", resume=resume or
+                            (out / "search-state.json").exists(), progress=ui.enabled)
+            record["search"] = result.to_json()
+        return dict(record["search"]["block"])
+    assert cfg.scaling in SCALINGS
+    return scaling_block(cfg.scaling, cfg.factor, cfg.train_length, enc.base, enc.rotary_dim)
+
+
+def _run(base: LM, enc: RoPE, out: Path, cfg: ExtendConfig, data: _Data, record: dict, ui: Progress, resume: bool) -> dict:
+    path = out / "extend.json"
+    started = time.perf_counter()
+    block = _block(base, enc, cfg, record, out, data, ui, resume)
+    record["scaling"] = block if block is not None else {"drope": True}
+    write_json(path, record)
+    start = scaled(base, block) if block is not None else dropped(base)
+
+    def scores(column: str, model: LM) -> None:
+        done = {s["length"] for s in record["scores"].get(column, [])}
+        for length in cfg.eval_lengths:
+            if length in done:
+                continue
+            if data.corpus is not None and length > data.corpus.valid_tokens:
+                continue
+            score = data.score(model, cfg, length)
+            record["scores"].setdefault(column, []).append(score)
+            ui.log(f"[extend] {column} L={length}: " + ", ".join(f"{k} {v:.4f}" for k, v in score.items() if k != "length"))
+            write_json(path, record)
+
+    scores("base", base)
+    scores("zero_shot", start)
+    model = start
+    weights = out / "model.safetensors"
+    if cfg.steps:
+        if record.get("status") == "trained" and weights.exists():
+            model = load_checkpoint(weights, next(base.parameters()).device)
+        else:
+            settings = cfg.settings()
+            try:
+                fresh = scaled(base, block) if block is not None else LM(LMConfig(**base.config.to_dict()))
+                if block is None:
+                    fresh.load_state_dict(base.state_dict())
+                tuned, trained = train(f"extend {cfg.scaling}", settings, fresh, data.batches(cfg, settings),
+                                       out / "state.pt", distributed.Context(next(base.parameters()).device), ui)
+            except StateError as err:
+                raise UsageError(f"{err}; delete it and continue with resume to fine-tune from step 0") from None
+            assert isinstance(tuned, LM)
+            model = tuned
+            record["train"] = trained.to_json()
+            save_checkpoint(model, weights)
+            record["status"] = "trained"
+            write_json(path, record)
+            (out / "state.pt").unlink(missing_ok=True)
+        scores("extended", model)
+    else:
+        save_checkpoint(model, weights)
+    rows = table_rows(record, cfg)
+    key = _metric(cfg)
+    record["table"] = rows
+    record["status"] = "done"
+    record["time_s"] = round(record.get("time_s", 0.0) + time.perf_counter() - started, 3)
+    write_json(path, record)
+    write_json(out / "table.json", {"metric": key, "scaling": cfg.scaling, "rows": rows})
+    write_text(out / "table.csv", _csv(rows, key))
+    ui.warn(printed(rows, key, cfg.scaling))
+    return record
+
+
+# -- the command line ------------------------------------------------------------------------------
+
+
+def add_extend_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("checkpoint", help="a posenc checkpoint (NAME.safetensors with NAME.json), e.g. a study's "
+                                      "OUT/checkpoints/rope.safetensors (its study's settings are the defaults)")
+    p.add_argument("--out", required=True, help="output directory (created; never a folder of other files)")
+    p.add_argument("--scaling", required=True, choices=KINDS,
+                   help="linear (PI), ntk, yarn, llama3, longrope (given with --longrope-block, or searched with "
+                        "--search), drope (drop the positions, then recalibrate)")
+    p.add_argument("--length", type=int, help="fine-tuning (target) length (a study's default: its finetune_length)")
+    p.add_argument("--steps", type=int, required=True, help="fine-tuning steps (0: the zero-shot scaling only)")
+    p.add_argument("--train-length", type=int, help="the length the model was trained at (a study's: read)")
+    p.add_argument("--lr", type=float, help="learning rate (default 2e-4; a study's: lr x min_lr_ratio)")
+    p.add_argument("--batch-size", type=int, help="sequences per step (default: 2048 tokens per step; a study's: "
+                                                    "as many tokens as its pre-training)")
+    p.add_argument("--warmup", type=int, help="warmup steps (default: a tenth of the steps; DroPE 3%%)")
+    p.add_argument("--seed", type=int, help="the data seed (batches: seed + 1000000, the study's fine-tune stream)")
+    p.add_argument("--data", help="'default', a text file or folder, or hf:NAME[:CONFIG] (a study's: its data)")
+    p.add_argument("--valid-bytes", type=int, help="validation tokens scored at every length")
+    p.add_argument("--pack-documents", action="store_true", default=None, help="files as documents (as the study)")
+    p.add_argument("--eval-lengths", type=int, nargs="+", metavar="L",
+                   help="lengths of the before/after table (default: train length, length, 2x length)")
+    p.add_argument("--checkpoint-every", type=int, help="steps between resumable training states (default 100)")
+    p.add_argument("--longrope-block", metavar="FILE", help="a JSON file holding a longrope block (short_factor, "
+                                                             "long_factor, original_max_position_embeddings, ...)")
+    p.add_argument("--search", action="store_true", help="longrope: find the factors with LongRoPE's search first")
+    p.add_argument("--search-generations", type=int, default=8, help="the search's generations (default 8)")
+    p.add_argument("--search-population", type=int, default=16, help="the search's population (default 16)")
+    p.add_argument("--search-sequences", type=int, default=4, help="validation windows per individual (default 4)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument("--threads", type=int, help="CPU threads (torch.set_num_threads)")
+    p.add_argument("--resume", action="store_true", help="continue the extension in --out")
+    p.add_argument("--no-progress", action="store_true", help="no progress lines")
+
+
+def config_from_args(args: argparse.Namespace) -> ExtendConfig:
+    """The :class:`ExtendConfig` of the command line: given options, then a study's, then defaults."""
+    checkpoint = Path(args.checkpoint)
+    defaults = study_defaults(checkpoint, args.length)
+    given = {"length": args.length, "steps": args.steps, "train_length": args.train_length, "lr": args.lr,
+             "batch_size": args.batch_size, "warmup": args.warmup, "seed": args.seed, "data": args.data,
+             "valid_bytes": args.valid_bytes, "pack_documents": args.pack_documents, "eval_lengths": args.eval_lengths,
+             "checkpoint_every": args.checkpoint_every}
+    values = {**defaults, **{k: v for k, v in given.items() if v is not None}}
+    if "train_length" not in values:
+        raise UsageError("train-length: give the length the model was trained at (only a study's checkpoint records it)")
+    if "length" not in values:
+        raise UsageError("length: give the fine-tuning length")
+    longrope = None
+    if args.longrope_block is not None:
+        try:
+            longrope = json.loads(Path(args.longrope_block).read_text(encoding="utf-8"))
+        except (OSError, ValueError) as err:
+            raise UsageError(f"longrope-block: {args.longrope_block} is not a readable JSON file ({err})") from None
+        if not isinstance(longrope, dict):
+            raise UsageError(f"longrope-block: {args.longrope_block} must hold one JSON object (the block)")
+    settings = None
+    if args.search:
+        settings = SearchSettings(train_length=values["train_length"], target_length=values["length"],
+                                  generations=args.search_generations, population=args.search_population,
+                                  sequences=args.search_sequences, parents=min(4, args.search_population),
+                                  seed=values.get("seed", 0))
+    return ExtendConfig(scaling=args.scaling, longrope=longrope, search=settings, **values)
+
+
+def run_extend(args: argparse.Namespace) -> int:
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    cfg = config_from_args(args)
+    extend(args.checkpoint, args.out, cfg, resume=args.resume, progress=not args.no_progress, device=args.device)
+    print(f"posenc extend: wrote {Path(args.out) / 'model.safetensors'} and the table in {args.out}", file=sys.stderr)
+    return 0
+
+
+__all__ = ["ExtendConfig", "KINDS", "add_extend_arguments", "config_from_args", "dropped", "extend", "run_extend",
+           "scaled", "study_defaults", "table_rows"]

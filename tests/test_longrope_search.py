@@ -1,0 +1,140 @@
+"""LongRoPE's search: its block read by transformers, a seeded search reproduces, the constraint holds."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+import posenc
+from posenc import LM, LMConfig
+from posenc.errors import UsageError
+from posenc.study import longrope_search as ls
+
+T, TARGET = 16, 64
+
+
+@pytest.fixture(scope="module")
+def model() -> LM:
+    torch.manual_seed(0)
+    return LM(LMConfig(encoding="rope", dim=32, depth=1, num_heads=2))
+
+
+@pytest.fixture(scope="module")
+def valid() -> torch.Tensor:
+    return torch.randint(0, 256, (3 * TARGET + 1,), generator=torch.Generator().manual_seed(1), dtype=torch.uint8)
+
+
+def settings(**kw) -> ls.SearchSettings:
+    return ls.SearchSettings(**{"train_length": T, "target_length": TARGET, "sequences": 2, "population": 6,
+                                "generations": 2, "parents": 3, "mutations": 4, "crossovers": 3, "seed": 3, **kw})
+
+
+def test_searched_block_gives_transformers_inv_freq_and_attention_factor(model, valid):
+    transformers = pytest.importorskip("transformers")
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    block = ls.search(model, valid, settings(), progress=False).block()
+    config = transformers.LlamaConfig(hidden_size=32, num_attention_heads=2, num_hidden_layers=1, intermediate_size=64,
+                                      vocab_size=256, max_position_embeddings=TARGET, rope_parameters=dict(block))
+    for length in (T, TARGET):  # short_factor at the training length, long_factor past it
+        theirs, attention = ROPE_INIT_FUNCTIONS["longrope"](config, torch.device("cpu"), seq_len=length)
+        for enc in (posenc.build("rope", num_heads=2, head_dim=16, scaling=block), posenc.rope_from_hf(config)):
+            torch.testing.assert_close(enc.frequencies(length), theirs, rtol=1e-6, atol=0)
+            assert enc.attention_factor == pytest.approx(attention, rel=1e-12)
+    assert attention == pytest.approx(math.sqrt(1 + math.log(TARGET / T) / math.log(T)))
+
+
+def test_seeded_search_gives_the_same_factors_twice_and_resumes(model, valid, tmp_path):
+    first = ls.search(model, valid, settings(), progress=False)
+    second = ls.search(model, valid, settings(), progress=False)
+    assert first.best == second.best and first.perplexity == second.perplexity
+    assert [r["factors"] for r in first.evaluated] == [r["factors"] for r in second.evaluated]
+    # interrupted after 5 individuals: the state keeps them, a resumed search ends where an unbroken one does
+    state = tmp_path / "state.json"
+    calls = {"n": 0}
+    original = ls._Search._perplexity
+
+    def stop_after_five(self):
+        calls["n"] += 1
+        if calls["n"] > 5:
+            raise KeyboardInterrupt
+        return original(self)
+
+    ls._Search._perplexity = stop_after_five
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            ls.search(model, valid, settings(), state=state, progress=False)
+    finally:
+        ls._Search._perplexity = original
+    assert len(json.loads(state.read_text())["evaluated"]) == 5
+    with pytest.raises(UsageError, match="resume"):
+        ls.search(model, valid, settings(), state=state, progress=False)
+    resumed = ls.search(model, valid, settings(), state=state, resume=True, progress=False)
+    assert resumed.best == first.best and len(resumed.evaluated) == len(first.evaluated)
+    with pytest.raises(UsageError, match="other settings"):
+        ls.search(model, valid, settings(seed=4), state=state, resume=True, progress=False)
+
+
+def test_no_evaluated_individual_breaks_the_monotone_constraint(model, valid):
+    s = settings(step=2.0, mutation_rate=0.9, start_tokens=(0, 2, 4))  # wild mutations: many draws break it
+    result = ls.search(model, valid, s, progress=False)
+    assert len(result.evaluated) > s.population
+    for record in result.evaluated:
+        f = record["factors"]
+        assert all(1.0 <= a <= b <= s.upper for a, b in zip(f, f[1:])) and f[0] >= 1.0
+        assert record["start"] in (0, 2, 4)
+    # the seeds: PI is s everywhere, NTK and YaRN keep the fastest pair and interpolate the slowest by s
+    first = result.evaluated[:3]
+    assert first[0]["factors"] == [4.0] * 8
+    assert first[1]["factors"][0] == 1.0 and first[1]["factors"][-1] == pytest.approx(4.0)
+    assert first[2]["factors"][0] == 1.0 and first[2]["factors"][-1] == pytest.approx(4.0)
+    if result.best.start:
+        with pytest.raises(UsageError, match="start_tokens"):
+            result.block()
+
+
+def test_kept_start_rotates_the_first_positions_unscaled(model, valid):
+    enc = model.attentions()[0].encoding
+    theta = ls.default_frequencies(enc.base, enc.rotary_dim)
+    block = ls.longrope_block([4.0] * 8, T, 4.0, enc.base)
+    with ls._applied([enc], block, 3, theta, TARGET):
+        cos, _ = enc.cos_sin(torch.arange(TARGET), TARGET)
+    angles = torch.arange(TARGET, dtype=torch.float64)[:, None] * theta[None]
+    torch.testing.assert_close(cos[:3], angles[:3].cos().float())
+    torch.testing.assert_close(cos[3:], (angles[3:] / 4).cos().float())
+    assert enc.scaling.rope_type == "default"  # undone after the block
+
+
+def test_bad_settings_name_the_parameter():
+    with pytest.raises(UsageError, match="target_length"):
+        ls.SearchSettings(train_length=64, target_length=32)
+    with pytest.raises(UsageError, match="start_tokens"):
+        ls.SearchSettings(train_length=16, target_length=64, start_tokens=(16,))
+    with pytest.raises(UsageError, match="parents"):
+        ls.SearchSettings(train_length=16, target_length=64, population=2, parents=3)
+
+
+def test_search_takes_a_transformers_model_through_posenc_hf(valid):
+    transformers = pytest.importorskip("transformers")
+    import posenc.hf as ph
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+                                      vocab_size=256, max_position_embeddings=T)
+    model = ph.use(transformers.LlamaForCausalLM(config).eval(), "rope")
+    result = ls.search(model, valid, settings(generations=1, population=4, parents=2, mutations=2, crossovers=1),
+                       progress=False)
+    assert len(result.evaluated) >= 4 and result.block()["rope_type"] == "longrope"
+    enc = model.model.posenc_encodings[0]
+    assert enc.scaling.rope_type == "default"  # every individual's scaling undone
+    # the PI seed's fitness is the model under PI itself
+    from posenc.study.hf_evaluation import evaluate
+
+    enc.set_scaling({"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [4.0] * 8,
+                     "original_max_position_embeddings": T, "factor": 4.0,
+                     "attention_factor": math.sqrt(1 + math.log(4) / math.log(T))})
+    ppl = evaluate(model, valid[: 2 * TARGET + 1], [TARGET])[TARGET]["perplexity"]
+    assert result.baselines["pi"] == pytest.approx(ppl, rel=1e-9)
