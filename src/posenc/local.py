@@ -56,7 +56,7 @@ from .backends.parts.regions import repeated_heads
 from .encodings.protocol import Biases, QueryTerms, ValueTerms, require
 from .errors import UsageError
 from .geometry import ScoreSpec
-from .query_scale import QueryScale
+from .query_scale import QueryScale, check_query_scale
 
 MIN_BLOCK = 64  # queries per block of a window; more when the window is wider
 
@@ -86,6 +86,7 @@ class Extras:
             raise UsageError(f"give window or chunk, not both (got window={self.window}, chunk={self.chunk})")
         if self.sinks is not None and (not isinstance(self.sinks, torch.Tensor) or self.sinks.dim() != 1 or not self.sinks.is_floating_point()):
             raise UsageError(f"sinks must be a 1-D float tensor (one logit per query head), got {getattr(self.sinks, 'shape', self.sinks)!r}")
+        check_query_scale(self.query_scale)
 
     @property
     def restricts(self) -> bool:
