@@ -22,6 +22,8 @@ heads inside the fused kernel (``enable_gqa``); the score-term backends get them
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from . import backends, local
@@ -221,13 +223,25 @@ def _segments(q, k, v, encoding, geometry: Geometry, scale: float, memo: Forward
 
 
 def _check_gates(log_gates, encoding, b: int, h: int, tk: int) -> None:
+    """Gates only for an encoding with the Gates hook, and every gate a log forget gate in [-inf, 0]
+    (one host read of their largest value; not checked while compiling)."""
+    gated = encoding is not None and offers(encoding, Gates)
     if log_gates is None:
-        if encoding is not None and offers(encoding, Gates):
+        if gated:
             raise UsageError(f"encoding {type(encoding).__name__} has forget gates: pass log_gates=encoding.log_gates(x) (batch, heads, keys)")
         return
+    if not gated:
+        name = "None (NoPE)" if encoding is None else type(encoding).__name__
+        raise UsageError(f"log_gates: encoding {name} has no forget gates (the Gates hook, e.g. fox); "
+                         "gates would change its scores, so leave log_gates None")
     if not isinstance(log_gates, torch.Tensor) or not log_gates.is_floating_point() or tuple(log_gates.shape) != (b, h, tk):
         raise UsageError(f"log_gates must be a float tensor of shape (batch, heads, keys) = {(b, h, tk)}, "
                          f"got {getattr(log_gates, 'shape', type(log_gates).__name__)}")
+    if log_gates.numel() and not torch.compiler.is_compiling():
+        top = float(log_gates.detach().nan_to_num(nan=math.inf).max())
+        if top > 0:
+            bad = "NaN" if bool(log_gates.detach().isnan().any()) else f"up to {top:g}"
+            raise UsageError(f"log_gates are log forget gates, each in [-inf, 0] (log sigmoid), got {bad}")
 
 
 def _check(q, k, v, encoding):
