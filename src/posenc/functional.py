@@ -232,8 +232,9 @@ def _check_gates(log_gates, encoding, b: int, h: int, tk: int) -> None:
         return
     if not gated:
         name = "None (NoPE)" if encoding is None else type(encoding).__name__
-        raise UsageError(f"log_gates: encoding {name} has no forget gates (the Gates hook, e.g. fox); "
-                         "gates would change its scores, so leave log_gates None")
+        raise UsageError(f"log_gates: encoding {name} has no forget gates (the Gates hook); gates would change its "
+                         "scores, so leave log_gates None (for NoPE with gates computed elsewhere, pass a fox encoding: "
+                         "attend reads only the gates given)")
     if not isinstance(log_gates, torch.Tensor) or not log_gates.is_floating_point() or tuple(log_gates.shape) != (b, h, tk):
         raise UsageError(f"log_gates must be a float tensor of shape (batch, heads, keys) = {(b, h, tk)}, "
                          f"got {getattr(log_gates, 'shape', type(log_gates).__name__)}")
