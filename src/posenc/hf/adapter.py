@@ -58,6 +58,7 @@ from ..errors import UsageError
 from ..functional import attend
 from ..geometry import Geometry
 from ..memo import ForwardMemo, Workspace
+from .saving import mark, recorded_options
 
 NAME = "posenc"
 
@@ -182,7 +183,7 @@ def posenc_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
     forward = module.__dict__.get("_posenc_forward")
     if encoding is None or forward is None:
         raise UsageError(f"{type(module).__name__} {getattr(module, 'layer_idx', '')}: attn_implementation='posenc' "
-                         "needs posenc.hf.use(model, encoding) first")
+                         "needs posenc.hf.use(model, encoding) first (a model saved after use: load it with posenc.hf.from_pretrained)")
     if dropout and module.training:
         raise UsageError(f"attention_dropout must be 0 with posenc.hf (got {dropout})")
     window = kwargs.get("sliding_window")
@@ -440,6 +441,7 @@ def use(model: _Model, encoding: str | nn.Module, **options: Any) -> _Model:
     register()
     model.set_attn_implementation(NAME)
     config.posenc = record
+    mark(config)
     return model
 
 
@@ -466,6 +468,7 @@ def from_pretrained(model_class: Any, path: str | os.PathLike[str], *, encoding:
     if encoding is None and record.get("unrecorded"):
         raise UsageError(f"encoding: the saved encoding's options {record['unrecorded']} are not in the config; "
                          "pass encoding=<the same posenc encoding> to rebuild it")
+    register()  # the saved config names attn_implementation="posenc" (posenc.hf.saving)
     mapping = getattr(model_class, "_model_mapping", None)
     if mapping is not None:  # an Auto class: its concrete class for this config
         model_class = mapping[type(config)]
@@ -495,7 +498,7 @@ def recorded_encoding(config: Any, record: dict[str, Any]) -> nn.Module | str:
     heads = int(config.num_attention_heads)
     head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
     return build(record["encoding"], num_heads=heads, head_dim=head_dim, causal=bool(record.get("causal", True)),
-                 **dict(record.get("options") or {}))
+                 **recorded_options(config, record))
 
 
 __all__ = ["RotaryStandIn", "NAME", "SUPPORTED", "from_pretrained", "padding_mask", "posenc_attention",
