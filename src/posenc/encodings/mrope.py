@@ -308,7 +308,7 @@ def mrope_from_hf(config: object, **options: Any) -> MRoPE:
             raise UsageError(f"mrope_from_hf: the config gives no rope_theta and model_type {model_type!r} has no known "
                              f"default (known: {sorted(DEFAULT_THETA)}); give rope_theta")
         base = default
-    if isinstance(base, bool) or not isinstance(base, numbers.Real) or not math.isfinite(base) or not base > 1:
+    if isinstance(base, bool) or not isinstance(base, numbers.Real) or not math.isfinite(base) or not float(base) > 1:
         raise UsageError(f"mrope_from_hf: rope_theta must be a number > 1, got {base!r}")
     section = block.get("mrope_section") or ([24, 20, 20] if qwen3 else [16, 24, 24])
     interleaved = block.get("mrope_interleaved", False)
