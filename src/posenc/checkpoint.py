@@ -46,10 +46,20 @@ def _unique(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], di
 
 
 def save_checkpoint(model: LM, path: str | Path) -> None:
-    """Write ``path`` (safetensors) and ``path.with_suffix('.json')``; each atomically."""
+    """Write ``path`` (safetensors) and ``path.with_suffix('.json')``; each atomically.
+
+    Raises:
+        UsageError: ``path`` does not end in ``.safetensors`` (the json would take the weights'
+            name, or another file's), or its json exists and is not a posenc checkpoint's (a
+            user's file is never replaced).
+    """
     from safetensors.torch import save
 
     path = Path(path)
+    if path.suffix != ".safetensors":
+        raise UsageError(f"path: give the weights file NAME.safetensors (its json NAME.json is written beside it), "
+                         f"got {str(path)!r}")
+    _check_replaceable(path.with_suffix(".json"))
     config = model.config.to_dict()
     kept, alias = _unique(model.state_dict())
     # One metadata entry: safetensors keeps metadata in a hash map whose order changes from one
@@ -64,6 +74,19 @@ def save_checkpoint(model: LM, path: str | Path) -> None:
             "tensors": {k: list(v.shape) for k, v in kept.items()}, "shared": alias,
         },
     })
+
+
+def _check_replaceable(meta_path: Path) -> None:
+    """A UsageError when ``meta_path`` exists and is not a posenc checkpoint's json."""
+    if not meta_path.exists():
+        return
+    try:
+        ours = json.loads(meta_path.read_text(encoding="utf-8")).get("format") == FORMAT
+    except (OSError, ValueError, AttributeError):
+        ours = False
+    if not ours:
+        raise UsageError(f"path: {meta_path} exists and is not a posenc checkpoint's json; refusing to replace it "
+                         "(choose another NAME.safetensors, or move the file)")
 
 
 def _header(data: bytes) -> dict:

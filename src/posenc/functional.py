@@ -22,6 +22,8 @@ heads inside the fused kernel (``enable_gqa``); the score-term backends get them
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from . import backends, local
@@ -99,7 +101,7 @@ def attend(
             (gpt-oss); None: no sinks.
         query_scale: a per-query factor of the positions (:mod:`posenc.query_scale`: Llama 4's
             temperature, Ministral 3's beta form, Scalable-Softmax), applied after the rotation.
-        log_gates: (B, H, Tk) per-key log forget gates (<= 0), the keys' ``encoding.log_gates(x)``
+        log_gates: (B, H, Tk) per-key log forget gates (finite, <= 0), the keys' ``encoding.log_gates(x)``
             for an encoding with the ``Gates`` hook (the Forgetting Transformer): query i and key j
             gain the sum of the gates of the keys after j up to i (restarting at each document).
             Required for such an encoding; None otherwise.
@@ -224,13 +226,29 @@ def _segments(q, k, v, encoding, geometry: Geometry, scale: float, memo: Forward
 
 
 def _check_gates(log_gates, encoding, b: int, h: int, tk: int) -> None:
+    """Gates only for an encoding with the Gates hook, and every gate a finite log forget gate <= 0
+    (one host read; not checked while compiling). A gate of -inf is refused too: the backends sum
+    the gates, and -inf - (-inf) would be NaN."""
+    gated = encoding is not None and offers(encoding, Gates)
     if log_gates is None:
-        if encoding is not None and offers(encoding, Gates):
+        if gated:
             raise UsageError(f"encoding {type(encoding).__name__} has forget gates: pass log_gates=encoding.log_gates(x) (batch, heads, keys)")
         return
+    if not gated:
+        name = "None (NoPE)" if encoding is None else type(encoding).__name__
+        raise UsageError(f"log_gates: encoding {name} has no forget gates (the Gates hook); gates would change its "
+                         "scores, so leave log_gates None (for NoPE with gates computed elsewhere, pass a fox encoding: "
+                         "attend reads only the gates given)")
     if not isinstance(log_gates, torch.Tensor) or not log_gates.is_floating_point() or tuple(log_gates.shape) != (b, h, tk):
         raise UsageError(f"log_gates must be a float tensor of shape (batch, heads, keys) = {(b, h, tk)}, "
                          f"got {getattr(log_gates, 'shape', type(log_gates).__name__)}")
+    if log_gates.numel() and not torch.compiler.is_compiling():
+        g = log_gates.detach()
+        top = float(torch.where(g.isfinite(), g, math.inf).max())
+        if top > 0:
+            bad = ("NaN" if bool(g.isnan().any()) else "-inf" if bool(g.isneginf().any()) else
+                   "+inf" if bool(g.isposinf().any()) else f"up to {top:g}")
+            raise UsageError(f"log_gates are log forget gates, each finite and <= 0 (log sigmoid), got {bad}")
 
 
 def _check(q, k, v, encoding):

@@ -374,14 +374,16 @@ class Geometry:
                 raise UsageError(f"key_padding_mask must be a bool tensor (True = real token), got {in_words(key_padding_mask)}")
             if tuple(key_padding_mask.shape) != (batch, tk):
                 raise UsageError(f"key_padding_mask must have shape (batch, keys) = ({batch}, {tk}), got {tuple(key_padding_mask.shape)}")
-        shared = positions is None or positions.dim() == 1
         if positions is not None:
             _integer("positions", positions, f"({tq},) or ({batch}, {tq})")
+        if k_positions is not None:
+            _integer("k_positions", k_positions, f"({tk},) or ({batch}, {tk})")
+        shared = positions is None or positions.dim() == 1
+        if positions is not None:
             if positions.shape not in ((tq,), (batch, tq)):
                 raise UsageError(f"positions must have shape ({tq},) or (batch, {tq}) = ({batch}, {tq}), got {tuple(positions.shape)}"
                                  + one_axis_hint(encoding, positions))
         if k_positions is not None:
-            _integer("k_positions", k_positions, f"({tk},) or ({batch}, {tk})")
             if k_positions.shape not in ((tk,), (batch, tk)):
                 raise UsageError(f"k_positions must have shape ({tk},) or (batch, {tk}) = ({batch}, {tk}), got {tuple(k_positions.shape)}"
                                  + one_axis_hint(encoding, k_positions))

@@ -60,7 +60,7 @@ from .backends.parts.regions import repeated_heads
 from .encodings.protocol import Biases, QueryTerms, ValueTerms, require
 from .errors import UsageError
 from .geometry import ScoreSpec
-from .query_scale import QueryScale
+from .query_scale import QueryScale, check_query_scale
 
 MIN_BLOCK = 64  # queries per block of a window; more when the window is wider
 
@@ -95,6 +95,7 @@ class Extras:
         if self.softcap is not None and (isinstance(self.softcap, bool) or not isinstance(self.softcap, (int, float))
                                          or not math.isfinite(self.softcap) or self.softcap <= 0):
             raise UsageError(f"softcap must be a finite number > 0 or None, got {self.softcap!r}")
+        check_query_scale(self.query_scale)
 
     @property
     def restricts(self) -> bool:

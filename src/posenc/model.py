@@ -26,7 +26,7 @@ from . import backends
 from .attention import Attention, _padding_mask
 from .axes import check_takes_axes
 from .cache import Cache, check_padding
-from .encodings import PositionalEncoding, build, get_class, options_of
+from .encodings import PositionalEncoding, available, build, get_class, options_of
 from .encodings.base import position_axes_of
 from .encodings.protocol import Embeds, offers
 from .errors import UsageError, check_positive
@@ -42,8 +42,9 @@ class LMConfig:
     Raises:
         UsageError: an unknown encoding or backend name, a size that is not a positive integer,
             ``dim`` not divisible by ``num_heads`` (or ``num_heads`` by ``num_kv_heads``),
-            ``encoding_options`` given with a ``schedule``, or a schedule that does not parse or
-            does not have ``depth`` layers.
+            ``encoding_options`` or an absolute ``encoding`` (sinusoidal, learned: its input
+            embedding would be dropped) given with a ``schedule``, or a schedule that does not
+            parse or does not have ``depth`` layers.
     """
 
     encoding: str = "alibi"
@@ -66,6 +67,10 @@ class LMConfig:
 
     def __post_init__(self) -> None:
         if self.schedule is not None:
+            if self.encoding in available() and offers(get_class(self.encoding), Embeds):
+                raise UsageError(f"encoding={self.encoding!r} is an absolute method (it adds to the token embeddings), "
+                                 "and a schedule gives every layer's encoding: the two do not combine; drop encoding, "
+                                 "or the schedule")
             check_positive("depth", self.depth)
             if self.encoding_options:
                 raise UsageError("encoding_options do not apply with a schedule: give each layer's options in the schedule")

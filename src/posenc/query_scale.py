@@ -102,7 +102,8 @@ KINDS = {cls.kind: cls for cls in (Temperature, LogFloorScale, ScalableSoftmax)}
 
 
 def _num(x: float) -> str:
-    return f"{x:g}"
+    """x as text that ``float`` reads back exactly (0.1 -> '0.1', not a rounded '%g')."""
+    return repr(float(x))
 
 
 def to_dict(scale: QueryScale) -> dict:
@@ -140,6 +141,19 @@ def parse_query_scale(key: str, value: str) -> QueryScale:
     return Temperature(first, int(second)) if key == "temp" else LogFloorScale(first, int(second))
 
 
+def check_query_scale(value: object, name: str = "query_scale") -> QueryScale | None:
+    """``value`` if it is a query scale of this module or None.
+
+    Raises:
+        UsageError: anything else (a text such as ``"temp"``, a number, a dict), naming ``name``
+            and the forms it takes.
+    """
+    if value is None or isinstance(value, (Temperature, LogFloorScale, ScalableSoftmax)):
+        return value
+    raise UsageError(f"{name} must be None or a posenc.query_scale scale (Temperature, LogFloorScale or ScalableSoftmax, "
+                     f"e.g. Temperature(0.1, 8192)), got {type(value).__name__} {value!r}")
+
+
 def scaled_queries(q: torch.Tensor, scale: QueryScale, positions: torch.Tensor) -> torch.Tensor:
     """q (B, H, T, D) times ``scale.factor(positions)`` per query (the factor computed in float64,
     then cast to q's dtype)."""
@@ -147,5 +161,5 @@ def scaled_queries(q: torch.Tensor, scale: QueryScale, positions: torch.Tensor) 
     return q * f[:, None]
 
 
-__all__ = ["KINDS", "LogFloorScale", "QueryScale", "ScalableSoftmax", "Temperature", "parse_query_scale",
+__all__ = ["KINDS", "LogFloorScale", "QueryScale", "ScalableSoftmax", "Temperature", "check_query_scale", "parse_query_scale",
            "query_scale_from_dict", "scaled_queries", "to_dict"]

@@ -133,7 +133,11 @@ class Layer:
         unknown = sorted(set(data) - {"encoding", "options", "window", "chunk", "sinks", "query_scale"})
         if unknown:
             raise UsageError(f"schedule: unknown layer key(s) {unknown}; accepted: encoding, options, window, chunk, sinks, query_scale")
-        return cls(data["encoding"], dict(data.get("options") or {}), data.get("window"), data.get("chunk"),
+        options = data.get("options")
+        if options is not None and not isinstance(options, dict):
+            raise UsageError(f"schedule: the options of layer {data['encoding']!r} must be a dict of KEY: VALUE, "
+                             f"got {type(options).__name__} {options!r}")
+        return cls(data["encoding"], dict(options or {}), data.get("window"), data.get("chunk"),
                    data.get("sinks", False), data.get("query_scale"))
 
     def to_text(self) -> str:
@@ -258,12 +262,23 @@ def _canonical(value):
 
 
 def _format(value) -> str:
+    """An option's value in the text form, written so that :func:`_value` reads back the same
+    value of the same type: ints as digits, floats with a point or an exponent (``8.0``, ``1e4``),
+    booleans as true/false, a scaling block as ``TYPE(KEY=VALUE;...)``.
+
+    Raises:
+        UsageError: a value the text cannot hold (a list, None, a text that would read as a
+            number or a boolean, or one holding the form's separators); the json form (to_list)
+            holds them.
+    """
     if isinstance(value, bool):
         return "true" if value else "false"
-    if isinstance(value, float) and value.is_integer() and abs(value) < 1e16:
-        return str(int(value)) if abs(value) < 1e4 or value % 10 else _exponent(value)
-    if isinstance(value, int) and abs(value) >= 1e4 and value % 10 == 0:
-        return _exponent(float(value))
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        if value.is_integer() and abs(value) >= 1e4:
+            return _exponent(value)
+        return repr(value)  # '8.0', '0.1', 'inf': read back as the same float
     if isinstance(value, dict):
         block = dict(value)
         kind = block.pop("rope_type", block.pop("type", "default"))
@@ -272,7 +287,10 @@ def _format(value) -> str:
         return f"{kind}(" + ";".join(f"{k}={_format(v)}" for k, v in block.items()) + ")"
     if isinstance(value, (list, tuple)):
         raise UsageError(f"schedule: option value {value!r} is a list; only the json form (to_list) can hold it")
-    return str(value)
+    if not isinstance(value, str) or not value or _value(value) != value or re.search(r"[\s,;=()\[\]]", value):
+        raise UsageError(f"schedule: option value {value!r} cannot be written in the text form (it would read back "
+                         "as another value); only the json form (to_list) can hold it")
+    return value
 
 
 def _exponent(value: float) -> str:
@@ -293,6 +311,8 @@ def _value(text: str):
             key, eq, value = item.partition("=")
             if not eq or not _KEY.match(key):
                 raise UsageError(f"schedule: {text!r}: a block is TYPE(KEY=VALUE;KEY=VALUE), got {item!r}")
+            if key in block:
+                raise UsageError(f"schedule: {text!r}: {key!r} is given twice; a block takes each key once")
             block[key] = _value(value)
         return block
     for kind in (int, float):
@@ -316,21 +336,34 @@ def _split_options(text: str) -> list[str]:
     return [item for item in out if item]
 
 
+def _once(text: str, key: str, options: dict) -> None:
+    """A UsageError when the option ``key`` was already given in the layer ``text``."""
+    if key in options:
+        raise UsageError(f"schedule: [{text}]: {key!r} is given twice; a layer takes each key once")
+
+
 def _parse_layer(text: str) -> Layer:
     items = text.split()
     if not items:
         raise UsageError("schedule: an empty group '[]'; a layer starts with its method, e.g. [rope window=64]")
     method, _, head_options = items[0].partition(":")
     layer: dict = {"encoding": method, "options": {}, "sinks": False}
+    seen: set[str] = set()  # the layer's own keys read so far
     for item in _split_options(head_options):
         key, eq, value = item.partition("=")
         if not eq or not _KEY.match(key):
             raise UsageError(f"schedule: [{text}]: options are KEY=VALUE, got {item!r}")
+        _once(text, key, layer["options"])
         layer["options"][key] = _value(value)
     for item in items[1:]:
         key, eq, value = item.partition("=")
         if not _KEY.match(key):
             raise UsageError(f"schedule: [{text}]: cannot read {item!r}")
+        if key in SCALE_KINDS and key not in seen and seen & set(SCALE_KINDS):
+            raise UsageError(f"schedule: [{text}]: one query scale per layer (temp, beta or ssmax)")
+        if key in seen:
+            raise UsageError(f"schedule: [{text}]: {key!r} is given twice; a layer takes each key once")
+        seen.add(key)
         if key == "sinks" and not eq:
             layer["sinks"] = True
         elif not eq:
@@ -341,10 +374,9 @@ def _parse_layer(text: str) -> Layer:
                 raise UsageError(f"schedule: [{text}]: {key} must be a positive integer, got {value!r}")
             layer[key] = number
         elif key in SCALE_KINDS:
-            if layer.get("query_scale") is not None:
-                raise UsageError(f"schedule: [{text}]: one query scale per layer (temp, beta or ssmax)")
             layer["query_scale"] = parse_query_scale(key, value)
         else:
+            _once(text, key, layer["options"])
             layer["options"][key] = _value(value)
     return Layer.from_dict(layer)
 

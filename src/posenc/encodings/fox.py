@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..errors import UsageError
 from .base import PositionalEncoding
 
 
@@ -45,10 +46,24 @@ class ForgettingTransformer(PositionalEncoding):
         self.gate = nn.Linear(self.dim, num_heads)  # w (H, dim), b (H,)
 
     def log_gates(self, x: torch.Tensor) -> torch.Tensor:
-        """log f_t = log sigmoid(w_h . x_t + b_h): x (B, T, dim) -> (B, H, T), float32 or float64."""
+        """log f_t = log sigmoid(w_h . x_t + b_h): x (B, T, dim) -> (B, H, T), float32 or float64.
+
+        Raises:
+            UsageError: ``x`` is not a floating (B, T, dim) tensor with the width the gate was
+                built for (dim = num_heads * head_dim).
+        """
+        if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[-1] != self.dim or not x.is_floating_point():
+            raise UsageError(f"x: fox's forget gates read the layer input, a float (batch, length, dim) tensor with "
+                             f"dim = num_heads * head_dim = {self.dim}, got {_described(x)}")
         dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
         logits = F.linear(x.to(dtype), self.gate.weight.to(dtype), self.gate.bias.to(dtype))  # (B, T, H)
         return F.logsigmoid(logits).transpose(1, 2)
+
+
+def _described(x: object) -> str:
+    if not isinstance(x, torch.Tensor):
+        return type(x).__name__
+    return f"shape {tuple(x.shape)} of {str(x.dtype).removeprefix('torch.')}"
 
 
 __all__ = ["ForgettingTransformer"]

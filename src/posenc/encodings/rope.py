@@ -104,11 +104,26 @@ def check_rotation_inputs(
     return position_range(encoding.name, q_positions, k_positions)
 
 
+#: The most a cos/sin table may take (its float32 rows plus the float64 angles they are built
+#: from). Positions past the rows this allows are computed at the call (see RotaryTable.lookup).
+MAX_TABLE_BYTES = 256 * 2**20
+
+
+def table_rows(frequencies: int) -> int:
+    """The most rows a :class:`RotaryTable` of ``frequencies`` columns holds (MAX_TABLE_BYTES)."""
+    return max(1, MAX_TABLE_BYTES // (24 * max(frequencies, 1)))  # float64 angles, cos, sin + float32 cos, sin
+
+
 class RotaryTable:
-    """float32 cos/sin of one set of frequencies for positions 0 .. length-1, grown on demand.
+    """float32 cos/sin of one set of frequencies for positions 0 .. length-1, grown on demand up to
+    :func:`table_rows` rows; rows for larger positions are computed when asked for, with the same
+    float64 angles the table holds (a call at position 1e9 costs its own rows, not a table of 1e9).
 
     Not buffers on purpose: ``module.to(bfloat16)`` would cast them, and the tables must stay
     float32; a table follows the device of the positions it is asked for instead.
+
+    Raises:
+        UsageError: ``length`` (``cache_length``) past :func:`table_rows`.
     """
 
     def __init__(self, inv_freq: torch.Tensor, length: int, device: torch.device | None = None) -> None:
@@ -116,20 +131,32 @@ class RotaryTable:
         self.build(length, device or inv_freq.device)
 
     def build(self, length: int, device: torch.device) -> None:
+        most = table_rows(self.inv_freq.numel())
+        if length > most:
+            raise UsageError(f"cache_length: a cos/sin table of {self.inv_freq.numel()} frequencies holds at most {most:,} "
+                             f"positions ({MAX_TABLE_BYTES // 2**20} MiB), got {length:,}; larger positions are "
+                             "computed when they come, without a table")
         self.inv_freq = self.inv_freq.to(device)
-        # float64 angles of the stored float32 frequencies, rounded once: the best float32 can hold.
-        positions = torch.arange(length, dtype=torch.float64, device=device)
-        angles = positions[:, None] * self.inv_freq.to(torch.float64)[None, :]  # (length, r/2)
-        self.cos, self.sin = angles.cos().to(torch.float32), angles.sin().to(torch.float32)
+        self.cos, self.sin = self._rows(torch.arange(length, device=device))
+
+    def _rows(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """float32 cos and sin (*positions.shape, r/2) of float64 angles, rounded once: the best
+        float32 can hold."""
+        angles = positions.to(torch.float64).unsqueeze(-1) * self.inv_freq.to(positions.device, torch.float64)
+        return angles.cos().to(torch.float32), angles.sin().to(torch.float32)
 
     @property
     def length(self) -> int:
         return self.cos.shape[0]
 
     def lookup(self, positions: torch.Tensor, needed: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(T, r/2) cos and sin at ``positions`` (all < ``needed``); grows at least twofold."""
+        """(T, r/2) cos and sin at ``positions`` (all < ``needed``); grows at least twofold, up to
+        :func:`table_rows`; past it, the rows at ``positions`` are computed for this call."""
         if needed > self.length:
-            self.build(max(needed, 2 * self.length), positions.device)
+            most = table_rows(self.inv_freq.numel())
+            if needed > most:
+                return self._rows(positions)
+            self.build(min(max(needed, 2 * self.length), most), positions.device)
         elif self.cos.device != positions.device:
             self.build(self.length, positions.device)
         return self.cos[positions], self.sin[positions]
@@ -265,7 +292,7 @@ class RoPE(PositionalEncoding):
         # dynamic past L: a fresh base at every length. Memoised, so the layers of one step share it.
         if self._at_length is None or self._at_length[0] != length:
             theta, _ = inverse_frequencies(cfg, self.base, self.rotary_dim, length)
-            self._at_length = (length, RotaryTable(theta, length, device))
+            self._at_length = (length, RotaryTable(theta, min(length, table_rows(theta.numel())), device))
         return self._at_length[1]
 
     def cos_sin(self, positions: torch.Tensor, length: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -172,9 +172,25 @@ class XPos(PositionalEncoding):
         if largest > limit:
             raise UsageError(
                 f"xpos: positions {lo}..{hi} (centre {centre}) with scale_base={self.scale_base:g} need decay "
-                f"factors up to e^{largest:.0f}, beyond what {str(dtype).removeprefix('torch.')} holds; use a larger "
-                f"scale_base, centre=True, or float32"
+                f"factors up to e^{largest:.0f}, beyond what {str(dtype).removeprefix('torch.')} holds; "
+                + self._advice(lo, hi, far, limit, dtype)
             )
+
+    def _advice(self, lo: int, hi: int, far: int, limit: float, dtype: torch.dtype) -> str:
+        """What would make positions lo..hi fit: only settings not already in effect, and the
+        smallest scale_base that fits as things are."""
+        zeta = -float(self.log_zeta[0])
+        ways = [f"scale_base >= {math.ceil(far * zeta / limit):d}"]
+        centre = (hi + 2) // 2  # centred on the length hi + 1, as rotate centres
+        if not self.centre and max(abs(lo - centre), abs(hi - centre)) * zeta / self.scale_base <= limit:
+            ways.append("centre=True")
+        wide = 0.5 * math.log(torch.finfo(torch.float32).max)
+        if limit < wide and far * zeta / self.scale_base <= wide:
+            ways.append("float32 inputs")
+        if len(ways) == 1:
+            return f"use {ways[0]} (centre={self.centre} and float32's range are already in effect)" if self.centre \
+                else f"use {ways[0]}"
+        return "use " + ", or ".join(ways)
 
     def rotate(
         self, q: torch.Tensor, k: torch.Tensor, q_positions: torch.Tensor, k_positions: torch.Tensor

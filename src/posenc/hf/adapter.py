@@ -58,6 +58,7 @@ from ..families import FAMILIES, family_of, qk_head_dim, text_config
 from ..schedule import Schedule
 from .attention import NAME, ForwardState, LayerPlan, RotaryStandIn, keep_input, padding_mask, posenc_attention, register
 from .plan import attention_of, decoder_stack, layer_plans
+from .saving import mark, recorded_options
 
 _Model = TypeVar("_Model", bound=PreTrainedModel)
 
@@ -183,6 +184,7 @@ def use(model: _Model, encoding: str | nn.Module | Schedule, **options: Any) -> 
     register()
     model.set_attn_implementation(NAME)
     config.posenc = record
+    mark(config)
     return model
 
 
@@ -214,6 +216,7 @@ def from_pretrained(model_class: Any, path: str | os.PathLike[str], *, encoding:
     if encoding is None and record.get("unrecorded"):
         raise UsageError(f"encoding: the saved encoding's options {record['unrecorded']} are not in the config; "
                          "pass encoding=<the same posenc encoding> to rebuild it")
+    register()  # the saved config names attn_implementation="posenc" (posenc.hf.saving)
     mapping = getattr(model_class, "_model_mapping", None)
     if mapping is not None:  # an Auto class: its concrete class for this config
         model_class = mapping[type(config)]
@@ -246,7 +249,7 @@ def recorded_encoding(config: Any, record: dict[str, Any]) -> nn.Module | str | 
     heads = int(inner.num_attention_heads)
     head_dim = qk_head_dim(inner, family_of(getattr(inner, "model_type", None)))
     return build(record["encoding"], num_heads=heads, head_dim=head_dim, causal=bool(record.get("causal", True)),
-                 **dict(record.get("options") or {}))
+                 **recorded_options(inner, record))
 
 
 __all__ = ["LayerPlan", "RotaryStandIn", "NAME", "SUPPORTED", "from_pretrained", "padding_mask", "posenc_attention",

@@ -168,7 +168,7 @@ def posenc_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
     forward: ForwardState | None = module.__dict__.get("_posenc_forward")
     if plan is None or forward is None:
         raise UsageError(f"{type(module).__name__} {getattr(module, 'layer_idx', '')}: attn_implementation='posenc' "
-                         "needs posenc.hf.use(model, encoding) first")
+                         "needs posenc.hf.use(model, encoding) first (a model saved after use: load it with posenc.hf.from_pretrained)")
     if dropout and module.training:
         raise UsageError(f"attention_dropout must be 0 with posenc.hf (got {dropout})")
     if attention_mask is not None and (attention_mask.dim() != 2 or attention_mask.dtype != torch.bool):

@@ -59,7 +59,7 @@ def deberta_from_hf(encoder: nn.Module, layer: int = 0, backend: str = "auto") -
         ``attention_mask`` (B, T) for a padded batch.
 
     Raises:
-        UsageError: not a DeBERTa-v2 encoder, a layer outside it, or a configuration posenc does
+        UsageError: not a DeBERTa-v2 encoder (DeBERTa v1 included), a layer outside it, or a configuration posenc does
             not express (no relative attention, no position term, a head size that does not
             divide the width).
     """
@@ -70,6 +70,10 @@ def deberta_from_hf(encoder: nn.Module, layer: int = 0, backend: str = "auto") -
     if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < len(layers):
         raise UsageError(f"layer must be an integer in [0, {len(layers) - 1}], got {layer!r}")
     att = layers[layer].attention.self
+    if not all(hasattr(att, name) for name in ("query_proj", "key_proj", "value_proj", "pos_att_type")):
+        raise UsageError(f"encoder: a DeBERTa-v2/v3 encoder has separate query_proj, key_proj and value_proj; this "
+                         f"{type(encoder).__name__}'s {type(att).__name__} (module {type(att).__module__}) has none "
+                         "(DeBERTa v1 projects q, k and v with one in_proj and is not supported)")
     if not getattr(att, "relative_attention", False) or not getattr(encoder, "relative_attention", False):
         raise UsageError("the encoder has relative_attention=False: no disentangled position terms to import")
     terms = [t for t in ("c2p", "p2c") if t in att.pos_att_type]
