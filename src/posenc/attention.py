@@ -18,7 +18,7 @@ from .cache import LayerCache
 from .encodings.base import PositionalEncoding, content_scale
 from .encodings.protocol import Gates, Rotates, offers, require
 from .errors import UsageError, check_positive
-from .functional import _attend, run
+from .functional import GATES_ALONE, _attend, run
 from .geometry import Geometry, ScoreSpec, check_positions
 from .local import Extras
 from .memo import ForwardMemo
@@ -79,6 +79,8 @@ class Attention(nn.Module):
         self.qkv: nn.Module = nn.Linear(dim, dim + 2 * kv, bias=False)
         self.proj: nn.Module = nn.Linear(dim, dim, bias=False)
         Extras(window, chunk, None, query_scale)  # checks them
+        if offers(encoding, Gates) and (window is not None or chunk is not None or sinks):
+            raise UsageError(GATES_ALONE)
         self.window, self.chunk, self.query_scale = window, chunk, query_scale
         self.sinks = nn.Parameter(torch.zeros(num_heads)) if sinks else None  # (H,) logits
 

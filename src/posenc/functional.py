@@ -22,6 +22,7 @@ heads inside the fused kernel (``enable_gqa``); the score-term backends get them
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -37,6 +38,9 @@ from .geometry import Geometry, ScoreSpec
 from .local import Extras
 from .memo import ForwardMemo
 from .query_scale import QueryScale, scaled_queries
+
+#: The one refusal of forget gates with a window, chunk, sinks or soft cap (attend, Attention, schedules).
+GATES_ALONE = "log_gates (forget gates) take no window, chunk, sinks or softcap: give the full causal attention"
 
 
 def attend(
@@ -115,16 +119,14 @@ def attend(
         UsageError: shapes that do not fit (naming the argument), an encoding built for other
             sizes, or a forced backend that cannot run the call.
     """
+    encoding = _encoding_of(encoding, q, causal)
     b, h, hkv, tq, tk, d = _check(q, k, v, encoding)
+    q, k, v = _dtypes(q, k, v)
     _check_gates(log_gates, encoding, b, h, tk)
-    if encoding is None:
-        from .encodings import build
-
-        encoding = build("nope", num_heads=h, head_dim=d, causal=causal)
     if getattr(encoding, "causal", causal) != causal:
         raise UsageError(f"encoding was built with causal={encoding.causal}; attend got causal={causal}")
     backends.check_name(backend)
-    scale = content_scale(encoding, d) if scale is None else float(scale)
+    scale = content_scale(encoding, d) if scale is None else check_scale(scale)
     if geometry is None:
         geometry = Geometry.of(b, tq, tk, q.device, positions=positions, k_positions=k_positions, causal=causal,
                                document_ids=document_ids, key_padding_mask=key_padding_mask, encoding=encoding)
@@ -134,9 +136,69 @@ def attend(
     if window is not None or chunk is not None or sinks is not None or query_scale is not None or softcap is not None:
         extras = Extras(window, chunk, sinks, query_scale, softcap)
         if log_gates is not None and extras.restricts:
-            raise UsageError("log_gates (forget gates) take no window, chunk, sinks or softcap: give the full causal attention")
-    return _attend(q, k, v, encoding, geometry, scale, ForwardMemo() if memo is None else memo, backend, rotate, extras,
-                   log_gates)[0]
+            raise UsageError(GATES_ALONE)
+    if q.numel() == 0 or tk == 0:  # nothing in, nothing out; a query that sees no key gets 0 (docs/conventions.md)
+        return q.new_zeros(b, h, tq, v.shape[-1])
+    with _autocast_off(q):
+        return _attend(q, k, v, encoding, geometry, scale, ForwardMemo() if memo is None else memo, backend, rotate, extras,
+                       log_gates)[0]
+
+
+def _encoding_of(encoding: object, q: object, causal: bool) -> PositionalEncoding:
+    """The encoding of a call: a built posenc encoding as it is, a registry name built for q's heads
+    and head dim, None for NoPE.
+
+    Raises:
+        UsageError: anything else (naming its type), or an unknown name.
+    """
+    if isinstance(encoding, PositionalEncoding):
+        return encoding
+    if encoding is not None and not isinstance(encoding, str):
+        raise UsageError(f"encoding must be a posenc encoding (posenc.build(...)), a registry name or None, "
+                         f"got {type(encoding).__name__}")
+    if not isinstance(q, torch.Tensor) or q.dim() != 4:
+        raise UsageError(f"q must be a 4-D tensor (batch, heads, length, head_dim), got {getattr(q, 'shape', type(q).__name__)}")
+    from .encodings import build
+
+    return build("nope" if encoding is None else encoding, num_heads=q.shape[1], head_dim=q.shape[-1], causal=causal)
+
+
+def check_scale(scale: object) -> float:
+    """``scale`` as a float.
+
+    Raises:
+        UsageError: not a real number, or not finite and > 0.
+    """
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
+        raise UsageError(f"scale must be a finite number > 0 (the factor of q . k) or None, got {scale!r}")
+    return float(scale)
+
+
+def _dtypes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k, v in one floating dtype: under ``torch.autocast`` the autocast dtype (as
+    ``F.scaled_dot_product_attention`` casts them), else as given.
+
+    Raises:
+        UsageError: an integer or boolean input, or dtypes that differ outside autocast.
+    """
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not x.is_floating_point():
+            raise UsageError(f"{name} must be a floating-point tensor, got dtype {x.dtype}")
+    device = q.device.type
+    if torch.is_autocast_enabled(device):
+        dtype = torch.get_autocast_dtype(device)
+        return q.to(dtype), k.to(dtype), v.to(dtype)
+    if not q.dtype == k.dtype == v.dtype:
+        raise UsageError(f"q, k and v must share one dtype, got {q.dtype}, {k.dtype} and {v.dtype} (or run under torch.autocast)")
+    return q, k, v
+
+
+def _autocast_off(q: torch.Tensor) -> contextlib.AbstractContextManager:
+    """Inside the call autocast is off: the inputs already hold its dtype, and each backend keeps
+    its own accumulation dtypes (docs/precision.md)."""
+    if torch.is_autocast_enabled(q.device.type):
+        return torch.autocast(q.device.type, enabled=False)
+    return contextlib.nullcontext()
 
 
 def _attend(q, k, v, encoding: PositionalEncoding, geometry: Geometry, scale: float, memo: ForwardMemo, backend: str, rotate: bool,
@@ -161,7 +223,12 @@ def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec, back
         rotate: bool = True, extras: Extras | None = None) -> tuple[torch.Tensor, str]:
     """One backend call on 1-D positions: rotation, grouped heads, the backend; (out, backend name).
     ``extras`` (:class:`posenc.local.Extras`): a query scale after the rotation, then a window,
-    chunks or sinks through :func:`posenc.local.attend`."""
+    chunks or sinks through :func:`posenc.local.attend`. Inputs whose last dimension is not
+    contiguous, or that repeat memory (stride 0), are copied first: the CPU flash kernel and the
+    backends' own loops read rows of unit stride."""
+    q, k, v = _kernel_ready(q), _kernel_ready(k), _kernel_ready(v)
+    if spec.causal and spec.q_start < spec.k_start and spec.starts is None and spec.log_gates is None and spec.k_positions.numel():
+        return _unseen(q, k, v, spec, backend, rotate, extras)
     enc = spec.encoding
     if rotate and offers(enc, Rotates):
         q, k = enc.rotate(q, k, spec.q_positions, spec.k_positions)
@@ -171,6 +238,25 @@ def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec, back
         if extras.restricts:
             return local.attend(q, k, v, spec, extras, backend, _call)
     return _call(q, k, v, spec, backend)
+
+
+def _unseen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec, backend: str, rotate: bool,
+            extras: Extras | None) -> tuple[torch.Tensor, str]:
+    """A causal call whose first queries come before every key: those queries see no key and get
+    0 (every backend alike, docs/conventions.md); the others run as one call."""
+    seen = spec.q_positions >= spec.k_positions.min()  # (Tq,)
+    index = seen.nonzero().squeeze(-1)
+    out = q.new_zeros(*q.shape[:-1], v.shape[-1])  # (B, H, Tq, Dv)
+    if not index.numel():
+        return out, backend
+    o, name = run(q[:, :, index], k, v, spec.part(spec.q_positions[index], spec.k_positions), backend, rotate, extras)
+    return out.index_copy(2, index, o), name
+
+
+def _kernel_ready(x: torch.Tensor) -> torch.Tensor:
+    if x.stride(-1) != 1 or any(st == 0 and n > 1 for st, n in zip(x.stride(), x.shape)):
+        return x.contiguous()
+    return x
 
 
 def _call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec, backend: str) -> tuple[torch.Tensor, str]:

@@ -82,9 +82,13 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec, b
     if tq == 1:  # a decode step: c_i - c_j as the mask
         decay = (c[..., -1:] - c)[:, :, None, :].to(q.dtype)  # (B, H, 1, Tk)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=decay, scale=spec.scale)
+    d, dv = q.shape[-1], v.shape[-1]
+    if dv != d:  # one head dim for the kernel's q, k, v: zero features change no score and no output
+        width = max(d, dv)
+        q, k, v = (F.pad(x, (0, width - x.shape[-1])) for x in (q, k, v))
     if use_kernel(q, v):
-        return _on_kernel(q, k, v, c, block, spec.scale)
-    return _features(q, k, v, c, tk - tq, block, spec.scale)
+        return _on_kernel(q, k, v, c, block, spec.scale)[..., :dv]
+    return _features(q, k, v, c, tk - tq, block, spec.scale)[..., :dv]
 
 
 @opaque_to_compile  # the forgotten keys per block are read on the host: kept out of compiled frames
