@@ -86,9 +86,11 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec, b
     if dv != d:  # one head dim for the kernel's q, k, v: zero features change no score and no output
         width = max(d, dv)
         q, k, v = (F.pad(x, (0, width - x.shape[-1])) for x in (q, k, v))
+        return (_on_kernel(q, k, v, c, block, spec.scale) if use_kernel(q, v) else
+                _features(q, k, v, c, tk - tq, block, spec.scale))[..., :dv]
     if use_kernel(q, v):
-        return _on_kernel(q, k, v, c, block, spec.scale)[..., :dv]
-    return _features(q, k, v, c, tk - tq, block, spec.scale)[..., :dv]
+        return _on_kernel(q, k, v, c, block, spec.scale)
+    return _features(q, k, v, c, tk - tq, block, spec.scale)
 
 
 @opaque_to_compile  # the forgotten keys per block are read on the host: kept out of compiled frames
