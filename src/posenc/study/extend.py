@@ -28,6 +28,9 @@ and the before/after table by length (``table.json``, ``table.csv``, printed): t
 trained, the scaling zero-shot, and the extended model; perplexity on the lm task, far-recall
 accuracy on the recall task. An interrupted run continues with ``resume`` from its last training
 state (every ``checkpoint_every`` steps) and with the scores already written.
+
+A transformers causal LM with RoPE (a ``save_pretrained`` folder, or the model) is extended the same
+way through ``posenc.hf`` (:mod:`.extend_hf`: what changes, and how its result is saved).
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Protocol, cast
 
 import torch
 
@@ -56,6 +59,7 @@ from .longrope_search import SearchSettings, search
 from .plan import FINETUNE_STREAM
 from .progress import Progress
 from .rows import SCALINGS
+from .studied import StudiedModel
 from .train import StateError, TrainSettings, train
 from .variants import scaling_block
 
@@ -216,6 +220,51 @@ def dropped(model: LM) -> LM:
     return out
 
 
+class PosencModels:
+    """What :func:`extend` does to a posenc checkpoint's model: score it, scale it, drop its
+    positions, train and save the result (:mod:`.extend_hf` has the same for a transformers model)."""
+
+    weights = "model.safetensors"
+
+    def __init__(self, base: LM) -> None:
+        self.base = base
+        self.rope = _rope_of(base)
+        if self.rope.scaling.rope_type != "default":
+            raise UsageError(f"checkpoint: its RoPE already has a {self.rope.scaling.rope_type!r} scaling; extend a "
+                             "model trained without one")
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.base.parameters()).device
+
+    def check(self, cfg: ExtendConfig) -> None:
+        """Nothing to refuse beyond the config's own checks."""
+
+    def scaled(self, block: dict[str, Any] | None) -> LM:
+        """The base model under ``block`` (None: its positions dropped)."""
+        return scaled(self.base, block) if block is not None else dropped(self.base)
+
+    def trainable(self, block: dict[str, Any] | None) -> LM:
+        """The model the fine-tune starts from: scaled, or (DroPE) the base, dropped at step 0."""
+        if block is not None:
+            return scaled(self.base, block)
+        fresh = LM(LMConfig(**self.base.config.to_dict()))
+        fresh.load_state_dict(self.base.state_dict())
+        return fresh
+
+    def searchable(self) -> LM:
+        """The model LongRoPE's search scores (it sets each individual's factors, then restores them)."""
+        return self.base
+
+    def save(self, model: StudiedModel, out: Path) -> dict[str, Any]:
+        save_checkpoint(cast(LM, model), out / self.weights)
+        return {"weights": self.weights, "format": "posenc"}
+
+    def load(self, out: Path, saved: dict[str, Any]) -> StudiedModel | None:
+        path = out / saved.get("weights", self.weights)
+        return load_checkpoint(path, self.device) if path.exists() else None
+
+
 # -- scores ----------------------------------------------------------------------------------------
 
 
@@ -233,7 +282,7 @@ class _Data:
             raise UsageError("pack_documents needs a corpus of files (the built-in one, a file or a folder); this data has no file boundaries")
         return lambda step: train_batch(corpus.train, seed, step, size, length, documents)
 
-    def score(self, model: LM, cfg: ExtendConfig, length: int) -> dict[str, Any]:
+    def score(self, model: StudiedModel, cfg: ExtendConfig, length: int) -> dict[str, Any]:
         ctx = distributed.Context(next(model.parameters()).device)
         if self.corpus is None:
             classes = evaluate_recall(model, length, cfg.train_length, cfg.recall_sequences, ctx)
@@ -287,22 +336,59 @@ def _owned(path: Path) -> bool:
         return False
 
 
-def extend(checkpoint: str | Path, out: str | Path, cfg: ExtendConfig, *, resume: bool = False, progress: bool = True,
-           device: str = "cpu") -> dict:
-    """Extend the posenc checkpoint ``checkpoint`` as ``cfg`` says, into the directory ``out``
-    (see the module docstring for its files); returns the record (``out/extend.json``).
+class Models(Protocol):
+    """A kind of model :func:`extend` extends: :class:`PosencModels`, or a transformers model
+    (:class:`posenc.study.extend_hf.HFModels`)."""
+
+    @property
+    def base(self) -> StudiedModel: ...
+    @property
+    def rope(self) -> RoPE: ...
+    @property
+    def device(self) -> torch.device: ...
+    def check(self, cfg: ExtendConfig) -> None: ...
+    def scaled(self, block: dict[str, Any] | None) -> StudiedModel: ...
+    def trainable(self, block: dict[str, Any] | None) -> StudiedModel: ...
+    def searchable(self) -> torch.nn.Module: ...
+    def save(self, model: StudiedModel, out: Path) -> dict[str, Any]: ...
+    def load(self, out: Path, saved: dict[str, Any]) -> StudiedModel | None: ...
+
+
+def _is_transformers(checkpoint: Any) -> bool:
+    """A transformers model: a ``PreTrainedModel``, or a folder ``save_pretrained`` wrote (config.json)."""
+    if isinstance(checkpoint, (str, Path)):
+        return Path(checkpoint).is_dir() and (Path(checkpoint) / "config.json").is_file()
+    return isinstance(checkpoint, torch.nn.Module) and hasattr(checkpoint, "config") and hasattr(checkpoint, "save_pretrained")
+
+
+def extend(checkpoint: str | Path | torch.nn.Module, out: str | Path, cfg: ExtendConfig, *, resume: bool = False,
+           progress: bool = True, device: str = "cpu") -> dict:
+    """Extend ``checkpoint`` as ``cfg`` says, into the directory ``out`` (see the module docstring
+    for its files); returns the record (``out/extend.json``).
+
+    Args:
+        checkpoint: a posenc checkpoint (``NAME.safetensors``), or a transformers causal LM with
+            RoPE: a folder ``save_pretrained`` wrote, or the model itself (:mod:`.extend_hf`).
 
     Raises:
-        UsageError: a checkpoint that is not a RoPE model, data too short for the lengths, ``out``
-            holding another run (without ``resume``) or one made with other settings.
+        UsageError: a checkpoint that is not a RoPE model or already has a scaling, data too short
+            for the lengths, ``out`` holding another run (without ``resume``) or one made with other
+            settings; for a transformers model, what :mod:`.extend_hf` refuses.
     """
-    checkpoint, out = Path(checkpoint), Path(out)
+    out = Path(out)
     ui = Progress(progress)
-    base = load_checkpoint(checkpoint, device)
-    enc = _rope_of(base)
-    if enc.scaling.rope_type != "default":
-        raise UsageError(f"checkpoint: its RoPE already has a {enc.scaling.rope_type!r} scaling; extend a model trained "
-                         "without one")
+    models: Models
+    if _is_transformers(checkpoint):
+        from .extend_hf import HFModels  # (imports transformers)
+
+        models = HFModels.of(checkpoint, device)
+        source = models.source
+    else:
+        if not isinstance(checkpoint, (str, Path)):
+            raise UsageError(f"checkpoint: a posenc checkpoint file or a transformers model, got {type(checkpoint).__name__}")
+        models = PosencModels(load_checkpoint(Path(checkpoint), device))
+        source = str(checkpoint)
+    models.check(cfg)
     data = _Data(None if cfg.task == "recall" else load_corpus(cfg.data, cfg.valid_bytes))
     if data.corpus is not None:
         if max(cfg.eval_lengths) > data.corpus.valid_tokens:
@@ -315,33 +401,34 @@ def extend(checkpoint: str | Path, out: str | Path, cfg: ExtendConfig, *, resume
     fresh = not (out / MARKER).exists()
     rundir = RunDir.claim(out, "extend", owned=_owned)
     try:
-        record = _start(out, checkpoint, settings, resume, fresh)
+        record = _start(out, source, settings, resume, fresh)
     except BaseException:
         rundir.discard()
         raise
     try:
-        return _run(base, enc, out, cfg, data, record, ui, resume)
+        return _run(models, out, cfg, data, record, ui, resume)
     finally:
         rundir.release()
 
 
-def _start(out: Path, checkpoint: Path, settings: dict, resume: bool, fresh: bool) -> dict:
+def _start(out: Path, source: str, settings: dict, resume: bool, fresh: bool) -> dict:
     path = out / "extend.json"
     if path.exists():
         if not resume:
             raise UsageError(f"out: {out} already holds an extension (extend.json); continue it with resume, or choose another out")
         saved = json.loads(path.read_text(encoding="utf-8"))
-        if saved.get("settings") != settings or saved.get("checkpoint") != str(checkpoint):
+        if saved.get("settings") != settings or saved.get("checkpoint") != source:
             raise UsageError(f"resume: {out} was extended from another checkpoint or with other settings; use another out")
         return dict(saved)
     if resume and fresh:
         raise UsageError(f"resume: {out} holds no extension (no extend.json); leave out resume to start one")
-    return {"format": FORMAT, "checkpoint": str(checkpoint), "settings": settings, "status": "running", "scores": {}}
+    return {"format": FORMAT, "checkpoint": source, "settings": settings, "status": "running", "scores": {}}
 
 
-def _block(base: LM, enc: RoPE, cfg: ExtendConfig, record: dict, out: Path, data: _Data, ui: Progress,
+def _block(models: Models, cfg: ExtendConfig, record: dict, out: Path, data: _Data, ui: Progress,
            resume: bool) -> dict[str, Any] | None:
     """The scaling block (None: DroPE), searched first for a searched LongRoPE."""
+    enc = models.rope
     if cfg.scaling == "drope":
         return None
     if cfg.scaling == "longrope" and cfg.longrope is not None:
@@ -358,23 +445,23 @@ def _block(base: LM, enc: RoPE, cfg: ExtendConfig, record: dict, out: Path, data
             if data.corpus.train.numel() < need:
                 raise UsageError(f"search: {cfg.search.sequences} windows of {cfg.length} need {need} training bytes, "
                                  f"the training split has {data.corpus.train.numel()}")
-            result = search(base, data.corpus.train[-need:], cfg.search, state=out / "search-state.json", resume=resume or
-                            (out / "search-state.json").exists(), progress=ui.enabled)
+            result = search(models.searchable(), data.corpus.train[-need:], cfg.search, state=out / "search-state.json",
+                            resume=resume or (out / "search-state.json").exists(), progress=ui.enabled)
             record["search"] = result.to_json()
         return dict(record["search"]["block"])
     assert cfg.scaling in SCALINGS
     return scaling_block(cfg.scaling, cfg.factor, cfg.train_length, enc.base, enc.rotary_dim)
 
 
-def _run(base: LM, enc: RoPE, out: Path, cfg: ExtendConfig, data: _Data, record: dict, ui: Progress, resume: bool) -> dict:
+def _run(models: Models, out: Path, cfg: ExtendConfig, data: _Data, record: dict, ui: Progress, resume: bool) -> dict:
     path = out / "extend.json"
     started = time.perf_counter()
-    block = _block(base, enc, cfg, record, out, data, ui, resume)
+    block = _block(models, cfg, record, out, data, ui, resume)
     record["scaling"] = block if block is not None else {"drope": True}
     write_json(path, record)
-    start = scaled(base, block) if block is not None else dropped(base)
+    start = models.scaled(block)
 
-    def scores(column: str, model: LM) -> None:
+    def scores(column: str, model: StudiedModel) -> None:
         done = {s["length"] for s in record["scores"].get(column, [])}
         for length in cfg.eval_lengths:
             if length in done:
@@ -386,33 +473,28 @@ def _run(base: LM, enc: RoPE, out: Path, cfg: ExtendConfig, data: _Data, record:
             ui.log(f"[extend] {column} L={length}: " + ", ".join(f"{k} {v:.4f}" for k, v in score.items() if k != "length"))
             write_json(path, record)
 
-    scores("base", base)
+    scores("base", models.base)
     scores("zero_shot", start)
     model = start
-    weights = out / "model.safetensors"
     if cfg.steps:
-        if record.get("status") == "trained" and weights.exists():
-            model = load_checkpoint(weights, next(base.parameters()).device)
+        loaded = models.load(out, record["saved"]) if record.get("status") in ("trained", "done") and "saved" in record else None
+        if loaded is not None:
+            model = loaded
         else:
             settings = cfg.settings()
             try:
-                fresh = scaled(base, block) if block is not None else LM(LMConfig(**base.config.to_dict()))
-                if block is None:
-                    fresh.load_state_dict(base.state_dict())
-                tuned, trained = train(f"extend {cfg.scaling}", settings, fresh, data.batches(cfg, settings),
-                                       out / "state.pt", distributed.Context(next(base.parameters()).device), ui)
+                model, trained = train(f"extend {cfg.scaling}", settings, models.trainable(block), data.batches(cfg, settings),
+                                       out / "state.pt", distributed.Context(models.device), ui)
             except StateError as err:
                 raise UsageError(f"{err}; delete it and continue with resume to fine-tune from step 0") from None
-            assert isinstance(tuned, LM)
-            model = tuned
             record["train"] = trained.to_json()
-            save_checkpoint(model, weights)
+            record["saved"] = models.save(model, out)
             record["status"] = "trained"
             write_json(path, record)
             (out / "state.pt").unlink(missing_ok=True)
         scores("extended", model)
-    else:
-        save_checkpoint(model, weights)
+    elif "saved" not in record:
+        record["saved"] = models.save(model, out)
     rows = table_rows(record, cfg)
     key = _metric(cfg)
     record["table"] = rows
@@ -430,7 +512,9 @@ def _run(base: LM, enc: RoPE, out: Path, cfg: ExtendConfig, data: _Data, record:
 
 def add_extend_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("checkpoint", help="a posenc checkpoint (NAME.safetensors with NAME.json), e.g. a study's "
-                                      "OUT/checkpoints/rope.safetensors (its study's settings are the defaults)")
+                                      "OUT/checkpoints/rope.safetensors (its study's settings are the defaults), or a "
+                                      "transformers model's folder (save_pretrained: config.json and weights; byte "
+                                      "tokens, train length default: its max_position_embeddings)")
     p.add_argument("--out", required=True, help="output directory (created; never a folder of other files)")
     p.add_argument("--scaling", required=True, choices=KINDS,
                    help="linear (PI), ntk, yarn, llama3, longrope (given with --longrope-block, or searched with "
@@ -470,6 +554,12 @@ def config_from_args(args: argparse.Namespace) -> ExtendConfig:
              "valid_bytes": args.valid_bytes, "pack_documents": args.pack_documents, "eval_lengths": args.eval_lengths,
              "checkpoint_every": args.checkpoint_every}
     values = {**defaults, **{k: v for k, v in given.items() if v is not None}}
+    if "train_length" not in values and _is_transformers(checkpoint):
+        from .extend_hf import train_length_of
+
+        found = train_length_of(checkpoint)
+        if found is not None:
+            values["train_length"] = found
     if "train_length" not in values:
         raise UsageError("train-length: give the length the model was trained at (only a study's checkpoint records it)")
     if "length" not in values:
@@ -495,8 +585,8 @@ def run_extend(args: argparse.Namespace) -> int:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     cfg = config_from_args(args)
-    extend(args.checkpoint, args.out, cfg, resume=args.resume, progress=not args.no_progress, device=args.device)
-    print(f"posenc extend: wrote {Path(args.out) / 'model.safetensors'} and the table in {args.out}", file=sys.stderr)
+    record = extend(args.checkpoint, args.out, cfg, resume=args.resume, progress=not args.no_progress, device=args.device)
+    print(f"posenc extend: wrote {Path(args.out) / record['saved']['weights']} and the table in {args.out}", file=sys.stderr)
     return 0
 
 
