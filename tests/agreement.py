@@ -20,7 +20,7 @@ from torch.utils._pytree import tree_flatten
 from posenc import backends
 from posenc.backends import eager
 from posenc.backends.parts.base import ScoreSpec
-from posenc.memo import ForwardMemo
+from posenc.call.memo import ForwardMemo
 
 H, D = 4, 16
 # (queries, keys): a full pass; a KV-cache step of 37 tokens; one decoded token; one block + 1.

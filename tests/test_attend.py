@@ -315,7 +315,7 @@ def test_gqa_rope_equals_llama_attention_on_a_left_padded_batch():
 def test_gqa_rope_decoding_with_a_cache_equals_llama_attention():
     attn, rotary, mine = llama(hkv=1)  # multi-query
     x = torch.randn(1, 24, 64)
-    cache = posenc.cache.LayerCache()
+    cache = posenc.model.cache.LayerCache()
     with torch.no_grad():
         want = hf_forward(attn, rotary, x, torch.arange(24)[None], causal_mask(torch.ones(1, 24, dtype=torch.bool)))
         steps = [mine(x[:, :16], cache=cache)] + [mine(x[:, t : t + 1], cache=cache) for t in range(16, 24)]

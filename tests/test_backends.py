@@ -18,14 +18,14 @@ from torch import nn
 
 from agreement import MaxTensor  # tests/agreement.py: one definition for every memory check
 from posenc import backends
-from posenc.attention import Attention, LayerCache
 from posenc.backends import blocked, eager, flex, sdpa
 from posenc.backends.parts import band, tails
 from posenc.backends.parts.base import ScoreSpec
+from posenc.call.memo import ForwardMemo
 from posenc.encodings import alibi_slopes, build
 from posenc.encodings.t5 import T5Bias
-from posenc.memo import ForwardMemo
-from posenc.model import LM, LMConfig
+from posenc.model.attention import Attention, LayerCache
+from posenc.model.lm import LM, LMConfig
 
 H, D = 4, 16
 TOL = dict(rtol=1e-5, atol=1e-5)

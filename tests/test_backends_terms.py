@@ -190,7 +190,7 @@ def test_auto_picks_terms_and_decoding_matches_full_pass(method):
     """Through ``Attention``: auto selects this backend on CPU, and decoding token by token and
     in chunks with a KV cache gives the full pass's outputs (computed by eager)."""
     from posenc import backends
-    from posenc.attention import Attention, LayerCache
+    from posenc.model.attention import Attention, LayerCache
 
     enc = make(method, True, clip=3)
     spec = spec_for(enc, 10, 10, True)

@@ -1,4 +1,4 @@
-"""The KV cache (posenc/cache.py) and the single-query paths (backends/parts/single.py).
+"""The KV cache (posenc/model/cache.py) and the single-query paths (backends/parts/single.py).
 
 The in-place cache against the old concatenating one, bit for bit; growth by doubling; crop and
 reset; left padding; misuse as clear errors; every single-query path against the eager formula; and
@@ -17,12 +17,12 @@ from torch.utils._pytree import tree_flatten
 import posenc
 from models import tiny as model_of
 from posenc import backends
-from posenc.attention import LayerCache
 from posenc.backends import blocked, eager, flex, sdpa, terms
 from posenc.backends.parts import single
 from posenc.backends.parts.base import ScoreSpec
 from posenc.encodings.protocol import ClippedTables, DistanceKeys, RelativeBias, offers
 from posenc.errors import UsageError
+from posenc.model.attention import LayerCache
 from toy_encodings import registered
 
 METHODS = posenc.available()

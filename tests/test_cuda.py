@@ -16,11 +16,11 @@ import torch
 
 import posenc
 from models import tiny as model_of
-from posenc.attention import Attention
 from posenc.backends import eager, flex
 from posenc.backends.parts import single
 from posenc.backends.parts.base import ScoreSpec
-from posenc.generate import stream
+from posenc.model.attention import Attention
+from posenc.model.generate import stream
 
 pytestmark = [
     pytest.mark.cuda,

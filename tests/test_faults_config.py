@@ -13,9 +13,9 @@ import torch
 
 import posenc
 import posenc.hf
+from posenc.encodings.query_scale import LogFloorScale, ScalableSoftmax, Temperature
 from posenc.errors import UsageError
-from posenc.query_scale import LogFloorScale, ScalableSoftmax, Temperature
-from posenc.schedule import Layer, Schedule
+from posenc.model.schedule import Layer, Schedule
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -186,10 +186,10 @@ def test_15_wrong_types_are_usage_errors() -> None:
     with raises("positions must be an integer tensor of shape (5,) or (1, 5), got list"):
         posenc.attend(q, k, v, rope, positions=[0, 1, 2, 3, 4])
     for scale in ("temp", 0.5, 2):
-        with raises("query_scale must be None or a posenc.query_scale scale (Temperature, LogFloorScale or "
+        with raises("query_scale must be None or a posenc.encodings.query_scale scale (Temperature, LogFloorScale or "
                     f"ScalableSoftmax, e.g. Temperature(0.1, 8192)), got {type(scale).__name__} {scale!r}"):
             posenc.attend(q, k, v, rope, query_scale=scale)
-    with raises("query_scale must be None or a posenc.query_scale scale (Temperature, LogFloorScale or "
+    with raises("query_scale must be None or a posenc.encodings.query_scale scale (Temperature, LogFloorScale or "
                 "ScalableSoftmax, e.g. Temperature(0.1, 8192)), got str 'temp'"):
         posenc.Attention(16, 2, rope, query_scale="temp")
     with raises("schedule: the options of layer 'rope' must be a dict of KEY: VALUE, got list [1, 2]"):

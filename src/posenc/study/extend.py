@@ -47,11 +47,11 @@ from typing import Any, Callable, Protocol, cast
 
 import torch
 
-from ..checkpoint import load_checkpoint, save_checkpoint
 from ..encodings.rope import RoPE
 from ..errors import UsageError
 from ..files import MARKER, RunDir, write_json, write_text
-from ..model import LM, LMConfig
+from ..model.checkpoint import load_checkpoint, save_checkpoint
+from ..model.lm import LM, LMConfig
 from . import distributed, recall
 from .data import DEFAULT_VALID_BYTES, Corpus, load_corpus, train_batch
 from .evaluation import evaluate, evaluate_recall

@@ -569,7 +569,7 @@ def step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec) -> 
     call of the shifted query (log-sum-exp shifted by q . A[t_p]), merged; (B, H, 1, D).
 
     What does not change from step to step is kept in the KV cache's workspace (``spec.workspace``,
-    :class:`~posenc.memo.Workspace`): the rows of every distance up to the cache's capacity and
+    :class:`~posenc.call.memo.Workspace`): the rows of every distance up to the cache's capacity and
     where their runs end (integers, rebuilt when the cache grows), the position tables (rebuilt
     when a parameter of the encoding changes: their versions are in the key) and the band's rows of
     them (for the band's width and far row). A step then computes no table and no row: its work is

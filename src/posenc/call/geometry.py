@@ -47,11 +47,11 @@ from dataclasses import InitVar, dataclass, field, replace
 
 import torch
 
+from ..encodings.base import PositionalEncoding, position_axes_of
+from ..encodings.protocol import Biases, QueryTerms, Scores, ValueTerms, offers, require
+from ..errors import UsageError
 from .axes import check_axis_positions, in_words, label, one_axis_hint, text_continuation
 from .axes import integer_tensor as _integer
-from .encodings.base import PositionalEncoding, position_axes_of
-from .encodings.protocol import Biases, QueryTerms, Scores, ValueTerms, offers, require
-from .errors import UsageError
 from .memo import ForwardMemo, Workspace
 
 
@@ -329,7 +329,7 @@ class Geometry:
             batch, tq, tk: rows B, queries Tq and keys Tk (queries are the last Tq keys when Tq < Tk).
             positions: the queries' positions, (Tq,) or (B, Tq); None: see the module docstring. For
                 an ``encoding`` with ``position_axes`` A > 1 also with an axis dimension
-                (:func:`posenc.axes.check_axis_positions`: (A, Tq) or (A, B, Tq) axis first, (Tq, A) or
+                (:func:`posenc.call.axes.check_axis_positions`: (A, Tq) or (A, B, Tq) axis first, (Tq, A) or
                 (B, Tq, A) axis last): the ids it rotates at; the masks then read the sequence
                 index (the positions of a call without ``positions``).
             k_positions: the keys' positions, (Tk,) or (B, Tk); None: the queries' when Tq == Tk,
@@ -414,7 +414,7 @@ class Geometry:
                 :meth:`of` takes them, e.g. (3, B, t) for M-RoPE): what ``rotate`` reads, free of
                 the slots (``q_axes``).
             next_positions: (B,) each row's next id after positions with an axis dimension, as the
-                cache recorded it (:meth:`posenc.cache.LayerCache.next_positions`), or None. With
+                cache recorded it (:meth:`posenc.model.cache.LayerCache.next_positions`), or None. With
                 it, ``positions=None`` continues every row at its own next id, the same on every
                 axis (M-RoPE's text after an image: max(id) + 1 over the row), and 1-D positions are
                 refused: they would be cache slots, and a slot is not that row's position.

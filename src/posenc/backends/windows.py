@@ -54,13 +54,13 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from .backends.parts import sliding
-from .backends.parts.base import accumulation_dtype
-from .backends.parts.regions import repeated_heads
-from .encodings.protocol import Biases, QueryTerms, ValueTerms, require
-from .errors import UsageError
-from .geometry import ScoreSpec
-from .query_scale import QueryScale, check_query_scale
+from ..call.geometry import ScoreSpec
+from ..encodings.protocol import Biases, QueryTerms, ValueTerms, require
+from ..encodings.query_scale import QueryScale, check_query_scale
+from ..errors import UsageError
+from .parts import sliding
+from .parts.base import accumulation_dtype
+from .parts.regions import repeated_heads
 
 MIN_BLOCK = 64  # queries per block of a window; more when the window is wider
 
@@ -73,7 +73,7 @@ class Extras:
         window: sliding window W (see the module docstring), or None.
         chunk: chunk size C, or None (at most one of window and chunk).
         sinks: (H,) logits, one per query head, or None.
-        query_scale: a per-query factor (:mod:`posenc.query_scale`), or None.
+        query_scale: a per-query factor (:mod:`posenc.encodings.query_scale`), or None.
         softcap: the logit cap (> 0) of the content scores (see the module docstring), or None.
     """
 
