@@ -41,7 +41,7 @@ from .. import hf as posenc_hf
 from ..encodings.rope import RoPE
 from ..errors import UsageError
 from ..hf.families import text_config
-from .extend import ExtendConfig
+from .extend_config import ExtendConfig
 from .hf_models import StudyModel, StudyModelConfig
 from .studied import StudiedModel
 from .variants import encodings
