@@ -119,7 +119,7 @@ def test_alibi_slope_groups_that_split_a_group_of_query_heads_take_the_keys_repe
     q = torch.randn(1, h, n, D, generator=g, requires_grad=True)
     k, v = (torch.randn(1, hkv, n, D, generator=g, requires_grad=True) for _ in range(2))
     pos = torch.arange(n)
-    spec = ScoreSpec(enc, pos, pos, True, D**-0.5)
+    spec = ScoreSpec(encoding=enc, q_positions=pos, k_positions=pos, causal=True, scale=D**-0.5)
     assert not tails.grouped(tails.make_plan(spec, n, n, torch.float32, None, tails.spread(q, k, spec.scale)), h, hkv)
     out = attend(q, k, v, enc)
     want = attend(q, k.repeat_interleave(h // hkv, 1), v.repeat_interleave(h // hkv, 1), enc)

@@ -216,7 +216,8 @@ def padded_prefill(method: str) -> tuple[ScoreSpec, torch.Tensor]:
     for p in enc.parameters():
         torch.nn.init.normal_(p, std=0.5)
     positions = torch.arange(20)
-    spec = ScoreSpec(copy.deepcopy(enc).double(), positions[14:], positions, True, 0.35, starts=torch.tensor([0, 16, 7]))
+    spec = ScoreSpec(encoding=copy.deepcopy(enc).double(), q_positions=positions[14:], k_positions=positions, causal=True, scale=0.35,
+                     starts=torch.tensor([0, 16, 7]))
     return spec, torch.randn(3, 2, 6, 8, dtype=torch.float64)
 
 
@@ -283,8 +284,10 @@ def test_single_query_paths_equal_eager(method, padded, monkeypatch):
     positions = torch.arange(tk)
     starts = torch.tensor([0, 12, 66]) if padded else None  # row 2: its far keys are all padding
     workspace = single.Workspace(capacity=96)
-    spec = ScoreSpec(enc, positions[-1:], positions, True, 1 / math.sqrt(8), starts=starts, workspace=workspace)
-    ref = ScoreSpec(copy.deepcopy(enc).double(), positions[-1:], positions, True, 1 / math.sqrt(8), starts=starts)
+    spec = ScoreSpec(encoding=enc, q_positions=positions[-1:], k_positions=positions, causal=True, scale=1 / math.sqrt(8), starts=starts,
+                     workspace=workspace)
+    ref = ScoreSpec(encoding=copy.deepcopy(enc).double(), q_positions=positions[-1:], k_positions=positions, causal=True, scale=1 / math.sqrt(8),
+                    starts=starts)
     want = eager.attend(q.double(), k.double(), v.double(), ref)
     taken = []
     for name in ("attend", "shaw", "distance_keys"):

@@ -1,4 +1,4 @@
-"""Sliding windows, chunked attention, attention sinks and per-query scales (posenc.backends.windows,
+"""Sliding windows, chunked attention, attention sinks and per-query scales (posenc.backends.parts.windows,
 posenc.encodings.query_scale), against the formulas written out here in float64: the dense (Tq, Tk) mask,
 the softmax with one more logit per head, the scale factor per position."""
 
@@ -12,7 +12,7 @@ import torch
 import posenc
 from agreement import MaxTensor
 from posenc import backends
-from posenc.backends.windows import Extras, plan
+from posenc.backends.parts.windows import Extras, plan
 from posenc.encodings.base import content_scale
 from posenc.encodings.protocol import Biases, Embeds, Gates, QueryTerms, Rotates, ValueTerms, offers
 from posenc.encodings.query_scale import LogFloorScale, ScalableSoftmax, Temperature, parse_query_scale

@@ -28,10 +28,9 @@ import math
 import torch
 
 from . import backends
-from .backends import windows
-from .backends.parts import single
+from .backends.parts import single, windows
 from .backends.parts.regions import repeated_heads
-from .backends.windows import Extras
+from .backends.parts.windows import Extras
 from .call.axes import as_taken, check_takes_axes
 from .call.geometry import Geometry, ScoreSpec
 from .call.memo import ForwardMemo
@@ -99,7 +98,7 @@ def attend(
             ``key_padding_mask``.
         memo: a :class:`~posenc.call.memo.ForwardMemo` shared by the layers of one model forward.
         window: sliding window W: a causal query at i sees keys i-W < j <= i, a bidirectional one
-            |i - j| <= W // 2 (:mod:`posenc.backends.windows`); None: every key.
+            |i - j| <= W // 2 (:mod:`posenc.backends.parts.windows`); None: every key.
         chunk: chunked attention of size C: a query sees the keys of its chunk [cC, (c+1)C) of
             positions, which stay global (Llama 4); None: no chunks. Not with ``window``.
         sinks: (H,) attention-sink logits, one per query head, in every softmax row with no value
@@ -141,7 +140,7 @@ def attend(
     if q.numel() == 0 or tk == 0:  # nothing in, nothing out; a query that sees no key gets 0 (docs/conventions.md)
         return q.new_zeros(b, h, tq, v.shape[-1])
     with _autocast_off(q):
-        return _attend(q, k, v, encoding, geometry, scale, ForwardMemo() if memo is None else memo, backend, rotate, extras,
+        return run_geometry(q, k, v, encoding, geometry, scale, ForwardMemo() if memo is None else memo, backend, rotate, extras,
                        log_gates)[0]
 
 
@@ -202,9 +201,12 @@ def _autocast_off(q: torch.Tensor) -> contextlib.AbstractContextManager:
     return contextlib.nullcontext()
 
 
-def _attend(q, k, v, encoding: PositionalEncoding, geometry: Geometry, scale: float, memo: ForwardMemo, backend: str, rotate: bool,
-            extras: Extras | None = None, log_gates: torch.Tensor | None = None) -> tuple[torch.Tensor, str]:
-    """(out, the registered name of the backend that ran): a uniform call, or its runs of segments."""
+def run_geometry(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, encoding: PositionalEncoding, geometry: Geometry, scale: float,
+                 memo: ForwardMemo, backend: str, rotate: bool, extras: Extras | None = None,
+                 log_gates: torch.Tensor | None = None) -> tuple[torch.Tensor, str]:
+    """(out, the registered name of the backend that ran) for inputs :func:`attend` has checked, on
+    a made :class:`Geometry`: a uniform call, or its runs of segments. :class:`posenc.Attention`
+    calls it with its own checks done."""
     q_axes, k_axes = geometry.q_axes, geometry.k_axes
     if q_axes is not None:
         # Ids with an axis dimension: q and k rotated once, each token at its own ids, before the
@@ -223,8 +225,8 @@ def _attend(q, k, v, encoding: PositionalEncoding, geometry: Geometry, scale: fl
 def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec, backend: str = "auto",
         rotate: bool = True, extras: Extras | None = None) -> tuple[torch.Tensor, str]:
     """One backend call on 1-D positions: rotation, grouped heads, the backend; (out, backend name).
-    ``extras`` (:class:`posenc.backends.windows.Extras`): a query scale after the rotation, then a window,
-    chunks or sinks through :func:`posenc.backends.windows.attend`. Inputs whose last dimension is not
+    ``extras`` (:class:`posenc.backends.parts.windows.Extras`): a query scale after the rotation, then a window,
+    chunks or sinks through :func:`posenc.backends.parts.windows.attend`. Inputs whose last dimension is not
     contiguous, or that repeat memory (stride 0), are copied first: the CPU flash kernel and the
     backends' own loops read rows of unit stride."""
     q, k, v = _kernel_ready(q), _kernel_ready(k), _kernel_ready(v)
@@ -299,7 +301,8 @@ def _segments(q, k, v, encoding, geometry: Geometry, scale: float, memo: Forward
         if rotating:  # the rotation reads contiguous rows faster than the transposed view
             qs, ks = qs.contiguous(), ks.contiguous()
         gs = None if gf is None else gf[ki].view(n, lk, h).transpose(1, 2)  # (n, H, Lk)
-        spec = ScoreSpec(encoding, seg.q_positions, seg.k_positions, geometry.causal, scale, memo, seg.consecutive,
+        spec = ScoreSpec(encoding=encoding, q_positions=seg.q_positions, k_positions=seg.k_positions, causal=geometry.causal, scale=scale,
+                         memo=memo, consecutive=seg.consecutive,
                          known_q_start=seg.q_start, known_k_start=seg.k_start, known_aligned=seg.aligned, log_gates=gs)
         o, name = run(qs, ks, vs, spec, backend, rotate, extras)  # (n, H, Lq, D)
         outs.append(o.transpose(1, 2).reshape(n * lq, h, -1))
@@ -361,4 +364,4 @@ def _check(q, k, v, encoding):
     return b, h, hkv, tq, tk, d
 
 
-__all__ = ["attend", "run"]
+__all__ = ["attend", "run", "run_geometry"]

@@ -89,7 +89,7 @@ def _check_run(values: list[int], past: int | None = None, name: str = "position
     return consecutive
 
 
-@dataclass
+@dataclass(kw_only=True)
 class ScoreSpec:
     """Everything besides q, k, v that defines the scores of one backend call (1-D positions).
 
@@ -216,7 +216,8 @@ class ScoreSpec:
         """The same call for a sub-range of its queries and keys, without padding or log gates (the
         backends that split calls by rows take no gated call); its workspace is the memo's (a
         caller's cache outside posenc, whose entries are keyed by what made them), else none."""
-        return ScoreSpec(self.encoding, q_positions, k_positions, self.causal, self.scale, self.memo, self.consecutive)
+        return ScoreSpec(encoding=self.encoding, q_positions=q_positions, k_positions=k_positions, causal=self.causal, scale=self.scale,
+                         memo=self.memo, consecutive=self.consecutive)
 
 
 def gate_decay(cumulative: torch.Tensor, q_positions: torch.Tensor, k_positions: torch.Tensor) -> torch.Tensor:
@@ -295,8 +296,9 @@ class Geometry:
     def spec(self, encoding: PositionalEncoding, scale: float, memo: ForwardMemo | None = None, log_gates: torch.Tensor | None = None) -> ScoreSpec:
         """The one backend call of a uniform geometry (``log_gates`` (B, H, Tk): see :class:`ScoreSpec`)."""
         return ScoreSpec(
-            encoding, self.q_positions, self.k_positions, self.causal, scale, ForwardMemo() if memo is None else memo,
-            self.consecutive, known_q_start=self._q_start, known_k_start=self._k_start, known_aligned=self._aligned, log_gates=log_gates,
+            encoding=encoding, q_positions=self.q_positions, k_positions=self.k_positions, causal=self.causal, scale=scale,
+            memo=ForwardMemo() if memo is None else memo,
+            consecutive=self.consecutive, known_q_start=self._q_start, known_k_start=self._k_start, known_aligned=self._aligned, log_gates=log_gates,
         )
 
     # Filled by ``of`` for a uniform geometry (ints known without reading the device).

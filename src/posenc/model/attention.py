@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from .. import backends
-from ..backends.windows import Extras
+from ..backends.parts.windows import Extras
 from ..call.axes import as_taken, check_takes_axes
 from ..call.geometry import Geometry, ScoreSpec, check_positions
 from ..call.memo import ForwardMemo
@@ -21,7 +21,7 @@ from ..encodings.base import PositionalEncoding, content_scale
 from ..encodings.protocol import Gates, Rotates, offers, require
 from ..encodings.query_scale import QueryScale
 from ..errors import UsageError, check_positive
-from ..functional import GATES_ALONE, _attend, run
+from ..functional import GATES_ALONE, run, run_geometry
 from .cache import LayerCache
 
 
@@ -36,7 +36,7 @@ class Attention(nn.Module):
         causal: mask keys after the query (decoder) or not (encoder).
         backend: "auto" or one of :func:`posenc.backends.names`.
         num_kv_heads: key/value heads Hkv (grouped-query attention; 1 is multi-query); None: H.
-        window: sliding window W, or chunk: chunk size C (:mod:`posenc.backends.windows`); None: full.
+        window: sliding window W, or chunk: chunk size C (:mod:`posenc.backends.parts.windows`); None: full.
         sinks: one learned sink logit per head (``self.sinks`` (H,), zeros at first; gpt-oss).
         query_scale: a per-query factor of the positions (:mod:`posenc.encodings.query_scale`).
 
@@ -134,7 +134,7 @@ class Attention(nn.Module):
                 mask = None if attention_mask is None else _padding_mask(attention_mask)
                 geometry = Geometry.of(b, t, t, x.device, positions=positions, causal=self.causal,
                                        document_ids=document_ids, key_padding_mask=mask, encoding=self.encoding)
-            out, name = _attend(q, k, v, self.encoding, geometry, scale, memo, self.backend, True, self.extras, gates)
+            out, name = run_geometry(q, k, v, self.encoding, geometry, scale, memo, self.backend, True, self.extras, gates)
         else:
             if document_ids is not None or attention_mask is not None:
                 raise UsageError("document_ids and attention_mask take no KV cache (a cache's padding comes from new_cache(padding=...))")
@@ -183,8 +183,9 @@ class Attention(nn.Module):
                 q, k = in_frame(q, k, positions, k_positions, cache)
             else:
                 q, k = rotation.rotate(q, k, positions, k_positions)
-        spec = ScoreSpec(self.encoding, positions, k_positions, self.causal, scale, memo, consecutive,
-                         cache.starts(q.device), cache.workspace, known_q_start=past, known_k_start=cache.start, known_aligned=True,
+        spec = ScoreSpec(encoding=self.encoding, q_positions=positions, k_positions=k_positions, causal=self.causal, scale=scale, memo=memo,
+                         consecutive=consecutive,
+                         starts=cache.starts(q.device), workspace=cache.workspace, known_q_start=past, known_k_start=cache.start, known_aligned=True,
                          log_gates=gates)
         return run(q, k, v, spec, self.backend, rotate=False, extras=self.extras)
 

@@ -16,7 +16,7 @@ padding*. With left padding, row b's first ``padding[b]`` slots hold padding tok
 start at position ``starts[b] = padding[b]`` of the positions the batch shares. Padding keys are
 hidden from every real query (see :class:`posenc.backends.parts.base.ScoreSpec` ``starts``).
 
-A windowed layer (sliding window W, :mod:`posenc.backends.windows`) keeps O(W) keys, never fewer than a
+A windowed layer (sliding window W, :mod:`posenc.backends.parts.windows`) keeps O(W) keys, never fewer than a
 later query can see: ``LayerCache(window=W)`` has buffers of max(2W, 16) slots (more after a longer
 chunk of tokens is appended at once, until the next compaction). When an append would overflow
 them, the last W - 1 keys (all a later query can see) move to the front and the older ones are

@@ -19,7 +19,7 @@ space-separated items: ``KEY=VALUE`` options of the method (also allowed after t
 
 - ``window=W``: sliding window (a causal query at i sees i-W < j <= i; bidirectional |i-j| <= W//2);
 - ``chunk=C``: chunked attention (a query sees its chunk of C positions, positions kept global);
-- ``sinks``: one learned sink logit per head (:mod:`posenc.backends.windows`);
+- ``sinks``: one learned sink logit per head (:mod:`posenc.backends.parts.windows`);
 - ``temp=A/F`` (Llama 4), ``beta=B/L`` (Ministral 3), ``ssmax=S`` (Scalable-Softmax): a per-query
   scale (:mod:`posenc.encodings.query_scale`).
 

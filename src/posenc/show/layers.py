@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from matplotlib.figure import Figure
 
-from ..backends.windows import Extras, visible
+from ..backends.parts.windows import Extras, visible
 from ..model.schedule import Schedule
 
 
