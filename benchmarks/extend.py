@@ -20,8 +20,8 @@ from pathlib import Path
 
 import torch
 
-from posenc.checkpoint import load_checkpoint
 from posenc.files import write_json
+from posenc.model.checkpoint import load_checkpoint
 from posenc.study import distributed
 from posenc.study import extend as ex
 from posenc.study.config import StudyConfig

@@ -81,7 +81,7 @@ def steps(job: dict, names: tuple[str, ...]) -> dict:
     import torch
 
     import posenc
-    from posenc.cache import LayerCache
+    from posenc.model.cache import LayerCache
 
     torch.manual_seed(0)
     table, method = job["table"], job["method"]

@@ -20,7 +20,7 @@ from torch.utils._pytree import tree_flatten
 from posenc import backends
 from posenc.backends import eager
 from posenc.backends.parts.base import ScoreSpec
-from posenc.memo import ForwardMemo
+from posenc.call.memo import ForwardMemo
 
 H, D = 4, 16
 # (queries, keys): a full pass; a KV-cache step of 37 tokens; one decoded token; one block + 1.
@@ -69,7 +69,7 @@ def check_backends(enc: nn.Module, causal: bool, shapes=None, expect: tuple[str,
         b = 1 if tq == 300 else 2
         q, k, v = torch.randn(b, H, tq, D), torch.randn(b, H, tk, D), torch.randn(b, H, tk, D)
         k_positions = torch.arange(5, 5 + tk)  # absolute positions need not start at 0
-        spec = ScoreSpec(enc, k_positions[tk - tq :], k_positions, causal, 1 / math.sqrt(D))
+        spec = ScoreSpec(encoding=enc, q_positions=k_positions[tk - tq :], k_positions=k_positions, causal=causal, scale=1 / math.sqrt(D))
         grad_out = torch.randn(b, H, tq, D)
         want = reference(enc, q, k, v, spec, grad_out)
         for name in supporting(spec, q):
@@ -123,7 +123,7 @@ def check_flex_inference(enc: nn.Module) -> None:
 
     torch.manual_seed(6)
     q, k, v = torch.randn(1, H, 7, D), torch.randn(1, H, 40, D), torch.randn(1, H, 40, D)
-    spec = ScoreSpec(enc, torch.arange(33, 40), torch.arange(40), True, 0.25)
+    spec = ScoreSpec(encoding=enc, q_positions=torch.arange(33, 40), k_positions=torch.arange(40), causal=True, scale=0.25)
     with torch.no_grad():
         assert flex.supports(spec, q)
         torch.testing.assert_close(flex.attend(q, k, v, spec), eager.attend(q, k, v, spec), rtol=1e-5, atol=1e-5)

@@ -119,7 +119,7 @@ def test_alibi_slope_groups_that_split_a_group_of_query_heads_take_the_keys_repe
     q = torch.randn(1, h, n, D, generator=g, requires_grad=True)
     k, v = (torch.randn(1, hkv, n, D, generator=g, requires_grad=True) for _ in range(2))
     pos = torch.arange(n)
-    spec = ScoreSpec(enc, pos, pos, True, D**-0.5)
+    spec = ScoreSpec(encoding=enc, q_positions=pos, k_positions=pos, causal=True, scale=D**-0.5)
     assert not tails.grouped(tails.make_plan(spec, n, n, torch.float32, None, tails.spread(q, k, spec.scale)), h, hkv)
     out = attend(q, k, v, enc)
     want = attend(q, k.repeat_interleave(h // hkv, 1), v.repeat_interleave(h // hkv, 1), enc)
@@ -315,7 +315,7 @@ def test_gqa_rope_equals_llama_attention_on_a_left_padded_batch():
 def test_gqa_rope_decoding_with_a_cache_equals_llama_attention():
     attn, rotary, mine = llama(hkv=1)  # multi-query
     x = torch.randn(1, 24, 64)
-    cache = posenc.cache.LayerCache()
+    cache = posenc.model.cache.LayerCache()
     with torch.no_grad():
         want = hf_forward(attn, rotary, x, torch.arange(24)[None], causal_mask(torch.ones(1, 24, dtype=torch.bool)))
         steps = [mine(x[:, :16], cache=cache)] + [mine(x[:, t : t + 1], cache=cache) for t in range(16, 24)]

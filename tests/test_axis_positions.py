@@ -14,9 +14,9 @@ import torch
 
 import posenc
 from models import tiny
-from posenc.cache import LayerCache
 from posenc.encodings.axial_rope import patch_positions
 from posenc.encodings.mrope import continue_positions, mrope_from_hf, vision_text_positions
+from posenc.model.cache import LayerCache
 
 transformers = pytest.importorskip("transformers")
 from transformers.models.qwen2_vl import modeling_qwen2_vl as hf2  # noqa: E402

@@ -18,14 +18,14 @@ from torch import nn
 
 from agreement import MaxTensor  # tests/agreement.py: one definition for every memory check
 from posenc import backends
-from posenc.attention import Attention, LayerCache
 from posenc.backends import blocked, eager, flex, sdpa
 from posenc.backends.parts import band, tails
 from posenc.backends.parts.base import ScoreSpec
+from posenc.call.memo import ForwardMemo
 from posenc.encodings import alibi_slopes, build
 from posenc.encodings.t5 import T5Bias
-from posenc.memo import ForwardMemo
-from posenc.model import LM, LMConfig
+from posenc.model.attention import Attention, LayerCache
+from posenc.model.lm import LM, LMConfig
 
 H, D = 4, 16
 TOL = dict(rtol=1e-5, atol=1e-5)
@@ -88,7 +88,7 @@ def test_backend_agrees_with_eager(backend, method, causal, tq, tk):
     q, k, v = torch.randn(b, H, tq, D), torch.randn(b, H, tk, D), torch.randn(b, H, tk, D)
     start = 5  # absolute positions need not start at 0
     k_positions = torch.arange(start, start + tk)
-    spec = ScoreSpec(enc, k_positions[tk - tq :], k_positions, causal, 1 / math.sqrt(D))
+    spec = ScoreSpec(encoding=enc, q_positions=k_positions[tk - tq :], k_positions=k_positions, causal=causal, scale=1 / math.sqrt(D))
     grad_out = torch.randn(b, H, tq, D)
     assert_agree(run(BACKENDS[backend], enc, q, k, v, spec, grad_out), reference(enc, q, k, v, spec, grad_out))
 
@@ -97,7 +97,7 @@ def test_blocked_plan_covers_far_region_and_several_blocks():
     """The sizes above do exercise what they are meant to: far calls, batched band blocks."""
     for method in ("alibi", "t5"):
         for causal in (True, False):
-            spec = ScoreSpec(make(method, causal), torch.arange(300), torch.arange(300), causal, 0.25)
+            spec = ScoreSpec(encoding=make(method, causal), q_positions=torch.arange(300), k_positions=torch.arange(300), causal=causal, scale=0.25)
             plan = tails.make_plan(spec, 300, 300, block=64)
             assert plan.far and any(call.causal for call in plan.far)  # the shifted causal triangle
             assert method == "t5" or len(plan.far) >= 4  # sloped tail: far blocks of 64 queries
@@ -149,7 +149,7 @@ def test_blocked_generic_path_for_other_bias_encodings():
     enc = PlainBias(H, D, causal=True, num_buckets=32, max_distance=32)
     nn.init.normal_(enc.relative_attention_bias.weight)
     q, k, v = torch.randn(1, H, 90, D), torch.randn(1, H, 150, D), torch.randn(1, H, 150, D)
-    spec = ScoreSpec(enc, torch.arange(60, 150), torch.arange(150), True, 0.25)
+    spec = ScoreSpec(encoding=enc, q_positions=torch.arange(60, 150), k_positions=torch.arange(150), causal=True, scale=0.25)
     assert not blocked.fast_path(spec, 90, 150)
     grad_out = torch.randn(1, H, 90, D)
     got = run(lambda *a: blocked.attend(*a, block=32), enc, q, k, v, spec, grad_out)
@@ -162,7 +162,7 @@ def test_blocked_value_head_dim_may_differ(method):
     torch.manual_seed(7)
     enc = make(method, True)
     q, k, v = torch.randn(1, H, 130, D), torch.randn(1, H, 130, D), torch.randn(1, H, 130, 24)
-    spec = ScoreSpec(enc, torch.arange(130), torch.arange(130), True, 0.25)
+    spec = ScoreSpec(encoding=enc, q_positions=torch.arange(130), k_positions=torch.arange(130), causal=True, scale=0.25)
     grad_out = torch.randn(1, H, 130, 24)
     got = run(lambda *a: blocked.attend(*a, block=32), enc, q, k, v, spec, grad_out)
     assert_agree(got, reference(enc, q, k, v, spec, grad_out))
@@ -197,9 +197,10 @@ def test_blocked_alibi_precision_at_long_range():
     enc = build("alibi", num_heads=h, head_dim=D)
     q, k, v = (torch.randn(1, h, n, D) * 2 for _ in range(3))
     pos = torch.arange(n)
-    spec = ScoreSpec(enc, pos, pos, True, 0.25)
+    spec = ScoreSpec(encoding=enc, q_positions=pos, k_positions=pos, causal=True, scale=0.25)
     with torch.no_grad():
-        exact = eager.attend(q.double(), k.double(), v.double(), ScoreSpec(enc.double(), pos, pos, True, 0.25))
+        exact = eager.attend(q.double(), k.double(), v.double(), ScoreSpec(encoding=enc.double(), q_positions=pos, k_positions=pos, causal=True,
+                                                                           scale=0.25))
         enc.float()
         dense = (sdpa.attend(q, k, v, spec).double() - exact).abs().max().item()
         ours = (blocked.attend(q, k, v, spec).double() - exact).abs().max().item()
@@ -212,7 +213,7 @@ def test_blocked_bfloat16_close_to_float32():
         enc = make(method, True)
         q, k, v = (torch.randn(1, H, 200, D) for _ in range(3))
         pos = torch.arange(200)
-        spec = ScoreSpec(enc, pos, pos, True, 0.25)
+        spec = ScoreSpec(encoding=enc, q_positions=pos, k_positions=pos, causal=True, scale=0.25)
         want = eager.attend(q, k, v, spec)
         got = blocked.attend(q.bfloat16(), k.bfloat16(), v.bfloat16(), spec, block=64)
         assert got.dtype == torch.bfloat16
@@ -228,7 +229,7 @@ def test_no_quadratic_tensor(method, causal):
     q, k, v = (torch.randn(1, H, n, D, requires_grad=True) for _ in range(3))
     pos = torch.arange(n)
     for attend in (blocked.attend, lambda *a: eager.attend(*a, block=64)):
-        spec = ScoreSpec(enc, pos, pos, causal, 0.25)
+        spec = ScoreSpec(encoding=enc, q_positions=pos, k_positions=pos, causal=causal, scale=0.25)
         with MaxTensor() as seen:
             attend(q, k, v, spec).sum().backward()
         # A quarter of ONE head's (N, N) square: a full (N, N) tensor, even for a single head,
@@ -242,7 +243,7 @@ def test_no_quadratic_tensor(method, causal):
 def spec_for(method: str, causal: bool = True) -> tuple[ScoreSpec, torch.Tensor]:
     enc = build(method, num_heads=H, head_dim=D, causal=causal)
     pos = torch.arange(8)
-    return ScoreSpec(enc, pos, pos, causal, 0.25), torch.randn(1, H, 8, D, requires_grad=True)
+    return ScoreSpec(encoding=enc, q_positions=pos, k_positions=pos, causal=causal, scale=0.25), torch.randn(1, H, 8, D, requires_grad=True)
 
 
 def chosen(method: str, causal: bool = True, grad: bool = True, dtype=torch.float32) -> str:
@@ -358,7 +359,7 @@ def test_flex_agrees_with_eager_for_cpu_inference():
     torch.manual_seed(6)
     enc = make("t5", True)
     q, k, v = torch.randn(1, H, 7, D), torch.randn(1, H, 40, D), torch.randn(1, H, 40, D)
-    spec = ScoreSpec(enc, torch.arange(33, 40), torch.arange(40), True, 0.25)
+    spec = ScoreSpec(encoding=enc, q_positions=torch.arange(33, 40), k_positions=torch.arange(40), causal=True, scale=0.25)
     with torch.no_grad():
         assert flex.supports(spec, q)
         torch.testing.assert_close(flex.attend(q, k, v, spec), eager.attend(q, k, v, spec), **TOL)
@@ -371,7 +372,7 @@ def test_flex_keeps_no_encoding_alive():
 
     enc = make("alibi", True)
     q = torch.randn(1, H, 16, D)
-    spec = ScoreSpec(enc, torch.arange(16), torch.arange(16), True, 0.25)
+    spec = ScoreSpec(encoding=enc, q_positions=torch.arange(16), k_positions=torch.arange(16), causal=True, scale=0.25)
     with torch.no_grad():
         flex.attend(q, q, q, spec)
     assert enc in flex._score_mods
@@ -415,7 +416,7 @@ def test_alibi_windows_leave_out_only_keys_that_weigh_nothing(as_band, monkeypat
     enc = build("alibi", num_heads=h, head_dim=D)
     q, k, v = (torch.randn(1, h, n, D) for _ in range(3))
     pos = torch.arange(n)
-    spec = ScoreSpec(enc, pos, pos, True, 1 / math.sqrt(D))
+    spec = ScoreSpec(encoding=enc, q_positions=pos, k_positions=pos, causal=True, scale=1 / math.sqrt(D))
     plan = tails.make_plan(spec, n, n, torch.float32, None, tails.spread(q, k, spec.scale))
     steep_band = [g for g in plan.bands if g.heads.start == 0]
     steep_far = [c for c in plan.far if c.heads.start == 0]
@@ -428,7 +429,8 @@ def test_alibi_windows_leave_out_only_keys_that_weigh_nothing(as_band, monkeypat
         assert max(c.region.keys[1] - c.region.keys[0] for c in rectangles) < n // 2  # far keys left out
     grad_out = torch.randn(1, h, n, D)
     with torch.no_grad():
-        exact = eager.attend(q.double(), k.double(), v.double(), ScoreSpec(enc.double(), pos, pos, True, 1 / math.sqrt(D)))
+        exact = eager.attend(q.double(), k.double(), v.double(), ScoreSpec(encoding=enc.double(), q_positions=pos, k_positions=pos, causal=True,
+                                                                           scale=1 / math.sqrt(D)))
         enc.float()
         dense = (sdpa.attend(q, k, v, spec).double() - exact).abs().max().item()
     got = run(blocked.attend, enc, q, k, v, spec, grad_out)
@@ -483,7 +485,8 @@ def test_selection_fills_nothing(method):
     enc = build(method, num_heads=H, head_dim=D)
     positions = torch.arange(40)
     workspace, memo = backends.parts.single.Workspace(capacity=16), ForwardMemo()
-    spec = ScoreSpec(enc, positions[-1:], positions, True, 0.25, memo, starts=torch.tensor([0, 7]), workspace=workspace)
+    spec = ScoreSpec(encoding=enc, q_positions=positions[-1:], k_positions=positions, causal=True, scale=0.25, memo=memo, starts=torch.tensor([0,
+                     7]), workspace=workspace)
     q, k, v = torch.randn(2, H, 1, D), torch.randn(2, H, 40, D), torch.randn(2, H, 40, D)
     with torch.no_grad():
         assert backends.parts.single.applies(spec, q, k, v)  # a decode step: row 1's query is real

@@ -31,7 +31,7 @@ def qkv(tq: int, tk: int, dtype=torch.float32, batch: int = 2):
 
 def spec_for(enc, tq: int, tk: int, causal: bool, start: int = 5) -> ScoreSpec:
     k_positions = torch.arange(start, start + tk)
-    return ScoreSpec(enc, k_positions[tk - tq :], k_positions, causal, 1.0 / math.sqrt(D))
+    return ScoreSpec(encoding=enc, q_positions=k_positions[tk - tq :], k_positions=k_positions, causal=causal, scale=1.0 / math.sqrt(D))
 
 
 def run(backend, enc, q, k, v, spec, grad_out):
@@ -179,7 +179,7 @@ def test_falls_back_to_eager_when_not_fast():
     q, k, v = qkv(10, 10, torch.bfloat16)
     torch.testing.assert_close(terms.attend(q, k, v, spec), eager.attend(q, k, v, spec))
     # Queries outside the keys' positions: eager's result, not the fast path's assumptions.
-    odd = ScoreSpec(enc, torch.arange(20, 30), torch.arange(0, 10), True, 1.0 / math.sqrt(D))
+    odd = ScoreSpec(encoding=enc, q_positions=torch.arange(20, 30), k_positions=torch.arange(0, 10), causal=True, scale=1.0 / math.sqrt(D))
     assert not terms.preferred(odd, torch.empty(0))
     q, k, v = qkv(10, 10)
     torch.testing.assert_close(terms.attend(q, k, v, odd), eager.attend(q, k, v, odd), equal_nan=True)
@@ -190,7 +190,7 @@ def test_auto_picks_terms_and_decoding_matches_full_pass(method):
     """Through ``Attention``: auto selects this backend on CPU, and decoding token by token and
     in chunks with a KV cache gives the full pass's outputs (computed by eager)."""
     from posenc import backends
-    from posenc.attention import Attention, LayerCache
+    from posenc.model.attention import Attention, LayerCache
 
     enc = make(method, True, clip=3)
     spec = spec_for(enc, 10, 10, True)

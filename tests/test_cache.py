@@ -1,4 +1,4 @@
-"""The KV cache (posenc/cache.py) and the single-query paths (backends/parts/single.py).
+"""The KV cache (posenc/model/cache.py) and the single-query paths (backends/parts/single.py).
 
 The in-place cache against the old concatenating one, bit for bit; growth by doubling; crop and
 reset; left padding; misuse as clear errors; every single-query path against the eager formula; and
@@ -17,12 +17,12 @@ from torch.utils._pytree import tree_flatten
 import posenc
 from models import tiny as model_of
 from posenc import backends
-from posenc.attention import LayerCache
 from posenc.backends import blocked, eager, flex, sdpa, terms
 from posenc.backends.parts import single
 from posenc.backends.parts.base import ScoreSpec
 from posenc.encodings.protocol import ClippedTables, DistanceKeys, RelativeBias, offers
 from posenc.errors import UsageError
+from posenc.model.attention import LayerCache
 from toy_encodings import registered
 
 METHODS = posenc.available()
@@ -216,7 +216,8 @@ def padded_prefill(method: str) -> tuple[ScoreSpec, torch.Tensor]:
     for p in enc.parameters():
         torch.nn.init.normal_(p, std=0.5)
     positions = torch.arange(20)
-    spec = ScoreSpec(copy.deepcopy(enc).double(), positions[14:], positions, True, 0.35, starts=torch.tensor([0, 16, 7]))
+    spec = ScoreSpec(encoding=copy.deepcopy(enc).double(), q_positions=positions[14:], k_positions=positions, causal=True, scale=0.35,
+                     starts=torch.tensor([0, 16, 7]))
     return spec, torch.randn(3, 2, 6, 8, dtype=torch.float64)
 
 
@@ -283,8 +284,10 @@ def test_single_query_paths_equal_eager(method, padded, monkeypatch):
     positions = torch.arange(tk)
     starts = torch.tensor([0, 12, 66]) if padded else None  # row 2: its far keys are all padding
     workspace = single.Workspace(capacity=96)
-    spec = ScoreSpec(enc, positions[-1:], positions, True, 1 / math.sqrt(8), starts=starts, workspace=workspace)
-    ref = ScoreSpec(copy.deepcopy(enc).double(), positions[-1:], positions, True, 1 / math.sqrt(8), starts=starts)
+    spec = ScoreSpec(encoding=enc, q_positions=positions[-1:], k_positions=positions, causal=True, scale=1 / math.sqrt(8), starts=starts,
+                     workspace=workspace)
+    ref = ScoreSpec(encoding=copy.deepcopy(enc).double(), q_positions=positions[-1:], k_positions=positions, causal=True, scale=1 / math.sqrt(8),
+                    starts=starts)
     want = eager.attend(q.double(), k.double(), v.double(), ref)
     taken = []
     for name in ("attend", "shaw", "distance_keys"):

@@ -94,7 +94,7 @@ def test_attention_matches_x_transformers_attend_live(backend, scale_positions):
     grad = torch.randn_like(want)
     want_grads = torch.autograd.grad(want, [q, k, v, xc.pos_emb], grad)
     pos = torch.arange(150)
-    spec = ScoreSpec(enc, pos, pos, True, 1 / math.sqrt(D))
+    spec = ScoreSpec(encoding=enc, q_positions=pos, k_positions=pos, causal=True, scale=1 / math.sqrt(D))
     out = posenc.backends.BACKENDS[backend].attend(q, k, v, spec)
     grads = list(torch.autograd.grad(out, [q, k, v, enc.pos_emb], grad))
     grads[3] = grads[3] * (math.sqrt(D) if scale_positions else 1.0)  # d/d(table / sqrt d)
@@ -123,7 +123,7 @@ def test_contextual_is_exact_whatever_the_gates(monkeypatch):
     q[:, 0, :, 0] = -6.0  # head 0: q.k ~ -36: gates ~ 1e-4, positions stay fractional all the way
     q[:, 1, :, 0] = 6.0  # head 1: gates ~ 1: the cap after 7 keys
     pos = torch.arange(n)
-    spec = ScoreSpec(enc, pos, pos, True, 1 / math.sqrt(D))
+    spec = ScoreSpec(encoding=enc, q_positions=pos, k_positions=pos, causal=True, scale=1 / math.sqrt(D))
     widths = []
     original = contextual._forward
 

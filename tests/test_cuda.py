@@ -16,11 +16,11 @@ import torch
 
 import posenc
 from models import tiny as model_of
-from posenc.attention import Attention
 from posenc.backends import eager, flex
 from posenc.backends.parts import single
 from posenc.backends.parts.base import ScoreSpec
-from posenc.generate import stream
+from posenc.model.attention import Attention
+from posenc.model.generate import stream
 
 pytestmark = [
     pytest.mark.cuda,
@@ -138,10 +138,11 @@ def test_single_query_paths_on_cuda(method, dtype):
     q, k, v = (torch.randn(b, H, n, D).to(dtype) for n in (1, tk, tk))
     enc = enc.to(dtype)
     positions, starts = torch.arange(tk), torch.tensor([0, 40, 990])
-    ref = ScoreSpec(copy.deepcopy(enc).double(), positions[-1:], positions, True, 1 / math.sqrt(D), starts=starts)
+    ref = ScoreSpec(encoding=copy.deepcopy(enc).double(), q_positions=positions[-1:], k_positions=positions, causal=True, scale=1 / math.sqrt(D),
+                    starts=starts)
     want = eager.attend(q.double(), k.double(), v.double(), ref)
     cuda_enc = copy.deepcopy(enc).to(CUDA)
-    spec = ScoreSpec(cuda_enc, positions[-1:].to(CUDA), positions.to(CUDA), True, 1 / math.sqrt(D),
+    spec = ScoreSpec(encoding=cuda_enc, q_positions=positions[-1:].to(CUDA), k_positions=positions.to(CUDA), causal=True, scale=1 / math.sqrt(D),
                      starts=starts.to(CUDA), workspace=single.Workspace(1024))
     from posenc import backends
 

@@ -269,7 +269,7 @@ def test_the_fast_path_equals_the_formula_outputs_and_gradients_in_float64(causa
     enc = built(causal, buckets, max_position, pos_att_type).double()
     kp = torch.arange(3, 3 + tk)
     qp = kp[tk - tq:]
-    spec = ScoreSpec(enc, qp, kp, causal, enc.content_scale)
+    spec = ScoreSpec(encoding=enc, q_positions=qp, k_positions=kp, causal=causal, scale=enc.content_scale)
     q, k, v = (torch.randn(2, 2, n, 8, dtype=torch.float64, requires_grad=True) for n in (tq, tk, tk))
     taken = forced(monkeypatch)  # these calls are short: the cost model alone would run them eager
     assert backends_choice(spec, q) == "terms"
@@ -334,7 +334,7 @@ def test_the_selection_declines_the_band_where_eager_is_cheaper(encoding, causal
     cls = DeBERTa if encoding == "v3" else NarrowRows
     enc = cls(num_heads=2, head_dim=8, causal=causal)  # position_buckets=256, max_relative_positions=512
     pos = torch.arange(length)
-    spec = ScoreSpec(enc, pos, pos, causal, enc.content_scale)
+    spec = ScoreSpec(encoding=enc, q_positions=pos, k_positions=pos, causal=causal, scale=enc.content_scale)
     q = torch.zeros(1, 2, length, 8, requires_grad=True)
     with torch.enable_grad():
         name = backends.choose("auto", spec, q)[0]
@@ -351,7 +351,7 @@ def test_left_padded_rows_take_the_fast_path(monkeypatch):
 
     enc = built(True, 8, 20, "c2p|p2c").double()
     pos = torch.arange(60)
-    spec = ScoreSpec(enc, pos, pos, True, enc.content_scale, starts=torch.tensor([0, 9, 41]))
+    spec = ScoreSpec(encoding=enc, q_positions=pos, k_positions=pos, causal=True, scale=enc.content_scale, starts=torch.tensor([0, 9, 41]))
     q, k, v = (torch.randn(3, 2, 60, 8, dtype=torch.float64, requires_grad=True) for _ in range(3))
     taken = forced(monkeypatch)
     got = terms.attend(q, k, v, spec)
@@ -377,8 +377,9 @@ def test_a_decode_step_takes_the_fast_step_and_equals_eager(buckets, max_positio
     q, k, v = torch.randn(3, 4, 1, 8), torch.randn(3, 4, 70, 8), torch.randn(3, 4, 70, 8)
     pos = torch.arange(70)
     starts = torch.tensor([0, 12, 66]) if padded else None
-    spec = ScoreSpec(enc, pos[-1:], pos, True, enc.content_scale, starts=starts, workspace=single.Workspace(capacity=96))
-    ref = ScoreSpec(enc.double(), pos[-1:], pos, True, enc.content_scale, starts=starts)
+    spec = ScoreSpec(encoding=enc, q_positions=pos[-1:], k_positions=pos, causal=True, scale=enc.content_scale, starts=starts,
+                     workspace=single.Workspace(capacity=96))
+    ref = ScoreSpec(encoding=enc.double(), q_positions=pos[-1:], k_positions=pos, causal=True, scale=enc.content_scale, starts=starts)
     want = eager.attend(q.double(), k.double(), v.double(), ref)
     enc.float()
     taken = spied(monkeypatch)
@@ -428,7 +429,8 @@ def test_no_quadratic_tensor_in_the_fast_backend(monkeypatch):
     q, k, v = (torch.randn(1, 4, n, 16, requires_grad=True) for _ in range(3))
     pos = torch.arange(n)
     with MaxTensor() as seen:
-        eager.attend(q, k, v, ScoreSpec(enc, pos, pos, False, enc.content_scale), block=n).sum().backward()
+        eager.attend(q, k, v, ScoreSpec(encoding=enc, q_positions=pos, k_positions=pos, causal=False, scale=enc.content_scale),
+                                        block=n).sum().backward()
     assert seen.largest >= 4 * n * n
 
 
@@ -459,11 +461,13 @@ def test_a_decode_step_reuses_the_rows_and_tables_of_its_workspace(monkeypatch):
     def decode(n):  # one step: the query at the last of n keys; returns the calls it made
         pos = torch.arange(n)
         with torch.no_grad():
-            want = eager.attend(queries[n], k[:, :, :n], v[:, :, :n], ScoreSpec(enc, pos[-1:], pos, True, enc.content_scale))
+            want = eager.attend(queries[n], k[:, :, :n], v[:, :, :n], ScoreSpec(encoding=enc, q_positions=pos[-1:], k_positions=pos, causal=True,
+                                                                                scale=enc.content_scale))
             for name in calls:
                 monkeypatch.setattr(enc, name, counted(name))
             before = dict(calls)
-            got = terms.attend(queries[n], k[:, :, :n], v[:, :, :n], ScoreSpec(enc, pos[-1:], pos, True, enc.content_scale, workspace=ws))
+            got = terms.attend(queries[n], k[:, :, :n], v[:, :, :n], ScoreSpec(encoding=enc, q_positions=pos[-1:], k_positions=pos, causal=True,
+                                                                               scale=enc.content_scale, workspace=ws))
             for name in calls:
                 monkeypatch.setattr(enc, name, originals[name])
         torch.testing.assert_close(got, want, rtol=0, atol=1e-5)

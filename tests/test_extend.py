@@ -7,9 +7,9 @@ import json
 import pytest
 import torch
 
-from posenc.checkpoint import load_checkpoint
 from posenc.cli import main
 from posenc.errors import UsageError
+from posenc.model.checkpoint import load_checkpoint
 from posenc.study import extend as ex
 from posenc.study.config import StudyConfig
 from posenc.study.run import run_experiment

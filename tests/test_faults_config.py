@@ -13,9 +13,9 @@ import torch
 
 import posenc
 import posenc.hf
+from posenc.encodings.query_scale import LogFloorScale, ScalableSoftmax, Temperature
 from posenc.errors import UsageError
-from posenc.query_scale import LogFloorScale, ScalableSoftmax, Temperature
-from posenc.schedule import Layer, Schedule
+from posenc.model.schedule import Layer, Schedule
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -186,10 +186,10 @@ def test_15_wrong_types_are_usage_errors() -> None:
     with raises("positions must be an integer tensor of shape (5,) or (1, 5), got list"):
         posenc.attend(q, k, v, rope, positions=[0, 1, 2, 3, 4])
     for scale in ("temp", 0.5, 2):
-        with raises("query_scale must be None or a posenc.query_scale scale (Temperature, LogFloorScale or "
+        with raises("query_scale must be None or a posenc.encodings.query_scale scale (Temperature, LogFloorScale or "
                     f"ScalableSoftmax, e.g. Temperature(0.1, 8192)), got {type(scale).__name__} {scale!r}"):
             posenc.attend(q, k, v, rope, query_scale=scale)
-    with raises("query_scale must be None or a posenc.query_scale scale (Temperature, LogFloorScale or "
+    with raises("query_scale must be None or a posenc.encodings.query_scale scale (Temperature, LogFloorScale or "
                 "ScalableSoftmax, e.g. Temperature(0.1, 8192)), got str 'temp'"):
         posenc.Attention(16, 2, rope, query_scale="temp")
     with raises("schedule: the options of layer 'rope' must be a dict of KEY: VALUE, got list [1, 2]"):
@@ -319,3 +319,28 @@ def test_17_the_xpos_refusal_advises_what_is_not_in_effect() -> None:
     XPos(1, 8, scale_base=565).rotate(q, k, torch.tensor([40000]), torch.tensor([0, 40000]))
     with pytest.raises(UsageError):
         XPos(1, 8, scale_base=564).rotate(q, k, torch.tensor([40000]), torch.tensor([0, 40000]))
+
+
+def test_the_hf_config_readers_need_no_transformers() -> None:
+    # transformers made unimportable: posenc.hf and its config readers import, its model names refuse
+    import subprocess
+    import sys
+
+    code = """
+import sys
+sys.modules["transformers"] = None
+import posenc, posenc.hf
+config = {"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
+          "rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}}
+assert posenc.schedule_from_hf(config).to_text()
+assert posenc.rope_from_hf(config).scaling.rope_type == "linear"
+try:
+    posenc.hf.use
+except ImportError as error:
+    assert "pip install 'posenc[hf]'" in str(error), error
+else:
+    raise AssertionError("posenc.hf.use without transformers")
+assert sys.modules["transformers"] is None
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr

@@ -16,10 +16,10 @@ import torch
 
 import posenc
 from models import tiny as model_of
-from posenc import generate as gen
-from posenc.checkpoint import save_checkpoint
 from posenc.cli import main
 from posenc.errors import UsageError
+from posenc.model import generate as gen
+from posenc.model.checkpoint import save_checkpoint
 
 
 def tiny(method: str = "alibi", vocab: int = 64, max_positions: int | None = None) -> posenc.LM:
@@ -200,7 +200,7 @@ def test_a_full_table_prompt_plus_one_token(checkpoint, capsys) -> None:
 
 
 def test_a_prompt_that_is_not_utf8_uses_its_bytes(checkpoint) -> None:
-    from posenc.sample import sample
+    from posenc.study.sample import sample
 
     raw = b"caf\xe9 "  # Latin-1, as a terminal might pass it; Python's argv holds it with a surrogate
     prompt = raw.decode("utf-8", errors="surrogateescape")
@@ -262,14 +262,14 @@ def test_checkpoint_dtypes_are_checked(tmp_path) -> None:
 
 
 def test_the_documented_import_of_stream_works() -> None:
-    # docs/decoding.md once wrote posenc.generate.stream(...), an AttributeError after `import posenc`
+    # docs/decoding.md once wrote posenc.model.generate.stream(...), an AttributeError after `import posenc`
     import subprocess as sp
 
-    code = "from posenc.generate import stream, generate; import posenc; print(callable(stream), callable(posenc.LM.generate))"
+    code = "from posenc.model.generate import stream, generate; import posenc; print(callable(stream), callable(posenc.LM.generate))"
     out = sp.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                  env={**__import__("os").environ, "PYTHONPATH": str(Path(posenc.__file__).parents[1])})
     assert out.stdout == "True True\n"
     from pathlib import Path as P
     docs = (P(posenc.__file__).parents[2] / "docs" / "decoding.md")
     if docs.exists():
-        assert "posenc.generate.stream(" not in docs.read_text()
+        assert "posenc.model.generate.stream(" not in docs.read_text()

@@ -14,8 +14,8 @@ import torch
 
 import posenc
 from posenc import cli
-from posenc.encodings.rope_scaling import resolve_hf
 from posenc.errors import UsageError
+from posenc.hf.rope import resolve_hf
 
 transformers = pytest.importorskip("transformers")
 

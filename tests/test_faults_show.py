@@ -12,10 +12,10 @@ import torch
 
 import posenc
 from posenc import cli
-from posenc.describe import bucket_ranges, learnable_parameters
 from posenc.errors import UsageError
 from posenc.show import inputs as show_inputs
 from posenc.show import scores as show_module
+from posenc.show.describe import bucket_ranges, learnable_parameters
 from posenc.show.inputs import check_out, parse_options
 from posenc.show.scores import score_map, show
 

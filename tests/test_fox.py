@@ -14,8 +14,8 @@ import torch
 
 import posenc
 from agreement import assert_decoding_equals_full
-from posenc.cache import LayerCache
 from posenc.errors import UsageError
+from posenc.model.cache import LayerCache
 
 H, D = 2, 8
 
@@ -167,7 +167,7 @@ def test_grouped_query_heads_equal_repeated_heads():
 @pytest.mark.parametrize("tq, tk", [(300, 300), (37, 300), (1, 300), (65, 65), (513, 513)])
 def test_the_gated_backend_equals_eager(tq, tk):
     from posenc.backends import eager, gated
-    from posenc.geometry import ScoreSpec
+    from posenc.call.geometry import ScoreSpec
 
     torch.manual_seed(tq + tk)
     enc = posenc.build("nope", num_heads=H, head_dim=D)
@@ -178,7 +178,7 @@ def test_the_gated_backend_equals_eager(tq, tk):
     results = {}
     for name, backend, dtype in (("eager", eager, torch.float64), ("gated", gated, torch.float64), ("gated32", gated, torch.float32)):
         xs = [x.to(dtype).requires_grad_() for x in (q, k, v, g)]
-        spec = ScoreSpec(enc, kp[tk - tq :], kp, True, D ** -0.5, log_gates=xs[3])
+        spec = ScoreSpec(encoding=enc, q_positions=kp[tk - tq :], k_positions=kp, causal=True, scale=D ** -0.5, log_gates=xs[3])
         assert name == "eager" or gated.supports(spec, xs[0])
         out = backend.attend(*xs[:3], spec)
         results[name] = [out] + list(torch.autograd.grad(out, xs, grad_out.to(dtype)))
@@ -226,7 +226,7 @@ def test_the_feature_path_without_the_flash_kernel_equals_the_kernel_path(monkey
     """Where the CPU flash kernel with its log-sum-exp is missing, the gates ride on the keys as a
     feature of public SDPA: the same outputs and gradients (float64)."""
     from posenc.backends import gated
-    from posenc.geometry import ScoreSpec
+    from posenc.call.geometry import ScoreSpec
 
     torch.manual_seed(7)
     enc = posenc.build("nope", num_heads=H, head_dim=D)
@@ -237,7 +237,7 @@ def test_the_feature_path_without_the_flash_kernel_equals_the_kernel_path(monkey
     for kernel in (True, False):
         monkeypatch.setattr(gated, "use_kernel", lambda q, v, kernel=kernel: kernel)
         xs = [x.clone().requires_grad_() for x in (q, k, v, g)]
-        spec = ScoreSpec(enc, torch.arange(200), torch.arange(200), True, D ** -0.5, log_gates=xs[3])
+        spec = ScoreSpec(encoding=enc, q_positions=torch.arange(200), k_positions=torch.arange(200), causal=True, scale=D ** -0.5, log_gates=xs[3])
         out = gated.attend(*xs[:3], spec, block=64)
         results.append([out, *torch.autograd.grad(out, xs, grad_out)])
     for n, (a, b) in enumerate(zip(*results)):

@@ -1,4 +1,4 @@
-"""Generation (posenc/generate.py) and ``posenc sample`` (posenc/sample.py).
+"""Generation (posenc/model/generate.py) and ``posenc sample`` (posenc/study/sample.py).
 
 Batches of prompts of different lengths give each row what it gets alone (every method, and the
 fallback for encodings that are not shift-invariant); greedy is the argmax of the full forward;
@@ -14,10 +14,10 @@ import torch
 
 import posenc
 from models import tiny as model_of
-from posenc import generate as gen
-from posenc.checkpoint import save_checkpoint
 from posenc.cli import main
 from posenc.errors import UsageError
+from posenc.model import generate as gen
+from posenc.model.checkpoint import save_checkpoint
 from toy_encodings import registered
 
 METHODS = posenc.available()
@@ -229,7 +229,7 @@ def test_sample_streams_and_waits_for_whole_characters(checkpoint, monkeypatch):
             writes.append(text)
             return super().write(text)
 
-    from posenc.sample import sample
+    from posenc.study.sample import sample
 
     assert sample(checkpoint, "ab", max_new_tokens=4, out=Out()) == "é!\ufffdx"
     assert writes == ["ab", "é", "!", "\ufffd", "x", "\n"]

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 import posenc
-from posenc.families import FAMILIES, family_of
+from posenc.hf.families import FAMILIES, family_of
 
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
@@ -66,7 +66,7 @@ def err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def padded_reference(ref, model_type: str, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """The untouched model's logits of a left-padded batch; for Llama 4 each row alone, padding
-    dropped: its own query temperature counts padding slots as positions (posenc.families:
+    dropped: its own query temperature counts padding slots as positions (posenc.hf.families:
     temperature), posenc's counts from each row's first real token."""
     if not family_of(model_type).temperature:
         return logits(ref, ids, attention_mask=mask)

@@ -1,5 +1,5 @@
-"""Sliding windows, chunked attention, attention sinks and per-query scales (posenc.local,
-posenc.query_scale), against the formulas written out here in float64: the dense (Tq, Tk) mask,
+"""Sliding windows, chunked attention, attention sinks and per-query scales (posenc.backends.parts.windows,
+posenc.encodings.query_scale), against the formulas written out here in float64: the dense (Tq, Tk) mask,
 the softmax with one more logit per head, the scale factor per position."""
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ import torch
 import posenc
 from agreement import MaxTensor
 from posenc import backends
+from posenc.backends.parts.windows import Extras, plan
 from posenc.encodings.base import content_scale
 from posenc.encodings.protocol import Biases, Embeds, Gates, QueryTerms, Rotates, ValueTerms, offers
+from posenc.encodings.query_scale import LogFloorScale, ScalableSoftmax, Temperature, parse_query_scale
 from posenc.errors import UsageError
-from posenc.local import Extras, plan
-from posenc.query_scale import LogFloorScale, ScalableSoftmax, Temperature, parse_query_scale
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 H, D = 4, 16
@@ -181,7 +181,7 @@ def test_plan_blocks():
 def test_cached_decoding_past_the_window_equals_the_full_pass():
     """An LM with windowed, chunked, sink and temperature layers: token-by-token decoding through
     the KV cache gives the full pass's logits, well past the window and across chunk boundaries."""
-    from posenc.model import LM, LMConfig
+    from posenc.model.lm import LM, LMConfig
 
     cfg = LMConfig(dim=32, num_heads=4, depth=4, num_kv_heads=2,
                    schedule="1x[rope window=8 sinks] 1x[alibi window=5] 1x[nope temp=0.5/4] 1x[rope:layout=interleaved chunk=16]")
@@ -271,7 +271,7 @@ def test_auto_picks_the_usual_backend_for_plain_blocks():
 
 
 def _windowed_model():
-    from posenc.model import LM, LMConfig
+    from posenc.model.lm import LM, LMConfig
 
     cfg = LMConfig(dim=32, num_heads=4, depth=3, num_kv_heads=2, schedule="[rope window=6] [alibi window=4 sinks] [t5]")
     model = LM(cfg).double().eval()
@@ -333,7 +333,7 @@ def test_crop_keeps_only_what_a_windowed_cache_still_has():
 
 
 def test_a_windowed_cache_under_autograd_trims_too():
-    from posenc.cache import LayerCache
+    from posenc.model.cache import LayerCache
 
     cache = LayerCache(window=4)
     for t in range(10):
@@ -367,7 +367,7 @@ def test_xpos_in_a_windowed_cache_rotates_its_kept_keys_afresh():
     """xPos (centred: its rotation depends on the length) keeps its own cache frame in a full layer;
     a windowed layer forgets rows, so its kept keys are rotated afresh each step: both decode as the
     full pass (xPos rotates in float32)."""
-    from posenc.model import LM, LMConfig
+    from posenc.model.lm import LM, LMConfig
 
     model = LM(LMConfig(dim=32, num_heads=4, depth=2, schedule="[xpos window=5] [xpos]")).double().eval()
     assert model.blocks[0].attn.encoding.rotation_depends_on_length

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from posenc import Attention, available, build
-from posenc.attention import LayerCache
 from posenc.encodings import get_class, offers
 from posenc.encodings.protocol import Biases, ContextualPositions, QueryTerms, Rotates, ValueTerms
 from posenc.errors import UsageError
+from posenc.model.attention import LayerCache
 
 H, D = 2, 8
 

@@ -87,7 +87,7 @@ def test_features_backend_skips_values_and_pads_to_a_multiple_of_8(monkeypatch):
         enc = posenc.build("sandwich", num_heads=2, head_dim=head_dim, sinusoid_dim=dim)
         positions = torch.tensor([0, 3, 4, 9, 10, 11, 20, 31, 40, 41, 55, 63])
         q, k, v = (torch.randn(1, 2, 12, head_dim) for _ in range(3))
-        spec = ScoreSpec(enc, positions, positions, True, 1 / math.sqrt(head_dim), consecutive=False)
+        spec = ScoreSpec(encoding=enc, q_positions=positions, k_positions=positions, causal=True, scale=1 / math.sqrt(head_dim), consecutive=False)
         assert features.supports(spec, q)
         grad = torch.randn(1, 2, 12, head_dim)
         got = run(features.attend, enc, q, k, v, spec, grad, torch.float32)
@@ -102,7 +102,8 @@ def test_auto_picks_the_features_backend_and_no_quadratic_tensor():
     largest, backend = largest_tensor("sandwich")
     assert backend == "features"
     assert largest < 1024 * 1024, largest
-    spec = ScoreSpec(posenc.build("sandwich", num_heads=H, head_dim=D), torch.arange(8), torch.arange(8), True, 0.25)
+    spec = ScoreSpec(encoding=posenc.build("sandwich", num_heads=H, head_dim=D), q_positions=torch.arange(8), k_positions=torch.arange(8),
+                     causal=True, scale=0.25)
     assert backends.choose("auto", spec, torch.randn(1, H, 8, D))[0] == "features"
     assert list(backends.BACKENDS)[:3] == ["sdpa", "features", "flex"]
 

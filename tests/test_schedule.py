@@ -9,10 +9,10 @@ import pytest
 import torch
 
 import posenc
+from posenc.encodings.query_scale import LogFloorScale, ScalableSoftmax, Temperature
 from posenc.errors import UsageError
-from posenc.model import LM, LMConfig
-from posenc.query_scale import LogFloorScale, ScalableSoftmax, Temperature
-from posenc.schedule import Layer, Schedule
+from posenc.model.lm import LM, LMConfig
+from posenc.model.schedule import Layer, Schedule
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

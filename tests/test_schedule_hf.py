@@ -13,8 +13,8 @@ import pytest
 import torch
 
 import posenc
+from posenc.encodings.query_scale import LogFloorScale, Temperature
 from posenc.errors import UsageError
-from posenc.query_scale import LogFloorScale, Temperature
 
 tf = pytest.importorskip("transformers")
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -15,7 +15,7 @@ import torch
 import posenc
 from posenc import cli
 from posenc.encodings.rope import RoPE
-from posenc.model import LMConfig
+from posenc.model.lm import LMConfig
 from posenc.study import fairness, report, rows
 from posenc.study.cli import run_study
 from posenc.study.config import StudyConfig

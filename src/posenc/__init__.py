@@ -10,18 +10,18 @@ the protocol and the conventions.
 
 from __future__ import annotations
 
-from .attention import Attention
-from .checkpoint import load_checkpoint, save_checkpoint
+from .call.geometry import Geometry
 from .encodings import PositionalEncoding, alibi_slopes, available, build, relative_position_bucket
 from .encodings.axial_rope import patch_positions
 from .encodings.mrope import continue_positions, mrope_from_hf, vision_text_positions
-from .encodings.rope import rope_from_hf
 from .errors import UsageError
 from .functional import attend
-from .geometry import Geometry
-from .model import LM, LMConfig
-from .schedule import Layer, Schedule
-from .schedule_hf import schedule_from_hf
+from .hf.rope import rope_from_hf
+from .hf.schedule import schedule_from_hf
+from .model.attention import Attention
+from .model.checkpoint import load_checkpoint, save_checkpoint
+from .model.lm import LM, LMConfig
+from .model.schedule import Layer, Schedule
 from .version import __version__
 
 __all__ = [

@@ -14,15 +14,15 @@ from .errors import UsageError
 
 # subcommand -> (module, one-line help). Modules are imported when the parser is built.
 COMMANDS: dict[str, tuple[str, str]] = {
-    "list": ("posenc.describe", "list the encodings: description, parameters, extrapolation"),
-    "buckets": ("posenc.describe", "print the T5 relative-position bucket table"),
+    "list": ("posenc.show.describe", "list the encodings: description, parameters, extrapolation"),
+    "buckets": ("posenc.show.describe", "print the T5 relative-position bucket table"),
     "show": ("posenc.show.scores", "heatmap of what an encoding adds to the attention scores"),
     "study": ("posenc.study.cli", "train short, test long: train every method, evaluate at many lengths"),
     "report": ("posenc.study.report", "turn a study's output directory into one self-contained HTML page"),
     "bench": ("posenc.bench.cli", "speed and memory of every method, as ratios to NoPE (optionally vs x-transformers)"),
     "extend": ("posenc.study.extend", "fine-tune a trained RoPE model under a scaling (PI, NTK, YaRN, Llama 3, LongRoPE, "
                                       "DroPE) at a longer length; before/after table by length"),
-    "sample": ("posenc.sample", "continue a text prompt with a study's checkpoint (byte-level), streaming the output"),
+    "sample": ("posenc.study.sample", "continue a text prompt with a study's checkpoint (byte-level), streaming the output"),
 }
 
 

@@ -4,7 +4,7 @@ The drop-in for ``torch.nn.functional.scaled_dot_product_attention`` when the at
 positional encoding: the caller brings q, k, v from their own projections (grouped-query heads
 allowed), posenc applies the encoding's rotation and score terms and runs the fastest exact
 backend for it, for shared or per-row positions, packed documents and padded rows
-(:mod:`posenc.geometry`).
+(:mod:`posenc.call.geometry`).
 
     out = posenc.attend(q, k, v, rope)                                     # (B, H, T, D)
     out = posenc.attend(q, k, v, alibi, document_ids=doc)                  # packed rows
@@ -27,17 +27,17 @@ import math
 
 import torch
 
-from . import backends, local
-from .axes import as_taken, check_takes_axes
-from .backends.parts import single
+from . import backends
+from .backends.parts import single, windows
 from .backends.parts.regions import repeated_heads
+from .backends.parts.windows import Extras
+from .call.axes import as_taken, check_takes_axes
+from .call.geometry import Geometry, ScoreSpec
+from .call.memo import ForwardMemo
 from .encodings.base import PositionalEncoding, content_scale
 from .encodings.protocol import Gates, Rotates, offers, require
+from .encodings.query_scale import QueryScale, scaled_queries
 from .errors import UsageError
-from .geometry import Geometry, ScoreSpec
-from .local import Extras
-from .memo import ForwardMemo
-from .query_scale import QueryScale, scaled_queries
 
 #: The one refusal of forget gates with a window, chunk, sinks or soft cap (attend, Attention, schedules).
 GATES_ALONE = "log_gates (forget gates) take no window, chunk, sinks or softcap: give the full causal attention"
@@ -93,17 +93,17 @@ def attend(
             right padding); outputs at padding queries are 0.
         rotate: apply the encoding's rotation (RoPE family); False when q and k come rotated.
         backend: "auto" or one of :func:`posenc.backends.names`.
-        geometry: a :class:`~posenc.geometry.Geometry` built once for several calls (a model's
+        geometry: a :class:`~posenc.call.geometry.Geometry` built once for several calls (a model's
             layers); replaces ``positions``, ``k_positions``, ``document_ids`` and
             ``key_padding_mask``.
-        memo: a :class:`~posenc.memo.ForwardMemo` shared by the layers of one model forward.
+        memo: a :class:`~posenc.call.memo.ForwardMemo` shared by the layers of one model forward.
         window: sliding window W: a causal query at i sees keys i-W < j <= i, a bidirectional one
-            |i - j| <= W // 2 (:mod:`posenc.local`); None: every key.
+            |i - j| <= W // 2 (:mod:`posenc.backends.parts.windows`); None: every key.
         chunk: chunked attention of size C: a query sees the keys of its chunk [cC, (c+1)C) of
             positions, which stay global (Llama 4); None: no chunks. Not with ``window``.
         sinks: (H,) attention-sink logits, one per query head, in every softmax row with no value
             (gpt-oss); None: no sinks.
-        query_scale: a per-query factor of the positions (:mod:`posenc.query_scale`: Llama 4's
+        query_scale: a per-query factor of the positions (:mod:`posenc.encodings.query_scale`: Llama 4's
             temperature, Ministral 3's beta form, Scalable-Softmax), applied after the rotation.
         log_gates: (B, H, Tk) per-key log forget gates (finite, <= 0), the keys' ``encoding.log_gates(x)``
             for an encoding with the ``Gates`` hook (the Forgetting Transformer): query i and key j
@@ -140,7 +140,7 @@ def attend(
     if q.numel() == 0 or tk == 0:  # nothing in, nothing out; a query that sees no key gets 0 (docs/conventions.md)
         return q.new_zeros(b, h, tq, v.shape[-1])
     with _autocast_off(q):
-        return _attend(q, k, v, encoding, geometry, scale, ForwardMemo() if memo is None else memo, backend, rotate, extras,
+        return run_geometry(q, k, v, encoding, geometry, scale, ForwardMemo() if memo is None else memo, backend, rotate, extras,
                        log_gates)[0]
 
 
@@ -201,9 +201,12 @@ def _autocast_off(q: torch.Tensor) -> contextlib.AbstractContextManager:
     return contextlib.nullcontext()
 
 
-def _attend(q, k, v, encoding: PositionalEncoding, geometry: Geometry, scale: float, memo: ForwardMemo, backend: str, rotate: bool,
-            extras: Extras | None = None, log_gates: torch.Tensor | None = None) -> tuple[torch.Tensor, str]:
-    """(out, the registered name of the backend that ran): a uniform call, or its runs of segments."""
+def run_geometry(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, encoding: PositionalEncoding, geometry: Geometry, scale: float,
+                 memo: ForwardMemo, backend: str, rotate: bool, extras: Extras | None = None,
+                 log_gates: torch.Tensor | None = None) -> tuple[torch.Tensor, str]:
+    """(out, the registered name of the backend that ran) for inputs :func:`attend` has checked, on
+    a made :class:`Geometry`: a uniform call, or its runs of segments. :class:`posenc.Attention`
+    calls it with its own checks done."""
     q_axes, k_axes = geometry.q_axes, geometry.k_axes
     if q_axes is not None:
         # Ids with an axis dimension: q and k rotated once, each token at its own ids, before the
@@ -222,8 +225,8 @@ def _attend(q, k, v, encoding: PositionalEncoding, geometry: Geometry, scale: fl
 def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec, backend: str = "auto",
         rotate: bool = True, extras: Extras | None = None) -> tuple[torch.Tensor, str]:
     """One backend call on 1-D positions: rotation, grouped heads, the backend; (out, backend name).
-    ``extras`` (:class:`posenc.local.Extras`): a query scale after the rotation, then a window,
-    chunks or sinks through :func:`posenc.local.attend`. Inputs whose last dimension is not
+    ``extras`` (:class:`posenc.backends.parts.windows.Extras`): a query scale after the rotation, then a window,
+    chunks or sinks through :func:`posenc.backends.parts.windows.attend`. Inputs whose last dimension is not
     contiguous, or that repeat memory (stride 0), are copied first: the CPU flash kernel and the
     backends' own loops read rows of unit stride."""
     q, k, v = _kernel_ready(q), _kernel_ready(k), _kernel_ready(v)
@@ -236,7 +239,7 @@ def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec, back
         if extras.query_scale is not None:
             q = scaled_queries(q, extras.query_scale, spec.q_positions)
         if extras.restricts:
-            return local.attend(q, k, v, spec, extras, backend, _call)
+            return windows.attend(q, k, v, spec, extras, backend, _call)
     return _call(q, k, v, spec, backend)
 
 
@@ -298,7 +301,8 @@ def _segments(q, k, v, encoding, geometry: Geometry, scale: float, memo: Forward
         if rotating:  # the rotation reads contiguous rows faster than the transposed view
             qs, ks = qs.contiguous(), ks.contiguous()
         gs = None if gf is None else gf[ki].view(n, lk, h).transpose(1, 2)  # (n, H, Lk)
-        spec = ScoreSpec(encoding, seg.q_positions, seg.k_positions, geometry.causal, scale, memo, seg.consecutive,
+        spec = ScoreSpec(encoding=encoding, q_positions=seg.q_positions, k_positions=seg.k_positions, causal=geometry.causal, scale=scale,
+                         memo=memo, consecutive=seg.consecutive,
                          known_q_start=seg.q_start, known_k_start=seg.k_start, known_aligned=seg.aligned, log_gates=gs)
         o, name = run(qs, ks, vs, spec, backend, rotate, extras)  # (n, H, Lq, D)
         outs.append(o.transpose(1, 2).reshape(n * lq, h, -1))
@@ -360,4 +364,4 @@ def _check(q, k, v, encoding):
     return b, h, hkv, tq, tk, d
 
 
-__all__ = ["attend", "run"]
+__all__ = ["attend", "run", "run_geometry"]

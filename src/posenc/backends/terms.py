@@ -84,7 +84,7 @@ def _path(spec: ScoreSpec, q: torch.Tensor) -> Path | None:
         return distance.distance_key_attention
     if offers(enc, DisentangledTables) and not spec.has_value_terms:
         # Only where its cost model beats the eager formula (a short encoder call does not).
-        return disentangled.attention if disentangled.worthwhile(spec, q.shape[-2], spec.k_positions.numel(), q.device) else None
+        return disentangled.attention if disentangled.worthwhile(spec, q.shape[-2], spec.k_positions.numel()) else None
     return None
 
 

@@ -28,7 +28,7 @@ integers; :func:`patch_positions` gives them for an (height x width) grid flatte
 cache and generation run both encodings on a sequence unchanged. Both declare their ids
 (``position_axes = 2``, ``axis_first = False``), so ``posenc.attend``, ``posenc.Attention`` and
 ``posenc.LM`` take (T, 2) and (B, T, 2) as ``positions`` too; the masks (padding, documents, the
-causal order if any) read the sequence index (:mod:`posenc.geometry`).
+causal order if any) read the sequence index (:mod:`posenc.call.geometry`).
 
 What they match (tests/test_axial_rope.py, against ``timm.layers.pos_embed_sincos``):
 

@@ -70,7 +70,7 @@ class PositionalEncoding(nn.Module):
       in batches relies on it: left-padded rows share positions, row b starting at its padding.
       Absolute methods (sinusoidal, learned) are not, but their only hook, ``embed``, takes each
       row's own positions, so they batch too; any other method generates rows of one prompt
-      length together (:mod:`posenc.generate`).
+      length together (:mod:`posenc.model.generate`).
 
     Hooks and optional capabilities (``bias_tails``, ``clipped_tables``, ...) are methods a subclass
     defines; :mod:`posenc.encodings.protocol` lists them and :func:`~posenc.encodings.protocol.offers`

@@ -34,10 +34,10 @@ axis first, as Qwen2-VL passes them; the patch-grid rotations of :mod:`.axial_ro
 (T,) one id per token, used on every axis; (A, T) one set for every batch row; (A, B, T) per row.
 They are non-negative integers; they need not increase, nor be distinct, along T. The encoding
 declares them (``position_axes = 3``, ``axis_first = True``), so ``posenc.attend``,
-``posenc.Attention`` and ``posenc.LM`` take them as ``positions`` too (:mod:`posenc.geometry`):
+``posenc.Attention`` and ``posenc.LM`` take them as ``positions`` too (:mod:`posenc.call.geometry`):
 q and k are rotated at their ids while the masks read the sequence index (the cache slot when
 decoding), and a KV cache that has seen such ids continues each row without positions at its own
-max(id) + 1 (:meth:`posenc.cache.LayerCache.next_positions`).
+max(id) + 1 (:meth:`posenc.model.cache.LayerCache.next_positions`).
 
 Precision: as :mod:`.rope`: float32 cos/sin tables of float64 angles (``RotaryTable``), the rotation
 in float32, cast back once. Under ``torch.compile`` the ids are not read on the host (no graph

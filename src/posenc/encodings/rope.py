@@ -12,7 +12,7 @@ permutation of q/k features:
 GPT-NeoX), spreading the whole frequency range over them. ``scaling`` takes the ``rope_scaling`` /
 ``rope_parameters`` block of a Hugging Face config (linear, ntk, dynamic, yarn, llama3, longrope,
 proportional): see :mod:`.rope_scaling` for the schedules, and note that p-RoPE (``proportional``)
-is not partial rotary. :func:`rope_from_hf` builds the encoding from a whole config.
+is not partial rotary. :func:`posenc.hf.rope.rope_from_hf` builds the encoding from a whole config.
 
 Precision: the cos/sin tables are built in float32 from float64 angles of integer positions
 whatever the input dtype, so every position up to 2^24 gets its own exact angle even for bfloat16
@@ -31,7 +31,6 @@ Shape legend: B batch, H heads, T length, D head dim, r rotated features (``rota
 
 from __future__ import annotations
 
-import warnings
 from typing import Any
 
 import torch
@@ -44,7 +43,6 @@ from .rope_scaling import (
     check_table,
     inverse_frequencies,
     parse_scaling,
-    resolve_hf,
     rotary_dim_of,
 )
 
@@ -334,23 +332,6 @@ class RoPE(PositionalEncoding):
     def extra_repr(self) -> str:
         scaling = "" if self.scaling.rope_type == "default" else f", scaling={self.scaling.rope_type!r}"
         return f"{super().extra_repr()}, base={self.base}, layout={self.layout!r}, rotary_dim={self.rotary_dim}{scaling}"
-
-
-def rope_from_hf(config: object, **options: Any) -> RoPE:
-    """A :class:`RoPE` built from a Hugging Face ``transformers`` config object or its dict:
-    heads, head dim, ``rope_theta`` and the scaling block, each key resolved as ``transformers``
-    resolves it (:func:`~posenc.encodings.rope_scaling.resolve_hf`: ``rope_scaling`` wins over
-    ``rope_parameters`` when both are given). The encoding's ``hf_source`` says which block was read
-    (``"rope_scaling"``, ``"rope_parameters"`` or None), and a config with both warns which one.
-    ``options`` go to :class:`RoPE` (``layout``, ``causal``, ``cache_length``); HF's LLaMA family
-    uses the default ``layout="half"``."""
-    resolved = resolve_hf(config)
-    if resolved.ignored is not None:
-        warnings.warn(f"rope_from_hf: the config has both rope_scaling and rope_parameters; read {resolved.which()}",
-                      UserWarning, stacklevel=2)
-    encoding = RoPE(**resolved.options(), **options)
-    encoding.hf_source = resolved.source
-    return encoding
 
 
 def with_scaling(encoding: RoPE, scaling: dict[str, Any] | RopeScaling | None) -> RoPE:

@@ -6,23 +6,46 @@
 - :func:`export`: an extended model as a plain transformers checkpoint (``rope_parameters``, no posenc keys).
 - :func:`deberta_from_hf`: one layer of a DeBERTa-v2/v3 encoder as a posenc attention module with
   the same weights and relative table.
+- The config readers need no ``transformers``: :mod:`posenc.hf.rope` (``rope_from_hf``),
+  :mod:`posenc.hf.schedule` (``schedule_from_hf``) and :mod:`posenc.hf.families` (the family table).
 
-Importing ``posenc`` never imports ``transformers``; importing ``posenc.hf`` does (the importers
-themselves only read module attributes). :func:`posenc.study.hf_evaluation.evaluate` scores an HF causal LM
-with the study's evaluation (used by the DroPE recipe in docs/hf.md).
+This face is lazy: ``import posenc.hf`` imports nothing of ``transformers``; the first use of one of
+the names below imports it, and raises ImportError with the install line when it is missing.
+:func:`posenc.study.hf_evaluation.evaluate` scores an HF causal LM with the study's evaluation (used
+by the DroPE recipe in docs/hf.md).
 """
 
 from __future__ import annotations
 
-try:
-    import transformers  # noqa: F401
-except ImportError as error:  # an optional extra
-    raise ImportError("posenc.hf needs Hugging Face transformers >= 5: pip install 'posenc[hf]'") from error
+import importlib
+from typing import TYPE_CHECKING, Any
 
-from .adapter import NAME, SUPPORTED, RotaryStandIn, from_pretrained, register, use
-from .deberta import deberta_from_hf
-from .export import export
-from .importers import alibi_from_bloom, t5_attention, t5_from_hf, t5_to_hf
+if TYPE_CHECKING:
+    from .adapter import NAME, SUPPORTED, RotaryStandIn, from_pretrained, register, use
+    from .deberta import deberta_from_hf
+    from .export import export
+    from .importers import alibi_from_bloom, t5_attention, t5_from_hf, t5_to_hf
+
+# public name -> the module of this package that defines it; each needs transformers
+_HOME = {"NAME": "adapter", "SUPPORTED": "adapter", "RotaryStandIn": "adapter", "from_pretrained": "adapter",
+         "register": "adapter", "use": "adapter", "deberta_from_hf": "deberta", "export": "export",
+         "alibi_from_bloom": "importers", "t5_attention": "importers", "t5_from_hf": "importers", "t5_to_hf": "importers"}
 
 __all__ = ["NAME", "SUPPORTED", "RotaryStandIn", "alibi_from_bloom", "deberta_from_hf", "export", "from_pretrained",
            "register", "t5_attention", "t5_from_hf", "t5_to_hf", "use"]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _HOME:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    try:
+        import transformers  # noqa: F401
+    except ImportError as error:  # an optional extra
+        raise ImportError("posenc.hf needs Hugging Face transformers >= 5: pip install 'posenc[hf]'") from error
+    value = getattr(importlib.import_module(f"{__name__}.{_HOME[name]}"), name)
+    globals()[name] = value  # later lookups skip this function (and `export` names the function, not its module)
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_HOME))

@@ -1,6 +1,6 @@
 """posenc's attention inside Hugging Face ``transformers`` models: :func:`use`.
 
-One adapter for the decoder families, driven by their rows in :data:`posenc.families.FAMILIES`
+One adapter for the decoder families, driven by their rows in :data:`posenc.hf.families.FAMILIES`
 (what differs between families is data there; the code is the same for all of them). Three
 modules: :mod:`posenc.hf.attention` (what ``transformers`` calls inside the model),
 :mod:`posenc.hf.plan` (each layer's plan, from the family row and what :func:`use` is given), and
@@ -29,8 +29,8 @@ this one (:func:`use`, the hooks it installs, saving and loading). How it plugs 
   documents, with or without a cache. A cached call whose queries restart is a UsageError (their
   keys' documents are unknown).
 - A static cache's unwritten slots (False in every row of the mask) are dropped from the keys.
-- The layers of one model forward share one :class:`~posenc.geometry.Geometry` per key length
-  (positions, documents and padding, read once) and one :class:`~posenc.memo.ForwardMemo`.
+- The layers of one model forward share one :class:`~posenc.call.geometry.Geometry` per key length
+  (positions, documents and padding, read once) and one :class:`~posenc.call.memo.ForwardMemo`.
 
 Encodings with parameters (T5's table, FIRE's MLP, ...) are modules of the model
 (``<decoder stack>.posenc_encodings``: one shared by all layers, or one per layer when the method
@@ -54,15 +54,15 @@ from ..encodings import build
 from ..encodings.protocol import Embeds, Gates, offers
 from ..encodings.rope import RoPE
 from ..errors import UsageError
-from ..families import FAMILIES, family_of, qk_head_dim, text_config
-from ..schedule import Schedule
+from ..model.schedule import Schedule
 from .attention import NAME, ForwardState, LayerPlan, RotaryStandIn, keep_input, padding_mask, posenc_attention, register
+from .families import FAMILIES, family_of, qk_head_dim, text_config
 from .plan import attention_of, decoder_stack, layer_plans
 from .saving import mark, recorded_options
 
 _Model = TypeVar("_Model", bound=PreTrainedModel)
 
-#: model_type -> family name, for the families of the table (:data:`posenc.families.FAMILIES`).
+#: model_type -> family name, for the families of the table (:data:`posenc.hf.families.FAMILIES`).
 SUPPORTED = {t: f.name for f in FAMILIES if f.causal for t in f.model_types}
 
 
@@ -112,7 +112,7 @@ def use(model: _Model, encoding: str | nn.Module | Schedule, **options: Any) -> 
     ``encoding``:
 
     - ``"rope"`` without options: the model's own schedule (:func:`posenc.schedule_from_hf` of its
-      family row in :data:`posenc.families.FAMILIES`): per-layer RoPE bases and scaling, windows,
+      family row in :data:`posenc.hf.families.FAMILIES`): per-layer RoPE bases and scaling, windows,
       chunks, sinks, NoPE layers, partial and interleaved rotation, MLA's rope part, the YaRN /
       LongRoPE attention factor; checked at once against the model's own rotary tables. The result
       equals the untouched model.
@@ -120,7 +120,7 @@ def use(model: _Model, encoding: str | nn.Module | Schedule, **options: Any) -> 
       and head dim (the family's pair layout and rotated features by default), on every layer, each
       layer keeping the family's window, chunk and sinks.
     - a layer schedule (its text, ``"3x[rope window=512] 1x[nope]"``, or a
-      :class:`~posenc.schedule.Schedule`): each layer as it says; a ``rope`` layer without a base
+      :class:`~posenc.model.schedule.Schedule`): each layer as it says; a ``rope`` layer without a base
       takes the model's own RoPE parameters for that layer.
     - a built posenc encoding module (e.g. from :func:`posenc.hf.t5_from_hf`).
 
@@ -169,7 +169,7 @@ def use(model: _Model, encoding: str | nn.Module | Schedule, **options: Any) -> 
         if attention is None:
             continue
         if family is not None and family.temperature and getattr(attention, "attn_temperature_tuning", False):
-            setattr(attention, "attn_temperature_tuning", False)  # the layer's plan applies it (posenc.families: temperature)
+            setattr(attention, "attn_temperature_tuning", False)  # the layer's plan applies it (posenc.hf.families: temperature)
         _remove_hooks(attention)
         attention.__dict__["_posenc_plan"] = plan
         attention.__dict__["_posenc_forward"] = state

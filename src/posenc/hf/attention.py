@@ -18,13 +18,13 @@ from torch import nn
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
+from ..call.geometry import Geometry
+from ..call.memo import ForwardMemo, Workspace
 from ..encodings.base import PositionalEncoding
 from ..encodings.protocol import Gates, offers, require
+from ..encodings.query_scale import QueryScale
 from ..errors import UsageError
 from ..functional import attend
-from ..geometry import Geometry
-from ..memo import ForwardMemo, Workspace
-from ..query_scale import QueryScale
 
 NAME = "posenc"
 
@@ -155,7 +155,7 @@ def posenc_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
 
     The geometry (positions, documents, padding) is derived once per model forward and per key
     length (full and sliding layers keep caches of different lengths) and shared by the layers,
-    with one :class:`~posenc.memo.ForwardMemo` (T5's bias is then computed once): the stand-in
+    with one :class:`~posenc.call.memo.ForwardMemo` (T5's bias is then computed once): the stand-in
     rotary call, which the model makes at the start of each forward, starts a new forward. Under
     gradient checkpointing each layer gets its own memo (a recomputed layer must redo its work).
     ``softcap`` (Gemma 2) arrives from the layer; sinks are read from the module.

@@ -32,9 +32,9 @@ from typing import cast
 import torch
 from torch import nn
 
-from ..attention import Attention
 from ..encodings.deberta import DeBERTa
 from ..errors import UsageError
+from ..model.attention import Attention
 
 
 def _copy(dst: nn.Linear, src: nn.Linear) -> None:

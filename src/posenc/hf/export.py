@@ -29,8 +29,8 @@ from torch import nn
 
 from ..encodings.rope import RoPE
 from ..errors import UsageError
-from ..families import family_of, qk_head_dim
 from .attention import RotaryStandIn
+from .families import family_of, qk_head_dim
 
 # transformers' rope types (transformers.modeling_rope_utils.ROPE_INIT_FUNCTIONS, 5.24) posenc can write.
 EXPRESSIBLE = ("default", "linear", "dynamic", "yarn", "longrope", "llama3")

@@ -1,5 +1,5 @@
 """The plan of a model for :func:`posenc.hf.use`: its decoder stack, its family's row
-(:data:`posenc.families.FAMILIES`), its sizes (heads, the q/k head dim, the rotated features read
+(:data:`posenc.hf.families.FAMILIES`), its sizes (heads, the q/k head dim, the rotated features read
 from its rotary module), its own schedule, and per attention layer a
 :class:`~posenc.hf.attention.LayerPlan` with the encoding :func:`use` installs.
 
@@ -24,10 +24,10 @@ from ..encodings.base import PositionalEncoding
 from ..encodings.protocol import Embeds, offers
 from ..encodings.rope import RoPE
 from ..errors import UsageError
-from ..families import Family, qk_head_dim
-from ..schedule import Layer, Schedule
-from ..schedule_hf import schedule_from_hf
+from ..model.schedule import Layer, Schedule
 from .attention import LayerPlan
+from .families import Family, qk_head_dim
+from .schedule import schedule_from_hf
 
 # -- the plan: family, sizes, schedule -----------------------------------------------------------
 
@@ -87,7 +87,7 @@ def _family_schedule(config: Any, family: Family | None, depth: int) -> Schedule
     where ``layer_types`` says sliding or, without them, everywhere when ``sliding_window`` is set."""
     if family is not None:
         return schedule_from_hf(config)
-    from ..encodings.rope_scaling import options_from_hf
+    from .rope import options_from_hf
 
     found = options_from_hf(config)
     options: dict[str, Any] = {"base": float(found["base"])}
@@ -129,7 +129,7 @@ def _check_rotation(model: Any, rotary: nn.Module, r: int, layout: str) -> None:
     if not torch.allclose(theirs, _rotate_with(layout, x, inv, positions), atol=1e-5):
         raise UsageError(f"model: model_type {model.config.model_type!r} is not in posenc's family table and its rotation "
                          f"is not LLaMA's ({layout} pairs over the first {r} features); add a family row "
-                         "(posenc.families.FAMILIES) to describe it")
+                         "(posenc.hf.families.FAMILIES) to describe it")
 
 
 def _rotate_with(layout: str, x: torch.Tensor, inv: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

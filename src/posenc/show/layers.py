@@ -13,8 +13,8 @@ from __future__ import annotations
 import torch
 from matplotlib.figure import Figure
 
-from ..local import Extras, visible
-from ..schedule import Schedule
+from ..backends.parts.windows import Extras, visible
+from ..model.schedule import Schedule
 
 
 def seen(schedule: Schedule, length: int, query: int, causal: bool = True) -> torch.Tensor:

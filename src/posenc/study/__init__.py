@@ -38,6 +38,7 @@ The modules, in the order a run meets them:
     variants.py    evaluation variants: RoPE scalings, blockwise attention
     longrope_search.py  LongRoPE's evolutionary search of per-frequency factors (+longrope_searched)
     extend.py      ``posenc extend``: a checkpoint fine-tuned under a scaling at a longer length
+                   (its settings in extend_config.py; a transformers model's side in extend_hf.py)
     evaluation.py  windows and scoring at one length (perplexity, or recall accuracy)
     metrics.py     a run's typed score at one length (LMScore, RecallScore), as results.json writes it
     recall.py      the associative-recall task: sequences, batches, evaluation sets
@@ -48,6 +49,7 @@ The modules, in the order a run meets them:
     results.py     the output directory's layout, results.json, CSV, markdown, figure
     compare.py     two runs side by side (``posenc report RUN_A RUN_B``)
     separation.py  which rows differ beyond both noises (the windows' intervals and the seeds' spread)
+    sample.py      ``posenc sample``: a study's checkpoint continuing a text prompt
     report.py      ``posenc report``: a study as one self-contained HTML page, or two side by side
     figures.py     the study's figures (one fixed colour per method, shades for its variants)
     data.py        byte-level corpora: the built-in stdlib corpus, a file or folder, a Hugging Face dataset

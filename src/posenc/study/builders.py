@@ -4,7 +4,7 @@ Two kinds, one interface (:class:`Models`), so that the stages of :mod:`.pipelin
 checkpoint and score every row the same way whichever model it is:
 
 - :class:`PosencModels` (the default): posenc's own byte-level decoder, :class:`posenc.LM`, built
-  from :func:`lm_config`, saved as posenc checkpoints (:mod:`posenc.checkpoint`).
+  from :func:`lm_config`, saved as posenc checkpoints (:mod:`posenc.model.checkpoint`).
 - ``posenc.study.hf_models.HFModels`` (``hf_config`` given): a Hugging Face ``transformers`` architecture
   built from a config file with random weights, posenc's encoding put in with ``posenc.hf.use``.
   It is imported only then: ``transformers`` is an optional extra (``posenc[hf]``).
@@ -23,11 +23,11 @@ from typing import Any, Protocol
 
 import torch
 
-from ..checkpoint import load_checkpoint, save_checkpoint
 from ..encodings import get_class
 from ..encodings.rope import RoPE
 from ..errors import UsageError, as_kind
-from ..model import LM, LMConfig
+from ..model.checkpoint import load_checkpoint, save_checkpoint
+from ..model.lm import LM, LMConfig
 from .config import RANDOM_SPAN, StudyConfig
 from .rows import Row, fair_options, fair_schedule
 from .studied import StudiedModel
@@ -86,7 +86,7 @@ def lm_config(cfg: StudyConfig, row: Row) -> LMConfig:
     the scaling it is fine-tuned under, see :mod:`.variants`).
 
     Raises:
-        UsageError: from :class:`~posenc.model.LMConfig` for sizes or options it refuses.
+        UsageError: from :class:`~posenc.model.lm.LMConfig` for sizes or options it refuses.
     """
     if row.kind != "train":
         base = lm_config(cfg, row.parent)
@@ -122,7 +122,7 @@ def lm_config(cfg: StudyConfig, row: Row) -> LMConfig:
 
 
 class PosencModels:
-    """posenc's :class:`~posenc.model.LM`, as :func:`lm_config` describes each row."""
+    """posenc's :class:`~posenc.model.lm.LM`, as :func:`lm_config` describes each row."""
 
     def __init__(self, cfg: StudyConfig) -> None:
         self.cfg = cfg

@@ -32,7 +32,7 @@ RECALL = [*CLASSIC, *ROPE_SCALINGS, "rope+random", "rope+drop"]
 
 # The layer-schedule question (issue 19): does a NoPE layer every fourth layer, a sliding window, or
 # a local/global split let RoPE run past its training length (64), and at what cost in recall? Rows
-# in the schedule text form (posenc.schedule), depth 4: RoPE; RoPE + NoPE 3:1 (Llama 4's and
+# in the schedule text form (posenc.model.schedule), depth 4: RoPE; RoPE + NoPE 3:1 (Llama 4's and
 # SmolLM3's interleaving); the same with Llama 4's temperature on the NoPE layer, its floor at a
 # quarter of the training length (the scale steps up at the 16th, 32nd, 48th and 64th token, from 1
 # to 1.16 in training, and keeps rising past it, 1.42 at 1024, as Llama 4 trains far past its floor of 8192); RoPE with a

@@ -30,7 +30,7 @@ class _Heads(Protocol):
 
 
 class Scored(Protocol):
-    """What the evaluation reads of a model: posenc's :class:`~posenc.model.LM`, posenc.hf's
+    """What the evaluation reads of a model: posenc's :class:`~posenc.model.lm.LM`, posenc.hf's
     ``StudyModel``, or posenc.study.hf_evaluation's view of a transformers model. Called as
     ``model(ids)`` or ``model(ids, positions=...)``: logits (B, L, vocab)."""
 

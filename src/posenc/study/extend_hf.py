@@ -8,7 +8,7 @@ batches and table; what differs is only how the model is changed:
 - **base**: the model as loaded, untouched (its own attention and rotary module).
 - **a scaling**: a copy after ``posenc.hf.use(copy, "rope", base=..., scaling=block)``: posenc's
   RoPE with the model's base, rotated features and pair layout (the family's row in
-  :data:`posenc.families.FAMILIES`), under the block.
+  :data:`posenc.hf.families.FAMILIES`), under the block.
 - **DroPE**: a copy after ``posenc.hf.use(copy, "nope")`` (the recalibration starts from the model's
   own RoPE, dropped at step 0).
 - **saved**: ``OUT/model/``. A scaling transformers has (``linear``, ``yarn``, ``llama3``,
@@ -40,8 +40,8 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 from .. import hf as posenc_hf
 from ..encodings.rope import RoPE
 from ..errors import UsageError
-from ..families import text_config
-from .extend import ExtendConfig
+from ..hf.families import text_config
+from .extend_config import ExtendConfig
 from .hf_models import StudyModel, StudyModelConfig
 from .studied import StudiedModel
 from .variants import encodings

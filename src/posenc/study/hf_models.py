@@ -48,13 +48,13 @@ import torch
 from torch import nn
 from transformers import CONFIG_MAPPING, AutoModelForCausalLM, PreTrainedModel
 
-from ..checkpoint import _header, _unique
 from ..encodings import get_class, options_of
 from ..encodings.rope import RoPE
 from ..errors import UsageError, as_kind
 from ..files import write_bytes, write_json
 from ..hf.adapter import SUPPORTED, use
-from ..model import LM
+from ..model.checkpoint import _header, _unique
+from ..model.lm import LM
 from ..version import __version__
 from . import rows, variants
 from .config import StudyConfig

@@ -56,7 +56,7 @@ from ..encodings.rope import RoPE, RotaryTable
 from ..encodings.rope_scaling import default_frequencies, inverse_frequencies, parse_scaling
 from ..errors import UsageError
 from ..files import write_json
-from ..model import LM
+from ..model.lm import LM
 from . import distributed
 from .evaluation import evaluate
 from .variants import encodings
@@ -375,7 +375,7 @@ def search(model: nn.Module, valid: torch.Tensor, settings: SearchSettings, *, s
     """LongRoPE's evolutionary search of ``model``'s rescale factors (see the module docstring).
 
     Args:
-        model: posenc's :class:`~posenc.model.LM` with a RoPE encoding, or a ``transformers`` causal
+        model: posenc's :class:`~posenc.model.lm.LM` with a RoPE encoding, or a ``transformers`` causal
             LM after ``posenc.hf.use(model, "rope")`` (its vocabulary covering the 256 bytes).
         valid: (N,) uint8 validation bytes: the first ``sequences`` windows of ``target_length``
             are scored.

@@ -29,8 +29,8 @@ import torch
 from ..encodings.rope import RoPE
 from ..errors import UsageError, as_kind
 from ..files import write_json
-from ..model import LM
-from ..schedule import Schedule
+from ..model.lm import LM
+from ..model.schedule import Schedule
 from . import bootstrap, distributed, fairness, recall, seeds, variants
 from .builders import lm_config, lm_sizes
 from .config import StudyConfig

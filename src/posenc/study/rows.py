@@ -4,7 +4,7 @@ A row is ``METHOD[:KEY=VALUE,...][+VARIANT...]`` or ``SCHEDULE[+VARIANT...]``:
 
 - ``METHOD`` is a registered encoding; ``KEY=VALUE`` are its own options (``t5:max_distance=128``,
   ``rope:base=500000``), values read as int, float, true/false, or text.
-- ``SCHEDULE`` is a layer schedule in the text form of :mod:`posenc.schedule`, read by its parser
+- ``SCHEDULE`` is a layer schedule in the text form of :mod:`posenc.model.schedule`, read by its parser
   (``Schedule.parse``, the one reader of that form): ``3x[rope] 1x[nope temp=0.1/16]`` trains a
   model whose layers follow the pattern, repeated to the study's depth. A row is a schedule when it
   holds ``[``; its name, as written, is its label in every table, and what follows the last ``]``
@@ -58,7 +58,7 @@ from dataclasses import dataclass, field, replace
 from ..encodings import get_class, options_of
 from ..encodings.rope import RoPE
 from ..errors import UsageError
-from ..schedule import Schedule
+from ..model.schedule import Schedule
 
 TRAIN_VARIANTS = ("random", "drop")
 SEARCHED = "longrope_searched"  # LongRoPE with the factors of its search (posenc.study.longrope_search)

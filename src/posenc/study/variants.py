@@ -45,7 +45,7 @@ from torch import nn
 
 from ..encodings.base import PositionalEncoding
 from ..encodings.rope import RoPE
-from ..model import LM
+from ..model.lm import LM
 from .rows import SEARCHED, Row
 
 # length -> the searched longrope block a +longrope_searched row evaluates with at that length
@@ -76,7 +76,7 @@ def scaling_block(kind: str, factor: float, train_length: int, base: float, rota
 
 def encodings(model: nn.Module) -> list[PositionalEncoding]:
     """The distinct encoding instances of the model's attention layers (one when shared): those of
-    its blocks for posenc's :class:`~posenc.model.LM`, else every
+    its blocks for posenc's :class:`~posenc.model.lm.LM`, else every
     :class:`~posenc.encodings.base.PositionalEncoding` module it holds (a ``transformers`` model
     after ``posenc.hf.use``, whose encodings sit in ``posenc_encodings``)."""
     seen: dict[int, PositionalEncoding] = {}

@@ -9,5 +9,7 @@
 - ``distance``: ``terms``'s Transformer-XL path;
 - ``single``: one query against a KV cache (a decode step);
 - ``padding``: left-padded rows split into unpadded calls;
-- ``sliding``: a causal sliding window as flash-kernel triangles (:mod:`posenc.local` calls it).
+- ``sliding``: a causal sliding window as flash-kernel triangles (``windows`` calls it);
+- ``windows``: sliding windows, chunked attention and attention sinks around one backend call
+  (``posenc.attend`` calls it, handing it the backend call).
 """

@@ -3,14 +3,14 @@
 A backend computes ``softmax(q k^T * scale + bias + query_terms + mask) v + value_terms`` for
 q (B, H, Tq, D), k and v (B, H, Tk, D), and returns (B, H, Tq, D). The spec says which score
 terms the encoding contributes; backends ask it, never the encoding's name. ``ScoreSpec`` is
-defined with the rest of a call's geometry in :mod:`posenc.geometry`.
+defined with the rest of a call's geometry in :mod:`posenc.call.geometry`.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ...geometry import ScoreSpec
+from ...call.geometry import ScoreSpec
 
 
 def additive_mask(allowed: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:

@@ -96,11 +96,12 @@ def _tables(spec: ScoreSpec) -> tuple[torch.Tensor | None, torch.Tensor | None, 
     return form.query_table, form.key_table, form.scale
 
 
-def ends(spec: ScoreSpec, r_lo: int, r_hi: int, device: torch.device) -> tuple[torch.Tensor, list[int], int, int]:
-    """(rows (r_hi - r_lo + 1,) of r = r_lo..r_hi, the same as a list, e_p, s_f): the call's table
-    rows, and where the far past (r <= e_p, every row rows(r_lo)) and far future (r >= s_f, every
-    row rows(r_hi)) begin. One host read (the list: O(Tq + Tk) integers)."""
-    rows = require(spec.encoding, DisentangledTables).relative_rows(torch.arange(r_lo, r_hi + 1, device=device))  # (n,)
+def ends(spec: ScoreSpec, r_lo: int, r_hi: int) -> tuple[torch.Tensor, list[int], int, int]:
+    """(rows (r_hi - r_lo + 1,) of r = r_lo..r_hi on the CPU, the same as a list, e_p, s_f): the
+    call's table rows, and where the far past (r <= e_p, every row rows(r_lo)) and far future
+    (r >= s_f, every row rows(r_hi)) begin. Integers computed on the host from the shapes alone:
+    nothing is read back from the inputs' device."""
+    rows = require(spec.encoding, DisentangledTables).relative_rows(torch.arange(r_lo, r_hi + 1))  # (n,)
     listed = rows.tolist()
     same_lo = next((n for n, t in enumerate(listed) if t != listed[0]), len(listed))  # the constant prefix
     same_hi = next((n for n, t in enumerate(reversed(listed)) if t != listed[-1]), len(listed))
@@ -117,22 +118,28 @@ class Plan:
     ``listed[-1]``) begin, and the band ``first <= r <= top`` that :func:`attention` writes out, of
     ``width`` distances, rounded up to a multiple of :data:`WIDTH_MULTIPLE` (GEMMs with W columns
     then run at full speed; the extra distances are far past ones, or before every key, where any
-    row does)."""
+    row does). Made on the CPU (:func:`rows_on` puts ``rows`` on a device)."""
 
-    def __init__(self, spec: ScoreSpec, tq: int, tk: int, device: torch.device) -> None:
+    def __init__(self, spec: ScoreSpec, tq: int, tk: int) -> None:
         self.r_lo = -(spec.offset + tq - 1)  # r = key index - (query index + offset)
         self.r_hi = 0 if spec.causal else tk - 1 - spec.offset
-        self.rows, self.listed, self.e_p, self.s_f = ends(spec, self.r_lo, self.r_hi, device)
+        self.rows, self.listed, self.e_p, self.s_f = ends(spec, self.r_lo, self.r_hi)
         self.top = 0 if spec.causal else min(self.s_f - 1, self.r_hi)
         width = self.top - self.e_p
         self.width = width + (-width % WIDTH_MULTIPLE)
         self.first = self.top - self.width + 1
 
 
-def plan(spec: ScoreSpec, tq: int, tk: int, device: torch.device) -> Plan:
+def plan(spec: ScoreSpec, tq: int, tk: int) -> Plan:
     """The call's :class:`Plan`, made once per forward (``spec.memo``: integers only, no parameters)."""
-    key = (tq, tk, spec.offset, spec.causal, device)
-    return spec.memo.table(spec.encoding, "disentangled_plan", key, lambda: Plan(spec, tq, tk, device))
+    key = (tq, tk, spec.offset, spec.causal)
+    return spec.memo.table(spec.encoding, "disentangled_plan", key, lambda: Plan(spec, tq, tk))
+
+
+def rows_on(spec: ScoreSpec, p: Plan, device: torch.device) -> torch.Tensor:
+    """The plan's ``rows`` on ``device``, copied once per forward."""
+    key = (p.r_lo, p.r_hi, spec.offset, spec.causal, device)
+    return spec.memo.table(spec.encoding, "disentangled_rows", key, lambda: p.rows.to(device))
 
 
 def _clamped_sum(n: int, c: int, m: int) -> int:
@@ -144,10 +151,10 @@ def _clamped_sum(n: int, c: int, m: int) -> int:
     return below(c + n - 1) - below(c - 1)
 
 
-def worthwhile(spec: ScoreSpec, tq: int, tk: int, device: torch.device) -> bool:
+def worthwhile(spec: ScoreSpec, tq: int, tk: int) -> bool:
     """Whether the band + far path should run this call: its cost model says it is cheaper than the
-    eager formula. Decided from the shapes and the rows the encoding declares (:class:`Plan`), never
-    from its name.
+    eager formula. Decided from the shapes and the rows the encoding declares (:class:`Plan`, made
+    on the host: choosing reads nothing from the inputs' device), never from its name.
 
     Cost per (batch, head), in units of one (query, band distance) cell of the position terms
     (a least-squares fit of forward + backward CPU timings, float32, D = 64, N = 192..2048, causal
@@ -161,7 +168,7 @@ def worthwhile(spec: ScoreSpec, tq: int, tk: int, device: torch.device) -> bool:
     """
     if tq * tk < MIN_PAIRS:
         return False
-    p = plan(spec, tq, tk, device)
+    p = plan(spec, tq, tk)
     off = spec.offset
     band = _clamped_sum(tq, off + p.top + 1, tk) - _clamped_sum(tq, off + p.first, tk)  # pairs with first <= r <= top
     visible = _clamped_sum(tq, off + 1, tk) if spec.causal else tq * tk
@@ -175,8 +182,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec
     a_table, b_table, term_scale = _tables(spec)
     tq, tk = q.shape[-2], k.shape[-2]
     offset, causal, scale = spec.offset, spec.causal, spec.scale  # query a is key a + offset
-    p = plan(spec, tq, tk, q.device)
-    rows, listed, s_f, first, top = p.rows, p.listed, p.s_f, p.first, p.top
+    p = plan(spec, tq, tk)
+    rows, listed, s_f, first, top = rows_on(spec, p, q.device), p.listed, p.s_f, p.first, p.top
     t = rows[(torch.arange(first, top + 1, device=q.device) - p.r_lo).clamp_(min=0)]  # (W,) the table row of each band distance
     dt = q.dtype
     a_w = None if a_table is None else a_table[:, t].to(dt) * term_scale  # (H, W, D)
@@ -569,7 +576,7 @@ def step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec) -> 
     call of the shifted query (log-sum-exp shifted by q . A[t_p]), merged; (B, H, 1, D).
 
     What does not change from step to step is kept in the KV cache's workspace (``spec.workspace``,
-    :class:`~posenc.memo.Workspace`): the rows of every distance up to the cache's capacity and
+    :class:`~posenc.call.memo.Workspace`): the rows of every distance up to the cache's capacity and
     where their runs end (integers, rebuilt when the cache grows), the position tables (rebuilt
     when a parameter of the encoding changes: their versions are in the key) and the band's rows of
     them (for the band's width and far row). A step then computes no table and no row: its work is

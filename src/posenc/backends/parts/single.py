@@ -40,8 +40,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ...call.memo import Workspace
 from ...encodings.protocol import Biases, ClippedTables, DistanceBias, DistanceKeys, offers, require
-from ...memo import Workspace
 from .base import ScoreSpec, accumulation_dtype, needs_grad
 from .padding import by_rows
 from .regions import Merge, kernel_forward

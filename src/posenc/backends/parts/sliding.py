@@ -1,7 +1,7 @@
 """A causal sliding window as batched flash-kernel calls without a bool mask: O(N x W) work.
 
 Query a (key index a + offset, consecutive positions) sees the keys ``a + offset - W < b <= a +
-offset`` (:mod:`posenc.local`). The queries are cut into blocks of C < W rows, and the keys of a
+offset`` (:mod:`posenc.backends.parts.windows`). The queries are cut into blocks of C < W rows, and the keys of a
 block into two parts (:func:`plan`): the W - 1 keys before the block, whose edge is one (C, W - 1)
 mask broadcast over the blocks, and the block's own C keys, drawn by the kernel's top-left causal
 mask. The blocks whose keys all exist have the same shapes, so each part is one kernel call batched
@@ -11,7 +11,7 @@ staircase on the reversed block drawing their edge.
 
 A block thus costs C x (W + C - 1) pairs, all visible but the C (C - 1) of the two triangles, and
 the whole call about N x (W + C) against the full causal call's N^2 / 2; the block formula of
-:mod:`posenc.local` gives the kernel max(W, 64)-row blocks against up to max(W, 64) + W - 1 keys
+:mod:`posenc.backends.parts.windows` gives the kernel max(W, 64)-row blocks against up to max(W, 64) + W - 1 keys
 with a bool mask. The parts of a row are merged through their log-sum-exps
 (:class:`~posenc.backends.parts.regions.Merge`), and the backward is each call's flash backward
 given the merged output and log-sum-exp (see :mod:`~posenc.backends.parts.regions`), so only q,
@@ -19,7 +19,7 @@ k, v, the output and the log-sum-exp are saved.
 
 A relative bias (ALiBi; KERPLE under no grad) is added to each call's mask, its (H, C, L) slice in
 call order, the same for every inner block, when no gradient has to reach it (an encoding without
-trainable parameters, or no grad): a learned bias keeps the block formula of :mod:`posenc.local`,
+trainable parameters, or no grad): a learned bias keeps the block formula of :mod:`posenc.backends.parts.windows`,
 which gives it its gradient.
 
 Shape legend: B batch, H heads, T queries (and keys: a full pass or a prefill after a cache), D

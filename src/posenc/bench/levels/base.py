@@ -14,7 +14,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from ...schedule import Schedule
+from ...model.schedule import Schedule
 from ..job import Job
 
 

@@ -26,7 +26,7 @@ lengths, which are left-padded here with ``pad_token_id``.
 
 Batches. Rows of different lengths are decoded together left-padded: row b's real tokens start at
 its padding, and the padding keys are hidden from its real tokens (the cache's ``padding``,
-:class:`posenc.cache.Cache`). That gives each row exactly what it gets alone when the encoding is
+:class:`posenc.model.cache.Cache`). That gives each row exactly what it gets alone when the encoding is
 ``shift_invariant`` (positions enter only as i - j: NoPE, ALiBi, T5, RoPE, Shaw, Transformer-XL) or
 has no hook but ``embed`` (sinusoidal, learned: ``embed`` gets each row's own positions). For any
 other encoding (one whose attention reads absolute positions, or a rotation that depends on the
@@ -34,7 +34,7 @@ current length) rows that share a position frame would not get what they get alo
 :func:`stream` falls back to one batch per prompt length (rows of equal length need no padding)
 and runs those batches in lockstep. Exact here means the same computation up to float rounding.
 
-The KV cache grows as generation goes (doubling, :class:`posenc.cache.LayerCache`): nothing is
+The KV cache grows as generation goes (doubling, :class:`posenc.model.cache.LayerCache`): nothing is
 reserved for ``max_new_tokens`` in advance, so "run until the end token" with a large
 ``max_new_tokens`` costs only the tokens actually generated.
 
@@ -57,8 +57,8 @@ from typing import TYPE_CHECKING, Any, Iterator, Protocol, Sequence
 import torch
 from torch import nn
 
-from .encodings.protocol import HOOKS, Embeds, Gates, Scores, offers
-from .errors import UsageError
+from ..encodings.protocol import HOOKS, Embeds, Gates, Scores, offers
+from ..errors import UsageError
 
 if TYPE_CHECKING:  # names for the type checker only
     from .cache import Cache

@@ -9,8 +9,8 @@ import argparse
 
 import torch
 
-from .encodings import REGISTRY, build, relative_position_bucket
-from .errors import check_int
+from ..encodings import REGISTRY, build, relative_position_bucket
+from ..errors import check_int
 
 # `list` builds every encoding on the meta device (shapes only, no memory) to count parameters;
 # RoPE still builds its cos/sin table for real, 2048 x head_dim/2 in float64 (32 MiB at the bound).

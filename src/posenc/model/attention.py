@@ -1,9 +1,9 @@
 """Multi-head self-attention: projections, the KV cache, and :func:`posenc.attend`.
 
 The attention never tests an encoding's name: it calls ``rotate`` when the encoding has it, and the
-backend asks the :class:`~posenc.geometry.ScoreSpec` for bias and query/value terms.
+backend asks the :class:`~posenc.call.geometry.ScoreSpec` for bias and query/value terms.
 ``embed`` (absolute methods) is applied once by the model to the token embeddings, not here.
-The KV cache (:class:`~posenc.cache.LayerCache`) lives in :mod:`posenc.cache`; it holds the
+The KV cache (:class:`~posenc.model.cache.LayerCache`) lives in :mod:`posenc.model.cache`; it holds the
 ``num_kv_heads`` key/value heads, so its memory is proportional to them.
 """
 
@@ -12,17 +12,17 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from . import backends
-from .axes import as_taken, check_takes_axes
+from .. import backends
+from ..backends.parts.windows import Extras
+from ..call.axes import as_taken, check_takes_axes
+from ..call.geometry import Geometry, ScoreSpec, check_positions
+from ..call.memo import ForwardMemo
+from ..encodings.base import PositionalEncoding, content_scale
+from ..encodings.protocol import Gates, Rotates, offers, require
+from ..encodings.query_scale import QueryScale
+from ..errors import UsageError, check_positive
+from ..functional import GATES_ALONE, run, run_geometry
 from .cache import LayerCache
-from .encodings.base import PositionalEncoding, content_scale
-from .encodings.protocol import Gates, Rotates, offers, require
-from .errors import UsageError, check_positive
-from .functional import GATES_ALONE, _attend, run
-from .geometry import Geometry, ScoreSpec, check_positions
-from .local import Extras
-from .memo import ForwardMemo
-from .query_scale import QueryScale
 
 
 class Attention(nn.Module):
@@ -36,9 +36,9 @@ class Attention(nn.Module):
         causal: mask keys after the query (decoder) or not (encoder).
         backend: "auto" or one of :func:`posenc.backends.names`.
         num_kv_heads: key/value heads Hkv (grouped-query attention; 1 is multi-query); None: H.
-        window: sliding window W, or chunk: chunk size C (:mod:`posenc.local`); None: full.
+        window: sliding window W, or chunk: chunk size C (:mod:`posenc.backends.parts.windows`); None: full.
         sinks: one learned sink logit per head (``self.sinks`` (H,), zeros at first; gpt-oss).
-        query_scale: a per-query factor of the positions (:mod:`posenc.query_scale`).
+        query_scale: a per-query factor of the positions (:mod:`posenc.encodings.query_scale`).
 
     Raises:
         UsageError: (when built) sizes that are not positive integers or do not divide, an encoding
@@ -110,13 +110,13 @@ class Attention(nn.Module):
                 axis dimension, e.g. (3, B, T) for M-RoPE, with a cache too (each step's new
                 tokens, free of the cache slots; the masks read the slots). A cache that has seen
                 such ids continues each row at its own next id when ``positions`` is None
-                (:meth:`posenc.cache.LayerCache.next_positions`, M-RoPE's max(id) + 1).
+                (:meth:`posenc.model.cache.LayerCache.next_positions`, M-RoPE's max(id) + 1).
             cache: this layer's KV cache (decoding).
             memo: shared by the layers of one model forward.
             document_ids: (B, T) packed documents (no cache).
             attention_mask: (B, T) 1/True on real tokens, 0/False on padding (no cache; a cache
                 takes its padding from ``new_cache(padding=...)``).
-            geometry: the call's :class:`~posenc.geometry.Geometry`, built once by the model for
+            geometry: the call's :class:`~posenc.call.geometry.Geometry`, built once by the model for
                 all its layers; replaces ``positions``, ``document_ids`` and ``attention_mask``.
         """
         b, t, _ = x.shape
@@ -134,7 +134,7 @@ class Attention(nn.Module):
                 mask = None if attention_mask is None else _padding_mask(attention_mask)
                 geometry = Geometry.of(b, t, t, x.device, positions=positions, causal=self.causal,
                                        document_ids=document_ids, key_padding_mask=mask, encoding=self.encoding)
-            out, name = _attend(q, k, v, self.encoding, geometry, scale, memo, self.backend, True, self.extras, gates)
+            out, name = run_geometry(q, k, v, self.encoding, geometry, scale, memo, self.backend, True, self.extras, gates)
         else:
             if document_ids is not None or attention_mask is not None:
                 raise UsageError("document_ids and attention_mask take no KV cache (a cache's padding comes from new_cache(padding=...))")
@@ -183,8 +183,9 @@ class Attention(nn.Module):
                 q, k = in_frame(q, k, positions, k_positions, cache)
             else:
                 q, k = rotation.rotate(q, k, positions, k_positions)
-        spec = ScoreSpec(self.encoding, positions, k_positions, self.causal, scale, memo, consecutive,
-                         cache.starts(q.device), cache.workspace, known_q_start=past, known_k_start=cache.start, known_aligned=True,
+        spec = ScoreSpec(encoding=self.encoding, q_positions=positions, k_positions=k_positions, causal=self.causal, scale=scale, memo=memo,
+                         consecutive=consecutive,
+                         starts=cache.starts(q.device), workspace=cache.workspace, known_q_start=past, known_k_start=cache.start, known_aligned=True,
                          log_gates=gates)
         return run(q, k, v, spec, self.backend, rotate=False, extras=self.extras)
 

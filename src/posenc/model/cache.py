@@ -2,13 +2,13 @@
 
 A :class:`LayerCache` holds one attention layer's keys and values in buffers of shape
 (B, H, capacity, D). Appending writes the new tokens into the free slots, so a decode step costs
-O(B x H x D) instead of copying the whole cache (``torch.cat`` at every step, the old behaviour); when
+O(B x H x D) instead of copying the whole cache (``torch.cat`` at every step); when
 the buffers are full they are reallocated at twice the capacity (or what is needed, if more), so T
 appended tokens cost O(T) copies in all. ``crop(length)`` forgets the last tokens (speculative or
 beam decoding) and ``reset()`` all of them, keeping the memory.
 
-While autograd records (the new keys or values require grad), appends concatenate instead, as the
-old cache did: the tensors an earlier step saved for its backward must not be overwritten.
+While autograd records (the new keys or values require grad), appends concatenate instead:
+the tensors an earlier step saved for its backward must not be overwritten.
 
 A :class:`Cache` is the model's: one LayerCache per layer, the model that made it (a cache fed to
 another model is an error), the batch size and, for generation in batches, each row's *left
@@ -16,7 +16,7 @@ padding*. With left padding, row b's first ``padding[b]`` slots hold padding tok
 start at position ``starts[b] = padding[b]`` of the positions the batch shares. Padding keys are
 hidden from every real query (see :class:`posenc.backends.parts.base.ScoreSpec` ``starts``).
 
-A windowed layer (sliding window W, :mod:`posenc.local`) keeps O(W) keys, never fewer than a
+A windowed layer (sliding window W, :mod:`posenc.backends.parts.windows`) keeps O(W) keys, never fewer than a
 later query can see: ``LayerCache(window=W)`` has buffers of max(2W, 16) slots (more after a longer
 chunk of tokens is appended at once, until the next compaction). When an append would overflow
 them, the last W - 1 keys (all a later query can see) move to the front and the older ones are
@@ -43,8 +43,8 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from .errors import UsageError
-from .memo import Workspace
+from ..call.memo import Workspace
+from ..errors import UsageError
 
 MIN_CAPACITY = 16  # the first allocation holds at least this many tokens
 

@@ -24,13 +24,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import torch
 
-from .errors import UsageError
+from ..errors import UsageError
 
 
-def _positive(name: str, value, integer: bool = False):
+def _positive(name: str, value: Any, integer: bool = False) -> float:
     ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
     if integer:
         ok = ok and float(value).is_integer()
@@ -106,11 +107,11 @@ def _num(x: float) -> str:
     return repr(float(x))
 
 
-def to_dict(scale: QueryScale) -> dict:
+def to_dict(scale: QueryScale) -> dict[str, Any]:
     return {"kind": scale.kind, **asdict(scale)}
 
 
-def query_scale_from_dict(data: dict | QueryScale | None) -> QueryScale | None:
+def query_scale_from_dict(data: dict[str, Any] | QueryScale | None) -> QueryScale | None:
     """A query scale from :func:`to_dict`'s form (or one as is); None stays None."""
     if data is None or isinstance(data, (Temperature, LogFloorScale, ScalableSoftmax)):
         return data
@@ -150,7 +151,7 @@ def check_query_scale(value: object, name: str = "query_scale") -> QueryScale | 
     """
     if value is None or isinstance(value, (Temperature, LogFloorScale, ScalableSoftmax)):
         return value
-    raise UsageError(f"{name} must be None or a posenc.query_scale scale (Temperature, LogFloorScale or ScalableSoftmax, "
+    raise UsageError(f"{name} must be None or a posenc.encodings.query_scale scale (Temperature, LogFloorScale or ScalableSoftmax, "
                      f"e.g. Temperature(0.1, 8192)), got {type(value).__name__} {value!r}")
 
 

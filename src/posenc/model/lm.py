@@ -22,16 +22,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import backends
+from .. import backends
+from ..call.axes import check_takes_axes
+from ..call.geometry import Geometry
+from ..call.memo import ForwardMemo
+from ..encodings import PositionalEncoding, available, build, get_class, options_of
+from ..encodings.base import position_axes_of
+from ..encodings.protocol import Embeds, offers
+from ..errors import UsageError, check_positive
 from .attention import Attention, _padding_mask
-from .axes import check_takes_axes
 from .cache import Cache, check_padding
-from .encodings import PositionalEncoding, available, build, get_class, options_of
-from .encodings.base import position_axes_of
-from .encodings.protocol import Embeds, offers
-from .errors import UsageError, check_positive
-from .geometry import Geometry
-from .memo import ForwardMemo
 from .schedule import Layer, Schedule
 
 
@@ -59,7 +59,7 @@ class LMConfig:
     mlp_ratio: int = 4
     random_positions: int | None = None  # training draws positions from [0, random_positions); None = off
     num_kv_heads: int | None = None  # key/value heads (grouped-query attention); None = num_heads
-    # Per layer encoding and attention kind (posenc.schedule): a text such as
+    # Per layer encoding and attention kind (posenc.model.schedule): a text such as
     # "3x[rope:base=1e4 window=64] 1x[nope]" or the json list; kept as the json list. None: every
     # layer takes ``encoding`` with full attention. With a schedule, ``encoding`` is set to the
     # first layer's method (for code that reads one name) and ``encoding_options`` must be empty.
@@ -98,7 +98,7 @@ class LMConfig:
 
     @property
     def layers(self) -> Schedule | None:
-        """The parsed :class:`~posenc.schedule.Schedule`, or None without one."""
+        """The parsed :class:`~posenc.model.schedule.Schedule`, or None without one."""
         return None if self.schedule is None else Schedule.of(self.schedule, self.depth)
 
     def to_dict(self) -> dict:
@@ -242,7 +242,7 @@ class LM(nn.Module):
         self.config = replace(self.config, encoding="nope", encoding_options={}, max_positions=None, schedule=schedule)
 
     def new_cache(self, batch_size: int, capacity: int | None = None, padding=None) -> Cache:
-        """A KV cache for ``batch_size`` rows (:class:`posenc.cache.Cache`).
+        """A KV cache for ``batch_size`` rows (:class:`posenc.model.cache.Cache`).
 
         Args:
             capacity: tokens per row to reserve (e.g. prompt + new tokens); None grows by doubling.
@@ -272,7 +272,7 @@ class LM(nn.Module):
                  num_return_sequences: int = 1) -> torch.Tensor:
         """Prompts and their continuations, (B * num_return_sequences, T + n) token ids, decoded one
         token at a time with a KV cache: greedy unless ``do_sample``, rows padded with
-        ``pad_token_id`` after an ``eos_token_id`` (see :func:`posenc.generate.generate` for every
+        ``pad_token_id`` after an ``eos_token_id`` (see :func:`posenc.model.generate.generate` for every
         argument and the batching rules)."""
         from .generate import generate
 
@@ -313,7 +313,7 @@ class LM(nn.Module):
                 step without positions continues each row at its own next id, the same on every
                 axis (``Cache.next_positions()``: M-RoPE's max(id) + 1 over the row).
             document_ids: (B, T) packed documents: no attention across documents, positions
-                restarting at each (see :mod:`posenc.geometry`); no cache.
+                restarting at each (see :mod:`posenc.call.geometry`); no cache.
             attention_mask: (B, T) 1 on real tokens, 0 on padding (left or right, one contiguous
                 run of real tokens per row); logits at padding are computed from nothing and
                 should be ignored; no cache.

@@ -1,4 +1,4 @@
-"""Model checkpoints: weights as safetensors, the :class:`~posenc.model.LMConfig` as json beside them.
+"""Model checkpoints: weights as safetensors, the :class:`~posenc.model.lm.LMConfig` as json beside them.
 
     alibi.safetensors   the weights; its header also holds the LMConfig they were trained with
     alibi.json          {"format", "lm_config", "posenc", "weights": {"bytes", "sha256", "tensors", "shared"}}
@@ -18,10 +18,10 @@ from pathlib import Path
 
 import torch
 
-from .errors import UsageError
-from .files import write_bytes, write_json
-from .model import LM, LMConfig
-from .version import __version__
+from ..errors import UsageError
+from ..files import write_bytes, write_json
+from ..version import __version__
+from .lm import LM, LMConfig
 
 FORMAT = "posenc-checkpoint/1"
 

@@ -21,7 +21,7 @@ from typing import Callable, TypeVar, cast
 import torch
 from torch import nn
 
-from .encodings.protocol import Biases, DistanceBias, require
+from ..encodings.protocol import Biases, DistanceBias, require
 
 T = TypeVar("T")
 

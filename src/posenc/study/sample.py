@@ -3,7 +3,7 @@
 The study's models are byte-level: the prompt's UTF-8 bytes are the tokens, and the new tokens are
 bytes again, written to stdout as they come (after the prompt), decoded as UTF-8 with
 ``errors="replace"``: a character whose bytes are not all there yet waits for them, and bytes that
-are not UTF-8 (or tokens above 255) print as U+FFFD. Decoding is :func:`posenc.generate.stream`:
+are not UTF-8 (or tokens above 255) print as U+FFFD. Decoding is :func:`posenc.model.generate.stream`:
 greedy with ``--temperature 0``, otherwise sampled (``--top-k``, ``--top-p``) from a generator
 seeded with ``--seed``, so the same command prints the same text. Output piped into a reader that
 stops early (``| head``) ends the command quietly.
@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 from typing import TextIO
 
-from .errors import UsageError
+from ..errors import UsageError
 
 BYTES = 256  # byte-level vocabulary
 
@@ -49,7 +49,7 @@ def sample(checkpoint: str | Path, prompt: str, max_new_tokens: int = 200, tempe
 
     import posenc
 
-    from .generate import check_sampling, stream
+    from ..model.generate import check_sampling, stream
 
     if isinstance(temperature, (int, float)) and not isinstance(temperature, bool) and temperature == 0:
         do_sample, temperature = False, 1.0  # the command's greedy spelling

@@ -1,7 +1,7 @@
 """``schedule_from_hf``: the layer schedule of a Hugging Face ``transformers`` config.
 
 Reads a config object (``AutoConfig.from_pretrained(...)``, or one built in code) or the dict of
-one, for the families of :data:`posenc.families.FAMILIES`, and says per layer what its attention
+one, for the families of :data:`posenc.hf.families.FAMILIES`, and says per layer what its attention
 sees: the RoPE base, the scaling block (only on the layers where that model applies it), the pair
 layout, NoPE layers, the window or chunk, the query scale and the sinks. What differs between
 families is a row of that table (its module docstring defines each field); this module reads a
@@ -18,13 +18,13 @@ Some rows, read here (``transformers`` 5.24):
 - Llama 4 text: ``no_rope_layers[l]`` = 1 for RoPE; RoPE layers take chunked attention of
   ``attention_chunk_size`` and the interleaved layout (complex pairs); NoPE layers take full
   attention and, with ``attn_temperature_tuning``, the temperature ``attn_scale`` / ``floor_scale``
-  (:class:`~posenc.query_scale.Temperature`).
+  (:class:`~posenc.encodings.query_scale.Temperature`).
 - gpt-oss: one YaRN block on every layer, the window on the sliding ones, sinks on every layer.
 - ModernBERT: an encoder (build the model with ``causal=False``); its local layers see
   ``|i - j| <= local_attention // 2``, which is ``window=local_attention`` here.
 - Ministral 3: every layer alike, windowed when ``sliding_window`` is set; YaRN, and the query
   scale ``1 + beta ln(1 + floor(pos / original))`` from the block's ``llama_4_scaling_beta``
-  (:class:`~posenc.query_scale.LogFloorScale`), a key taken out of the RoPE block.
+  (:class:`~posenc.encodings.query_scale.LogFloorScale`), a key taken out of the RoPE block.
 - Qwen3-Next: its ``linear_attention`` layers have no positions (NoPE here).
 
 The multimodal wrappers (``gemma3``, ``llama4``) are read through their ``text_config``.
@@ -40,11 +40,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from .encodings.rope_scaling import options_from_hf
-from .errors import UsageError
+from ..encodings.query_scale import LogFloorScale, Temperature
+from ..errors import UsageError
+from ..model.schedule import Layer, Schedule
 from .families import BY_MODEL_TYPE, family_of, getter, text_config
-from .query_scale import LogFloorScale, Temperature
-from .schedule import Layer, Schedule
+from .rope import options_from_hf
 
 LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
 
@@ -82,15 +82,15 @@ def _rope(get, block_name: str, block, family: str, layout: str) -> dict:
     if layout != "half":
         options["layout"] = layout
     # Build it once here: an unknown scaling key or a bad value is a UsageError naming it now.
-    from .encodings import build
+    from ..encodings import build
 
     build("rope", num_heads=int(found["num_heads"]), head_dim=int(found["head_dim"]), **options)
     return options
 
 
 def schedule_from_hf(config) -> Schedule:
-    """The :class:`~posenc.schedule.Schedule` of a ``transformers`` config (object or dict) of a
-    family in :data:`posenc.families.FAMILIES` (see the module docstring).
+    """The :class:`~posenc.model.schedule.Schedule` of a ``transformers`` config (object or dict) of a
+    family in :data:`posenc.hf.families.FAMILIES` (see the module docstring).
 
     Args:
         config: the config, or its dict.

@@ -47,11 +47,11 @@ from dataclasses import InitVar, dataclass, field, replace
 
 import torch
 
+from ..encodings.base import PositionalEncoding, position_axes_of
+from ..encodings.protocol import Biases, QueryTerms, Scores, ValueTerms, offers, require
+from ..errors import UsageError
 from .axes import check_axis_positions, in_words, label, one_axis_hint, text_continuation
 from .axes import integer_tensor as _integer
-from .encodings.base import PositionalEncoding, position_axes_of
-from .encodings.protocol import Biases, QueryTerms, Scores, ValueTerms, offers, require
-from .errors import UsageError
 from .memo import ForwardMemo, Workspace
 
 
@@ -89,7 +89,7 @@ def _check_run(values: list[int], past: int | None = None, name: str = "position
     return consecutive
 
 
-@dataclass
+@dataclass(kw_only=True)
 class ScoreSpec:
     """Everything besides q, k, v that defines the scores of one backend call (1-D positions).
 
@@ -216,7 +216,8 @@ class ScoreSpec:
         """The same call for a sub-range of its queries and keys, without padding or log gates (the
         backends that split calls by rows take no gated call); its workspace is the memo's (a
         caller's cache outside posenc, whose entries are keyed by what made them), else none."""
-        return ScoreSpec(self.encoding, q_positions, k_positions, self.causal, self.scale, self.memo, self.consecutive)
+        return ScoreSpec(encoding=self.encoding, q_positions=q_positions, k_positions=k_positions, causal=self.causal, scale=self.scale,
+                         memo=self.memo, consecutive=self.consecutive)
 
 
 def gate_decay(cumulative: torch.Tensor, q_positions: torch.Tensor, k_positions: torch.Tensor) -> torch.Tensor:
@@ -295,8 +296,9 @@ class Geometry:
     def spec(self, encoding: PositionalEncoding, scale: float, memo: ForwardMemo | None = None, log_gates: torch.Tensor | None = None) -> ScoreSpec:
         """The one backend call of a uniform geometry (``log_gates`` (B, H, Tk): see :class:`ScoreSpec`)."""
         return ScoreSpec(
-            encoding, self.q_positions, self.k_positions, self.causal, scale, ForwardMemo() if memo is None else memo,
-            self.consecutive, known_q_start=self._q_start, known_k_start=self._k_start, known_aligned=self._aligned, log_gates=log_gates,
+            encoding=encoding, q_positions=self.q_positions, k_positions=self.k_positions, causal=self.causal, scale=scale,
+            memo=ForwardMemo() if memo is None else memo,
+            consecutive=self.consecutive, known_q_start=self._q_start, known_k_start=self._k_start, known_aligned=self._aligned, log_gates=log_gates,
         )
 
     # Filled by ``of`` for a uniform geometry (ints known without reading the device).
@@ -329,7 +331,7 @@ class Geometry:
             batch, tq, tk: rows B, queries Tq and keys Tk (queries are the last Tq keys when Tq < Tk).
             positions: the queries' positions, (Tq,) or (B, Tq); None: see the module docstring. For
                 an ``encoding`` with ``position_axes`` A > 1 also with an axis dimension
-                (:func:`posenc.axes.check_axis_positions`: (A, Tq) or (A, B, Tq) axis first, (Tq, A) or
+                (:func:`posenc.call.axes.check_axis_positions`: (A, Tq) or (A, B, Tq) axis first, (Tq, A) or
                 (B, Tq, A) axis last): the ids it rotates at; the masks then read the sequence
                 index (the positions of a call without ``positions``).
             k_positions: the keys' positions, (Tk,) or (B, Tk); None: the queries' when Tq == Tk,
@@ -414,7 +416,7 @@ class Geometry:
                 :meth:`of` takes them, e.g. (3, B, t) for M-RoPE): what ``rotate`` reads, free of
                 the slots (``q_axes``).
             next_positions: (B,) each row's next id after positions with an axis dimension, as the
-                cache recorded it (:meth:`posenc.cache.LayerCache.next_positions`), or None. With
+                cache recorded it (:meth:`posenc.model.cache.LayerCache.next_positions`), or None. With
                 it, ``positions=None`` continues every row at its own next id, the same on every
                 axis (M-RoPE's text after an image: max(id) + 1 over the row), and 1-D positions are
                 refused: they would be cache slots, and a slot is not that row's position.

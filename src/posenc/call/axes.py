@@ -10,8 +10,8 @@ ids of text that continues after them (M-RoPE's rule: each row at its own max(id
 on every axis; Wang et al. 2024, "Qwen2-VL", arXiv 2409.12191, §2.1).
 
 Such ids are what a rotation reads, and nothing else: the masks of a call (causal order,
-documents, padding, windows, chunks) read the sequence index (:mod:`posenc.geometry`), and a KV
-cache keeps each row's next id (:meth:`posenc.cache.LayerCache.note_positions`).
+documents, padding, windows, chunks) read the sequence index (:mod:`posenc.call.geometry`), and a KV
+cache keeps each row's next id (:meth:`posenc.model.cache.LayerCache.note_positions`).
 
 Shape legend: A axes, B batch, T tokens.
 """
@@ -21,9 +21,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .encodings.base import position_axes_of
-from .encodings.protocol import Biases, Embeds, QueryTerms, Rotates, ValueTerms, offers
-from .errors import UsageError
+from ..encodings.base import position_axes_of
+from ..encodings.protocol import Biases, Embeds, QueryTerms, Rotates, ValueTerms, offers
+from ..errors import UsageError
 
 
 def in_words(x) -> str:

@@ -19,9 +19,9 @@ space-separated items: ``KEY=VALUE`` options of the method (also allowed after t
 
 - ``window=W``: sliding window (a causal query at i sees i-W < j <= i; bidirectional |i-j| <= W//2);
 - ``chunk=C``: chunked attention (a query sees its chunk of C positions, positions kept global);
-- ``sinks``: one learned sink logit per head (:mod:`posenc.local`);
+- ``sinks``: one learned sink logit per head (:mod:`posenc.backends.parts.windows`);
 - ``temp=A/F`` (Llama 4), ``beta=B/L`` (Ministral 3), ``ssmax=S`` (Scalable-Softmax): a per-query
-  scale (:mod:`posenc.query_scale`).
+  scale (:mod:`posenc.encodings.query_scale`).
 
 Values read as true/false, integers, floats (``1e4``), or text; a RoPE scaling block is written
 ``scaling=TYPE(KEY=VALUE;KEY=VALUE)``, e.g. ``scaling=yarn(factor=32;original_max_position_embeddings=4096)``.
@@ -44,12 +44,12 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from .encodings import get_class, options_of
-from .encodings.protocol import Embeds, offers
-from .errors import UsageError
-from .query_scale import KINDS as SCALE_KINDS
-from .query_scale import QueryScale, parse_query_scale, query_scale_from_dict
-from .query_scale import to_dict as scale_to_dict
+from ..encodings import get_class, options_of
+from ..encodings.protocol import Embeds, offers
+from ..encodings.query_scale import KINDS as SCALE_KINDS
+from ..encodings.query_scale import QueryScale, parse_query_scale, query_scale_from_dict
+from ..encodings.query_scale import to_dict as scale_to_dict
+from ..errors import UsageError
 
 LAYER_KEYS = ("window", "chunk", "sinks", *SCALE_KINDS)
 _GROUP = re.compile(r"\s*(?:(\d+)\s*x\s*)?\[([^\[\]]*)\]\s*")
@@ -66,7 +66,7 @@ class Layer:
         options: the method's own options (``posenc.build(encoding, ..., **options)``).
         window: sliding window W, or None. chunk: chunk size C, or None (not both).
         sinks: one learned sink logit per head.
-        query_scale: a per-query factor (:mod:`posenc.query_scale`), or None.
+        query_scale: a per-query factor (:mod:`posenc.encodings.query_scale`), or None.
 
     Raises:
         UsageError: an unknown or absolute method, an option it rejects, a window or chunk that is

@@ -54,13 +54,13 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from .backends.parts import sliding
-from .backends.parts.base import accumulation_dtype
-from .backends.parts.regions import repeated_heads
-from .encodings.protocol import Biases, QueryTerms, ValueTerms, require
-from .errors import UsageError
-from .geometry import ScoreSpec
-from .query_scale import QueryScale, check_query_scale
+from ...call.geometry import ScoreSpec
+from ...encodings.protocol import Biases, QueryTerms, ValueTerms, require
+from ...encodings.query_scale import QueryScale, check_query_scale
+from ...errors import UsageError
+from . import sliding
+from .base import accumulation_dtype
+from .regions import repeated_heads
 
 MIN_BLOCK = 64  # queries per block of a window; more when the window is wider
 
@@ -73,7 +73,7 @@ class Extras:
         window: sliding window W (see the module docstring), or None.
         chunk: chunk size C, or None (at most one of window and chunk).
         sinks: (H,) logits, one per query head, or None.
-        query_scale: a per-query factor (:mod:`posenc.query_scale`), or None.
+        query_scale: a per-query factor (:mod:`posenc.encodings.query_scale`), or None.
         softcap: the logit cap (> 0) of the content scores (see the module docstring), or None.
     """
 
@@ -180,8 +180,9 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec, e
     outs, name = [], "eager"
     for q0, q1, k0, k1, plain in plan(qv, kv, extras, spec.causal):
         qp, kp = spec.q_positions[q0:q1], spec.k_positions[k0:k1]
-        sub = ScoreSpec(spec.encoding, qp, kp, spec.causal, spec.scale, spec.memo, spec.consecutive, spec.starts,
-                        spec.workspace if q1 - q0 == 1 else None, known_q_start=qv[q0], known_k_start=kv[k0] if k1 > k0 else 0)
+        sub = ScoreSpec(encoding=spec.encoding, q_positions=qp, k_positions=kp, causal=spec.causal, scale=spec.scale, memo=spec.memo,
+                        consecutive=spec.consecutive, starts=spec.starts,
+                        workspace=spec.workspace if q1 - q0 == 1 else None, known_q_start=qv[q0], known_k_start=kv[k0] if k1 > k0 else 0)
         qb, kb, vb = q[:, :, q0:q1], k[:, :, k0:k1], v[:, :, k0:k1]
         if plain and not extras.written_out and k1 > k0:
             o, name = call(qb, kb, vb, sub, backend)

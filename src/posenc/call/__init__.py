@@ -1,0 +1,9 @@
+"""What one attention call is, before a backend runs it: where its queries and keys stand and what
+the scores hold.
+
+    geometry.py  Geometry (positions, padding, causality of one call) and ScoreSpec (what a backend
+                 is handed: the encoding, the positions and the score terms)
+    axes.py      multi-axis positions (M-RoPE, 2-D RoPE): shapes checked and named
+    memo.py      ForwardMemo (what one model forward computes once for all its layers) and
+                 Workspace (what a KV cache keeps between decode steps)
+"""

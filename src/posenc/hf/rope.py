@@ -1,0 +1,168 @@
+"""The RoPE of a whole Hugging Face config: heads, head dim, ``rope_theta`` and the scaling block,
+each key resolved as ``transformers`` 5.x resolves it, and the :class:`~posenc.encodings.rope.RoPE`
+built from them. Reads config objects and ``config.json`` dicts only; needs no ``transformers``.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from ..encodings.rope import RoPE
+from ..encodings.rope_scaling import MAX_BASE, ROPE_TYPES
+from ..errors import UsageError
+
+
+@dataclass(frozen=True)
+class HFRope:
+    """What a Hugging Face config says about its RoPE, resolved the way ``transformers`` resolves it.
+
+    ``source`` is the key the scaling block was read from (``"rope_scaling"``, ``"rope_parameters"``,
+    or None when the config has neither), ``ignored`` the other key when the config has both and it
+    was not read.
+    """
+
+    num_heads: int
+    head_dim: int
+    base: float
+    scaling: dict[str, Any]
+    source: str | None = None
+    ignored: str | None = None
+
+    def options(self) -> dict[str, Any]:
+        """Keyword arguments of :class:`~posenc.encodings.rope.RoPE`."""
+        return {"num_heads": self.num_heads, "head_dim": self.head_dim, "base": self.base, "scaling": dict(self.scaling)}
+
+    def which(self) -> str:
+        """One phrase saying which key was read, e.g. for a message."""
+        if self.source is None:
+            return "no rope_scaling or rope_parameters block (plain RoPE)"
+        if self.ignored is None:
+            return f"the {self.source} block"
+        return f"the {self.source} block ({self.ignored} ignored, as transformers does)"
+
+
+def _hf_int(key: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise UsageError(f"rope_from_hf: {key} must be a positive integer, got {value!r}")
+    return int(value)
+
+
+def _hf_block(key: str, value: Any) -> dict[str, Any]:
+    if not isinstance(value, Mapping):
+        raise UsageError(f"rope_from_hf: {key} must be a JSON object (a dict of RoPE keys), got {value!r}")
+    return dict(value)
+
+
+def resolve_hf(config: object) -> HFRope:
+    """Heads, head dim, base and scaling block of a ``transformers`` config object or its
+    ``config.json`` dict, resolved as ``transformers`` 5.x does (``LlamaConfig(**d)``):
+
+    - the block: ``rope_scaling`` when it is given and not empty, else ``rope_parameters`` (a config
+      object holds the already resolved ``rope_parameters``);
+    - ``rope_theta``: the block's, else the top level's, else 10000; ``partial_rotary_factor``: the
+      block's, else the top level's;
+    - yarn, llama3 and longrope's ``original_max_position_embeddings``: the block's, else the top
+      level's (Phi-3 and DeepSeek-V3 keep it there; their config classes read it), else
+      ``max_position_embeddings``. Both given and different is a UsageError: the config classes
+      disagree on which one wins (``LlamaConfig`` keeps the block's, ``Phi3Config`` the top level's);
+    - dynamic NTK's training length: ``max_position_embeddings`` only (what HF's dynamic update reads);
+    - the head dim: ``head_dim``, else ``hidden_size / num_attention_heads`` (which must divide).
+
+    Every number is checked (type and range); a bad one is a UsageError naming its key.
+    """
+    def get(key: str) -> Any:
+        return config.get(key) if isinstance(config, Mapping) else getattr(config, key, None)
+
+    if get("num_attention_heads") is None:
+        raise UsageError("rope_from_hf: the config has no num_attention_heads")
+    num_heads = _hf_int("num_attention_heads", get("num_attention_heads"))
+    if get("head_dim") is not None:
+        head_dim = _hf_int("head_dim", get("head_dim"))
+    else:
+        if get("hidden_size") is None:
+            raise UsageError("rope_from_hf: the config has neither head_dim nor hidden_size")
+        hidden = _hf_int("hidden_size", get("hidden_size"))
+        if hidden % num_heads:
+            raise UsageError(f"rope_from_hf: hidden_size ({hidden}) must be a multiple of num_attention_heads "
+                             f"({num_heads}) when the config gives no head_dim")
+        head_dim = hidden // num_heads
+    source: str | None = None
+    ignored: str | None = None
+    if isinstance(config, Mapping):
+        given = [k for k in ("rope_scaling", "rope_parameters") if config.get(k) is not None]
+        for key in given:
+            _hf_block(key, config[key])
+        # transformers: `rope_parameters = rope_scaling or rope_parameters`
+        source = "rope_scaling" if config.get("rope_scaling") else ("rope_parameters" if config.get("rope_parameters") else None)
+        if source is not None and len([k for k in given if config[k]]) == 2:
+            ignored = "rope_parameters"
+    elif get("rope_parameters"):
+        source = "rope_parameters"
+        _hf_block(source, get(source))
+    block: dict[str, Any] = dict(get(source)) if source else {}
+    base: Any = block.pop("rope_theta", None)
+    if base is None:
+        base = get("rope_theta") if get("rope_theta") is not None else 10000.0
+    if isinstance(base, bool) or not isinstance(base, numbers.Real) or not math.isfinite(base) or not 1 < float(base) <= MAX_BASE:
+        raise UsageError(f"rope_from_hf: rope_theta must be a number in (1, {MAX_BASE:g}], got {base!r}")
+    if get("partial_rotary_factor") is not None:
+        block.setdefault("partial_rotary_factor", get("partial_rotary_factor"))
+    rope_type = block.get("rope_type", block.get("type", "default"))
+    if not isinstance(rope_type, str):
+        raise UsageError(f"rope scaling: rope_type must be one of {list(ROPE_TYPES)}, got {rope_type!r}")
+    max_positions = get("max_position_embeddings")
+    if max_positions is not None:
+        max_positions = _hf_int("max_position_embeddings", max_positions)
+    if rope_type in ("yarn", "llama3", "longrope"):
+        top = get("original_max_position_embeddings")
+        inner = block.get("original_max_position_embeddings")
+        if top is not None and inner is not None and top != inner:
+            raise UsageError(
+                f"rope_from_hf: original_max_position_embeddings is {top!r} at the top level and {inner!r} in "
+                f"{source}; transformers' config classes disagree on which wins (LlamaConfig: the block's, "
+                "Phi3Config: the top level's), so give one"
+            )
+        if inner is None and top is not None:
+            block["original_max_position_embeddings"] = top
+        elif inner is None and max_positions is not None:
+            block["original_max_position_embeddings"] = max_positions
+    if rope_type in ("yarn", "longrope") and block.get("factor") is None:
+        block.pop("factor", None)
+        if max_positions is not None:
+            block["max_position_embeddings"] = max_positions
+    if rope_type == "dynamic":
+        if max_positions is None:
+            raise UsageError("rope_from_hf: dynamic scaling needs the config's max_position_embeddings")
+        block.pop("original_max_position_embeddings", None)  # HF ignores it for dynamic
+        block["original_max_position_embeddings"] = max_positions
+    return HFRope(num_heads, head_dim, float(base), block, source, ignored)
+
+
+def options_from_hf(config: object) -> dict[str, Any]:
+    """``RoPE`` keyword arguments (num_heads, head_dim, base, scaling) of :func:`resolve_hf`."""
+    return resolve_hf(config).options()
+
+
+def rope_from_hf(config: object, **options: Any) -> RoPE:
+    """A :class:`~posenc.encodings.rope.RoPE` built from a Hugging Face ``transformers`` config object or its dict:
+    heads, head dim, ``rope_theta`` and the scaling block, each key resolved as ``transformers``
+    resolves it (:func:`resolve_hf`: ``rope_scaling`` wins over
+    ``rope_parameters`` when both are given). The encoding's ``hf_source`` says which block was read
+    (``"rope_scaling"``, ``"rope_parameters"`` or None), and a config with both warns which one.
+    ``options`` go to :class:`~posenc.encodings.rope.RoPE` (``layout``, ``causal``, ``cache_length``); HF's LLaMA family
+    uses the default ``layout="half"``."""
+    resolved = resolve_hf(config)
+    if resolved.ignored is not None:
+        warnings.warn(f"rope_from_hf: the config has both rope_scaling and rope_parameters; read {resolved.which()}",
+                      UserWarning, stacklevel=2)
+    encoding = RoPE(**resolved.options(), **options)
+    encoding.hf_source = resolved.source
+    return encoding
+
+
+__all__ = ["HFRope", "options_from_hf", "resolve_hf", "rope_from_hf"]

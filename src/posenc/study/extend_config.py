@@ -1,0 +1,114 @@
+"""What one ``posenc extend`` run reads besides the checkpoint: :class:`ExtendConfig`, every field
+checked when it is made, and the fine-tune's training settings it gives (:mod:`.extend` runs it).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..errors import UsageError
+from .data import DEFAULT_VALID_BYTES
+from .longrope_search import SearchSettings
+from .plan import FINETUNE_STREAM
+from .train import TrainSettings
+
+KINDS = ("linear", "ntk", "yarn", "llama3", "longrope", "drope")
+
+
+@dataclass(frozen=True)
+class ExtendConfig:
+    """One extension: what ``extend`` reads besides the checkpoint (every field checked when made).
+
+    Args:
+        scaling: one of :data:`KINDS`.
+        length: the fine-tuning (target) length.
+        steps: fine-tuning steps (0: the scaling zero-shot only, nothing trained).
+        train_length: the length the model was trained at (a study's checkpoint: its study's).
+        lr: the learning rate (a scaling: held after the warmup; DroPE: the peak).
+        batch_size: sequences per step (default: as many tokens as ``tokens_per_step``).
+        warmup: warmup steps (default: a tenth of the steps, at least 1).
+        longrope: a given ``longrope`` block (``scaling="longrope"``); None: LongRoPE's search finds
+            the factors (``search`` its settings, target ``length``), or with ``search=None`` the
+            study's default rule (:func:`.variants.scaling_block`).
+        task: "lm" (perplexity of ``data``) or "recall" (the study's associative recall).
+        eval_lengths: the lengths of the before/after table.
+    """
+
+    scaling: str
+    length: int
+    steps: int
+    train_length: int
+    lr: float = 2e-4
+    batch_size: int | None = None
+    tokens_per_step: int = 2048
+    warmup: int | None = None
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    checkpoint_every: int = 100
+    seed: int = 0
+    data: str = "default"
+    valid_bytes: int = DEFAULT_VALID_BYTES
+    pack_documents: bool = False
+    task: str = "lm"
+    recall_sequences: int = 64
+    eval_lengths: list[int] = field(default_factory=list)
+    longrope: dict[str, Any] | None = None
+    search: SearchSettings | None = None
+
+    def __post_init__(self) -> None:
+        if self.scaling not in KINDS:
+            raise UsageError(f"scaling must be one of {list(KINDS)}, got {self.scaling!r}")
+        for name in ("length", "train_length", "checkpoint_every", "tokens_per_step", "recall_sequences", "valid_bytes"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise UsageError(f"{name} must be an integer >= 1, got {v!r}")
+        if isinstance(self.steps, bool) or not isinstance(self.steps, int) or self.steps < 0:
+            raise UsageError(f"steps must be an integer >= 0, got {self.steps!r}")
+        if self.length <= self.train_length:
+            raise UsageError(f"length must be above train_length ({self.train_length}), got {self.length}")
+        if self.batch_size is not None and (isinstance(self.batch_size, bool) or not isinstance(self.batch_size, int)
+                                            or self.batch_size < 1):
+            raise UsageError(f"batch_size must be an integer >= 1, got {self.batch_size!r}")
+        if not isinstance(self.lr, (int, float)) or not math.isfinite(self.lr) or self.lr <= 0:
+            raise UsageError(f"lr must be a positive number, got {self.lr!r}")
+        if self.warmup is not None and not (isinstance(self.warmup, int) and 0 <= self.warmup <= max(self.steps, 1)):
+            raise UsageError(f"warmup must be an integer in [0, steps={self.steps}], got {self.warmup!r}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise UsageError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        if self.task not in ("lm", "recall"):
+            raise UsageError(f"task must be 'lm' or 'recall', got {self.task!r}")
+        if self.longrope is not None and self.scaling != "longrope":
+            raise UsageError(f"longrope (a given block) applies to scaling longrope, not {self.scaling!r}")
+        if self.search is not None and (self.scaling != "longrope" or self.longrope is not None):
+            raise UsageError("search applies to scaling longrope without a given block")
+        if self.search is not None and (self.search.target_length, self.search.train_length) != (self.length, self.train_length):
+            raise UsageError(f"search: its target_length and train_length ({self.search.target_length}, "
+                             f"{self.search.train_length}) must be length and train_length ({self.length}, {self.train_length})")
+        lengths = self.eval_lengths or sorted({self.train_length, self.length, 2 * self.length})
+        if any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in lengths):
+            raise UsageError(f"eval_lengths must be integers >= 1, got {lengths!r}")
+        object.__setattr__(self, "eval_lengths", sorted(set(lengths)))
+
+    @property
+    def factor(self) -> float:
+        return self.length / self.train_length
+
+    def settings(self) -> TrainSettings:
+        """The fine-tune's training settings (see the module docstring)."""
+        size = self.batch_size or max(1, self.tokens_per_step // self.length)
+        common: dict[str, Any] = dict(steps=max(1, self.steps), batch_size=size, length=self.length, grad_clip=self.grad_clip,
+                                      checkpoint_every=self.checkpoint_every, data_seed=self.seed + FINETUNE_STREAM,
+                                      min_lr_ratio=self.min_lr_ratio, weight_decay=self.weight_decay)
+        if self.scaling == "drope":
+            from .train import RECALIBRATION_WARMUP
+
+            warmup = self.warmup if self.warmup is not None else max(1, round(RECALIBRATION_WARMUP * self.steps))
+            return TrainSettings(lr=self.lr, warmup=warmup, drop_at=0, **common)
+        warmup = self.warmup if self.warmup is not None else max(1, self.steps // 10)
+        return TrainSettings(lr=self.lr, warmup=warmup, constant=True, **common)
+
+
+__all__ = ["KINDS", "ExtendConfig"]
