@@ -377,7 +377,7 @@ def test_the_schedule_benchmark_writes_its_three_tables(tmp_path, capsys):
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "schedule.py"
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "schedule.py"
     spec = importlib.util.spec_from_file_location("schedule_benchmark", path)
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
@@ -460,7 +460,7 @@ def test_the_schedule_benchmark_alternates_each_tables_variants_in_one_process(t
     import statistics
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "schedule.py"
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "schedule.py"
     spec = importlib.util.spec_from_file_location("schedule_benchmark", path)
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)

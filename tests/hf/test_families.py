@@ -9,7 +9,7 @@ checked against invariants: a packed row equals its documents alone, a padded ba
 cached decoding the full pass.
 
 :data:`TESTED` is the tests' own list of families; docs/hf.md's family table is generated from it
-and the family rows (``python tests/test_hf_families.py`` rewrites it; a test checks it).
+and the family rows (``python tests/hf/test_families.py`` rewrites it; a test checks it).
 """
 
 from __future__ import annotations
@@ -31,6 +31,9 @@ transformers.logging.set_verbosity_error()
 import posenc.hf as phf  # noqa: E402
 
 pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.filterwarnings("ignore")]
+
+if __name__ == "__main__":  # run as a script: the shared configs are in tests/ (pytest: pythonpath)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hf_family_configs import COMMON, TESTED, VOCAB, config_kwargs  # noqa: E402
 
@@ -226,8 +229,8 @@ def test_a_model_outside_the_table() -> None:
 
 # -- docs/hf.md's family table ---------------------------------------------------------------------
 
-DOCS = Path(__file__).resolve().parents[1] / "docs" / "hf.md"
-BEGIN, END = "<!-- families: begin (python tests/test_hf_families.py) -->", "<!-- families: end -->"
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "hf.md"
+BEGIN, END = "<!-- families: begin (python tests/hf/test_families.py) -->", "<!-- families: end -->"
 CHECKS = "forward past the window, left padding, packed row, greedy generate (dynamic and static cache); ALiBi invariants"
 
 
@@ -238,7 +241,7 @@ def family_table() -> str:
         if not family.causal:
             continue
         rows.append(f"| {family.name} | {', '.join(f'`{t}`' for t in family.model_types)} | {family.needs} | "
-                    f"{CHECKS if tested else 'the schedule only (tests/test_schedule_hf.py)'} |")
+                    f"{CHECKS if tested else 'the schedule only (tests/hf/test_schedule_hf.py)'} |")
     return "\n".join(rows)
 
 
@@ -246,7 +249,7 @@ def test_docs_family_table_is_generated_from_this_list() -> None:
     text = DOCS.read_text()
     found = re.search(re.escape(BEGIN) + r"\n(.*?)\n" + re.escape(END), text, re.S)
     assert found is not None, f"docs/hf.md lacks the {BEGIN} block"
-    assert found.group(1) == family_table(), "run: python tests/test_hf_families.py"
+    assert found.group(1) == family_table(), "run: python tests/hf/test_families.py"
     assert all(family_of(t) is not None for t in TESTED)
 
 

@@ -8,7 +8,7 @@ import re
 import pytest
 import torch
 
-README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
+README = pathlib.Path(__file__).resolve().parents[2] / "README.md"
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -4,7 +4,7 @@
 Conventions: xPos is interleaved (pairs 2k, 2k+1). torchscale centres the decay exponents on
 ``ceil(l/2)`` (l = current length), x-transformers on ``floor(l/2)``: the centre cancels in every
 score, so both give the same scores, and the same vectors when l is even. Their angles are float32
-products, so the tolerance grows with the position as in tests/test_rope.py.
+products, so the tolerance grows with the position as in tests/encodings/test_rope.py.
 """
 
 from __future__ import annotations

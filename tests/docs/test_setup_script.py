@@ -12,7 +12,7 @@ import stat
 import subprocess
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 FAKE_PYTHON = """#!/usr/bin/env bash
 # A stand-in interpreter: `-m venv DIR` makes DIR/bin/python (this script); pip fails on torch.

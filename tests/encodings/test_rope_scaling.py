@@ -5,7 +5,7 @@ rotary-embedding-torch; config parsing; ``rope_from_hf``; precision.
 HF computes its frequencies with float32 powers and its angles as float32 products
 ``position * inv_freq``; ours are float64 rounded once. So frequencies agree to 1e-6 relative, and
 rotated vectors to ``max(1e-5, position * 2^-22 * max|x| * attention_factor)`` (the bound
-tests/test_rope.py uses for plain RoPE, times the attention factor that scales the output).
+tests/encodings/test_rope.py uses for plain RoPE, times the attention factor that scales the output).
 """
 
 from __future__ import annotations

@@ -77,7 +77,7 @@ def test_a_study_on_other_families(tmp_path, text, model_type: str) -> None:
     import sys
     from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).parent))
+    sys.path.insert(0, str(Path(__file__).parents[1]))  # tests/, where hf_family_configs.py is
     from hf_family_configs import config_kwargs
 
     kwargs = config_kwargs(model_type, vocab_size=256, hidden_size=32, head_dim=8, max_position_embeddings=64)

@@ -79,7 +79,7 @@ def test_export_in_other_families(model_type, tmp_path):
     import sys
     from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).parent))
+    sys.path.insert(0, str(Path(__file__).parents[1]))  # tests/, where hf_family_configs.py is
     from hf_family_configs import config_kwargs
 
     config = transformers.AutoConfig.for_model(model_type, **config_kwargs(model_type))

@@ -41,7 +41,7 @@ def test_sinusoidal_change_is_the_position_term_not_the_embedding_scale(tmp_path
     line = capsys.readouterr().out
     low, high = map(float, re.search(r"score change in \[(\S+), (\S+)\]", line).groups())
     assert -100 < low < 0 < high < 100  # +-(2 sqrt(dim) |c_h| |P_h| + |P_h|^2) / sqrt(D) ~ +-130 at most
-    # The exact term is re-derived from the paper's table in tests/test_show.py.
+    # The exact term is re-derived from the paper's table in tests/show/test_scores.py.
 
 
 # ---- 2. length past memory ---------------------------------------------------------------------------

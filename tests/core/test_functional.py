@@ -30,7 +30,7 @@ def encoding(method: str, causal: bool = True, dtype=torch.float32):
 
 
 # posenc.attend on q, k, v alone: a method whose gates come from the layer input (fox) needs
-# log_gates as well, and has its own tests of packing, padding and caching (tests/test_fox.py).
+# log_gates as well, and has its own tests of packing, padding and caching (tests/encodings/test_fox.py).
 METHODS = [m for m in available() if not has_hook(build(m, num_heads=4, head_dim=8), "log_gates")]
 # Methods that offer the bias hook (its own checks of the positions it is given).
 BIASES = [m for m in available() if has_hook(build(m, num_heads=4, head_dim=8), "bias")]
