@@ -2,10 +2,25 @@
 
 from __future__ import annotations
 
+import math
+import re
+
 import pytest
 import torch
 
 import posenc
+import posenc.hf
+from posenc.errors import UsageError
+from posenc.schedule import Schedule
+
+
+def raises(message: str):
+    return pytest.raises(UsageError, match=f"^{re.escape(message)}$")
+
+
+def qkv(t: int = 5, heads: int = 2, d: int = 8) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return torch.randn(1, heads, t, d), torch.randn(1, heads, t, d), torch.randn(1, heads, t, d)
+
 
 METHODS = posenc.available()
 
@@ -143,3 +158,48 @@ def test_bad_tokens_and_cache() -> None:
         model(torch.zeros(3, 4, dtype=torch.long), cache=model.new_cache(2))
     with pytest.raises(ValueError, match="batch_size must be a positive integer"):
         model.new_cache(0)
+
+
+def test_wrong_types_are_usage_errors() -> None:
+    q, k, v = qkv()
+    rope = posenc.build("rope", num_heads=2, head_dim=8)
+    with raises("positions must be an integer tensor of shape (5,) or (1, 5), got list"):
+        posenc.attend(q, k, v, rope, positions=[0, 1, 2, 3, 4])
+    for scale in ("temp", 0.5, 2):
+        with raises("query_scale must be None or a posenc.query_scale scale (Temperature, LogFloorScale or "
+                    f"ScalableSoftmax, e.g. Temperature(0.1, 8192)), got {type(scale).__name__} {scale!r}"):
+            posenc.attend(q, k, v, rope, query_scale=scale)
+    with raises("query_scale must be None or a posenc.query_scale scale (Temperature, LogFloorScale or "
+                "ScalableSoftmax, e.g. Temperature(0.1, 8192)), got str 'temp'"):
+        posenc.Attention(16, 2, rope, query_scale="temp")
+    with raises("schedule: the options of layer 'rope' must be a dict of KEY: VALUE, got list [1, 2]"):
+        Schedule.of([{"encoding": "rope", "options": [1, 2]}])
+    fox = posenc.build("fox", num_heads=2, head_dim=8)
+    with raises("x: fox's forget gates read the layer input, a float (batch, length, dim) tensor with "
+                "dim = num_heads * head_dim = 16, got shape (1, 5, 7) of float32"):
+        fox.log_gates(torch.randn(1, 5, 7))
+
+
+def test_a_table_asked_for_past_its_bound_names_cache_length() -> None:
+    with raises("cache_length: a cos/sin table of 4 frequencies holds at most 2,796,202 positions (256 MiB), got "
+                "1,000,000,000; larger positions are computed when they come, without a table"):
+        posenc.build("rope", num_heads=2, head_dim=8, cache_length=10**9)
+
+
+def test_gates_need_an_encoding_with_gates_and_must_be_log_gates() -> None:
+    """Before: RoPE with gates ran as a decayed RoPE; positive and NaN gates ran."""
+    q, k, v = qkv()
+    gates = -torch.rand(1, 2, 5)
+    for name, label in (("rope", "RoPE"), ("nope", "NoPE")):
+        with raises(f"log_gates: encoding {label} has no forget gates (the Gates hook); gates would change its scores, "
+                    "so leave log_gates None (for NoPE with gates computed elsewhere, pass a fox encoding: attend reads "
+                    "only the gates given)"):
+            posenc.attend(q, k, v, posenc.build(name, num_heads=2, head_dim=8), log_gates=gates)
+    fox = posenc.build("fox", num_heads=2, head_dim=8)
+    with raises("log_gates are log forget gates, each finite and <= 0 (log sigmoid), got up to 0.5"):
+        posenc.attend(q, k, v, fox, log_gates=gates.clamp(max=-0.1).index_fill(-1, torch.tensor([2]), 0.5))
+    with raises("log_gates are log forget gates, each finite and <= 0 (log sigmoid), got NaN"):
+        posenc.attend(q, k, v, fox, log_gates=gates.index_fill(-1, torch.tensor([1]), math.nan))
+    with raises("log_gates are log forget gates, each finite and <= 0 (log sigmoid), got -inf"):
+        posenc.attend(q, k, v, fox, log_gates=gates.index_fill(-1, torch.tensor([1]), -math.inf))
+    assert posenc.attend(q, k, v, fox, log_gates=gates.index_fill(-1, torch.tensor([1]), 0.0)).isfinite().all()

@@ -4,15 +4,34 @@
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
 
+import posenc
+import posenc.hf
 from posenc import Attention, available, build
 from posenc.attention import LayerCache
 from posenc.encodings import get_class, offers
 from posenc.encodings.protocol import Biases, ContextualPositions, QueryTerms, Rotates, ValueTerms
 from posenc.errors import UsageError
+
+
+def qkv(t: int = 5, heads: int = 2, d: int = 8) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return torch.randn(1, heads, t, d), torch.randn(1, heads, t, d), torch.randn(1, heads, t, d)
+
+
+def _rotated(x: torch.Tensor, positions: torch.Tensor, base: float) -> torch.Tensor:
+    """float64 RoPE, half layout (RoFormer eq. 34 with HF's rotate_half pairing), as reference."""
+    d = x.shape[-1]
+    inv_freq = (1.0 / base ** (torch.arange(0, d, 2, dtype=torch.float32) / d)).double()  # float32 frequencies
+    angles = positions.double()[:, None] * inv_freq[None, :]
+    cos, sin = torch.cat((angles.cos(), angles.cos()), -1), torch.cat((angles.sin(), angles.sin()), -1)
+    x = x.double()
+    half = torch.cat((-x[..., d // 2:], x[..., : d // 2]), -1)
+    return x * cos + half * sin
+
 
 H, D = 2, 8
 
@@ -133,3 +152,21 @@ def test_tokens_outside_the_vocabulary_are_refused(tokens, message):
     model = LM(LMConfig(encoding="alibi", dim=16, depth=1, num_heads=2))
     with pytest.raises(UsageError, match=message):
         model(tokens)
+
+
+@pytest.mark.parametrize("method", ["rope", "mrope", "axial_rope"])
+def test_positions_near_1e9_allocate_no_table_of_1e9(method) -> None:
+    """Before: RoPE's table grew to the largest position (8 GB of float64 angles at 1e9)."""
+    from posenc.encodings.rope import table_rows
+
+    q, k, v = qkv()
+    enc = posenc.build(method, num_heads=2, head_dim=8)
+    positions = torch.arange(5) + 10**9
+    out = posenc.attend(q, k, v, enc, positions=positions)
+    assert out.shape == (1, 2, 5, 8) and bool(out.isfinite().all())
+    table = enc._main if method == "rope" else enc._table
+    assert table.length <= table_rows(table.inv_freq.numel())
+    if method == "rope":  # the result: RoPE at those positions, as a float64 reference computes it
+        qr, kr = _rotated(q, positions, 10000.0), _rotated(k, positions, 10000.0)
+        logits = (qr @ kr.transpose(-1, -2) / math.sqrt(8)).masked_fill(torch.ones(5, 5, dtype=torch.bool).triu(1), -math.inf)
+        torch.testing.assert_close(out.double(), logits.softmax(-1) @ v.double(), rtol=0, atol=1e-5)

@@ -4,15 +4,22 @@ checkpoints, and an LM built from a schedule equal to its layers run one by one.
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
 
 import posenc
+import posenc.hf
 from posenc.errors import UsageError
 from posenc.model import LM, LMConfig
 from posenc.query_scale import LogFloorScale, ScalableSoftmax, Temperature
 from posenc.schedule import Layer, Schedule
+
+
+def raises(message: str):
+    return pytest.raises(UsageError, match=f"^{re.escape(message)}$")
+
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -181,3 +188,53 @@ def test_generate_with_a_windowed_schedule_batches_rows_of_any_length():
     same = [torch.tensor([1, 2, 3]), torch.tensor([4, 5, 6])]
     for p, got in zip(same, chunked.generate(same, 6)):
         assert got[-6:].tolist() == chunked.generate([p], 6)[0, -6:].tolist()
+
+
+def test_to_text_round_trips_every_option_exactly() -> None:
+    """Before: max_distance=10000 was written '1e4', read back as 10000.0 and refused by T5."""
+    s = Schedule.of([{"encoding": "t5", "options": {"max_distance": 10000, "num_buckets": 32}},
+                     {"encoding": "rope", "options": {"base": 10000.0, "scaling": {"rope_type": "linear", "factor": 8.0}}},
+                     {"encoding": "xpos", "options": {"scale_base": 512.0, "block_size": 20000}}])
+    text = s.to_text()
+    assert text == ("1x[t5:max_distance=10000,num_buckets=32] 1x[rope:base=1e4,scaling=linear(factor=8.0)] "
+                    "1x[xpos:scale_base=512.0,block_size=20000]")
+    again = Schedule.parse(text)
+    for a, b in zip(again.layers, s.layers):
+        assert a.options == b.options
+        assert [type(v) for v in a.options.values()] == [type(v) for v in b.options.values()]
+    assert again.layers[1].options["scaling"] == {"rope_type": "linear", "factor": 8.0}
+    model = posenc.LM(posenc.LMConfig(dim=16, num_heads=2, depth=3, vocab_size=32, schedule=text))
+    assert model.blocks[0].attn.encoding.max_distance == 10000
+    for value in (12345.0, 1.5e4, 0.1, 1e-7, 2**60, -3, 1.2345678901234567e19):
+        layer = Schedule.parse(Schedule.of([{"encoding": "rope", "options": {"base": value}}]).to_text()).layers[0]
+        assert layer.options["base"] == value and type(layer.options["base"]) is type(value)
+    for scale in (Temperature(0.123456789, 8192), LogFloorScale(0.1, 16384), ScalableSoftmax(0.43)):
+        assert Schedule.parse(f"[{Layer('nope', query_scale=scale).to_text()}]").layers[0].query_scale == scale
+    with raises("schedule: option value '10' cannot be written in the text form (it would read back as another "
+                "value); only the json form (to_list) can hold it"):
+        Layer("rope", {"layout": "10"}).to_text()
+
+
+def test_an_absolute_encoding_with_a_schedule_is_refused() -> None:
+    """Before: encoding='sinusoidal' became 'rope' and the input embedding was dropped."""
+    for method in ("sinusoidal", "learned"):
+        with raises(f"encoding={method!r} is an absolute method (it adds to the token embeddings), and a schedule "
+                    "gives every layer's encoding: the two do not combine; drop encoding, or the schedule"):
+            posenc.LMConfig(encoding=method, schedule="[rope]", depth=1, dim=16, num_heads=2)
+    assert posenc.LMConfig(schedule="[rope]", depth=1, dim=16, num_heads=2).encoding == "rope"
+
+
+def test_a_key_given_twice_in_a_schedule_is_refused() -> None:
+    """Before: the last one won."""
+    cases = {
+        "[rope window=4 window=8]": "schedule: [rope window=4 window=8]: 'window' is given twice; a layer takes each key once",
+        "[rope:base=10 base=100]": "schedule: [rope:base=10 base=100]: 'base' is given twice; a layer takes each key once",
+        "[rope:base=10,base=100]": "schedule: [rope:base=10,base=100]: 'base' is given twice; a layer takes each key once",
+        "[rope sinks sinks]": "schedule: [rope sinks sinks]: 'sinks' is given twice; a layer takes each key once",
+        "[nope temp=0.1/8192 ssmax=0.4]": "schedule: [nope temp=0.1/8192 ssmax=0.4]: one query scale per layer (temp, beta or ssmax)",
+        "[rope scaling=linear(factor=2;factor=4)]":
+            "schedule: 'linear(factor=2;factor=4)': 'factor' is given twice; a block takes each key once",
+    }
+    for text, message in cases.items():
+        with raises(message):
+            Schedule.parse(text)

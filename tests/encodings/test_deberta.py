@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import posenc
+import posenc.hf
 from agreement import assert_decoding_equals_full, check_backends
 from posenc.encodings.deberta import DeBERTa, log_bucket
 from posenc.errors import UsageError
@@ -25,6 +26,11 @@ from transformers import DebertaV2Config  # noqa: E402
 from transformers.models.deberta_v2 import modeling_deberta_v2 as hf  # noqa: E402
 
 from posenc.hf import deberta_from_hf  # noqa: E402
+
+
+def raises(message: str):
+    return pytest.raises(UsageError, match=f"^{re.escape(message)}$")
+
 
 
 @pytest.mark.parametrize("buckets, max_position", [(8, 32), (16, 64), (256, 512), (512, 4096), (64, 34), (4, 6)])
@@ -478,3 +484,13 @@ def test_a_decode_step_reuses_the_rows_and_tables_of_its_workspace(monkeypatch):
     assert decode(61) == {"relative_rows": 0, "disentangled_tables": 0}
     assert decode(70) == {"relative_rows": 1, "disentangled_tables": 0}  # 70 keys outgrow the capacity of 64
     assert set(taken) == {"step"}
+
+
+def test_deberta_v1_is_named_as_unsupported() -> None:
+    config = transformers.DebertaConfig(vocab_size=32, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                        intermediate_size=64, relative_attention=True, pos_att_type=["c2p", "p2c"],
+                                        max_relative_positions=16)
+    with raises("encoder: a DeBERTa-v2/v3 encoder has separate query_proj, key_proj and value_proj; this "
+                "DebertaEncoder's DisentangledSelfAttention (module transformers.models.deberta.modeling_deberta) has "
+                "none (DeBERTa v1 projects q, k and v with one in_proj and is not supported)"):
+        posenc.hf.deberta_from_hf(transformers.DebertaModel(config))

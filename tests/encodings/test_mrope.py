@@ -5,18 +5,33 @@ text-after-image offset carried through decoding; positions with an axis dimensi
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
 
 import posenc
+import posenc.hf
 from posenc.encodings.mrope import MRoPE, continue_positions, mrope_axes, mrope_from_hf, vision_text_positions
 from posenc.encodings.rope import RoPE
+from posenc.errors import UsageError
 
 transformers = pytest.importorskip("transformers")
+
 from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl as hf25  # noqa: E402
 from transformers.models.qwen2_vl import modeling_qwen2_vl as hf2  # noqa: E402
 from transformers.models.qwen3_vl import modeling_qwen3_vl as hf3  # noqa: E402
+
+
+def raises(message: str):
+    return pytest.raises(UsageError, match=f"^{re.escape(message)}$")
+
+
+def raw(**changes) -> dict:
+    """A Qwen2-VL config.json as published (a fresh dict: transformers' config class edits the block)."""
+    return {"model_type": "qwen2_vl", "hidden_size": 64, "num_attention_heads": 2, "num_key_value_heads": 1,
+            "rope_scaling": {"type": "mrope", "mrope_section": [4, 6, 6]}, **changes}
+
 
 TEXT = dict(hidden_size=64, num_attention_heads=2, head_dim=32, num_key_value_heads=2, num_hidden_layers=1,
             intermediate_size=32, vocab_size=64)
@@ -272,3 +287,24 @@ def test_bad_positions() -> None:
         continue_positions(torch.arange(5), 2)
     with pytest.raises(posenc.UsageError, match="mrope_from_hf: rope_type 'yarn' is not supported"):
         mrope_from_hf({"num_attention_heads": 2, "head_dim": 16, "rope_parameters": {"rope_type": "yarn", "factor": 2.0}})
+
+
+def test_mrope_from_hf_reads_the_published_qwen2_vl_form() -> None:
+    """Before: rope_type 'mrope' refused; without rope_theta the base was 10000, not 1e6."""
+    from posenc.encodings.mrope import DEFAULT_THETA, mrope_from_hf
+
+    transformers.logging.set_verbosity_error()
+    hf = transformers.Qwen2VLConfig(**raw())
+    ours = mrope_from_hf(raw())
+    assert ours.base == hf.text_config.rope_parameters["rope_theta"] == 1e6
+    assert ours.mrope_section == hf.text_config.rope_parameters["mrope_section"] == [4, 6, 6]
+    assert (ours.base, ours.mrope_section, ours.head_dim) == (mrope_from_hf(hf).base, mrope_from_hf(hf).mrope_section, 32)
+    for cls in (transformers.Qwen2VLTextConfig, transformers.Qwen2_5_VLTextConfig, transformers.Qwen3VLTextConfig):
+        assert DEFAULT_THETA[cls.model_type] == cls.default_theta
+        outer = cls.model_type.removesuffix("_text")
+        assert DEFAULT_THETA[outer] == cls.default_theta
+    given = mrope_from_hf(raw(rope_theta=5e4))
+    assert given.base == transformers.Qwen2VLConfig(**raw(rope_theta=5e4)).text_config.rope_parameters["rope_theta"]
+    with raises("mrope_from_hf: the config gives no rope_theta and model_type 'other' has no known default (known: "
+                f"{sorted(DEFAULT_THETA)}); give rope_theta"):
+        mrope_from_hf(raw(model_type="other"))

@@ -15,7 +15,9 @@ import pytest
 import torch
 
 import posenc
+import posenc.hf
 from posenc.encodings import has_hook
+from posenc.errors import UsageError
 
 xpos_relative_position = pytest.importorskip("torchscale.component.xpos_relative_position")
 x_transformers = pytest.importorskip("x_transformers.x_transformers")
@@ -213,3 +215,25 @@ def test_blockwise_attention_is_each_block_with_its_predecessor(backend: str, ce
         unblocked = posenc.Attention(dim, H, plain, backend="eager")
         unblocked.load_state_dict(attn.state_dict())
         assert not torch.allclose(got, unblocked(x), atol=1e-3)  # the mask does act
+
+
+def test_the_xpos_refusal_advises_what_is_not_in_effect() -> None:
+    """Before: 'use a larger scale_base, centre=True, or float32' with centre=True and float32 in effect."""
+    from posenc.encodings.xpos import XPos
+
+    def refusal(enc: XPos, dtype: torch.dtype, last: int) -> str:
+        q, k = torch.randn(1, 1, 1, 8, dtype=dtype), torch.randn(1, 1, 2, 8, dtype=dtype)
+        with pytest.raises(UsageError) as err:
+            enc.rotate(q, k, torch.tensor([last]), torch.tensor([0, last]))
+        return str(err.value)
+
+    assert refusal(XPos(1, 8), torch.float32, 40000) == (
+        "xpos: positions 0..40000 (centre 20001) with scale_base=512 need decay factors up to e^49, beyond what "
+        "float32 holds; use scale_base >= 565 (centre=True and float32's range are already in effect)")
+    assert refusal(XPos(1, 8, centre=False), torch.float32, 20000).endswith("use scale_base >= 565, or centre=True")
+    assert refusal(XPos(1, 8), torch.float16, 6000).endswith("use scale_base >= 679, or float32 inputs")
+    # the advice holds: the scale_base it names runs, one below it does not
+    q, k = torch.randn(1, 1, 1, 8), torch.randn(1, 1, 2, 8)
+    XPos(1, 8, scale_base=565).rotate(q, k, torch.tensor([40000]), torch.tensor([0, 40000]))
+    with pytest.raises(UsageError):
+        XPos(1, 8, scale_base=564).rotate(q, k, torch.tensor([40000]), torch.tensor([0, 40000]))

@@ -9,12 +9,26 @@ positions, RoPE, window, chunks, temperature and sinks come from the schedule.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
 import posenc
+import posenc.hf
 from posenc.errors import UsageError
 from posenc.query_scale import LogFloorScale, Temperature
+
+
+def raises(message: str):
+    return pytest.raises(UsageError, match=f"^{re.escape(message)}$")
+
+
+def raw(**changes) -> dict:
+    """A Qwen2-VL config.json as published (a fresh dict: transformers' config class edits the block)."""
+    return {"model_type": "qwen2_vl", "hidden_size": 64, "num_attention_heads": 2, "num_key_value_heads": 1,
+            "rope_scaling": {"type": "mrope", "mrope_section": [4, 6, 6]}, **changes}
+
 
 tf = pytest.importorskip("transformers")
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -253,3 +267,16 @@ def test_modernbert_local_and_global_layers_equal_posenc():
             o = posenc.attend(q, k, v, enc, causal=False, window=layer.window)  # scale 1/sqrt(D), as HF
             got = attn.Wo(o.transpose(1, 2).reshape(b, t, -1))
             torch.testing.assert_close(got, out, rtol=0, atol=1e-5, msg=lambda m: f"modernbert layer {i}: {m}")
+
+
+def test_numeric_texts_in_hf_configs_are_refused() -> None:
+    from posenc.encodings.mrope import mrope_from_hf
+
+    with raises("mrope_from_hf: rope_theta must be a number > 1, got '1e6'"):
+        mrope_from_hf(raw(rope_theta="1e6"))
+    with raises("mrope_from_hf: num_attention_heads must be a positive integer, got '2'"):
+        mrope_from_hf(raw(num_attention_heads="2"))
+    with raises("mrope_from_hf: head_dim must be a positive integer, got '32'"):
+        mrope_from_hf(raw(head_dim="32"))
+    with raises("rope_from_hf: rope_theta must be a number in (1, 1e+12], got '500000'"):
+        posenc.rope_from_hf({"num_attention_heads": 2, "hidden_size": 32, "rope_theta": "500000"})

@@ -246,7 +246,7 @@ class MRoPE(PositionalEncoding):
 
 #: transformers' default ``rope_theta`` of each M-RoPE config class, by ``model_type`` (of the
 #: text config or the whole one): Qwen2VLTextConfig and Qwen2_5_VLTextConfig 1e6,
-#: Qwen3VLTextConfig 5e5 (``default_theta``); tests/test_faults_config.py checks them.
+#: Qwen3VLTextConfig 5e5 (``default_theta``); tests/encodings/test_mrope.py checks them.
 DEFAULT_THETA = {"qwen2_vl": 1e6, "qwen2_vl_text": 1e6, "qwen2_5_vl": 1e6, "qwen2_5_vl_text": 1e6,
                  "qwen3_vl": 5e5, "qwen3_vl_text": 5e5}
 
