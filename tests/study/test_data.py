@@ -13,8 +13,19 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import posenc
+from posenc import cli
 from posenc.errors import UsageError
 from posenc.study import data, windows
+
+ARGS = ["--preset", "smoke", "--methods", "alibi", "learned", "--steps", "4", "--checkpoint-every", "2",
+        "--eval-lengths", "32", "64", "--valid-bytes", "512", "--threads", "1"]
+
+
+
+def study(out: Path, *extra: str, quiet: bool = True) -> int:
+    return cli.main(["study", *ARGS, "--out", str(out), *(["--quiet"] if quiet else []), *extra])
+
 
 
 def make_folder(root: Path, n: int = 60, order: list[int] | None = None) -> Path:
@@ -215,3 +226,60 @@ def test_hf_dataset_splits_are_used_as_given(monkeypatch):
     fake.load_dataset = offline
     with pytest.raises(ValueError, match="could not load.*needs a network"):
         data.load_corpus("hf:wikitext")
+
+
+def test_folder_split_keeps_the_validation_share_by_bytes(tmp_path, capsys):
+    root = tmp_path / "books"
+    root.mkdir()
+    (root / "book.txt").write_text("".join(f"chapter line {i} of the long book\n" for i in range(1200)))
+    (root / "note.txt").write_text("".join(f"a short note {i}\n" for i in range(180)))
+    assert data.split_of("book.txt") == "valid" and data.split_of("note.txt") == "train"  # the old trap
+    book, note = (root / "book.txt").read_bytes(), (root / "note.txt").read_bytes()
+    joined = book + note
+    at = len(joined) * 90 // 100
+    cut = joined.index(b"\n", at) + 1  # validation starts at the first line start from 90%
+    corpus = data.load_corpus(str(root), valid_bytes=512)
+    assert bytes(corpus.train.tolist()) == joined[:cut]  # was: the 3 KB note alone
+    assert bytes(corpus.valid.tolist()) == joined[cut : cut + 513]
+    share = (len(joined) - cut) / len(joined)
+    line = (f"corpus {root}: 2 files, {len(joined):,} bytes; train 1 file, {cut:,} bytes; validation 2 files, "
+            f"{len(joined) - cut:,} bytes (512 scored); split by bytes: the files joined in path order, last 10% "
+            f"from a line start (the by-file rule would give validation {100 * len(book) / len(joined):.1f}% of the bytes)")
+    assert corpus.summary() == line and 0.09 < share < 0.11
+    out = tmp_path / "run"
+    assert study(out, "--data", str(root), "--methods", "alibi", quiet=False) == 0
+    assert line in capsys.readouterr().err.splitlines()
+
+
+def test_skipped_files_are_named_with_their_reason(tmp_path, capsys):
+    root = tmp_path / "mixed"
+    root.mkdir()
+    for i in range(4):
+        (root / f"u{i}.txt").write_text("".join(f"utf-8 text {i} é {k}\n" for k in range(300)))
+    (root / "latin.txt").write_bytes("café crème\n".encode("latin-1") * 50)
+    (root / "blob.bin").write_bytes(b"\x00\x01" * 100)
+    corpus = data.load_corpus(str(root), valid_bytes=512)
+    assert corpus.skipped == [
+        {"file": "blob.bin", "reason": "binary (a NUL byte at offset 0)"},
+        {"file": "latin.txt", "reason": "not UTF-8 (invalid byte 0xe9 at offset 3; latin-1 or another encoding?)"},
+    ]
+    assert corpus.fingerprint["files"] == 4
+    assert study(tmp_path / "run", "--data", str(root), "--methods", "alibi") == 0  # --quiet: warnings still show
+    err = capsys.readouterr().err.splitlines()
+    assert err == ["data: skipped blob.bin: binary (a NUL byte at offset 0)",
+                   "data: skipped latin.txt: not UTF-8 (invalid byte 0xe9 at offset 3; latin-1 or another encoding?)"]
+    # one such file alone is refused, with the same reason
+    with pytest.raises(posenc.UsageError) as e:
+        data.load_corpus(str(root / "latin.txt"))
+    assert str(e.value) == (f"data {root / 'latin.txt'}: {root / 'latin.txt'} is not UTF-8 text: not UTF-8 "
+                            "(invalid byte 0xe9 at offset 3; latin-1 or another encoding?)")
+
+
+def test_default_corpus_split_is_unchanged():
+    """The committed default-study numbers come from this split: the by-file rule, unchanged."""
+    fp = data.load_corpus("default", valid_bytes=1000).fingerprint
+    assert fp["split"] == "by file: sha256(relative path) mod 100 < 10 -> validation"
+    root, stdlib = data.stdlib_files()
+    names = [p.relative_to(root).as_posix() for p in stdlib if p.stat().st_size]  # empty files add nothing
+    valid = [n for n in names if data.split_of(n) == "valid"]
+    assert fp["valid_files"] == len(valid) and fp["train_files"] == len(names) - len(valid)

@@ -1,4 +1,4 @@
-"""Fault suite, round 3, for ``generate`` / ``stream`` / ``posenc sample``: the arguments a new user
+"""The arguments of ``generate`` / ``stream`` / ``posenc sample``: the arguments a new user
 tries (each a UsageError with the exact message), and generation that follows ``transformers``'
 conventions (greedy by default, the prompt and the new tokens in one padded tensor, end and pad
 ids, left-padding masks, several sequences per prompt, a cache that grows as it goes)."""

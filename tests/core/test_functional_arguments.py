@@ -1,4 +1,4 @@
-"""Fault suite of the attend call (issue 34, defects 1, 2, 5, 6, 7, 11, 12, 14): each case asserts
+"""The arguments of the attend call (posenc/functional.py): each case asserts
 the exact message or result. References: the contiguous call, and the eager backend (the textbook
 formula) in float64."""
 
@@ -29,7 +29,7 @@ def enc(name: str, causal: bool = True):
 
 # 1: forget gates with a window, chunk or sinks: one refusal everywhere
 @pytest.mark.parametrize("kwargs", [dict(chunk=4), dict(window=4), dict(sinks=True)])
-def test_1_fox_with_a_window_chunk_or_sinks_is_refused_everywhere(kwargs) -> None:
+def test_fox_with_a_window_chunk_or_sinks_is_refused_everywhere(kwargs) -> None:
     with pytest.raises(UsageError) as err:
         posenc.Attention(32, H, posenc.build("fox", num_heads=H, head_dim=16), **kwargs)
     assert str(err.value) == GATES_ALONE
@@ -46,7 +46,7 @@ def test_1_fox_with_a_window_chunk_or_sinks_is_refused_everywhere(kwargs) -> Non
 
 # 2: inputs whose last dimension is not contiguous, or stride-0, equal the contiguous call
 @pytest.mark.parametrize("method", ["alibi", "t5", "kerple", "fire", "shaw", "transformer_xl", "cope", "deberta"])
-def test_2_strided_inputs_equal_the_contiguous_call(method: str) -> None:
+def test_strided_inputs_equal_the_contiguous_call(method: str) -> None:
     e = enc(method)
     g = torch.Generator().manual_seed(1)
 
@@ -77,7 +77,7 @@ def test_2_strided_inputs_equal_the_contiguous_call(method: str) -> None:
 
 
 # 5: a registry name is built for q's heads and head dim; other objects are refused
-def test_5_the_encoding_argument() -> None:
+def test_the_encoding_argument() -> None:
     q, k, v = qkv()
     assert torch.allclose(posenc.attend(q, k, v, "rope"), posenc.attend(q, k, v, enc("rope")), atol=1e-6)
     assert not torch.allclose(posenc.attend(q, k, v, "rope"), posenc.attend(q, k, v, None), atol=1e-3)
@@ -91,7 +91,7 @@ def test_5_the_encoding_argument() -> None:
 
 # 6: FoX's gated backend with a value head dim unlike q's
 @pytest.mark.parametrize("dv", [4, 16])
-def test_6_fox_value_head_dim(dv: int) -> None:
+def test_fox_value_head_dim(dv: int) -> None:
     q, k, v = qkv(dv, torch.float64)
     gates = -torch.rand(B, H, T, dtype=torch.float64)
     e = enc("fox").double()
@@ -103,7 +103,7 @@ def test_6_fox_value_head_dim(dv: int) -> None:
 
 
 # 7: dtypes: integers refused, mixed dtypes refused outside autocast, autocast followed as SDPA does
-def test_7_dtypes() -> None:
+def test_dtypes() -> None:
     q, k, v = qkv()
     with pytest.raises(UsageError) as err:
         posenc.attend(q.long(), k.long(), v.long(), enc("alibi"))
@@ -122,7 +122,7 @@ def test_7_dtypes() -> None:
 
 
 @pytest.mark.parametrize("method", ["alibi", "t5", "kerple", "fire", "shaw", "transformer_xl"])
-def test_7_autocast_inside_posenc_hf(method: str) -> None:
+def test_autocast_inside_posenc_hf(method: str) -> None:
     transformers = pytest.importorskip("transformers")
     import posenc.hf as phf
 
@@ -138,7 +138,7 @@ def test_7_autocast_inside_posenc_hf(method: str) -> None:
 
 # 11: scale
 @pytest.mark.parametrize("scale", [0.0, -1.0, float("nan"), float("inf"), "a", True])
-def test_11_scale_is_checked(scale) -> None:
+def test_scale_is_checked(scale) -> None:
     q, k, v = qkv()
     for method in ("alibi", "rope", "shaw"):
         with pytest.raises(UsageError) as err:
@@ -148,7 +148,7 @@ def test_11_scale_is_checked(scale) -> None:
 
 # 12: a query that sees no key gets 0 on every backend
 @pytest.mark.parametrize("method", ["nope", "rope", *BIASES])
-def test_12_a_query_that_sees_no_key_gets_zero(method: str) -> None:
+def test_a_query_that_sees_no_key_gets_zero(method: str) -> None:
     q, k, v = qkv()
     out = posenc.attend(q[:, :, :3], k, v, enc(method), positions=torch.tensor([0, 1, 6]), k_positions=torch.arange(5, 5 + T))
     assert torch.equal(out[:, :, :2], torch.zeros(B, H, 2, D))
@@ -157,7 +157,7 @@ def test_12_a_query_that_sees_no_key_gets_zero(method: str) -> None:
 
 # 14: empty in, empty out
 @pytest.mark.parametrize("method", ["nope", "rope", *BIASES])
-def test_14_empty_inputs(method: str) -> None:
+def test_empty_inputs(method: str) -> None:
     e = enc(method)
     for b, tq, tk in ((1, 0, 0), (0, T, T)):
         q, k, v = torch.randn(b, H, tq, D), torch.randn(b, H, tk, D), torch.randn(b, H, tk, 5)
