@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import posenc
-from models import tiny as model_of
+from models import tiny_lm
 from posenc.attention import Attention
 from posenc.backends import eager, flex
 from posenc.backends.parts import single
@@ -40,8 +40,8 @@ def enc_for(method: str, causal: bool = True):
     return enc
 
 
-def tiny(method: str, dtype=torch.float32) -> posenc.LM:
-    return model_of(method, dim=64, positions_std=0.2, weights_std=0.2, seed=0,
+def wide_lm(method: str, dtype=torch.float32) -> posenc.LM:
+    return tiny_lm(method, dim=64, positions_std=0.2, weights_std=0.2, seed=0,
                     max_positions=512 if method == "learned" else None)
 
 
@@ -80,7 +80,7 @@ def test_flex_trains_on_cuda_like_the_eager_formula(method, causal):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("method", METHODS)
 def test_half_precision_forward_and_backward_close_to_float32(method, dtype):
-    model = tiny(method).to(CUDA)
+    model = wide_lm(method).to(CUDA)
     half = copy.deepcopy(model).to(dtype).train()
     tokens = torch.randint(0, 64, (2, 256), device=CUDA)
     with torch.no_grad():
@@ -97,7 +97,7 @@ def test_half_precision_forward_and_backward_close_to_float32(method, dtype):
 
 @pytest.mark.parametrize("method", METHODS)
 def test_cached_decoding_on_cuda_equals_the_full_pass(method):
-    model = tiny(method).to(CUDA)
+    model = wide_lm(method).to(CUDA)
     tokens = torch.randint(0, 64, (2, 70), device=CUDA)
     with torch.no_grad():
         full = model(tokens)
@@ -111,7 +111,7 @@ def test_cached_decoding_on_cuda_equals_the_full_pass(method):
 
 @pytest.mark.parametrize("method", METHODS)
 def test_batched_generation_on_cuda_equals_each_row_alone(method):
-    model = tiny(method).to(CUDA)
+    model = wide_lm(method).to(CUDA)
     prompts = [torch.randint(0, 64, (n,), device=CUDA) for n in (5, 17, 9)]
 
     def run(p):
@@ -156,7 +156,7 @@ def test_single_query_paths_on_cuda(method, dtype):
 @pytest.mark.parametrize("method", ["alibi", "t5", "transformer_xl"])
 def test_decoding_on_cuda_keeps_no_memory_per_step(method):
     """With the capacity reserved, twenty steps leave the allocated memory where one step left it."""
-    model = tiny(method).to(CUDA)
+    model = wide_lm(method).to(CUDA)
     cache = model.new_cache(2, capacity=1100, padding=[7, 0])
     with torch.inference_mode():
         model(torch.randint(0, 64, (2, 1000), device=CUDA), cache=cache)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import posenc
-from models import tiny
+from models import tiny_lm
 from posenc.cache import LayerCache
 from posenc.encodings.axial_rope import patch_positions
 from posenc.encodings.mrope import continue_positions, mrope_from_hf, vision_text_positions
@@ -176,7 +176,7 @@ def test_patch_grid_attend_equals_timm_rotation_and_plain_attention(timm_sincos,
 def lm(encoding: str = "mrope", **config) -> posenc.LM:
     """The tests' tiny LM (tests/models.py) in float64, weights redrawn large enough that a wrong
     rotation shows far above rounding."""
-    return tiny(encoding, vocab_size=32, num_heads=2, weights_std=0.3, **config).double()
+    return tiny_lm(encoding, vocab_size=32, num_heads=2, weights_std=0.3, **config).double()
 
 
 def test_cached_decoding_with_per_row_offsets_equals_the_full_pass() -> None:

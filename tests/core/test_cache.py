@@ -15,7 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 import posenc
-from models import tiny as model_of
+from models import tiny_lm
 from posenc import backends
 from posenc.attention import LayerCache
 from posenc.backends import blocked, eager, flex, sdpa, terms
@@ -34,10 +34,10 @@ def _toys_and_one_thread(monkeypatch, one_thread):  # one_thread: conftest.py
     registered(monkeypatch)
 
 
-def tiny(method: str, backend: str = "auto", depth: int = 2) -> posenc.LM:
+def large_weights_lm(method: str, backend: str = "auto", depth: int = 2) -> posenc.LM:
     """Every weight matrix and position parameter redrawn large (tests/models.py), so that a wrong
     key or position shows far above rounding."""
-    return model_of(method, depth=depth, attention_backend=backend, weights_std=0.3,
+    return tiny_lm(method, depth=depth, attention_backend=backend, weights_std=0.3,
                     max_positions=1024 if method == "learned" else None)
 
 
@@ -66,7 +66,7 @@ def decode(model, tokens, chunks, cache):
 def test_in_place_cache_equals_the_concatenating_one_bit_for_bit(method):
     # A length-dependent rotation: one layer, since a deeper layer's cached keys come from hidden
     # states of earlier steps, computed at earlier lengths (no cache can equal the full pass there).
-    model = tiny(method, depth=1 if method == "toy_scaled_rope" else 2)
+    model = large_weights_lm(method, depth=1 if method == "toy_scaled_rope" else 2)
     tokens = torch.randint(0, 64, (2, 40))
     chunks = [7, 1, 1, 1, 12, 1, 17]  # grows past 16 and 32 on the way (capacities 16, 32, 64)
     with torch.no_grad():
@@ -101,7 +101,7 @@ def test_growth_by_doubling_keeps_every_token():
 
 @pytest.mark.parametrize("method", ["alibi", "rope", "toy_scaled_rope", "transformer_xl"])
 def test_crop_and_reset(method):
-    model = tiny(method, depth=1 if method == "toy_scaled_rope" else 2)
+    model = large_weights_lm(method, depth=1 if method == "toy_scaled_rope" else 2)
 
     a, b = torch.randint(0, 64, (1, 10)), torch.randint(0, 64, (1, 4))
     with torch.no_grad():
@@ -127,7 +127,7 @@ def test_crop_and_reset(method):
 
 
 def test_a_cache_filled_in_inference_mode_continues_outside_it():
-    model = tiny("alibi")
+    model = large_weights_lm("alibi")
     tokens = torch.randint(0, 64, (1, 12))
     cache = model.new_cache(1)
     with torch.inference_mode():
@@ -138,7 +138,7 @@ def test_a_cache_filled_in_inference_mode_continues_outside_it():
 
 
 def test_cached_decoding_with_autograd_still_backpropagates():
-    model = tiny("alibi").train()
+    model = large_weights_lm("alibi").train()
     tokens = torch.randint(0, 64, (1, 9))
     cache = model.new_cache(1)
     out = decode(model, tokens, [5, 1, 3], cache)  # appends concatenate: earlier views stay intact
@@ -147,7 +147,7 @@ def test_cached_decoding_with_autograd_still_backpropagates():
 
 
 def test_cache_misuse_is_a_clear_error():
-    model, other = tiny("alibi"), tiny("alibi")
+    model, other = large_weights_lm("alibi"), large_weights_lm("alibi")
     cache = model.new_cache(2)
     with pytest.raises(UsageError, match="at least one token per row"):
         model(torch.zeros(2, 0, dtype=torch.long), cache=cache)
@@ -173,7 +173,7 @@ def test_cache_misuse_is_a_clear_error():
 
 
 def test_a_failed_step_leaves_the_cache_as_it_was():
-    model = tiny("shaw")
+    model = large_weights_lm("shaw")
     cache = model.new_cache(1)
     with torch.no_grad():
         model(torch.randint(0, 64, (1, 5)), cache=cache)
@@ -191,7 +191,7 @@ def test_a_failed_step_leaves_the_cache_as_it_was():
 def test_left_padded_rows_decode_as_if_alone(method):
     """Rows of 4, 9 and 6 real tokens left-padded to 9, prefill then single steps: each row's logits
     are its own full pass (every method is shift-invariant or embeds per row)."""
-    model = tiny(method)
+    model = large_weights_lm(method)
     lengths = [4, 9, 6]
     rows = [torch.randint(0, 64, (n + 3,)) for n in lengths]
     padding = [9 - n for n in lengths]
@@ -332,7 +332,7 @@ def test_a_decode_step_allocates_nothing_that_grows_with_the_cache(method):
     """Batch 2 with left padding, caches of 64 and 512 tokens: the largest allocation of one step is
     the same (the projections' outputs, a few KB), so nothing per step grows with N, let alone an
     (H, N, N) tensor."""
-    model = tiny(method)
+    model = large_weights_lm(method)
     largest = {}
     for n in (64, 512):
         cache = model.new_cache(2, capacity=n + 4, padding=[5, 0])

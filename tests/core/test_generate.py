@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import posenc
-from models import tiny as model_of
+from models import tiny_lm
 from posenc import generate as gen
 from posenc.checkpoint import save_checkpoint
 from posenc.cli import main
@@ -28,9 +28,9 @@ def _toys_and_one_thread(monkeypatch, one_thread):  # one_thread: conftest.py
     registered(monkeypatch)
 
 
-def tiny(method: str, vocab: int = 64, max_positions: int | None = None) -> posenc.LM:
+def sharp_lm(method: str, vocab: int = 64, max_positions: int | None = None) -> posenc.LM:
     # weights redrawn large: logits of several units, argmax ties are out of the question
-    return model_of(method, vocab_size=vocab, weights_std=0.3,
+    return tiny_lm(method, vocab_size=vocab, weights_std=0.3,
                     max_positions=max_positions or (64 if method == "learned" else None))
 
 
@@ -44,7 +44,7 @@ PROMPT_LENGTHS = (5, 11, 1, 8)
 
 @pytest.mark.parametrize("method", METHODS + ["toy_scaled_rope", "toy_absolute_key"])
 def test_a_batch_of_different_lengths_gives_each_row_what_it_gets_alone(method):
-    model = tiny(method)
+    model = sharp_lm(method)
     prompts = [torch.randint(0, 64, (n,)) for n in PROMPT_LENGTHS]
     tokens, logits = run(model, prompts)
     for b, prompt in enumerate(prompts):
@@ -55,7 +55,7 @@ def test_a_batch_of_different_lengths_gives_each_row_what_it_gets_alone(method):
 
 def test_shared_positions_would_be_wrong_for_a_method_that_is_not_shift_invariant(monkeypatch):
     """The fallback is needed: forcing one padded batch on an absolute-position bias changes the rows."""
-    model = tiny("toy_absolute_key")
+    model = sharp_lm("toy_absolute_key")
     assert not gen.shares_positions(model.encoding)
     prompts = [torch.randint(0, 64, (n,)) for n in PROMPT_LENGTHS]
     _, grouped = run(model, prompts)
@@ -70,15 +70,15 @@ def test_which_encodings_share_positions():
     # the query's position; CoPE counts gates over the keys, padding included): equal-length groups.
     own = {"fire", "cope"}
     for method in METHODS:
-        enc = tiny(method).encoding
+        enc = sharp_lm(method).encoding
         assert gen.shares_positions(enc) == (not enc.rotation_depends_on_length and method not in own), method
-    assert not gen.shares_positions(tiny("toy_scaled_rope").encoding)
-    assert not gen.shares_positions(tiny("toy_absolute_key").encoding)
+    assert not gen.shares_positions(sharp_lm("toy_scaled_rope").encoding)
+    assert not gen.shares_positions(sharp_lm("toy_absolute_key").encoding)
 
 
 @pytest.mark.parametrize("method", METHODS)
 def test_greedy_is_the_argmax_of_the_full_forward(method):
-    model = tiny(method)
+    model = sharp_lm(method)
     prompt = torch.randint(0, 64, (2, 7))
     out = model.generate(prompt, 8)  # (2, 7 + 8): greedy by default
     assert out.shape == (2, 15) and torch.equal(out[:, :7], prompt)
@@ -89,7 +89,7 @@ def test_greedy_is_the_argmax_of_the_full_forward(method):
 
 
 def test_sampling_repeats_with_a_seed_and_rows_do_not_depend_on_each_other():
-    model = tiny("alibi")
+    model = sharp_lm("alibi")
     prompts = [torch.randint(0, 64, (n,)) for n in (4, 9, 6)]
     options = dict(do_sample=True, temperature=1.5, seed=7)
     a, _ = run(model, prompts, 20, **options)
@@ -123,7 +123,7 @@ def test_top_k_and_top_p_match_hugging_face_warpers():
 
 def test_samples_stay_in_the_nucleus():
     """Many draws of one step: every token is among those top-p keeps, and more than one appears."""
-    model = tiny("nope")
+    model = sharp_lm("nope")
     prompt = torch.randint(0, 64, (1, 5))
     logits = run(model, prompt, 1)[1][0, 0]
     kept = (~gen.filter_logits(logits[None] / 2.0, top_p=0.5).isinf())[0]
@@ -132,7 +132,7 @@ def test_samples_stay_in_the_nucleus():
 
 
 def test_eos_tokens_end_a_row_and_pad_after_it():
-    model = tiny("rope")
+    model = sharp_lm("rope")
     prompts = [torch.randint(0, 64, (n,)) for n in (3, 6)]
     free = run(model, prompts, 12)[0]
     stop = int(free[0, 2])  # row 0 produces it by its third token
@@ -168,14 +168,14 @@ def test_eos_tokens_end_a_row_and_pad_after_it():
     ],
 )
 def test_bad_generation_arguments_are_usage_errors(options, message):
-    model = tiny("alibi")
+    model = sharp_lm("alibi")
     args = dict(prompt=torch.tensor([[1, 2, 3]]), max_new_tokens=4) | options
     with pytest.raises(UsageError, match=message):
         model.generate(args.pop("prompt"), args.pop("max_new_tokens"), **args)
 
 
 def test_a_learned_table_bounds_prompt_and_new_tokens():
-    model = tiny("learned", max_positions=16)
+    model = sharp_lm("learned", max_positions=16)
     with pytest.raises(UsageError, match=r"prompt has 17 tokens, more than the model's learned positions \(max_positions=16\)"):
         model.generate(torch.zeros(1, 17, dtype=torch.long), 1)
     with pytest.raises(UsageError, match=r"max_new_tokens must be <= 7 here"):

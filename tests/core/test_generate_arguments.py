@@ -15,15 +15,15 @@ import pytest
 import torch
 
 import posenc
-from models import tiny as model_of
+from models import tiny_lm
 from posenc import generate as gen
 from posenc.checkpoint import save_checkpoint
 from posenc.cli import main
 from posenc.errors import UsageError
 
 
-def tiny(method: str = "alibi", vocab: int = 64, max_positions: int | None = None) -> posenc.LM:
-    return model_of(method, vocab_size=vocab, weights_std=0.3, seed=0, max_positions=max_positions)
+def seeded_lm(method: str = "alibi", vocab: int = 64, max_positions: int | None = None) -> posenc.LM:
+    return tiny_lm(method, vocab_size=vocab, weights_std=0.3, seed=0, max_positions=max_positions)
 
 
 def raises(message: str):
@@ -65,7 +65,7 @@ PROMPT = torch.tensor([[1, 2, 3]])
     (dict(prompt=[["a"]]), "prompt row 0 must be a 1-D tensor of integer token ids, got ['a']"),
 ])
 def test_bad_arguments(options, message) -> None:
-    model = tiny()
+    model = seeded_lm()
     prompt = options.pop("prompt", PROMPT)
     with raises(message):
         model.generate(prompt, 4, **options)
@@ -74,21 +74,21 @@ def test_bad_arguments(options, message) -> None:
 
 
 def test_neighbours_of_the_bad_arguments_work() -> None:
-    model = tiny()
+    model = seeded_lm()
     for eos in (5, [5, 6], (7,), torch.tensor([5, 6]), torch.tensor(5)):
         assert model.generate(PROMPT, 3, eos_token_id=eos).shape[0] == 1
     assert model.generate(PROMPT, 3, do_sample=True, seed=2**64 - 1).shape == (1, 6)
 
 
 def test_a_tiny_temperature_is_greedy_not_nan() -> None:
-    model = tiny()
+    model = seeded_lm()
     greedy = model.generate(PROMPT, 6)
     for t in (1e-45, 1e-30, 1e-8):  # before: inf/nan probabilities, a RuntimeError from multinomial
         assert torch.equal(model.generate(PROMPT, 6, do_sample=True, temperature=t, seed=0), greedy)
 
 
 def test_the_largest_seed_with_a_batch_wraps_around() -> None:
-    model = tiny()
+    model = seeded_lm()
     # before: seed + row overflowed torch's seed range for row 1
     two = model.generate(torch.tensor([[1, 2, 3], [4, 5, 6]]), 5, do_sample=True, seed=2**64 - 1)
     row1 = model.generate(torch.tensor([[4, 5, 6]]), 5, do_sample=True, seed=0)  # (2**64 - 1) + 1 wraps to 0
@@ -96,7 +96,7 @@ def test_the_largest_seed_with_a_batch_wraps_around() -> None:
 
 
 def test_run_until_the_end_token_grows_the_cache_instead_of_reserving_it(monkeypatch) -> None:
-    model = tiny()
+    model = seeded_lm()
     first = int(model.generate(PROMPT, 1)[0, -1])  # what greedy produces first: make it the end token
     caches = []
     real = posenc.LM.new_cache
@@ -120,7 +120,7 @@ def test_run_until_the_end_token_grows_the_cache_instead_of_reserving_it(monkeyp
 
 
 def test_greedy_by_default_and_the_same_at_every_call() -> None:
-    model = tiny()
+    model = seeded_lm()
     a, b = model.generate(PROMPT, 8), model.generate(PROMPT, 8)
     assert torch.equal(a, b) and a.shape == (1, 11) and torch.equal(a[:, :3], PROMPT)
     with torch.no_grad():
@@ -129,7 +129,7 @@ def test_greedy_by_default_and_the_same_at_every_call() -> None:
 
 
 def test_sampling_without_a_seed_follows_torch_manual_seed() -> None:
-    model = tiny()
+    model = seeded_lm()
     torch.manual_seed(11)
     a = model.generate(PROMPT, 8, do_sample=True, temperature=2.0)
     torch.manual_seed(11)
@@ -138,7 +138,7 @@ def test_sampling_without_a_seed_follows_torch_manual_seed() -> None:
 
 
 def test_eos_then_pad_and_pad_defaults_to_eos() -> None:
-    model = tiny()
+    model = seeded_lm()
     prompts = torch.tensor([[1, 2, 3], [9, 8, 7]])
     free = model.generate(prompts, 10)
     eos = int(free[0, 5])  # row 0 ends at its third new token
@@ -153,7 +153,7 @@ def test_eos_then_pad_and_pad_defaults_to_eos() -> None:
 
 
 def test_attention_mask_left_padding_equals_the_list_of_prompts() -> None:
-    model = tiny("rope")
+    model = seeded_lm("rope")
     prompts = [torch.tensor([5, 6, 7, 8, 9]), torch.tensor([3, 4])]
     listed = model.generate(prompts, 6, pad_token_id=0)
     ids = torch.tensor([[5, 6, 7, 8, 9], [0, 0, 0, 3, 4]])
@@ -165,7 +165,7 @@ def test_attention_mask_left_padding_equals_the_list_of_prompts() -> None:
 
 
 def test_num_return_sequences_repeats_each_prompt_in_place() -> None:
-    model = tiny()
+    model = seeded_lm()
     prompts = torch.tensor([[1, 2, 3], [9, 8, 7]])
     out = model.generate(prompts, 6, do_sample=True, temperature=3.0, num_return_sequences=3, seed=4)
     assert out.shape == (6, 9)

@@ -3,12 +3,15 @@ learnable parameter, causal mode is causal and bidirectional mode is bidirection
 
 from __future__ import annotations
 
+import ast
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 import posenc
-from models import tiny as model_of
+from models import tiny_lm
 
 METHODS = posenc.available()
 # Methods with a bidirectional form (xPos is causal only: its decay would grow toward future keys).
@@ -27,27 +30,52 @@ def refuses_bidirectional(method: str) -> bool:
     if not posenc.encodings.get_class(method).causal_only:
         return False
     with pytest.raises(posenc.UsageError, match="causal=True"):
-        tiny(method, causal=False)
+        option_lm(method, causal=False)
     return True
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: tiny tensors run on one thread
 
 
-def tiny(method: str, causal: bool = True, backend: str = "auto", std: float | None = None, **options) -> posenc.LM:
+def option_lm(method: str, causal: bool = True, backend: str = "auto", std: float | None = None, **options) -> posenc.LM:
     """``std`` re-draws every weight matrix larger than the init (tests/models.py)."""
-    return model_of(method, causal=causal, encoding_options=options, attention_backend=backend, weights_std=std)
+    return tiny_lm(method, causal=causal, encoding_options=options, attention_backend=backend, weights_std=std)
+
+
+#: The tests against a reference (a paper's formula re-derived, or another library's implementation):
+#: the per-method files of tests/encodings/ (test_invariants.py runs every method against the shift
+#: property, not a reference), posenc show's maps re-derived by hand, NoPE against PyTorch's SDPA.
+TESTS = Path(__file__).resolve().parents[1]
+REFERENCE_TESTS = [p for p in sorted((TESTS / "encodings").glob("test_*.py")) if p.name != "test_invariants.py"]
+REFERENCE_TESTS += [TESTS / "show" / "test_scores.py", TESTS / "core" / "test_functional.py"]
+
+
+def methods_exercised(path: Path, names: set[str]) -> set[str]:
+    """The registered names a file's test functions exercise: named in the test's own name, or given
+    as a string in its body or its parametrize decorators (``posenc.build("alibi", ...)``)."""
+    found: set[str] = set()
+    for node in ast.parse(path.read_text()).body:
+        if not (isinstance(node, ast.FunctionDef) and node.name.startswith("test_")):
+            continue
+        found |= {n for n in names if f"_{n}_" in f"{node.name}_"}
+        for part in [*node.decorator_list, *node.body]:
+            found |= {c.value for c in ast.walk(part) if isinstance(c, ast.Constant) and c.value in names}
+    return found
 
 
 def test_every_registered_method_is_tested() -> None:
-    assert set(METHODS) >= {"nope", "sinusoidal", "learned", "shaw", "transformer_xl", "t5", "rope", "alibi",
-                            "kerple", "sandwich", "fire", "cope", "deberta", "fox"}
+    """Every name in ``posenc.available()`` is exercised by some test against a reference: a method
+    registered without one fails here, naming it."""
+    names = set(posenc.available())
+    assert all(path.exists() for path in REFERENCE_TESTS), REFERENCE_TESTS
+    tested = set().union(*(methods_exercised(path, names) for path in REFERENCE_TESTS))
+    assert names <= tested, f"registered without a reference test: {sorted(names - tested)}"
 
 
 @pytest.mark.parametrize("backend", ["auto", "eager"])
 @pytest.mark.parametrize("method", METHODS)
 def test_cached_decoding_equals_full_pass(method: str, backend: str) -> None:
-    model = tiny(method, backend=backend, std=0.2)  # logits of a few units: a wrong position shows
+    model = option_lm(method, backend=backend, std=0.2)  # logits of a few units: a wrong position shows
     tokens = torch.randint(0, 64, (2, 14))
     with torch.no_grad():
         full = model(tokens)  # (B, T, vocab)
@@ -66,7 +94,7 @@ def test_cached_decoding_equals_full_pass(method: str, backend: str) -> None:
 def test_gradients_reach_every_parameter(method: str, causal: bool) -> None:
     if not causal and refuses_bidirectional(method):
         return
-    model = tiny(method, causal=causal).train()
+    model = option_lm(method, causal=causal).train()
     tokens = torch.randint(0, 64, (2, 20))
     targets = torch.randint(0, 64, (2, 20))  # a loss at every position, the last one included
     F.cross_entropy(model(tokens).reshape(-1, 64), targets.reshape(-1)).backward()
@@ -93,7 +121,7 @@ def test_gradients_reach_every_parameter(method: str, causal: bool) -> None:
 
 @pytest.mark.parametrize("method", METHODS)
 def test_causal_is_causal(method: str) -> None:
-    model = tiny(method, std=0.2)
+    model = option_lm(method, std=0.2)
     tokens = torch.randint(0, 64, (1, 12))
     changed = tokens.clone()
     changed[0, 8:] = (changed[0, 8:] + 1) % 64
@@ -107,7 +135,7 @@ def test_causal_is_causal(method: str) -> None:
 def test_bidirectional_builds_and_sees_the_future(method: str) -> None:
     if refuses_bidirectional(method):
         return
-    model = tiny(method, causal=False, std=0.2)
+    model = option_lm(method, causal=False, std=0.2)
     assert all(block.attn.encoding.causal is False for block in model.blocks)
     tokens = torch.randint(0, 64, (2, 12))
     changed = tokens.clone()
@@ -121,18 +149,18 @@ def test_bidirectional_builds_and_sees_the_future(method: str) -> None:
 
 
 def test_bidirectional_t5_and_alibi_use_their_two_sided_forms() -> None:
-    t5 = tiny("t5", causal=False).blocks[0].attn.encoding
+    t5 = option_lm("t5", causal=False).blocks[0].attn.encoding
     pos = torch.arange(6)
     buckets = t5.bucket_table(pos, pos)
     assert (buckets[0, 1:] >= 16).all() and (buckets[1:, 0] < 16).all()  # keys after the query: upper half
-    alibi = tiny("alibi", causal=False).blocks[0].attn.encoding
+    alibi = option_lm("alibi", causal=False).blocks[0].attn.encoding
     bias = alibi.bias(pos, pos)
     torch.testing.assert_close(bias, bias.transpose(-1, -2), rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("method", PER_LAYER)
 def test_per_layer_methods_get_one_encoding_per_layer(method: str) -> None:
-    model = tiny(method)
+    model = option_lm(method)
     assert model.blocks[0].attn.encoding is not model.blocks[1].attn.encoding
 
 
@@ -160,16 +188,16 @@ def test_sharing_across_layers_is_derived_from_the_parameters() -> None:
         learned = any(True for _ in enc.parameters())
         assert enc.shares_across_layers == (not learned or type(enc).shares_parameters), name
     assert [name for name in posenc.available() if type(posenc.build(name, num_heads=4, head_dim=8)).shares_parameters] == ["learned", "t5", "kerple"]
-    model = tiny("t5")
+    model = option_lm("t5")
     assert model.blocks[0].attn.encoding is model.blocks[1].attn.encoding
 
 
 @pytest.mark.parametrize("method", ["rope", "alibi", "t5", "nope"])
 def test_sdpa_and_eager_backends_agree(method: str) -> None:
     torch.manual_seed(3)
-    eager = tiny(method, backend="eager")
+    eager = option_lm(method, backend="eager")
     torch.manual_seed(3)
-    sdpa = tiny(method, backend="sdpa")
+    sdpa = option_lm(method, backend="sdpa")
     tokens = torch.randint(0, 64, (2, 16))
     with torch.no_grad():
         torch.testing.assert_close(sdpa(tokens), eager(tokens), rtol=0, atol=1e-5)

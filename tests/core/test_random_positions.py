@@ -8,15 +8,15 @@ import torch
 import torch.nn.functional as F
 
 import posenc
-from models import tiny as model_of
+from models import tiny_lm
 from posenc import backends
 from posenc.errors import UsageError
 
 
-def tiny(method: str = "alibi", random_positions: int | None = 64, **config) -> posenc.LM:
+def randomized_lm(method: str = "alibi", random_positions: int | None = 64, **config) -> posenc.LM:
     """Positions at their init: these tests read which positions are drawn, not their effect."""
     options = {"max_positions": 64} if method == "learned" else {}
-    return model_of(method, vocab_size=32, dim=16, num_heads=2, positions_std=None,
+    return tiny_lm(method, vocab_size=32, dim=16, num_heads=2, positions_std=None,
                     random_positions=random_positions, **options, **config)
 
 
@@ -34,7 +34,7 @@ def spy_positions(monkeypatch) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 def test_drawn_positions_are_sorted_distinct_in_range_and_shared(monkeypatch):
-    model = tiny().train()
+    model = randomized_lm().train()
     seen = spy_positions(monkeypatch)
     model(torch.randint(0, 32, (3, 20)))
     assert len(seen) == 2  # one per layer
@@ -48,7 +48,7 @@ def test_drawn_positions_are_sorted_distinct_in_range_and_shared(monkeypatch):
 
 
 def test_a_new_draw_every_forward_and_repeatable_under_a_seed(monkeypatch):
-    model = tiny().train()
+    model = randomized_lm().train()
     seen = spy_positions(monkeypatch)
     tokens = torch.randint(0, 32, (1, 12))
     torch.manual_seed(7)
@@ -64,13 +64,13 @@ def test_a_new_draw_every_forward_and_repeatable_under_a_seed(monkeypatch):
 def test_off_in_eval_mode_and_when_not_configured(monkeypatch):
     seen = spy_positions(monkeypatch)
     with torch.no_grad():
-        tiny().eval()(torch.randint(0, 32, (1, 10)))
-        tiny(random_positions=None).train()(torch.randint(0, 32, (1, 10)))
+        randomized_lm().eval()(torch.randint(0, 32, (1, 10)))
+        randomized_lm(random_positions=None).train()(torch.randint(0, 32, (1, 10)))
     assert all(torch.equal(q, torch.arange(10)) for q, _ in seen)
 
 
 def test_given_positions_are_used_in_eval_mode(monkeypatch):
-    model = tiny().eval()
+    model = randomized_lm().eval()
     seen = spy_positions(monkeypatch)
     positions = torch.tensor([0, 5, 9, 30, 31, 63])
     with torch.no_grad():
@@ -81,7 +81,7 @@ def test_given_positions_are_used_in_eval_mode(monkeypatch):
 
 
 def test_draws_do_change_the_result():
-    model = tiny("alibi").train()
+    model = randomized_lm("alibi").train()
     tokens = torch.randint(0, 32, (1, 16))
     torch.manual_seed(1)
     a = model(tokens)
@@ -92,7 +92,7 @@ def test_draws_do_change_the_result():
 
 def test_decoding_with_a_cache_keeps_plain_positions():
     """A KV cache needs consecutive positions: a cached call never draws (even in training mode)."""
-    model = tiny().train()
+    model = randomized_lm().train()
     cache = model.new_cache(1)
     with torch.no_grad():
         model(torch.randint(0, 32, (1, 5)), cache=cache)
@@ -102,7 +102,7 @@ def test_decoding_with_a_cache_keeps_plain_positions():
 
 @pytest.mark.parametrize("method", posenc.available())
 def test_training_with_random_positions_runs_for_every_method(method):
-    model = tiny(method).train()
+    model = randomized_lm(method).train()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     tokens = torch.randint(0, 32, (2, 24))
     loss = F.cross_entropy(model(tokens).flatten(0, 1), tokens.roll(-1, 1).flatten())
@@ -118,9 +118,9 @@ def test_training_with_random_positions_runs_for_every_method(method):
         (lambda: posenc.LMConfig(encoding="alibi", random_positions=0), r"random_positions must be a positive integer \(>= 1\), got 0"),
         (lambda: posenc.LM(posenc.LMConfig(encoding="learned", max_positions=32, random_positions=64)),
          r"random_positions \(64\) must be <= max_positions \(32\) of encoding 'learned'"),
-        (lambda: tiny(random_positions=8).train()(torch.zeros(1, 9, dtype=torch.long)),
+        (lambda: randomized_lm(random_positions=8).train()(torch.zeros(1, 9, dtype=torch.long)),
          r"random_positions \(8\) must be >= the sequence length \(9\)"),
-        (lambda: tiny(random_positions=None).draw_positions(4), "needs LMConfig\\(random_positions=...\\)"),
+        (lambda: randomized_lm(random_positions=None).draw_positions(4), "needs LMConfig\\(random_positions=...\\)"),
     ],
 )
 def test_mistakes_are_usage_errors_naming_the_option(make, message):
@@ -129,5 +129,15 @@ def test_mistakes_are_usage_errors_naming_the_option(make, message):
 
 
 def test_learned_positions_accept_a_large_enough_table():
+    """random_positions equal to the table's size: every drawn position is a row of the table, and
+    training runs (finite logits whose gradient reaches the rows drawn, and only them)."""
     model = posenc.LM(posenc.LMConfig(encoding="learned", max_positions=64, random_positions=64)).train()
-    model(torch.randint(0, 256, (1, 16)))
+    torch.manual_seed(3)
+    drawn = model.draw_positions(16)
+    assert drawn.min() >= 0 and drawn.max() < 64 and len(set(drawn.tolist())) == 16
+    torch.manual_seed(3)  # the forward draws the same positions from the same generator state
+    logits = model(torch.randint(0, 256, (1, 16)))
+    assert logits.shape == (1, 16, model.config.vocab_size) and torch.isfinite(logits).all()
+    logits.square().mean().backward()
+    table = next(p for p in model.parameters() if p.shape[0] == 64 and p.grad is not None)
+    assert torch.isfinite(table.grad).all() and (table.grad != 0).any(dim=-1).sum() <= 16

@@ -25,7 +25,7 @@ BLOCKS = {
 }
 
 
-def tiny(rope_parameters: dict | None = None) -> transformers.LlamaForCausalLM:
+def rope_llama(rope_parameters: dict | None = None) -> transformers.LlamaForCausalLM:
     torch.manual_seed(0)
     extra = {"rope_parameters": {**rope_parameters, "rope_theta": 10000.0}} if rope_parameters else {}
     config = transformers.LlamaConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -38,9 +38,9 @@ def tiny(rope_parameters: dict | None = None) -> transformers.LlamaForCausalLM:
 def test_exported_checkpoint_loads_in_plain_transformers_with_the_same_logits(kind, from_config, tmp_path):
     block = BLOCKS[kind]
     if from_config:  # the model's own RoPE, with the scaling in its config
-        model = ph.use(tiny(block), "rope")
+        model = ph.use(rope_llama(block), "rope")
     else:  # a plain model, posenc's RoPE given the scaling
-        model = ph.use(tiny(), "rope", scaling=block) if block else ph.use(tiny(), "rope", base=10000.0)
+        model = ph.use(rope_llama(), "rope", scaling=block) if block else ph.use(rope_llama(), "rope", base=10000.0)
     ids = torch.randint(0, 256, (2, 3 * T))  # past the training length: every scaling acts
     with torch.no_grad():
         ours = model(ids).logits
@@ -59,7 +59,7 @@ def test_exported_checkpoint_loads_in_plain_transformers_with_the_same_logits(ki
                                                       ("rope", {"scaling": {"rope_type": "ntk", "factor": 2.0}}, "ntk"),
                                                       ("rope", {"layout": "interleaved"}, "interleaved")])
 def test_what_transformers_cannot_express_is_refused_by_name(encoding, options, named, tmp_path):
-    model = ph.use(tiny(), encoding, **options)
+    model = ph.use(rope_llama(), encoding, **options)
     with pytest.raises(UsageError, match=named):
         ph.export(model, tmp_path / "out")
     assert not (tmp_path / "out").exists()
@@ -68,7 +68,7 @@ def test_what_transformers_cannot_express_is_refused_by_name(encoding, options, 
 def test_export_never_writes_into_a_folder_of_other_files(tmp_path):
     (tmp_path / "mine.txt").write_text("keep")
     with pytest.raises(UsageError, match="path"):
-        ph.export(ph.use(tiny(), "rope"), tmp_path)
+        ph.export(ph.use(rope_llama(), "rope"), tmp_path)
     assert (tmp_path / "mine.txt").read_text() == "keep"
 
 

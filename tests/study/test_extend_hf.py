@@ -20,7 +20,7 @@ from posenc.study.hf_evaluation import evaluate  # noqa: E402
 T = 32  # the model's training length (its max_position_embeddings)
 
 
-def tiny(vocab: int = 256, **extra) -> transformers.LlamaForCausalLM:
+def tiny_llama(vocab: int = 256, **extra) -> transformers.LlamaForCausalLM:
     torch.manual_seed(0)
     config = transformers.LlamaConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                                       intermediate_size=64, vocab_size=vocab, max_position_embeddings=T, **extra)
@@ -32,7 +32,7 @@ def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("hf-extend")
     text = root / "corpus.txt"
     text.write_text("".join(f"def f{i}(x):\n    return x * {i} + {i % 7}\n" for i in range(2000)))
-    tiny().save_pretrained(root / "llama")
+    tiny_llama().save_pretrained(root / "llama")
     return root, text
 
 
@@ -111,8 +111,8 @@ def test_an_in_memory_model_is_left_as_it_was(setup, tmp_path):
 
 
 @pytest.mark.parametrize("model, named", [
-    (lambda: tiny(vocab=128), "vocab_size"),
-    (lambda: tiny(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}), "already has"),
+    (lambda: tiny_llama(vocab=128), "vocab_size"),
+    (lambda: tiny_llama(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}), "already has"),
 ])
 def test_what_cannot_be_extended_is_refused(setup, tmp_path, model, named):
     _, text = setup
@@ -126,4 +126,4 @@ def test_packed_documents_are_refused_for_a_transformers_model(setup, tmp_path):
     cfg = ex.ExtendConfig(scaling="yarn", length=2 * T, steps=1, train_length=T, data=str(text), valid_bytes=1024,
                           pack_documents=True)
     with pytest.raises(UsageError, match="pack_documents"):
-        ex.extend(tiny(), tmp_path / "x", cfg, progress=False)
+        ex.extend(tiny_llama(), tmp_path / "x", cfg, progress=False)
