@@ -37,7 +37,7 @@ if [ -n "$extra" ]; then
   pip_install -c "$constraints" --no-deps "torchscale==0.3.0"
   # timm's 2-D rotary embeddings (axial RoPE, RoPE-Mixed), a test reference: timm requires
   # torchvision, whose PyPI build does not load beside a CPU torch (and would break any import of
-  # it); the module the tests load imports only torch, hence --no-deps (tests/test_axial_rope.py).
+  # it); the module the tests load imports only torch, hence --no-deps (tests/encodings/test_axial_rope.py).
   pip_install -c "$constraints" --no-deps "timm==1.0.31"
 fi
 .venv/bin/python - "$TORCH" <<'EOF'

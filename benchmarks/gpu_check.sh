@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything posenc can only check on a GPU, in one run of under 8 minutes on one CUDA GPU:
-#   1. the tests marked `cuda` (tests/test_cuda.py: flex training on CUDA with T5's table gradient,
+#   1. the tests marked `cuda` (tests/backends/test_cuda.py: flex training on CUDA with T5's table gradient,
 #      bfloat16 and float16, decoding on CUDA), which skip on a machine without a GPU;
 #   2. a one-GPU torchrun smoke study with the nccl backend;
 #   3. the attention level in bfloat16 at N = 4,096 .. 16,384 (train and inference), ratios to NoPE;
@@ -49,7 +49,7 @@ print(f"posenc {posenc.__version__}, torch {torch.__version__}, CUDA {torch.vers
 EOF
 
 # 1. The CUDA tests (they compile flex kernels: the first ones take a while).
-part "cuda tests" 150 bash -c "set -o pipefail; $PYTHON -m pytest -m cuda -rs -W ignore tests/test_cuda.py 2>&1 | tee '$OUT/tests.log'"
+part "cuda tests" 150 bash -c "set -o pipefail; $PYTHON -m pytest -m cuda -rs -W ignore tests/backends/test_cuda.py 2>&1 | tee '$OUT/tests.log'"
 
 # 2. torchrun on one GPU, nccl: the smoke study end to end (train, evaluate, checkpoints).
 if command -v torchrun >/dev/null; then TORCHRUN=(torchrun); else TORCHRUN=("$PYTHON" -m torch.distributed.run); fi

@@ -1,6 +1,6 @@
 """Tiny configs of every family in posenc's table (``posenc.hf.families.FAMILIES``), with each
 family's distinctive parts on: windows shorter than the tests' sequences, NoPE layers, experts, MLA.
-Used by tests/test_hf_families.py and benchmarks/hf_families.py (which scales the sizes up).
+Used by tests/hf/test_families.py and benchmarks/hf_families.py (which scales the sizes up).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The tests' one small LM: :func:`tiny` (imported by the test modules, not collected itself).
+"""The tests' one small LM: :func:`tiny_lm` (imported by the test modules, not collected itself).
 
 Every test that needs a posenc LM builds it here, so the rule that makes positions matter in a
 test (which parameters are redrawn, and how large) is written once.
@@ -11,7 +11,7 @@ import torch
 import posenc
 
 
-def tiny(method: str = "alibi", *, vocab_size: int = 64, dim: int = 32, depth: int = 2, num_heads: int = 4,
+def tiny_lm(method: str = "alibi", *, vocab_size: int = 64, dim: int = 32, depth: int = 2, num_heads: int = 4,
          positions_std: float | None = 0.3, weights_std: float | None = None, seed: int | None = None,
          **config) -> posenc.LM:
     """A small LM in eval mode: (vocab 64, dim 32, depth 2, 4 heads) unless given.

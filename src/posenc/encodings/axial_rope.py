@@ -15,7 +15,7 @@ per head and per layer (learned parameters: ``shares_across_layers`` is False), 
 direction of the plane. Its initialisation is the paper's: theta^x_{h,k} = m_k cos(a_h),
 theta^y_{h,k} = m_k sin(a_h) for k < D/4 and the same at a_h + pi/2 for k >= D/4, with
 m_k = base^(-4k/D) and one random angle a_h ~ U[0, 2 pi) per head; axial RoPE is the special case
-theta^x = (theta, 0), theta^y = (0, theta) (tests/test_axial_rope.py checks it). The paper's bases:
+theta^x = (theta, 0), theta^y = (0, theta) (tests/encodings/test_axial_rope.py checks it). The paper's bases:
 100 for axial, 10 for mixed (the defaults here).
 
 One file for both: they share the positions, the grid helper and the frequency magnitudes, and
@@ -30,7 +30,7 @@ cache and generation run both encodings on a sequence unchanged. Both declare th
 ``posenc.LM`` take (T, 2) and (B, T, 2) as ``positions`` too; the masks (padding, documents, the
 causal order if any) read the sequence index (:mod:`posenc.call.geometry`).
 
-What they match (tests/test_axial_rope.py, against ``timm.layers.pos_embed_sincos``):
+What they match (tests/encodings/test_axial_rope.py, against ``timm.layers.pos_embed_sincos``):
 
 - :class:`AxialRoPE`, ``layout="interleaved"``: ``RotaryEmbeddingCat(dim=D, in_pixels=False,
   temperature=base, grid_indexing="xy")`` applied with ``apply_rot_embed_cat`` (timm's "index"

@@ -155,9 +155,9 @@ class MRoPE(PositionalEncoding):
 
     Matches Hugging Face ``transformers``' Qwen2-VL / Qwen2.5-VL text rotary embedding
     (contiguous sections) and Qwen3-VL's (``mrope_interleaved=True``) followed by its
-    ``apply_rotary_pos_emb``, which use ``layout="half"`` (tests/test_mrope.py; through
+    ``apply_rotary_pos_emb``, which use ``layout="half"`` (tests/encodings/test_mrope.py; through
     ``posenc.attend`` and ``posenc.Attention`` with Qwen2-VL's ``get_rope_index`` ids,
-    tests/test_axis_positions.py). Only the default frequencies (no long-context scaling).
+    tests/core/test_axes.py). Only the default frequencies (no long-context scaling).
 
     Positions: (T,) text ids, (3, T) or (3, B, T) ids (temporal, height, width) per token, in
     ``rotate`` and as ``positions`` of ``posenc.attend`` / ``posenc.Attention`` / ``posenc.LM``
@@ -246,7 +246,7 @@ class MRoPE(PositionalEncoding):
 
 #: transformers' default ``rope_theta`` of each M-RoPE config class, by ``model_type`` (of the
 #: text config or the whole one): Qwen2VLTextConfig and Qwen2_5_VLTextConfig 1e6,
-#: Qwen3VLTextConfig 5e5 (``default_theta``); tests/test_faults_config.py checks them.
+#: Qwen3VLTextConfig 5e5 (``default_theta``); tests/encodings/test_mrope.py checks them.
 DEFAULT_THETA = {"qwen2_vl": 1e6, "qwen2_vl_text": 1e6, "qwen2_5_vl": 1e6, "qwen2_5_vl_text": 1e6,
                  "qwen3_vl": 5e5, "qwen3_vl_text": 5e5}
 

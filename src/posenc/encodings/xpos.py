@@ -25,8 +25,8 @@ centre is then the current length (or, near the dtype's limit, the largest centr
 so re-centring happens when the length doubles, amortised O(1) per step, and the factors stay within
 twice the exponent the full pass uses at that length (e^10 at 4096 positions with scale_base 512).
 The first call of a cache (the prefill) takes the full pass's centre ``ceil(l / 2)``. The scores
-equal the full pass's to float32 rounding (``tests/test_xpos.py`` checks long caches). Either way the largest factor must fit the dtype: past
-``sqrt(finfo.max)`` of the input dtype (float32 / bfloat16: |n - c| above ~18000 with scale_base 512;
+equal the full pass's to float32 rounding (``tests/encodings/test_xpos.py`` checks long caches). Either way the largest factor must fit the dtype:
+past ``sqrt(finfo.max)`` of the input dtype (float32 / bfloat16: |n - c| above ~18000 with scale_base 512;
 float16: ~2300) the call is a UsageError rather than a silent overflow.
 
 Blockwise causal attention (``block_size``, the paper's §3.3, used at evaluation with blocks of half

@@ -98,7 +98,7 @@ def t5_from_hf(model: nn.Module, *, stack: str | None = None, layer: int | None 
     Heads, buckets, max distance and direction come from the owning attention (see
     :func:`t5_attention` for ``model``, ``stack`` and ``layer``): an encoder's table gives a
     bidirectional encoding (``causal=False``), a decoder's a causal one. The result's ``bias(i, j)``
-    equals HF's ``compute_bias`` for the same positions (tests/test_hf_importers.py).
+    equals HF's ``compute_bias`` for the same positions (tests/hf/test_importers.py).
 
     Raises:
         UsageError: the table's shape is not (num_buckets, n_heads) of ``encoding``.
@@ -169,7 +169,7 @@ def _bloom_sizes(config_or_model: Any) -> tuple[int, int]:
 def alibi_from_bloom(config_or_model: Any, *, causal: bool = True) -> ALiBi:
     """posenc's ``alibi`` for a BLOOM config (or model): heads from ``n_head``, head dim from
     ``hidden_size / n_head``. BLOOM computes its slopes from the head count with the ALiBi paper's
-    recipe, in head order, as posenc's ``alibi`` does: tests/test_hf_importers.py checks BLOOM's
+    recipe, in head order, as posenc's ``alibi`` does: tests/hf/test_importers.py checks BLOOM's
     ``build_alibi_tensor`` term against this encoding's bias for 1..64 heads."""
     heads, head_dim = _bloom_sizes(config_or_model)
     return ALiBi(heads, head_dim, causal)
