@@ -282,13 +282,15 @@ def _segments(q, k, v, encoding, geometry: Geometry, scale: float, memo: Forward
     with their keys, so their sums restart at each segment."""
     b, h, tq, d = q.shape
     hkv, tk = k.shape[1], k.shape[2]
+    runs = geometry.runs or ()  # a segmented geometry has its runs
+    if b == 1 and runs and all(seg.q_first is not None and seg.k_first is not None for seg in runs):
+        return _tiled_runs(q, k, v, encoding, geometry, scale, memo, backend, rotate, extras, log_gates)
     qf = q.transpose(1, 2).reshape(b * tq, h, d)  # (B*Tq, H, D)
     kf = k.transpose(1, 2).reshape(b * tk, hkv, d)
     vf = v.transpose(1, 2).reshape(b * tk, hkv, v.shape[-1])
     gf = None if log_gates is None else log_gates.transpose(1, 2).reshape(b * tk, h)  # (B*Tk, H)
     name, outs, where = backend, [], []
     rotating = rotate and offers(encoding, Rotates)
-    runs = geometry.runs or ()  # a segmented geometry has its runs
     for seg in runs:
         n, lq = seg.q_index.shape
         lk = seg.k_index.shape[1]
@@ -313,6 +315,47 @@ def _segments(q, k, v, encoding, geometry: Geometry, scale: float, memo: Forward
     if outs:  # one scatter for every run
         out = out.index_copy(0, torch.cat(where), torch.cat(outs))
     return out.view(b, tq, h, -1).transpose(1, 2), name  # (B, H, Tq, D)
+
+
+def _stack(x: torch.Tensor, first: int, n: int, length: int) -> torch.Tensor:
+    """x (1, H, T, ...) -> its n segments of ``length`` from ``first`` as (n, H, length, ...): views only
+    (the whole row is not sliced, so its backward writes the gradient in place of a zero-filled copy)."""
+    row = x.squeeze(0)  # (H, T, ...)
+    if first or n * length != row.shape[1]:
+        row = row[:, first:first + n * length]
+    return row.unflatten(1, (n, length)).transpose(0, 1)
+
+
+def _tiled_runs(q, k, v, encoding, geometry: Geometry, scale: float, memo: ForwardMemo, backend: str, rotate: bool,
+                extras: Extras | None, log_gates: torch.Tensor | None) -> tuple[torch.Tensor, str]:
+    """:func:`_segments` for one row whose runs each tile a contiguous range (the equal documents of
+    a packed row): each run's stack is a view of q, k, v in their own head-major layout, (n, H, L, D)
+    with every (document, head) block of L x D contiguous, as in a batch of the documents; no copy
+    before the kernels, one per run after."""
+    h, tq = q.shape[1], q.shape[2]
+    name, outs, where, firsts = backend, [], [], []
+    for seg in geometry.runs or ():
+        assert seg.q_first is not None and seg.k_first is not None
+        n, lq = seg.q_index.shape
+        lk = seg.k_index.shape[1]
+        a, c = seg.q_first, seg.k_first
+        qs = _stack(q, a, n, lq)  # (n, H, Lq, D)
+        ks = _stack(k, c, n, lk)  # (n, Hkv, Lk, D)
+        vs = _stack(v, c, n, lk)  # (n, Hkv, Lk, Dv)
+        gs = None if log_gates is None else _stack(log_gates, c, n, lk)  # (n, H, Lk)
+        spec = ScoreSpec(encoding=encoding, q_positions=seg.q_positions, k_positions=seg.k_positions, causal=geometry.causal,
+                         scale=scale, memo=memo, consecutive=seg.consecutive, known_q_start=seg.q_start,
+                         known_k_start=seg.k_start, known_aligned=seg.aligned, log_gates=gs)
+        o, name = run(qs, ks, vs, spec, backend, rotate, extras)  # (n, H, Lq, Dv)
+        outs.append(o.transpose(0, 1).reshape(h, n * lq, -1))  # (H, n*Lq, Dv)
+        where.append(torch.arange(a, a + n * lq, device=q.device))
+        firsts.append(a)
+    if len(outs) == 1 and firsts[0] == 0 and outs[0].shape[1] == tq:
+        return outs[0].unsqueeze(0), name  # one run, every query in order: (1, H, Tq, Dv)
+    out = q.new_zeros(h, tq, v.shape[-1])  # queries outside every run (padding) stay 0
+    if outs:
+        out = out.index_copy(1, torch.cat(where), torch.cat(outs, dim=1))
+    return out.unsqueeze(0), name  # (1, H, Tq, Dv)
 
 
 def _check_gates(log_gates, encoding, b: int, h: int, tk: int) -> None:

@@ -28,4 +28,4 @@ def test_readme_commands_are_the_ci_ones() -> None:
     text = README.read_text()
     ci = (README.parent / ".ci" / "run").read_text().strip().splitlines()[-1]
     assert ci in text, "README's test command must be the one .ci/run runs"
-    assert "bash setup.sh && .venv/bin/posenc study --preset default --out runs/default" in text
+    assert "bash setup.sh && .venv/bin/posenc study --preset default --jobs auto --out runs/default" in text
