@@ -28,8 +28,7 @@ import math
 import torch
 
 from . import backends
-from .backends.parts import single, windows
-from .backends.parts.regions import repeated_heads
+from .backends.parts import windows
 from .backends.parts.windows import Extras
 from .call.axes import as_taken, check_takes_axes
 from .call.geometry import Geometry, ScoreSpec
@@ -239,8 +238,8 @@ def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec, back
         if extras.query_scale is not None:
             q = scaled_queries(q, extras.query_scale, spec.q_positions)
         if extras.restricts:
-            return windows.attend(q, k, v, spec, extras, backend, _call)
-    return _call(q, k, v, spec, backend)
+            return windows.attend(q, k, v, spec, extras, backend, backends.attend)
+    return backends.attend(backend, q, k, v, spec)
 
 
 def _unseen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec, backend: str, rotate: bool,
@@ -260,19 +259,6 @@ def _kernel_ready(x: torch.Tensor) -> torch.Tensor:
     if x.stride(-1) != 1 or any(st == 0 and n > 1 for st, n in zip(x.stride(), x.shape)):
         return x.contiguous()
     return x
-
-
-def _call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec, backend: str) -> tuple[torch.Tensor, str]:
-    """The backend call itself on rotated q and k, grouped key/value heads broadcast or repeated."""
-    name, chosen = backends.choose(backend, spec, q)
-    group = q.shape[1] // k.shape[1]
-    if group > 1:
-        if backends.takes_grouped_heads(chosen, spec):  # sdpa's kernel, blocked: each key/value head read for its group
-            return chosen.attend(q, k, v, spec), name
-        if name != "eager" and not (spec.has_query_terms or spec.has_value_terms) and single.applies(spec, q, k, v):
-            return single.attend(q, k, v, spec), name  # a decode step: the query heads of a group as its queries
-        k, v = repeated_heads(k, v, q.shape[1])  # (B, H, Tk, D)
-    return chosen.attend(q, k, v, spec), name
 
 
 def _segments(q, k, v, encoding, geometry: Geometry, scale: float, memo: ForwardMemo, backend: str, rotate: bool,
@@ -303,9 +289,7 @@ def _segments(q, k, v, encoding, geometry: Geometry, scale: float, memo: Forward
         if rotating:  # the rotation reads contiguous rows faster than the transposed view
             qs, ks = qs.contiguous(), ks.contiguous()
         gs = None if gf is None else gf[ki].view(n, lk, h).transpose(1, 2)  # (n, H, Lk)
-        spec = ScoreSpec(encoding=encoding, q_positions=seg.q_positions, k_positions=seg.k_positions, causal=geometry.causal, scale=scale,
-                         memo=memo, consecutive=seg.consecutive,
-                         known_q_start=seg.q_start, known_k_start=seg.k_start, known_aligned=seg.aligned, log_gates=gs)
+        spec = geometry.run_spec(seg, encoding, scale, memo, gs)
         o, name = run(qs, ks, vs, spec, backend, rotate, extras)  # (n, H, Lq, D)
         outs.append(o.transpose(1, 2).reshape(n * lq, h, -1))
         where.append(seg.q_index.reshape(-1))
@@ -343,9 +327,7 @@ def _tiled_runs(q, k, v, encoding, geometry: Geometry, scale: float, memo: Forwa
         ks = _stack(k, c, n, lk)  # (n, Hkv, Lk, D)
         vs = _stack(v, c, n, lk)  # (n, Hkv, Lk, Dv)
         gs = None if log_gates is None else _stack(log_gates, c, n, lk)  # (n, H, Lk)
-        spec = ScoreSpec(encoding=encoding, q_positions=seg.q_positions, k_positions=seg.k_positions, causal=geometry.causal,
-                         scale=scale, memo=memo, consecutive=seg.consecutive, known_q_start=seg.q_start,
-                         known_k_start=seg.k_start, known_aligned=seg.aligned, log_gates=gs)
+        spec = geometry.run_spec(seg, encoding, scale, memo, gs)
         o, name = run(qs, ks, vs, spec, backend, rotate, extras)  # (n, H, Lq, Dv)
         outs.append(o.transpose(0, 1).reshape(h, n * lq, -1))  # (H, n*Lq, Dv)
         where.append(torch.arange(a, a + n * lq, device=q.device))

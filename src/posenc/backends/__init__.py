@@ -28,7 +28,9 @@ import torch
 
 from ..errors import UsageError
 from . import blocked, contextual, eager, features, flex, gated, sdpa, terms
+from .parts import single
 from .parts.base import ScoreSpec
+from .parts.regions import repeated_heads
 
 
 @runtime_checkable
@@ -108,4 +110,24 @@ def choose(name: str, spec: ScoreSpec, q: torch.Tensor) -> tuple[str, Backend]:
     return "eager", eager
 
 
-__all__ = ["AUTO", "BACKENDS", "Backend", "ScoreSpec", "allowed", "check_name", "choose", "name_of", "names", "takes_grouped_heads"]
+
+def attend(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec) -> tuple[torch.Tensor, str]:
+    """The one door into the backends: the call run by the backend :func:`choose` picks, on rotated
+    q (B, H, Tq, D) and k, v (B, Hkv, Tk, D); returns (output (B, H, Tq, Dv), the backend's name).
+
+    Grouped key/value heads (Hkv < H) go as they are to a backend that takes them (sdpa's kernel,
+    blocked: each key/value head read for its group); a decode step without query or value terms
+    runs the query heads of a group as its queries (:mod:`.parts.single`); any other call gets k
+    and v repeated to H heads."""
+    chosen_name, chosen = choose(name, spec, q)
+    if q.shape[1] // k.shape[1] > 1:
+        if takes_grouped_heads(chosen, spec):
+            return chosen.attend(q, k, v, spec), chosen_name
+        if chosen_name != "eager" and not (spec.has_query_terms or spec.has_value_terms) and single.applies(spec, q, k, v):
+            return single.attend(q, k, v, spec), chosen_name
+        k, v = repeated_heads(k, v, q.shape[1])  # (B, H, Tk, D)
+    return chosen.attend(q, k, v, spec), chosen_name
+
+
+__all__ = ["AUTO", "BACKENDS", "Backend", "ScoreSpec", "allowed", "attend", "check_name", "choose", "name_of", "names",
+           "takes_grouped_heads"]

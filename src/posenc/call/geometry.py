@@ -301,6 +301,14 @@ class Geometry:
             consecutive=self.consecutive, known_q_start=self._q_start, known_k_start=self._k_start, known_aligned=self._aligned, log_gates=log_gates,
         )
 
+    def run_spec(self, run: Run, encoding: PositionalEncoding, scale: float, memo: ForwardMemo,
+                 log_gates: torch.Tensor | None = None) -> ScoreSpec:
+        """The backend call of one stacked run of a segmented geometry (``log_gates`` (n, H, Lk): the
+        run's keys' gates)."""
+        return ScoreSpec(encoding=encoding, q_positions=run.q_positions, k_positions=run.k_positions, causal=self.causal,
+                         scale=scale, memo=memo, consecutive=run.consecutive, known_q_start=run.q_start,
+                         known_k_start=run.k_start, known_aligned=run.aligned, log_gates=log_gates)
+
     # Filled by ``of`` for a uniform geometry (ints known without reading the device).
     _q_start: int = 0
     _k_start: int = 0

@@ -161,11 +161,11 @@ def plan(qv: list[int], kv: list[int], extras: Extras, causal: bool) -> list[tup
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec, extras: Extras, backend: str,
-           call: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, ScoreSpec, str], tuple[torch.Tensor, str]]) -> tuple[torch.Tensor, str]:
+           call: Callable[[str, torch.Tensor, torch.Tensor, torch.Tensor, ScoreSpec], tuple[torch.Tensor, str]]) -> tuple[torch.Tensor, str]:
     """(out (B, H, Tq, D), backend name) for q (B, H, Tq, D), k/v (B, Hkv, Tk, D), already rotated.
 
-    ``call(q, k, v, spec, backend)`` is the ordinary backend call (grouped heads included), used for
-    the plain blocks.
+    ``call(backend, q, k, v, spec)`` is the ordinary backend call, grouped heads included
+    (:func:`posenc.backends.attend`), used for the plain blocks.
     """
     tq, h = q.shape[-2], q.shape[1]
     if extras.sinks is not None and extras.sinks.numel() != h:
@@ -185,7 +185,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec, e
                         workspace=spec.workspace if q1 - q0 == 1 else None, known_q_start=qv[q0], known_k_start=kv[k0] if k1 > k0 else 0)
         qb, kb, vb = q[:, :, q0:q1], k[:, :, k0:k1], v[:, :, k0:k1]
         if plain and not extras.written_out and k1 > k0:
-            o, name = call(qb, kb, vb, sub, backend)
+            o, name = call(backend, qb, kb, vb, sub)
         else:
             if group > 1:
                 kb, vb = repeated_heads(kb, vb, h)  # (B, H, L, D)
