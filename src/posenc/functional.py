@@ -31,8 +31,9 @@ from . import backends
 from .backends.parts import windows
 from .backends.parts.windows import Extras
 from .call.axes import as_taken, check_takes_axes
-from .call.geometry import Geometry, ScoreSpec
+from .call.geometry import Geometry
 from .call.memo import ForwardMemo
+from .call.spec import ScoreSpec
 from .encodings.base import PositionalEncoding, content_scale
 from .encodings.protocol import Gates, Rotates, offers, require
 from .encodings.query_scale import QueryScale, scaled_queries

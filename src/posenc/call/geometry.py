@@ -13,9 +13,8 @@ Two levels:
   padding left out -- and segments with identical positions are stacked into one :class:`Run`, so
   a packed row of eight documents of 512 tokens runs as a batch of eight 512-token calls: the cost
   grows with the sum of the squared document lengths, never with Tq x Tk, and no (N, N) mask exists.
-- :class:`ScoreSpec` is what one backend call receives besides q, k, v: 1-D positions, the encoding,
-  ``causal``, ``scale``, and the derived facts (``consecutive``, ``q_start``/``k_start``,
-  ``aligned``) that the backends' fast paths rely on.
+- Each backend call it plans is a :class:`~posenc.call.spec.ScoreSpec` (:mod:`posenc.call.spec`),
+  made here (:meth:`Geometry.spec`, :meth:`Geometry.run_spec`).
 
 Definitions (shape legend: B batch, T tokens, Tq queries, Tk keys):
 
@@ -43,16 +42,16 @@ each row run alone; a uniform batch gives the same segments as the same position
 
 from __future__ import annotations
 
-from dataclasses import InitVar, dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import torch
 
 from ..encodings.base import PositionalEncoding, position_axes_of
-from ..encodings.protocol import Biases, QueryTerms, Scores, ValueTerms, offers, require
 from ..errors import UsageError
 from .axes import check_axis_positions, in_words, label, one_axis_hint, text_continuation
 from .axes import integer_tensor as _integer
-from .memo import ForwardMemo, Workspace
+from .memo import ForwardMemo
+from .spec import ScoreSpec
 
 
 def check_positions(positions: torch.Tensor, length: int, past: int | None = None) -> bool:
@@ -87,152 +86,6 @@ def _check_run(values: list[int], past: int | None = None, name: str = "position
             f"got {values[0]}..{values[-1]}"
         )
     return consecutive
-
-
-@dataclass(kw_only=True)
-class ScoreSpec:
-    """Everything besides q, k, v that defines the scores of one backend call (1-D positions).
-
-    ``consecutive``, ``q_start``, ``k_start`` and ``aligned`` are derived from the positions when
-    not given (one host read); :class:`Geometry` gives them, so a model forward reads positions once.
-    """
-
-    encoding: PositionalEncoding
-    q_positions: torch.Tensor  # (Tq,) absolute positions of the queries
-    k_positions: torch.Tensor  # (Tk,) absolute positions of the keys
-    causal: bool
-    scale: float
-    # What this model forward computes once for all its layers (a fresh one for a lone call).
-    memo: ForwardMemo = field(default_factory=ForwardMemo, repr=False)
-    # Positions step by one (the usual case). Randomized positions skip values: then only backends
-    # that read every position (eager, sdpa with a dense bias) may run the call.
-    consecutive: bool = True
-    # Left padding (generation in batches): row b's real tokens start at position starts[b] (B,);
-    # keys before it are hidden from the row's real queries. A padding query sees the padding
-    # before it (so no softmax row is empty); its output is never used. None: no padding.
-    starts: torch.Tensor | None = None
-    # Buffers kept between decode steps by the KV cache; None for a lone call.
-    workspace: Workspace | None = field(default=None, repr=False)
-    # First query / key position (consecutive positions: query a is key a + q_start - k_start),
-    # and whether the queries are the last Tq keys, position for position (a full pass, or a cached
-    # step): derived from the positions, or given as known_* by a caller that knows them already.
-    q_start: int = field(init=False)
-    k_start: int = field(init=False)
-    aligned: bool = field(init=False)
-    # Per-key log forget gates (B, H, Tk) of the keys, in key order (:class:`Gates`, the Forgetting
-    # Transformer): the score of query i and key j gains sum of log f_l over the keys l after j up
-    # to i. None: no gates. Only backends that know them run such a call (``gated``, ``eager``):
-    # they make ``has_query_terms`` true, so every fast path without them steps aside.
-    log_gates: torch.Tensor | None = field(default=None, repr=False)
-    known_q_start: InitVar[int | None] = None
-    known_k_start: InitVar[int | None] = None
-    known_aligned: InitVar[bool | None] = None
-
-    def __post_init__(self, known_q_start: int | None, known_k_start: int | None, known_aligned: bool | None) -> None:
-        tq, tk = self.q_positions.numel(), self.k_positions.numel()
-        if self.workspace is None:
-            self.workspace = self.memo.workspace  # a caller's cache outside posenc (posenc.hf), or None
-        if known_q_start is None:
-            known_q_start = int(self.q_positions[0]) if tq else 0
-        if known_k_start is None:
-            known_k_start = int(self.k_positions[0]) if tk else 0
-        if known_aligned is None:
-            if tq == 0 or tq > tk:
-                known_aligned = tq == 0
-            else:
-                known_aligned = bool(self.q_positions[0] == self.k_positions[tk - tq]) and bool(self.q_positions[-1] == self.k_positions[-1])
-        self.q_start, self.k_start, self.aligned = known_q_start, known_k_start, known_aligned
-        # What the encoding offers, asked once per spec (plain attributes: nothing for a compiler to trace).
-        self.has_bias = offers(self.encoding, Biases)
-        self.has_query_terms = offers(self.encoding, QueryTerms) or self.log_gates is not None
-        self.has_value_terms = offers(self.encoding, ValueTerms)
-        self.has_score_mod = offers(self.encoding, Scores)
-
-    @property
-    def contained(self) -> bool:
-        """Consecutive positions, and every query position is also a key position (so every
-        causal row sees itself)."""
-        tq, tk = self.q_positions.numel(), self.k_positions.numel()
-        return self.consecutive and tq > 0 and tk > 0 and self.q_start >= self.k_start and self.q_start + tq <= self.k_start + tk
-
-    @property
-    def offset(self) -> int:
-        """Query a is key a + offset (consecutive positions)."""
-        return self.q_start - self.k_start
-
-    @property
-    def plain(self) -> bool:
-        """No score terms at all: content attention plus (maybe) the causal mask."""
-        return not (self.has_bias or self.has_query_terms or self.has_value_terms)
-
-    def bias(self, q_positions: torch.Tensor | None = None) -> torch.Tensor:
-        """Dense (H, Tq, Tk) bias for these (or the given) queries; the whole call's is memoised
-        per forward for encodings shared across layers."""
-        if q_positions is None or q_positions is self.q_positions:
-            return self.memo.dense_bias(self.encoding, self.q_positions, self.k_positions)
-        return require(self.encoding, Biases).bias(q_positions, self.k_positions)
-
-    def allowed(self, q_positions: torch.Tensor | None = None) -> torch.Tensor | None:
-        """(Tq, Tk) bool, True where a query may see a key; None when every pair is allowed."""
-        if not self.causal:
-            return None
-        q_positions = self.q_positions if q_positions is None else q_positions
-        return self.k_positions[None, :] <= q_positions[:, None]
-
-    def hidden(self, q_positions: torch.Tensor | None = None) -> torch.Tensor | None:
-        """(B, 1, Tq, Tk) bool, True where left padding hides a key from a query (a padding key,
-        a real query); None without padding."""
-        if self.starts is None:
-            return None
-        q_positions = self.q_positions if q_positions is None else q_positions
-        starts = self.starts[:, None, None, None]  # (B, 1, 1, 1)
-        return (self.k_positions[None, None, None, :] < starts) & (q_positions[None, None, :, None] >= starts)
-
-    def query_terms(self, q: torch.Tensor, k: torch.Tensor, q_positions: torch.Tensor, cumulative: torch.Tensor | None = None) -> torch.Tensor:
-        """Every query-dependent score term of these queries, (B, H, C, Tk) in logits: the
-        encoding's ``query_terms`` and the gates' decay (``cumulative``: :meth:`cumulative_gates`).
-        Only for a call that has them (``has_query_terms``).
-
-        Raises:
-            TypeError: the call has no query terms (a backend's bug, not a user's).
-        """
-        enc = self.encoding
-        terms = enc.query_terms(q, k, q_positions, self.k_positions) if offers(enc, QueryTerms) else None
-        if self.log_gates is not None:
-            decay = gate_decay(self.cumulative_gates() if cumulative is None else cumulative, q_positions, self.k_positions)
-            terms = decay if terms is None else terms.to(decay.dtype) + decay
-        if terms is None:
-            raise TypeError(f"{type(enc).__name__} has no query terms here (ask has_query_terms first)")
-        return terms
-
-    def cumulative_gates(self) -> torch.Tensor:
-        """c = cumsum of the log gates over the keys, (B, H, Tk), in float32 (float64 for float64)."""
-        g = self.log_gates
-        if g is None:
-            raise TypeError("cumulative_gates of a call without log gates (ask log_gates first)")
-        return g.cumsum(-1, dtype=torch.float64 if g.dtype == torch.float64 else torch.float32)
-
-    def part(self, q_positions: torch.Tensor, k_positions: torch.Tensor) -> ScoreSpec:
-        """The same call for a sub-range of its queries and keys, without padding or log gates (the
-        backends that split calls by rows take no gated call); its workspace is the memo's (a
-        caller's cache outside posenc, whose entries are keyed by what made them), else none."""
-        return ScoreSpec(encoding=self.encoding, q_positions=q_positions, k_positions=k_positions, causal=self.causal, scale=self.scale,
-                         memo=self.memo, consecutive=self.consecutive)
-
-
-def gate_decay(cumulative: torch.Tensor, q_positions: torch.Tensor, k_positions: torch.Tensor) -> torch.Tensor:
-    """The gates' score term (Lin et al. 2025, "Forgetting Transformer", eq. 4), (B, H, C, Tk).
-
-    ``cumulative`` (B, H, Tk): c = cumsum of the keys' log gates. Query i (its own key, the last
-    key at or before its position) and key j get sum_{l=j+1..i} log f_l = c_i - c_j; a key after
-    the query (bidirectional calls) gets c_j - c_i, the gates between them. The difference is
-    taken here, for these C queries only, in c's dtype.
-    """
-    own = (torch.searchsorted(k_positions, q_positions, right=True) - 1).clamp(min=0)  # (C,) key index
-    ci = cumulative[..., own, None]  # (B, H, C, 1)
-    cj = cumulative[..., None, :]  # (B, H, 1, Tk)
-    later = (k_positions[None, :] > q_positions[:, None])  # (C, Tk)
-    return torch.where(later, cj - ci, ci - cj)
 
 
 @dataclass(frozen=True)
@@ -562,4 +415,4 @@ def _documents(positions: list[int] | None, docs: list | None, start: int, end: 
     return out
 
 
-__all__ = ["Geometry", "Run", "ScoreSpec", "check_positions", "gate_decay"]
+__all__ = ["Geometry", "Run", "check_positions"]

@@ -15,8 +15,9 @@ from torch import nn
 from .. import backends
 from ..backends.parts.windows import Extras
 from ..call.axes import as_taken, check_takes_axes
-from ..call.geometry import Geometry, ScoreSpec, check_positions
+from ..call.geometry import Geometry, check_positions
 from ..call.memo import ForwardMemo
+from ..call.spec import ScoreSpec
 from ..encodings.base import PositionalEncoding, content_scale
 from ..encodings.protocol import Gates, Rotates, offers, require
 from ..encodings.query_scale import QueryScale

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ...call.geometry import ScoreSpec
+from ...call.spec import ScoreSpec
 
 
 def additive_mask(allowed: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:

@@ -54,7 +54,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from ...call.geometry import ScoreSpec
+from ...call.spec import ScoreSpec
 from ...encodings.protocol import Biases, QueryTerms, ValueTerms, require
 from ...encodings.query_scale import QueryScale, check_query_scale
 from ...errors import UsageError
