@@ -224,7 +224,7 @@ def test_bad_options_name_the_parameter(options, message):
 
 
 # --------------------------------------------------------------------------------------------
-# The fast path (terms' DisentangledTables path, backends/parts/disentangled.py).
+# The fast path (terms' DisentangledTables path: backends/parts/disentangled.py, its decode step in parts/single.py).
 
 FAST = [  # (position_buckets, max_relative_positions, pos_att_type): log buckets, v1, b < 4, odd b
     (8, 20, "c2p|p2c"), (16, 24, "p2c"), (6, 12, "c2p"), (0, 6, "c2p|p2c"), (2, 5, "c2p|p2c"), (5, 14, "p2c|c2p"),
@@ -242,12 +242,12 @@ def forced(monkeypatch):
 
 def spied(monkeypatch):
     """Record the calls of the fast full pass and the fast decode step."""
-    from posenc.backends.parts import disentangled
+    from posenc.backends.parts import disentangled, single
 
     taken = []
-    for name in ("attention", "step"):
-        original = getattr(disentangled, name)
-        monkeypatch.setattr(disentangled, name, lambda *a, _f=original, _n=name: taken.append(_n) or _f(*a))
+    for module, name, label in ((disentangled, "attention", "attention"), (single, "disentangled", "step")):
+        original = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, _f=original, _n=label: taken.append(_n) or _f(*a))
     return taken
 
 

@@ -167,7 +167,7 @@ def test_grouped_query_heads_equal_repeated_heads():
 @pytest.mark.parametrize("tq, tk", [(300, 300), (37, 300), (1, 300), (65, 65), (513, 513)])
 def test_the_gated_backend_equals_eager(tq, tk):
     from posenc.backends import eager, gated
-    from posenc.call.geometry import ScoreSpec
+    from posenc.call.spec import ScoreSpec
 
     torch.manual_seed(tq + tk)
     enc = posenc.build("nope", num_heads=H, head_dim=D)
@@ -226,7 +226,7 @@ def test_the_feature_path_without_the_flash_kernel_equals_the_kernel_path(monkey
     """Where the CPU flash kernel with its log-sum-exp is missing, the gates ride on the keys as a
     feature of public SDPA: the same outputs and gradients (float64)."""
     from posenc.backends import gated
-    from posenc.call.geometry import ScoreSpec
+    from posenc.call.spec import ScoreSpec
 
     torch.manual_seed(7)
     enc = posenc.build("nope", num_heads=H, head_dim=D)

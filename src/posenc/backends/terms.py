@@ -73,7 +73,7 @@ def _path(spec: ScoreSpec, q: torch.Tensor) -> Path | None:
         if offers(enc, DistanceKeys):
             return single.distance_keys
         if offers(enc, DisentangledTables) and not spec.has_value_terms:
-            return disentangled.step
+            return single.disentangled
     if spec.starts is not None:
         return None
     if not FLASH_OPS or not spec.consecutive or q.device.type != "cpu" or q.dtype not in FAST_DTYPES or spec.has_bias or not spec.contained:

@@ -24,6 +24,8 @@ The methods with query and value terms get the same treatment (the ``terms`` bac
   key per distance; the workspace keeps them for distances C-1..0 (reversed, as above, extended
   only when the cache doubles), so a step is one product of the query with a view of them, written
   into the scratch buffer, and one fused call with it as the mask (:func:`distance_keys`).
+- DeBERTa (``disentangled_tables``): the band's keys written out with both position terms, the far
+  keys, which all read one row, one fused call of a shifted query (:func:`disentangled`).
 
 The workspace belongs to a KV cache (one for all layers of a model; shared encodings share their
 entries); a lone call gets a fresh one, which then allocates as any call would.
@@ -41,8 +43,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...call.memo import Workspace
-from ...encodings.protocol import Biases, ClippedTables, DistanceBias, DistanceKeys, offers, require
+from ...encodings.protocol import Biases, ClippedTables, DisentangledTables, DistanceBias, DistanceKeys, offers, require
 from .base import ScoreSpec, accumulation_dtype, needs_grad
+from .disentangled import tables as disentangled_tables
 from .padding import by_rows
 from .regions import Merge, kernel_forward
 
@@ -194,6 +197,91 @@ def distance_keys(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: Score
 Attend = Callable[..., torch.Tensor]  # a backend's attend(q, k, v, spec, **options) -> (B, H, Tq, D)
 
 
+def _disentangled_rows(encoding: DisentangledTables, c: int, device: torch.device) -> tuple[torch.Tensor, list[int], list[int]]:
+    """What a decode step needs of the rows for up to C keys, made once per capacity: the rows of
+    r = 1-C..0 (C,) (slot x holds r = x - (C-1): the keys of a step with Tk keys are the last Tk
+    slots), the same as a list, and for every slot x the last slot of the run of equal rows that
+    starts there (where the far past of a step whose first key is slot x ends)."""
+    rows = encoding.relative_rows(torch.arange(1 - c, 1, device=device))  # (C,)
+    listed = rows.tolist()
+    run_end = list(range(c))
+    for x in range(c - 2, -1, -1):
+        if listed[x] == listed[x + 1]:
+            run_end[x] = run_end[x + 1]
+    return rows, listed, run_end
+
+
+def disentangled(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec) -> torch.Tensor:
+    """DeBERTa's disentangled terms (:mod:`.disentangled`) for one query at the last key, no
+    gradient: the band's keys written out, the far keys one fused call of the shifted query
+    (log-sum-exp shifted by q . A[t_p]), merged; (B, H, 1, D).
+
+    What does not change from step to step is kept in the KV cache's workspace (``spec.workspace``,
+    :class:`~posenc.call.memo.Workspace`): the rows of every distance up to the cache's capacity and
+    where their runs end (integers, rebuilt when the cache grows), the position tables (rebuilt
+    when a parameter of the encoding changes: their versions are in the key) and the band's rows of
+    them (for the band's width and far row). A step then computes no table and no row: its work is
+    O(keys x D), the band's keys written out and the far keys in the fused kernel.
+    """
+    enc = spec.encoding
+    tk, acc, dt, dev = k.shape[-2], accumulation_dtype(q.dtype), q.dtype, q.device
+    ws = workspace(spec)
+    c, ident = ws.fit(tk), ws.hold(enc)
+    step_rows: tuple[torch.Tensor, list[int], list[int]] = ws.get(
+        ("disentangled_rows", ident), (c, dev), lambda: _disentangled_rows(require(enc, DisentangledTables), c, dev))
+    slots, listed, run_end = step_rows
+    first = c - tk  # the slot of key 0 (r = 1 - Tk)
+    e_p = min(run_end[first] - (c - 1), -1)  # the far past: r <= e_p, every key there reads row listed[first]
+    far = max(0, tk + e_p)  # keys 0..far-1
+    width, t_p = tk - far, listed[first]
+    params = versions(enc)
+
+    Tables = tuple[torch.Tensor | None, torch.Tensor | None, float]
+    Band = tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]
+
+    def made() -> Tables:
+        a_table, b_table, term_scale = disentangled_tables(spec)  # (H, R, D) each, or None
+        return (None if a_table is None else (a_table * term_scale).to(dt),
+                None if b_table is None else (b_table * term_scale).to(dt), term_scale)
+
+    kept: Tables = ws.get(("disentangled_tables", ident), (params, dt, dev), made)
+    a_table, b_table, _ = kept
+
+    def band_rows() -> Band:
+        t = slots[c - width :]  # (w,) the rows of r = 1-w..0
+        return (None if a_table is None else a_table[:, t], None if b_table is None else b_table[:, t],  # (H, w, D)
+                None if a_table is None else a_table[:, t_p], None if b_table is None else b_table[:, t_p] / spec.scale)
+
+    band_kept: Band = ws.get(("disentangled_band", ident), (width, t_p, params, dt, dev), band_rows)
+    a_band, b_band, a_far, b_far = band_kept
+    pad, _ = padding(spec, tk, dt, dev)
+    scores = torch.matmul(q, k[:, :, far:].transpose(-1, -2)).to(acc) * spec.scale  # (B, H, 1, w)
+    if a_band is not None:
+        scores = scores + torch.matmul(q, a_band.transpose(-1, -2)).to(acc)  # (B, H, 1, w)
+    if b_band is not None:
+        scores = scores + (k[:, :, far:] * b_band).sum(-1)[:, :, None, :].to(acc)
+    if pad is not None:
+        scores = scores + pad[..., far:]
+    lse = torch.logsumexp(scores, dim=-1)  # (B, H, 1); never empty: the query sees itself
+    out = torch.matmul(torch.exp(scores - lse[..., None]).to(dt), v[:, :, far:]).to(acc)  # (B, H, 1, D)
+    if far == 0:
+        return out.to(dt)
+    shifted = q if b_far is None else q + b_far[None, :, None, :]
+    o_far, l_far = kernel_forward(shifted, k[:, :, :far], v[:, :, :far], False, spec.scale, None if pad is None else pad[..., :far])
+    l_far = l_far.to(acc)
+    if a_far is not None:
+        l_far = l_far + torch.matmul(q, a_far[..., None])[..., 0].to(acc)
+    if spec.starts is not None:  # a row whose far keys are all padding has no far part
+        empty = spec.starts.to(q.device) > spec.k_start + far - 1  # (B,)
+        l_far = l_far.masked_fill(empty[:, None, None], float("-inf"))
+    merged = Merge(out.shape[0], out.shape[1], 1, out.shape[-1], dt, q.device)  # (B, H, 1, D)
+    merged.add((0, 1), out, lse)
+    merged.add((0, 1), o_far, l_far)
+    return merged.out.to(dt)
+
+
+
+
 def steps_and_padding(inner: Attend) -> Attend:
     """Wrap a backend's ``attend(q, k, v, spec, **options)`` so that a decode step takes the
     single-query path (:func:`attend` here) and a left-padded call is split into unpadded calls
@@ -211,5 +299,6 @@ def steps_and_padding(inner: Attend) -> Attend:
     return wrapped
 
 
-__all__ = ["Workspace", "applies", "attend", "distance_keys", "mask", "padding", "relative_vector", "shaw", "steps_and_padding", "versions"]
+__all__ = ["Workspace", "applies", "attend", "disentangled", "distance_keys", "mask", "padding", "relative_vector", "shaw",
+           "steps_and_padding", "versions"]
 
