@@ -13,10 +13,10 @@ from __future__ import annotations
 from .call.geometry import Geometry
 from .encodings import PositionalEncoding, alibi_slopes, available, build, relative_position_bucket
 from .encodings.axial_rope import patch_positions
-from .encodings.mrope import continue_positions, mrope_from_hf, vision_text_positions
+from .encodings.mrope import continue_positions, vision_text_positions
 from .errors import UsageError
 from .functional import attend
-from .hf.rope import rope_from_hf
+from .hf.rope import mrope_from_hf, rope_from_hf
 from .hf.schedule import schedule_from_hf
 from .model.attention import Attention
 from .model.checkpoint import load_checkpoint, save_checkpoint

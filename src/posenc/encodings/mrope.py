@@ -49,10 +49,7 @@ Shape legend: B batch, H heads, T length, D head dim, F = D/2 frequencies, A axe
 
 from __future__ import annotations
 
-import math
-import numbers
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Sequence
 
 import torch
 
@@ -244,80 +241,6 @@ class MRoPE(PositionalEncoding):
                 f"mrope_interleaved={self.mrope_interleaved}, layout={self.layout!r}")
 
 
-#: transformers' default ``rope_theta`` of each M-RoPE config class, by ``model_type`` (of the
-#: text config or the whole one): Qwen2VLTextConfig and Qwen2_5_VLTextConfig 1e6,
-#: Qwen3VLTextConfig 5e5 (``default_theta``); tests/encodings/test_mrope.py checks them.
-DEFAULT_THETA = {"qwen2_vl": 1e6, "qwen2_vl_text": 1e6, "qwen2_5_vl": 1e6, "qwen2_5_vl_text": 1e6,
-                 "qwen3_vl": 5e5, "qwen3_vl_text": 5e5}
-
-
-def _hf_int(key: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-        raise UsageError(f"mrope_from_hf: {key} must be a positive integer, got {value!r}")
-    return int(value)
-
-
-def mrope_from_hf(config: object, **options: Any) -> MRoPE:
-    """An :class:`MRoPE` from a ``transformers`` Qwen2-VL / Qwen2.5-VL / Qwen3-VL config (the whole
-    config or its ``text_config``, object or ``config.json`` dict): heads, head dim, ``rope_theta``,
-    ``mrope_section`` and ``mrope_interleaved`` from ``rope_parameters`` (or ``rope_scaling``).
-
-    As Hugging Face's config and rotary classes do: ``"type": "mrope"`` (the published Qwen2-VL
-    config.json form) is the default frequencies; ``rope_theta`` is the block's, else the top
-    level's, else the config class's default (:data:`DEFAULT_THETA`: 1e6 for Qwen2-VL and
-    Qwen2.5-VL, 5e5 for Qwen3-VL; another ``model_type`` must give it); a ``model_type`` starting
-    with ``qwen3`` always interleaves (Qwen3-VL's class does whatever the flag says), any other
-    interleaves only with ``mrope_interleaved``; without ``mrope_section``, (24, 20, 20) for qwen3,
-    (16, 24, 24) otherwise. ``options`` go to :class:`MRoPE` (``causal``, ``cache_length``).
-
-    Raises:
-        UsageError: a scaled ``rope_type`` (the default frequencies only), a missing or non-integer
-            size (a numeric text such as ``"4"`` included), a ``rope_theta`` that is not a number
-            (``"1e6"`` included) or is missing for an unknown ``model_type``, or a bad section.
-    """
-    def get(cfg: object, key: str) -> Any:
-        return cfg.get(key) if isinstance(cfg, Mapping) else getattr(cfg, key, None)
-
-    text = get(config, "text_config") or config
-    block = get(text, "rope_parameters") or get(text, "rope_scaling") or {}
-    if not isinstance(block, Mapping):
-        raise UsageError(f"mrope_from_hf: rope_parameters must be a JSON object (a dict of RoPE keys), got {block!r}")
-    rope_type = block.get("rope_type", block.get("type", "default"))
-    if rope_type not in ("default", "mrope"):
-        raise UsageError(f"mrope_from_hf: rope_type {rope_type!r} is not supported (default frequencies only: "
-                         "'default', or 'mrope' as Qwen2-VL's config.json writes it)")
-    model_type = str(get(text, "model_type") or get(config, "model_type") or "")
-    qwen3 = model_type.startswith("qwen3")
-    if get(text, "num_attention_heads") is None:
-        raise UsageError("mrope_from_hf: the config has no num_attention_heads")
-    heads = _hf_int("num_attention_heads", get(text, "num_attention_heads"))
-    if get(text, "head_dim") is not None:
-        head_dim = _hf_int("head_dim", get(text, "head_dim"))
-    else:
-        hidden = _hf_int("hidden_size", get(text, "hidden_size"))
-        if hidden % heads:
-            raise UsageError(f"mrope_from_hf: hidden_size ({hidden}) must be a multiple of num_attention_heads ({heads}) "
-                             "when the config gives no head_dim")
-        head_dim = hidden // heads
-    base = block.get("rope_theta", get(text, "rope_theta"))
-    if base is None:
-        base = get(config, "rope_theta")
-    if base is None:
-        default = DEFAULT_THETA.get(model_type) or DEFAULT_THETA.get(str(get(config, "model_type") or ""))
-        if default is None:
-            raise UsageError(f"mrope_from_hf: the config gives no rope_theta and model_type {model_type!r} has no known "
-                             f"default (known: {sorted(DEFAULT_THETA)}); give rope_theta")
-        base = default
-    if isinstance(base, bool) or not isinstance(base, numbers.Real) or not math.isfinite(base) or not float(base) > 1:
-        raise UsageError(f"mrope_from_hf: rope_theta must be a number > 1, got {base!r}")
-    section = block.get("mrope_section") or ([24, 20, 20] if qwen3 else [16, 24, 24])
-    interleaved = block.get("mrope_interleaved", False)
-    if not isinstance(interleaved, bool):
-        raise UsageError(f"mrope_from_hf: mrope_interleaved must be true or false, got {interleaved!r}")
-    return MRoPE(heads, head_dim, base=float(base), mrope_section=list(section) if isinstance(section, (list, tuple)) else section,
-                 mrope_interleaved=qwen3 or interleaved, **options)
-
-
 def vision_text_positions(
     segments: Sequence[int | Sequence[int]], *, temporal_step: float = 1.0, start: int = 0
 ) -> torch.Tensor:
@@ -368,4 +291,4 @@ def continue_positions(positions: torch.Tensor, length: int) -> torch.Tensor:
     return ids.expand(3, *ids.shape)
 
 
-__all__ = ["MRoPE", "axis_positions", "continue_positions", "mrope_axes", "mrope_from_hf", "select_axes", "vision_text_positions"]
+__all__ = ["MRoPE", "axis_positions", "continue_positions", "mrope_axes", "select_axes", "vision_text_positions"]
