@@ -4,28 +4,13 @@ is written, with the exact sentence the user reads; their neighbours are accepte
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
 from posenc import cli
 from posenc.study import StudyConfig
 from posenc.study.plan import check
-
-ARGS = ["--preset", "smoke", "--steps", "4", "--checkpoint-every", "2", "--eval-lengths", "32",
-        "--valid-bytes", "512", "--threads", "1", "--dim", "16", "--depth", "1", "--num-heads", "2", "--batch-size", "2"]
-
-
-
-def study(out: Path, *extra: str) -> int:
-    return cli.main(["study", *ARGS, "--out", str(out), "--quiet", *extra])
-
-
-def one_error(capsys) -> str:
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "Traceback" not in err, err
-    return err.split(": error: ", 1)[1].rstrip("\n")
-
+from study_cli import one_error, study
 
 
 @pytest.mark.parametrize("row,message", [

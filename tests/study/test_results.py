@@ -17,20 +17,7 @@ from posenc import cli, files
 from posenc.errors import UsageError
 from posenc.study import StudyConfig, run_experiment
 from posenc.study import train as train_module
-
-ARGS = ["--preset", "smoke", "--steps", "4", "--checkpoint-every", "2", "--eval-lengths", "32",
-        "--valid-bytes", "512", "--threads", "1", "--dim", "16", "--depth", "1", "--num-heads", "2", "--batch-size", "2"]
-
-
-def study(out: Path, *extra: str) -> int:
-    return cli.main(["study", *ARGS, "--out", str(out), "--quiet", *extra])
-
-
-def one_error(capsys) -> str:
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "Traceback" not in err, err
-    return err.split(": error: ", 1)[1].rstrip("\n")
-
+from study_cli import one_error, study
 
 # ---- 3. a row's options are checked before any directory or file exists ---------------------------
 
