@@ -40,3 +40,16 @@ def tiny_lm(method: str = "alibi", *, vocab_size: int = 64, dim: int = 32, depth
             elif weights_std is not None and p.dim() == 2:
                 p.normal_(std=weights_std)
     return model.eval()
+
+
+def saved_learned_lm(folder, max_positions: int):
+    """A byte-level one-layer LM with a learned table of ``max_positions``, saved as a study saves its
+    rows (``folder/checkpoints/learned.safetensors`` and its json); returns the weights' path."""
+    from posenc.model.checkpoint import save_checkpoint
+
+    torch.manual_seed(5)
+    model = posenc.LM(posenc.LMConfig(encoding="learned", vocab_size=256, dim=32, depth=1, num_heads=2, max_positions=max_positions))
+    path = folder / "checkpoints" / "learned.safetensors"
+    path.parent.mkdir()
+    save_checkpoint(model, path)
+    return path

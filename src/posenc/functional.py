@@ -31,7 +31,7 @@ from . import backends
 from .backends.parts import windows
 from .backends.parts.windows import Extras
 from .call.axes import as_taken, check_takes_axes
-from .call.geometry import Geometry
+from .call.geometry import Geometry, Run
 from .call.memo import ForwardMemo
 from .call.spec import ScoreSpec
 from .encodings.base import PositionalEncoding, content_scale
@@ -218,8 +218,16 @@ def run_geometry(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, encoding: Po
             q, k = rotation.rotate(q, k, as_taken(encoding, q_axes), as_taken(encoding, k_axes))
         rotate = False
     if geometry.uniform:
-        return run(q, k, v, geometry.spec(encoding, scale, memo, log_gates), backend, rotate, extras)
-    return _segments(q, k, v, encoding, geometry, scale, memo, backend, rotate, extras, log_gates)
+        calls = [(q, k, v, geometry.spec(encoding, scale, memo, log_gates))]
+    else:
+        calls = _stacked_runs(q, k, v, encoding, geometry, scale, memo, rotate, log_gates)
+    outs, name = [], backend
+    for qs, ks, vs, spec in calls:
+        o, name = run(qs, ks, vs, spec, backend, rotate, extras)
+        outs.append(o)
+    if geometry.uniform:
+        return outs[0], name
+    return _put_back(outs, geometry, q, v), name
 
 
 def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec, backend: str = "auto",
@@ -262,47 +270,64 @@ def _kernel_ready(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def _segments(q, k, v, encoding, geometry: Geometry, scale: float, memo: ForwardMemo, backend: str, rotate: bool,
-              extras: Extras | None = None, log_gates: torch.Tensor | None = None) -> tuple[torch.Tensor, str]:
-    """Each run of identical segments as one stacked backend call, scattered back into place (a
-    single run that holds every query in order is the output as it is); per-key log gates travel
-    with their keys, so their sums restart at each segment."""
+def _stacked_runs(q, k, v, encoding, geometry: Geometry, scale: float, memo: ForwardMemo, rotate: bool,
+                  log_gates: torch.Tensor | None) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, ScoreSpec]]:
+    """Each run of identical segments of a segmented geometry as one stacked backend call: (q, k, v,
+    spec) of n segments, (n, H, Lq, D), (n, Hkv, Lk, D), (n, Hkv, Lk, Dv); per-key log gates travel
+    with their keys, so their sums restart at each segment.
+
+    One row whose runs each tile a contiguous range (the equal documents of a packed row) stacks
+    each run as a view of q, k, v in their own head-major layout, every (document, head) block of
+    L x D contiguous, as in a batch of the documents: no copy before the kernels. Any other geometry
+    gathers each run's tokens from the token-major (B*T, H, D) rows.
+    """
     b, h, tq, d = q.shape
-    hkv, tk = k.shape[1], k.shape[2]
+    tk, hkv = k.shape[2], k.shape[1]
     runs = geometry.runs or ()  # a segmented geometry has its runs
-    if b == 1 and runs and all(seg.q_first is not None and seg.k_first is not None for seg in runs):
-        return _tiled_runs(q, k, v, encoding, geometry, scale, memo, backend, rotate, extras, log_gates)
-    qf = q.transpose(1, 2).reshape(b * tq, h, d)  # (B*Tq, H, D)
-    kf = k.transpose(1, 2).reshape(b * tk, hkv, d)
-    vf = v.transpose(1, 2).reshape(b * tk, hkv, v.shape[-1])
-    gf = None if log_gates is None else log_gates.transpose(1, 2).reshape(b * tk, h)  # (B*Tk, H)
-    name, outs, where = backend, [], []
-    rotating = rotate and offers(encoding, Rotates)
+    if b == 1 and all(seg.q_first is not None and seg.k_first is not None for seg in runs):
+        stack, rows, contiguous = _tiled_stack, (q, k, v, log_gates), False
+    else:
+        stack, contiguous = _gathered_stack, rotate and offers(encoding, Rotates)  # the rotation reads contiguous rows faster
+        rows = (q.transpose(1, 2).reshape(b * tq, h, d), k.transpose(1, 2).reshape(b * tk, hkv, d),  # (B*T, H, D)
+                v.transpose(1, 2).reshape(b * tk, hkv, v.shape[-1]),
+                None if log_gates is None else log_gates.transpose(1, 2).reshape(b * tk, h))  # (B*Tk, H)
+    calls = []
     for seg in runs:
-        n, lq = seg.q_index.shape
-        lk = seg.k_index.shape[1]
-        # (a run that tiles a contiguous range is a slice: a view, no gather and no scatter back)
-        qi = seg.q_index.reshape(-1) if seg.q_first is None else slice(seg.q_first, seg.q_first + n * lq)
-        ki = seg.k_index.reshape(-1) if seg.k_first is None else slice(seg.k_first, seg.k_first + n * lk)
-        qs = qf[qi].view(n, lq, h, d).transpose(1, 2)  # (n, H, Lq, D)
-        ks = kf[ki].view(n, lk, hkv, d).transpose(1, 2)  # (n, Hkv, Lk, D)
-        vs = vf[ki].view(n, lk, hkv, -1).transpose(1, 2)
-        if rotating:  # the rotation reads contiguous rows faster than the transposed view
+        qs, ks, vs, gs = stack(seg, *rows)  # (n, H, Lq, D), (n, Hkv, Lk, D), (n, Hkv, Lk, Dv), (n, H, Lk) or None
+        if contiguous:
             qs, ks = qs.contiguous(), ks.contiguous()
-        gs = None if gf is None else gf[ki].view(n, lk, h).transpose(1, 2)  # (n, H, Lk)
-        spec = geometry.run_spec(seg, encoding, scale, memo, gs)
-        o, name = run(qs, ks, vs, spec, backend, rotate, extras)  # (n, H, Lq, D)
-        outs.append(o.transpose(1, 2).reshape(n * lq, h, -1))
-        where.append(seg.q_index.reshape(-1))
-    if len(runs) == 1 and runs[0].q_first == 0 and outs[0].shape[0] == b * tq:  # one run, every query in order
-        return outs[0].view(b, tq, h, -1).transpose(1, 2), name
-    out = q.new_zeros(b * tq, h, v.shape[-1])  # padding queries stay 0
-    if outs:  # one scatter for every run
-        out = out.index_copy(0, torch.cat(where), torch.cat(outs))
-    return out.view(b, tq, h, -1).transpose(1, 2), name  # (B, H, Tq, D)
+        calls.append((qs, ks, vs, geometry.run_spec(seg, encoding, scale, memo, gs)))
+    return calls
 
 
-def _stack(x: torch.Tensor, first: int, n: int, length: int) -> torch.Tensor:
+def _put_back(outs: list[torch.Tensor], geometry: Geometry, q: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """The runs' outputs (n, H, Lq, Dv) in place, (B, H, Tq, Dv): a single run that holds every query
+    in order is the output as it is; else one scatter, the queries of no run (padding) 0."""
+    b, h, tq, _ = q.shape
+    runs = geometry.runs or ()
+    flat = [o.transpose(1, 2).reshape(-1, h, o.shape[-1]) for o in outs]  # (n*Lq, H, Dv)
+    if len(runs) == 1 and runs[0].q_first == 0 and flat[0].shape[0] == b * tq:
+        return flat[0].view(b, tq, h, -1).transpose(1, 2)
+    out = q.new_zeros(b * tq, h, v.shape[-1])
+    if flat:
+        out = out.index_copy(0, torch.cat([seg.q_index.reshape(-1) for seg in runs]), torch.cat(flat))
+    return out.view(b, tq, h, -1).transpose(1, 2)
+
+
+Stacks = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]
+
+
+def _tiled_stack(seg: Run, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gates: torch.Tensor | None) -> Stacks:
+    """A run's stacks as views of one row's (1, H, T, ...) q, k, v and gates (see :func:`_stacked_runs`)."""
+    n, lq = seg.q_index.shape
+    lk = seg.k_index.shape[1]
+    a, c = seg.q_first, seg.k_first
+    assert a is not None and c is not None  # (a tiled run)
+    gs = None if gates is None else _tiled(gates, c, n, lk)
+    return _tiled(q, a, n, lq), _tiled(k, c, n, lk), _tiled(v, c, n, lk), gs
+
+
+def _tiled(x: torch.Tensor, first: int, n: int, length: int) -> torch.Tensor:
     """x (1, H, T, ...) -> its n segments of ``length`` from ``first`` as (n, H, length, ...): views only
     (the whole row is not sliced, so its backward writes the gradient in place of a zero-filled copy)."""
     row = x.squeeze(0)  # (H, T, ...)
@@ -311,34 +336,16 @@ def _stack(x: torch.Tensor, first: int, n: int, length: int) -> torch.Tensor:
     return row.unflatten(1, (n, length)).transpose(0, 1)
 
 
-def _tiled_runs(q, k, v, encoding, geometry: Geometry, scale: float, memo: ForwardMemo, backend: str, rotate: bool,
-                extras: Extras | None, log_gates: torch.Tensor | None) -> tuple[torch.Tensor, str]:
-    """:func:`_segments` for one row whose runs each tile a contiguous range (the equal documents of
-    a packed row): each run's stack is a view of q, k, v in their own head-major layout, (n, H, L, D)
-    with every (document, head) block of L x D contiguous, as in a batch of the documents; no copy
-    before the kernels, one per run after."""
-    h, tq = q.shape[1], q.shape[2]
-    name, outs, where, firsts = backend, [], [], []
-    for seg in geometry.runs or ():
-        assert seg.q_first is not None and seg.k_first is not None
-        n, lq = seg.q_index.shape
-        lk = seg.k_index.shape[1]
-        a, c = seg.q_first, seg.k_first
-        qs = _stack(q, a, n, lq)  # (n, H, Lq, D)
-        ks = _stack(k, c, n, lk)  # (n, Hkv, Lk, D)
-        vs = _stack(v, c, n, lk)  # (n, Hkv, Lk, Dv)
-        gs = None if log_gates is None else _stack(log_gates, c, n, lk)  # (n, H, Lk)
-        spec = geometry.run_spec(seg, encoding, scale, memo, gs)
-        o, name = run(qs, ks, vs, spec, backend, rotate, extras)  # (n, H, Lq, Dv)
-        outs.append(o.transpose(0, 1).reshape(h, n * lq, -1))  # (H, n*Lq, Dv)
-        where.append(torch.arange(a, a + n * lq, device=q.device))
-        firsts.append(a)
-    if len(outs) == 1 and firsts[0] == 0 and outs[0].shape[1] == tq:
-        return outs[0].unsqueeze(0), name  # one run, every query in order: (1, H, Tq, Dv)
-    out = q.new_zeros(h, tq, v.shape[-1])  # queries outside every run (padding) stay 0
-    if outs:
-        out = out.index_copy(1, torch.cat(where), torch.cat(outs, dim=1))
-    return out.unsqueeze(0), name  # (1, H, Tq, Dv)
+def _gathered_stack(seg: Run, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gates: torch.Tensor | None) -> Stacks:
+    """A run's stacks gathered from token-major (B*T, H, ...) q, k, v and gates (a slice, a view, when
+    the run tiles a contiguous range: no gather and no scatter back)."""
+    n, lq = seg.q_index.shape
+    lk = seg.k_index.shape[1]
+    qi = seg.q_index.reshape(-1) if seg.q_first is None else slice(seg.q_first, seg.q_first + n * lq)
+    ki = seg.k_index.reshape(-1) if seg.k_first is None else slice(seg.k_first, seg.k_first + n * lk)
+    gs = None if gates is None else gates[ki].view(n, lk, -1).transpose(1, 2)  # (n, H, Lk)
+    return (q[qi].view(n, lq, q.shape[1], -1).transpose(1, 2), k[ki].view(n, lk, k.shape[1], -1).transpose(1, 2),
+            v[ki].view(n, lk, v.shape[1], -1).transpose(1, 2), gs)
 
 
 def _check_gates(log_gates, encoding, b: int, h: int, tk: int) -> None:

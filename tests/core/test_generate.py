@@ -13,11 +13,10 @@ import pytest
 import torch
 
 import posenc
-from models import tiny_lm
+from models import saved_learned_lm, tiny_lm
 from posenc.cli import main
 from posenc.errors import UsageError
 from posenc.model import generate as gen
-from posenc.model.checkpoint import save_checkpoint
 from toy_encodings import registered
 
 METHODS = posenc.available()
@@ -190,12 +189,7 @@ def test_a_learned_table_bounds_prompt_and_new_tokens():
 
 @pytest.fixture
 def checkpoint(tmp_path):
-    torch.manual_seed(5)
-    model = posenc.LM(posenc.LMConfig(encoding="learned", vocab_size=256, dim=32, depth=1, num_heads=2, max_positions=40))
-    path = tmp_path / "checkpoints" / "learned.safetensors"
-    path.parent.mkdir()
-    save_checkpoint(model, path)
-    return path
+    return saved_learned_lm(tmp_path, max_positions=40)
 
 
 def test_sample_prints_the_prompt_and_what_generate_gives(checkpoint, capsys):

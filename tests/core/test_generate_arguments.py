@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import posenc
-from models import tiny_lm
+from models import saved_learned_lm, tiny_lm
 from posenc.cli import main
 from posenc.errors import UsageError
 from posenc.model import generate as gen
@@ -33,7 +33,7 @@ def raises(message: str):
 PROMPT = torch.tensor([[1, 2, 3]])
 
 
-# ---- 12. arguments ------------------------------------------------------------------------------------
+# ---- arguments ----------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("options,message", [
@@ -176,17 +176,12 @@ def test_num_return_sequences_repeats_each_prompt_in_place() -> None:
     assert len({tuple(out[r].tolist()) for r in range(3)}) > 1
 
 
-# ---- 11. posenc sample ------------------------------------------------------------------------------
+# ---- posenc sample ----------------------------------------------------------------------------------
 
 
 @pytest.fixture
 def checkpoint(tmp_path):
-    torch.manual_seed(5)
-    model = posenc.LM(posenc.LMConfig(encoding="learned", vocab_size=256, dim=32, depth=1, num_heads=2, max_positions=33))
-    path = tmp_path / "checkpoints" / "learned.safetensors"
-    path.parent.mkdir()
-    save_checkpoint(model, path)
-    return path
+    return saved_learned_lm(tmp_path, max_positions=33)
 
 
 def test_a_full_table_prompt_plus_one_token(checkpoint, capsys) -> None:

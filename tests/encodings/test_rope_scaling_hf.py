@@ -40,7 +40,7 @@ def hf_block(d: dict) -> dict:
     return dict(transformers.LlamaConfig(**copy.deepcopy(d)).rope_parameters)
 
 
-# ---- 1. rope_scaling vs rope_parameters: as transformers reads them --------------------------------
+# ---- rope_scaling vs rope_parameters: as transformers reads them --------------------------------
 
 
 COMBINATIONS = {
@@ -107,7 +107,7 @@ def test_original_length_at_both_levels_is_refused_when_they_differ() -> None:
     assert posenc.rope_from_hf(d).scaling.original_max_position_embeddings == 1024
 
 
-# ---- 2. extreme values: finite tables or a UsageError with the range --------------------------------
+# ---- extreme values: finite tables or a UsageError with the range --------------------------------
 
 
 @pytest.mark.parametrize("block,message", [
@@ -195,7 +195,7 @@ def test_valid_neighbours_are_accepted() -> None:
     assert posenc.rope_from_hf({**SIZES, "head_dim": 4, "rope_scaling": {"rope_type": "ntk", "factor": 2.0}}).rotary_dim == 4
 
 
-# ---- 8. show --scaling reads any config rope_from_hf reads, the same way -----------------------------
+# ---- show --scaling reads any config rope_from_hf reads, the same way -----------------------------
 
 
 CONFIGS = {

@@ -32,7 +32,7 @@ def raises(message: str):
     return pytest.raises(UsageError, match=f"^{re.escape(message)}$")
 
 
-# ---- 1. the sinusoidal picture ---------------------------------------------------------------------
+# ---- the sinusoidal picture ---------------------------------------------------------------------
 
 
 def test_sinusoidal_change_is_the_position_term_not_the_embedding_scale(tmp_path, capsys) -> None:
@@ -44,7 +44,7 @@ def test_sinusoidal_change_is_the_position_term_not_the_embedding_scale(tmp_path
     # The exact term is re-derived from the paper's table in tests/show/test_scores.py.
 
 
-# ---- 2. length past memory ---------------------------------------------------------------------------
+# ---- length past memory ---------------------------------------------------------------------------
 
 
 def test_length_is_bounded_before_any_allocation(capsys) -> None:
@@ -64,7 +64,7 @@ def test_length_is_bounded_before_any_allocation(capsys) -> None:
         score_map(posenc.build("learned", num_heads=2, head_dim=4, max_positions=16), 40)
 
 
-# ---- 3. heads, num_heads, head_dim, seed ---------------------------------------------------------------
+# ---- heads, num_heads, head_dim, seed ---------------------------------------------------------------
 
 
 @pytest.mark.parametrize("argv,message", [
@@ -92,7 +92,7 @@ def test_sizes_the_encoding_rejects_are_usage_errors(capsys) -> None:
     fails(capsys, ["show", "nosuch"], f"unknown encoding 'nosuch'; available: {', '.join(posenc.available())}")
 
 
-# ---- 4. the output path and --option --------------------------------------------------------------------
+# ---- the output path and --option --------------------------------------------------------------------
 
 
 def test_out_that_is_a_folder(tmp_path, capsys) -> None:
@@ -207,7 +207,7 @@ def test_parsed_options_take_the_constructor_types() -> None:
     assert isinstance(parse_options(["base=500"], "rope")["base"], float)
 
 
-# ---- 5. list and buckets -----------------------------------------------------------------------------
+# ---- list and buckets -----------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("argv,message", [
@@ -259,7 +259,7 @@ def test_bucket_table_at_the_largest_max_distance_is_quick() -> None:
     assert len(rows) == 4096 and rows[2047][1] is None and rows[2047][3] == "last" and rows[-1][2] is None
 
 
-# ---- 6. the picture ------------------------------------------------------------------------------------
+# ---- the picture ------------------------------------------------------------------------------------
 
 
 def test_masked_cells_render_blank_and_the_scale_is_centred(tmp_path) -> None:
@@ -288,7 +288,7 @@ def test_masked_cells_render_blank_and_the_scale_is_centred(tmp_path) -> None:
         assert abs(masked[0] - masked[2]) < 10 and masked.min() > 150  # white or the grey hatching, no colour
 
 
-# ---- 7. nothing is computed before the checks ------------------------------------------------------------
+# ---- nothing is computed before the checks ------------------------------------------------------------
 
 
 def test_checks_come_before_building_or_computing(tmp_path, monkeypatch, capsys) -> None:

@@ -12,6 +12,7 @@ from posenc.errors import UsageError
 from posenc.model.checkpoint import load_checkpoint
 from posenc.study import extend as ex
 from posenc.study.config import StudyConfig
+from posenc.study.longrope_search import SearchSettings
 from posenc.study.run import run_experiment
 
 
@@ -85,7 +86,7 @@ def test_drope_and_searched_longrope(study, tmp_path):
     record = ex.extend(ckpt, tmp_path / "drope", ex.ExtendConfig(**{**base, "scaling": "drope", "steps": 3}), progress=False)
     assert record["train"]["positions_dropped_at_step"] == 0
     assert load_checkpoint(tmp_path / "drope" / "model.safetensors").config.encoding == "nope"
-    search = ex.SearchSettings(train_length=32, target_length=64, sequences=2, population=4, generations=1, parents=2,
+    search = SearchSettings(train_length=32, target_length=64, sequences=2, population=4, generations=1, parents=2,
                                mutations=2, crossovers=1)
     record = ex.extend(ckpt, tmp_path / "lr", ex.ExtendConfig(**{**base, "scaling": "longrope", "steps": 2, "search": search}),
                        progress=False)

@@ -19,7 +19,7 @@ from posenc.study import StudyConfig, run_experiment
 from posenc.study import train as train_module
 from study_cli import one_error, study
 
-# ---- 3. a row's options are checked before any directory or file exists ---------------------------
+# ---- a row's options are checked before any directory or file exists ---------------------------
 
 
 
@@ -28,7 +28,7 @@ from study_cli import one_error, study
 
 
 
-# ---- 2. results files are strict JSON ---------------------------------------------------------------
+# ---- results files are strict JSON ---------------------------------------------------------------
 
 
 def test_results_files_refuse_nan(tmp_path) -> None:
@@ -39,7 +39,7 @@ def test_results_files_refuse_nan(tmp_path) -> None:
     assert json.loads((tmp_path / "x.json").read_text()) == {"perplexity": 1.5}
 
 
-# ---- 5. a diverged row is recorded as diverged, and the study goes on ---------------------------------
+# ---- a diverged row is recorded as diverged, and the study goes on ---------------------------------
 
 
 @pytest.fixture

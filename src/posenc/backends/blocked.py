@@ -190,7 +190,8 @@ def _backward(
     k: torch.Tensor, v: torch.Tensor, rel: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     dout = dout.contiguous()
-    grads = _Grads(q, k, v)
+    grads = _Grads(q, k, v)  # (in the inputs' layout: a stacked view's gradient needs no copy back)
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()  # (each read by several kernel calls)
     drel = torch.zeros(rel.shape, dtype=accumulation_dtype(rel.dtype), device=rel.device) if need_rel else None
     dsum = (up(dout) * up(out)).sum(-1)  # (B, H, Tq): D_i = dO_i . O_i
     h, hkv = q.shape[1], k.shape[1]

@@ -50,7 +50,7 @@ from ..encodings.base import PositionalEncoding, position_axes_of
 from ..errors import UsageError
 from .axes import check_axis_positions, in_words, label, one_axis_hint, text_continuation
 from .axes import integer_tensor as _integer
-from .memo import ForwardMemo
+from .memo import ForwardMemo, Workspace
 from .spec import ScoreSpec
 
 
@@ -161,6 +161,18 @@ class Geometry:
         return ScoreSpec(encoding=encoding, q_positions=run.q_positions, k_positions=run.k_positions, causal=self.causal,
                          scale=scale, memo=memo, consecutive=run.consecutive, known_q_start=run.q_start,
                          known_k_start=run.k_start, known_aligned=run.aligned, log_gates=log_gates)
+
+    def cached_spec(self, encoding: PositionalEncoding, scale: float, memo: ForwardMemo, *, causal: bool, k_positions: torch.Tensor,
+                    k_start: int, starts: torch.Tensor | None, workspace: Workspace | None,
+                    log_gates: torch.Tensor | None = None) -> ScoreSpec:
+        """The backend call of a step after a KV cache (a geometry of :meth:`step`): its queries, and
+        the keys the layer's cache keeps, ``k_positions`` (Tk,) from ``k_start`` (a windowed cache
+        forgets its oldest). ``starts`` (B,): each row's first real position (left padding) or None;
+        ``workspace``: the buffers the cache keeps between steps; ``log_gates`` (B, H, Tk): every
+        cached key's gate."""
+        return ScoreSpec(encoding=encoding, q_positions=self.q_positions, k_positions=k_positions, causal=causal, scale=scale,
+                         memo=memo, consecutive=self.consecutive, starts=starts, workspace=workspace,
+                         known_q_start=self._q_start, known_k_start=k_start, known_aligned=True, log_gates=log_gates)
 
     # Filled by ``of`` for a uniform geometry (ints known without reading the device).
     _q_start: int = 0

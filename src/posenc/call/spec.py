@@ -14,7 +14,7 @@ from dataclasses import InitVar, dataclass, field
 import torch
 
 from ..encodings.base import PositionalEncoding
-from ..encodings.protocol import Biases, QueryTerms, Scores, ValueTerms, offers, require
+from ..encodings.protocol import Biases, QueryTerms, RelativeBias, Scores, ValueTerms, offers, require
 from .memo import ForwardMemo, Workspace
 
 
@@ -76,6 +76,7 @@ class ScoreSpec:
         self.has_query_terms = offers(self.encoding, QueryTerms) or self.log_gates is not None
         self.has_value_terms = offers(self.encoding, ValueTerms)
         self.has_score_mod = offers(self.encoding, Scores)
+        self.relative_bias = offers(self.encoding, RelativeBias)  # a bias of i - j alone
 
     @property
     def contained(self) -> bool:
@@ -100,6 +101,11 @@ class ScoreSpec:
         if q_positions is None or q_positions is self.q_positions:
             return self.memo.dense_bias(self.encoding, self.q_positions, self.k_positions)
         return require(self.encoding, Biases).bias(q_positions, self.k_positions)
+
+    def bias_of(self, rows: slice, keys: slice) -> torch.Tensor:
+        """The encoding's bias (H or 1, Lq, Lk) of the queries ``rows`` and keys ``keys`` (index
+        ranges of this call's positions), not memoised."""
+        return require(self.encoding, Biases).bias(self.q_positions[rows], self.k_positions[keys])
 
     def allowed(self, q_positions: torch.Tensor | None = None) -> torch.Tensor | None:
         """(Tq, Tk) bool, True where a query may see a key; None when every pair is allowed."""
@@ -141,12 +147,17 @@ class ScoreSpec:
             raise TypeError("cumulative_gates of a call without log gates (ask log_gates first)")
         return g.cumsum(-1, dtype=torch.float64 if g.dtype == torch.float64 else torch.float32)
 
-    def part(self, q_positions: torch.Tensor, k_positions: torch.Tensor) -> ScoreSpec:
-        """The same call for a sub-range of its queries and keys, without padding or log gates (the
-        backends that split calls by rows take no gated call); its workspace is the memo's (a
-        caller's cache outside posenc, whose entries are keyed by what made them), else none."""
+    def part(self, q_positions: torch.Tensor, k_positions: torch.Tensor, *, padded: bool = False, q_start: int | None = None,
+             k_start: int | None = None) -> ScoreSpec:
+        """The same call for a sub-range of its queries and keys, without log gates (the backends
+        that split calls by rows take no gated call). ``padded``: keep the left padding (``starts``)
+        and, for a single query, this call's workspace (a decode step); else neither, and the
+        workspace is the memo's (a caller's cache outside posenc, whose entries are keyed by what
+        made them). ``q_start`` / ``k_start``: the first positions, when the caller knows them."""
+        keep = padded and q_positions.numel() == 1
         return ScoreSpec(encoding=self.encoding, q_positions=q_positions, k_positions=k_positions, causal=self.causal, scale=self.scale,
-                         memo=self.memo, consecutive=self.consecutive)
+                         memo=self.memo, consecutive=self.consecutive, starts=self.starts if padded else None,
+                         workspace=self.workspace if keep else None, known_q_start=q_start, known_k_start=k_start)
 
 
 def gate_decay(cumulative: torch.Tensor, q_positions: torch.Tensor, k_positions: torch.Tensor) -> torch.Tensor:

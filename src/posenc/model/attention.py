@@ -1,7 +1,7 @@
 """Multi-head self-attention: projections, the KV cache, and :func:`posenc.attend`.
 
 The attention never tests an encoding's name: it calls ``rotate`` when the encoding has it, and the
-backend asks the :class:`~posenc.call.geometry.ScoreSpec` for bias and query/value terms.
+backend asks the :class:`~posenc.call.spec.ScoreSpec` for bias and query/value terms.
 ``embed`` (absolute methods) is applied once by the model to the token embeddings, not here.
 The KV cache (:class:`~posenc.model.cache.LayerCache`) lives in :mod:`posenc.model.cache`; it holds the
 ``num_kv_heads`` key/value heads, so its memory is proportional to them.
@@ -17,7 +17,6 @@ from ..backends.parts.windows import Extras
 from ..call.axes import as_taken, check_takes_axes
 from ..call.geometry import Geometry, check_positions
 from ..call.memo import ForwardMemo
-from ..call.spec import ScoreSpec
 from ..encodings.base import PositionalEncoding, content_scale
 from ..encodings.protocol import Gates, Rotates, offers, require
 from ..encodings.query_scale import QueryScale
@@ -152,7 +151,7 @@ class Attention(nn.Module):
         if geometry is None:
             geometry = Geometry.step(b, t, past, q.device, positions=positions, encoding=self.encoding,
                                      next_positions=cache.next_positions())
-        positions, consecutive, axes = geometry.q_positions, geometry.consecutive, geometry.q_axes
+        positions, axes = geometry.q_positions, geometry.q_axes
         check_takes_axes(self.encoding, axes)
         rotates = offers(self.encoding, Rotates)
         # A rotation that depends on the current length (dynamic NTK, LongRoPE's short/long switch)
@@ -184,10 +183,8 @@ class Attention(nn.Module):
                 q, k = in_frame(q, k, positions, k_positions, cache)
             else:
                 q, k = rotation.rotate(q, k, positions, k_positions)
-        spec = ScoreSpec(encoding=self.encoding, q_positions=positions, k_positions=k_positions, causal=self.causal, scale=scale, memo=memo,
-                         consecutive=consecutive,
-                         starts=cache.starts(q.device), workspace=cache.workspace, known_q_start=past, known_k_start=cache.start, known_aligned=True,
-                         log_gates=gates)
+        spec = geometry.cached_spec(self.encoding, scale, memo, causal=self.causal, k_positions=k_positions, k_start=cache.start,
+                                    starts=cache.starts(q.device), workspace=cache.workspace, log_gates=gates)
         return run(q, k, v, spec, self.backend, rotate=False, extras=self.extras)
 
 

@@ -30,15 +30,18 @@ The modules, in the order a run meets them:
     plan.py        the study's runs (a row at a seed: paths, TrainSettings)
     pipeline.py    the stages of a run: its model (trained, fine-tuned or loaded), its scores at
                    each length, its record in results.json
+    book.py        results.json as the stages fill it (Book, its one writer), and a row's record
     executors.py   (jobs > 1, executor ray) the runs in worker processes or Ray tasks, the main
                    process keeping results.json and the one progress display
+    worker.py      a worker's side: the stages of the study, its records and log lines as messages
     studied.py     the model a study trains: posenc's LM or hf_models' StudyModel
     train.py       the training loop (it reads only its TrainSettings), optimizer and schedule,
                    clean stop on Ctrl-C, RNG state
     variants.py    evaluation variants: RoPE scalings, blockwise attention
     longrope_search.py  LongRoPE's evolutionary search of per-frequency factors (+longrope_searched)
     extend.py      ``posenc extend``: a checkpoint fine-tuned under a scaling at a longer length
-                   (its settings in extend_config.py; a transformers model's side in extend_hf.py)
+                   (its settings in extend_config.py, its command line in extend_cli.py, a
+                   transformers model's side in extend_hf.py)
     evaluation.py  windows and scoring at one length (perplexity, or recall accuracy)
     metrics.py     a run's typed score at one length (LMScore, RecallScore), as results.json writes it
     recall.py      the associative-recall task: sequences, batches, evaluation sets

@@ -30,7 +30,7 @@ MODERN = ["xpos", "xpos+blockwise", "kerple", "sandwich", "fire", "cope", "deber
 # claim longer reach (DroPE, randomized positions).
 RECALL = [*CLASSIC, *ROPE_SCALINGS, "rope+random", "rope+drop"]
 
-# The layer-schedule question (issue 19): does a NoPE layer every fourth layer, a sliding window, or
+# The layer-schedule question: does a NoPE layer every fourth layer, a sliding window, or
 # a local/global split let RoPE run past its training length (64), and at what cost in recall? Rows
 # in the schedule text form (posenc.model.schedule), depth 4: RoPE; RoPE + NoPE 3:1 (Llama 4's and
 # SmolLM3's interleaving); the same with Llama 4's temperature on the NoPE layer, its floor at a
@@ -41,7 +41,7 @@ RECALL = [*CLASSIC, *ROPE_SCALINGS, "rope+random", "rope+drop"]
 SCHEDULES = ["rope", "3x[rope] 1x[nope]", "3x[rope] 1x[nope temp=0.1/16]", "[rope window=32]",
              "3x[rope:base=1e4 window=32] 1x[rope:base=1e6]", "alibi", "nope"]
 
-# The extension question (issue 35): a RoPE model trained at 64, extended to 256 (4x) by each RoPE
+# The extension question: a RoPE model trained at 64, extended to 256 (4x) by each RoPE
 # scaling zero-shot and fine-tuned for about 5% of its pre-training steps (a +ft row each), DroPE
 # with the positions dropped after 88% (the paper's), 70% and 50% of the steps, ALiBi and NoPE as
 # anchors. LongRoPE twice: the default rule's factors and the factors of LongRoPE's search.

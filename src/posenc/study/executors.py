@@ -1,12 +1,11 @@
 """Several runs of a study at a time: local worker processes (``jobs``) or Ray tasks.
 
-The main process keeps the plan and results.json (:class:`.pipeline.Book`, the one writer of it).
+The main process keeps the plan and results.json (:class:`.book.Book`, the one writer of it).
 It hands out the runs in plan order, a run evaluated or fine-tuned from another only once that
 base has finished, applies each record a worker sends back, and shows the one progress display
-(the workers' log lines pass through it). A worker makes the stages of a serial study
-(:class:`.pipeline.Stages`) over the same plan, writes its run's own files (checkpoint, training
-state, window scores) and sends the run's record after each step (:class:`WorkerBook`) with its
-log lines (:class:`WorkerProgress`).
+(the workers' log lines pass through it). A worker (:mod:`.worker`) makes the stages of a serial
+study over the same plan, writes its run's own files and sends the run's record after each step
+with its log lines.
 
 A run's numbers depend only on the config, its seed and the threads it runs at (``threads``, each
 worker's; the batches are a function of the step, the initial model of the seed), so a study run
@@ -20,34 +19,25 @@ every worker; what they sent is in results.json, their training states are on di
 from __future__ import annotations
 
 import copy
-import json
 import multiprocessing
 import os
 import queue
-import sys
-import traceback
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Protocol, Sequence
 
 import torch
 
 from ..errors import UsageError
-from . import distributed, seeds
-from .builders import models_for
+from . import seeds
+from .book import Book
 from .config import StudyConfig
 from .data import Corpus
-from .pipeline import Book, Stages
-from .plan import Run, plan
+from .plan import Run
 from .progress import Progress
-from .results import Paths
+from .worker import Key, Message, Setup, Task, key_of, local_worker, ray_task
 
 EXECUTORS = ("local", "ray")
-
-Key = tuple[str, int]  # a run: its row's name and its seed's index
-Message = tuple  # ("log" | "warn", text), ("record", key, record), ("done", key), ("failed", key, kind, text)
-Emit = Callable[[Message], None]
-
 
 @dataclass(frozen=True)
 class Execution:
@@ -79,145 +69,12 @@ class Execution:
             raise UsageError("ray_address needs executor ray (--executor ray)")
 
 
-@dataclass(frozen=True)
-class Setup:
-    """What a worker needs to make the stages of a study (sent to it once)."""
-
-    cfg: StudyConfig
-    out: str
-    corpus: Corpus | None
-    threads: int
-    progress: bool
-
-
-@dataclass(frozen=True)
-class Task:
-    """One run for a worker: its key and the results.json entries of its row and its bases' rows
-    as they are when it starts (its record, if resumed, and its base's)."""
-
-    key: Key
-    methods: dict
-
-
-def key_of(run: Run) -> Key:
-    return run.row.name, run.index
-
-
 def chain(run: Run) -> list[Run]:
     """``run`` and its bases, nearest first."""
     out = [run]
     while out[-1].base is not None:
         out.append(out[-1].parent)
     return out
-
-
-# -- the worker's side --------------------------------------------------------------------------------
-
-
-class WorkerBook(Book):
-    """A worker's view of results.json: the entries its task brought; each save sends the records
-    this task set (its run's; a base's, trained again when its checkpoint was missing) to the main
-    process instead of writing the file."""
-
-    def __init__(self, paths: Paths, ctx: distributed.Context, cfg: StudyConfig, runs: dict[Key, Run], emit: Emit) -> None:
-        super().__init__({"methods": {}}, paths, ctx, cfg)
-        self.runs, self.emit = runs, emit
-        self.touched: dict[Key, Run] = {}  # the runs this task set a record of
-
-    def set(self, run: Run, record: dict) -> dict:
-        self.touched[key_of(run)] = run
-        return super().set(run, record)
-
-    def save(self, outputs: bool = False) -> None:
-        for key, run in self.touched.items():
-            record = self.run_of(run)
-            if record is not None:
-                self.emit(("record", key, {k: v for k, v in record.items() if k not in ("row", "seeds", "across_seeds")}))
-
-    def aggregate(self, run: Run) -> None:  # (the main process aggregates the seeds)
-        self.save()
-
-
-class WorkerProgress(Progress):
-    """Log lines and warnings sent to the main process, which shows them; no bars."""
-
-    def __init__(self, enabled: bool, emit: Emit) -> None:
-        super().__init__(enabled, bars=False)
-        self.emit = emit
-
-    def log(self, msg: str) -> None:
-        if self.enabled:
-            self.emit(("log", msg))
-
-    def warn(self, msg: str) -> None:
-        self.emit(("warn", msg))
-
-
-def make_stages(setup: Setup, emit: Emit) -> Stages:
-    """The stages of ``setup``'s study in this worker (its plan is the main process's: the same config)."""
-    torch.set_num_threads(setup.threads)
-    cfg = setup.cfg
-    paths = Paths(Path(setup.out))
-    study = plan(cfg, models_for(cfg), paths, 1)
-    ctx = distributed.Context(torch.device(cfg.device))
-    book = WorkerBook(paths, ctx, cfg, {key_of(r): r for r in study.runs}, emit)
-    return Stages(study, setup.corpus, book, ctx, WorkerProgress(setup.progress, emit), None)
-
-
-def run_task(stages: Stages, task: Task, emit: Emit) -> bool:
-    """Run ``task`` through ``stages``, sending its records, then ``done`` (True) or ``failed`` (False)."""
-    book = stages.book
-    assert isinstance(book, WorkerBook)
-    book.emit = emit
-    assert isinstance(stages.ui, WorkerProgress)
-    stages.ui.emit = emit
-    run = book.runs[task.key]
-    book.results["methods"] = copy.deepcopy(task.methods)
-    book.touched = {}
-    try:
-        stages.run(run)
-    except KeyboardInterrupt:
-        emit(("failed", task.key, "interrupt", ""))
-        return False
-    except UsageError as err:
-        emit(("failed", task.key, "usage", str(err)))
-        return False
-    except BaseException:
-        emit(("failed", task.key, "error", traceback.format_exc()))
-        return False
-    emit(("done", task.key))
-    return True
-
-
-def _local_worker(setup: Setup, tasks: Any, messages: Any) -> None:  # (multiprocessing queues)
-    """A local worker process: runs tasks until told to stop (None) or one fails."""
-    try:
-        stages = make_stages(setup, messages.put)
-        while (task := tasks.get()) is not None:
-            if not run_task(stages, task, messages.put):
-                break
-    except KeyboardInterrupt:  # (between tasks: the main process stops the study)
-        return
-
-
-_RAY_STAGES: dict[str, Stages] = {}  # a Ray worker process's stages, per study (Ray reuses its workers)
-
-
-def _ray_task(setup: Setup, task: Task) -> list[Message]:
-    """One run as a Ray task: log lines printed here (Ray forwards them), records returned."""
-    sent: list[Message] = []
-
-    def emit(message: Message) -> None:
-        if message[0] in ("log", "warn"):
-            print(message[1], file=sys.stderr, flush=True)
-        else:
-            sent.append(message)
-
-    name = setup.out + json.dumps(asdict(setup.cfg), sort_keys=True, default=str)
-    if name not in _RAY_STAGES:
-        _RAY_STAGES[name] = make_stages(setup, emit)
-    run_task(_RAY_STAGES[name], task, emit)
-    return sent
 
 
 # -- the main process's side -----------------------------------------------------------------------------
@@ -252,7 +109,7 @@ class LocalPool:
     def __init__(self, setup: Setup, jobs: int) -> None:
         mp = _context()
         self.tasks, self.messages = mp.Queue(), mp.Queue()
-        self.procs = [mp.Process(target=_local_worker, args=(setup, self.tasks, self.messages), daemon=True,
+        self.procs = [mp.Process(target=local_worker, args=(setup, self.tasks, self.messages), daemon=True,
                                  name=f"posenc-study-worker-{i}") for i in range(jobs)]
         for p in self.procs:
             p.start()
@@ -325,7 +182,7 @@ class RayPool:
                 raise UsageError(f"ray_address: cannot start or join Ray at {address or 'a local instance'} ({err})") from None
         gpus = 1 if torch.device(setup.cfg.device).type == "cuda" else 0
         self.setup = ray.put(setup)
-        self.remote = ray.remote(num_cpus=setup.threads, num_gpus=gpus, max_retries=0)(_ray_task)
+        self.remote = ray.remote(num_cpus=setup.threads, num_gpus=gpus, max_retries=0)(ray_task)
         self.pending: dict[Any, Key] = {}
 
     def submit(self, task: Task) -> None:
@@ -451,5 +308,4 @@ def schedule(pool: Pool, book: Book, runs: Sequence[Run], slots: int, ui: Progre
         raise
 
 
-__all__ = ["EXECUTORS", "Execution", "LocalPool", "RayPool", "Setup", "Task", "WorkerBook", "WorkerProgress", "cores",
-           "executor", "make_stages", "run_task", "schedule"]
+__all__ = ["EXECUTORS", "Execution", "LocalPool", "RayPool", "cores", "executor", "schedule"]

@@ -24,9 +24,9 @@ import torch
 from ..errors import UsageError
 from ..files import RunDir, lock_holder, write_json
 from . import distributed, seeds
+from .book import Book
 from .builders import models_for
 from .config import StudyConfig
-from .pipeline import Book
 from .plan import Run, plan
 from .progress import Progress
 from .results import _ADDED, SCHEMA, Paths, load_results, write_outputs

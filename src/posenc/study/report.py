@@ -8,8 +8,8 @@ intervals, or recall accuracy in distribution and far away, training tokens/s), 
 tables, the position parameters used untrained, and how it was run. Two runs: see
 :mod:`posenc.study.compare`.
 
-A little over 300 lines, on purpose: the file is the page, its sections in the order they render,
-and the few HTML helpers they share; split, a reader would have to assemble one page from two files.
+One file is the page: its sections in the order they render, and the few HTML helpers they share;
+split, a reader would have to assemble one page from two files.
 """
 
 from __future__ import annotations

@@ -149,7 +149,8 @@ def test_kernel_loops_flush_only_where_a_term_falls_with_distance(method, window
         asked.append(when)
         return real(fn, *args, when=when)
 
-    for module in ("posenc.backends.blocked", "posenc.backends.parts.sliding", "posenc.backends.parts.disentangled"):
+    for module in ("posenc.backends.blocked", "posenc.backends.parts.sliding", "posenc.backends.parts.disentangled",
+                   "posenc.backends.parts.disentangled_band"):
         monkeypatch.setattr(f"{module}.flushed", spy)
     options = {"position_buckets": 8, "max_relative_positions": 16} if method == "deberta" else {}  # a short band
     enc = posenc.build(method, num_heads=2, head_dim=8, **options)

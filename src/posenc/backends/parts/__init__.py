@@ -7,6 +7,7 @@
 - ``tails``: ``blocked``'s plan for a bias with affine tails;
 - ``explicit``: ``blocked``'s path for biases without affine tails;
 - ``distance``: ``terms``'s Transformer-XL path;
+- ``disentangled``: ``terms``'s DeBERTa path (band + far keys); ``disentangled_band`` its band, written out;
 - ``single``: one query against a KV cache (a decode step);
 - ``padding``: left-padded rows split into unpadded calls;
 - ``sliding``: a causal sliding window as flash-kernel triangles (``windows`` calls it);

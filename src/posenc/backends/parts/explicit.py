@@ -174,6 +174,7 @@ def _relative_backward(
     table: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, need_table: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     dout = dout.contiguous()
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()  # (each read by several matrix products)
     acc = accumulation_dtype(q.dtype)
     total = (up(dout) * up(out)).sum(-1)  # (B, H, Tq): D_i = dO_i . O_i
     dq, dk, dv = (torch.zeros(x.shape, dtype=acc, device=x.device) for x in (q, k, v))

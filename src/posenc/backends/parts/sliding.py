@@ -33,7 +33,6 @@ from typing import Any
 
 import torch
 
-from ...encodings.protocol import Biases, RelativeBias, offers, require
 from . import band
 from .base import ScoreSpec
 from .regions import (
@@ -52,7 +51,7 @@ from .regions import (
 )
 
 
-def applies(spec: ScoreSpec, q: torch.Tensor, window: int) -> bool:
+def _applies(spec: ScoreSpec, q: torch.Tensor, window: int) -> bool:
     """This path runs a causal window of ``window`` keys on these queries: consecutive positions,
     every query a key (a full pass or a prefill), no padding, no query or value terms, a bias only
     if it is relative (the same for every block) and no gradient reaches it, float32 or float64 on
@@ -63,7 +62,7 @@ def applies(spec: ScoreSpec, q: torch.Tensor, window: int) -> bool:
         return False
     if spec.has_query_terms or spec.has_value_terms or q.shape[-2] < 2 or window < 2 or spec.k_positions.numel() <= window:
         return False
-    if spec.has_bias and not offers(spec.encoding, RelativeBias):
+    if spec.has_bias and not spec.relative_bias:
         return False
     return not (spec.has_bias and torch.is_grad_enabled() and any(p.requires_grad for p in spec.encoding.parameters()))
 
@@ -123,10 +122,13 @@ def plan(tq: int, tk: int, offset: int, window: int, block: int | None = None) -
     return parts, lone
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec, window: int, block: int | None = None) -> torch.Tensor:
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec, window: int, block: int | None = None) -> torch.Tensor | None:
     """Windowed causal attention (B, H, T, D) for rotated q (B, H, T, D) and k, v (B, Hkv, Tk, D)
     (grouped heads as they are: the kernel broadcasts each key/value head over its group, and dk, dv
-    come back with Hkv heads). ``block`` (tests): rows per block."""
+    come back with Hkv heads), or None when this path does not run the call (:func:`_applies`).
+    ``block`` (tests): rows per block."""
+    if not _applies(spec, q, window):
+        return None
     parts, lone = plan(q.shape[-2], k.shape[-2], spec.offset, window, block)
     part_masks = [_part_mask(spec, p, q.dtype) for p in parts]
     lone_masks = [_mask(spec, r, q.dtype) if spec.has_bias else None for r in lone]
@@ -156,8 +158,7 @@ def _mask(spec: ScoreSpec, region: Region, dtype: torch.dtype) -> torch.Tensor:
 def _bias(spec: ScoreSpec, rows: tuple[int, int], keys: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
     """The encoding's bias (H or 1, Lq, Lk) of queries ``rows`` and keys ``keys`` (index ranges),
     detached: no gradient reaches it on this path (:func:`applies`)."""
-    qp, kp = spec.q_positions[slice(*rows)], spec.k_positions[slice(*keys)]
-    return require(spec.encoding, Biases).bias(qp, kp).detach().to(dtype)
+    return spec.bias_of(slice(*rows), slice(*keys)).detach().to(dtype)
 
 
 class _Window(torch.autograd.Function):
@@ -213,4 +214,4 @@ def _backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     return dq, dk, dv
 
 
-__all__ = ["applies", "attend", "plan"]
+__all__ = ["attend", "plan"]

@@ -173,16 +173,16 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec, e
     if tq == 0:
         return q.new_zeros(*q.shape[:-1], v.shape[-1]), "eager"
     window = extras.window
-    if backend == "auto" and window is not None and not extras.written_out and sliding.applies(spec, q, window):
-        return sliding.attend(q, k, v, spec, window), "blocked"  # batched flash-kernel calls, as blocked's
+    if backend == "auto" and window is not None and not extras.written_out:
+        out = sliding.attend(q, k, v, spec, window)  # batched flash-kernel calls, as blocked's; None: not this path
+        if out is not None:
+            return out, "blocked"
     qv, kv = spec.q_positions.tolist(), spec.k_positions.tolist()
     group = h // k.shape[1]
     outs, name = [], "eager"
     for q0, q1, k0, k1, plain in plan(qv, kv, extras, spec.causal):
         qp, kp = spec.q_positions[q0:q1], spec.k_positions[k0:k1]
-        sub = ScoreSpec(encoding=spec.encoding, q_positions=qp, k_positions=kp, causal=spec.causal, scale=spec.scale, memo=spec.memo,
-                        consecutive=spec.consecutive, starts=spec.starts,
-                        workspace=spec.workspace if q1 - q0 == 1 else None, known_q_start=qv[q0], known_k_start=kv[k0] if k1 > k0 else 0)
+        sub = spec.part(qp, kp, padded=True, q_start=qv[q0], k_start=kv[k0] if k1 > k0 else 0)
         qb, kb, vb = q[:, :, q0:q1], k[:, :, k0:k1], v[:, :, k0:k1]
         if plain and not extras.written_out and k1 > k0:
             o, name = call(backend, qb, kb, vb, sub)

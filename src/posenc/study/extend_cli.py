@@ -1,0 +1,101 @@
+"""``posenc extend``'s command line: its arguments, the :class:`~.extend_config.ExtendConfig` they
+give (the options given, then a study checkpoint's settings, then the defaults), and the run
+(:func:`.extend.extend`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from ..errors import UsageError
+from .extend import extend, is_transformers, study_defaults
+from .extend_config import KINDS, ExtendConfig
+from .longrope_search import SearchSettings
+
+
+def add_extend_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("checkpoint", help="a posenc checkpoint (NAME.safetensors with NAME.json), e.g. a study's "
+                                      "OUT/checkpoints/rope.safetensors (its study's settings are the defaults), or a "
+                                      "transformers model's folder (save_pretrained: config.json and weights; byte "
+                                      "tokens, train length default: its max_position_embeddings)")
+    p.add_argument("--out", required=True, help="output directory (created; never a folder of other files)")
+    p.add_argument("--scaling", required=True, choices=KINDS,
+                   help="linear (PI), ntk, yarn, llama3, longrope (given with --longrope-block, or searched with "
+                        "--search), drope (drop the positions, then recalibrate)")
+    p.add_argument("--length", type=int, help="fine-tuning (target) length (a study's default: its finetune_length)")
+    p.add_argument("--steps", type=int, required=True, help="fine-tuning steps (0: the zero-shot scaling only)")
+    p.add_argument("--train-length", type=int, help="the length the model was trained at (a study's: read)")
+    p.add_argument("--lr", type=float, help="learning rate (default 2e-4; a study's: lr x min_lr_ratio)")
+    p.add_argument("--batch-size", type=int, help="sequences per step (default: 2048 tokens per step; a study's: "
+                                                    "as many tokens as its pre-training)")
+    p.add_argument("--warmup", type=int, help="warmup steps (default: a tenth of the steps; DroPE 3%%)")
+    p.add_argument("--seed", type=int, help="the data seed (batches: seed + 1000000, the study's fine-tune stream)")
+    p.add_argument("--data", help="'default', a text file or folder, or hf:NAME[:CONFIG] (a study's: its data)")
+    p.add_argument("--valid-bytes", type=int, help="validation tokens scored at every length")
+    p.add_argument("--pack-documents", action="store_true", default=None, help="files as documents (as the study)")
+    p.add_argument("--eval-lengths", type=int, nargs="+", metavar="L",
+                   help="lengths of the before/after table (default: train length, length, 2x length)")
+    p.add_argument("--checkpoint-every", type=int, help="steps between resumable training states (default 100)")
+    p.add_argument("--longrope-block", metavar="FILE", help="a JSON file holding a longrope block (short_factor, "
+                                                             "long_factor, original_max_position_embeddings, ...)")
+    p.add_argument("--search", action="store_true", help="longrope: find the factors with LongRoPE's search first")
+    p.add_argument("--search-generations", type=int, default=8, help="the search's generations (default 8)")
+    p.add_argument("--search-population", type=int, default=16, help="the search's population (default 16)")
+    p.add_argument("--search-sequences", type=int, default=4, help="validation windows per individual (default 4)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument("--threads", type=int, help="CPU threads (torch.set_num_threads)")
+    p.add_argument("--resume", action="store_true", help="continue the extension in --out")
+    p.add_argument("--no-progress", action="store_true", help="no progress lines")
+
+
+def config_from_args(args: argparse.Namespace) -> ExtendConfig:
+    """The :class:`ExtendConfig` of the command line: given options, then a study's, then defaults."""
+    checkpoint = Path(args.checkpoint)
+    defaults = study_defaults(checkpoint, args.length)
+    given = {"length": args.length, "steps": args.steps, "train_length": args.train_length, "lr": args.lr,
+             "batch_size": args.batch_size, "warmup": args.warmup, "seed": args.seed, "data": args.data,
+             "valid_bytes": args.valid_bytes, "pack_documents": args.pack_documents, "eval_lengths": args.eval_lengths,
+             "checkpoint_every": args.checkpoint_every}
+    values = {**defaults, **{k: v for k, v in given.items() if v is not None}}
+    if "train_length" not in values and is_transformers(checkpoint):
+        from .extend_hf import train_length_of
+
+        found = train_length_of(checkpoint)
+        if found is not None:
+            values["train_length"] = found
+    if "train_length" not in values:
+        raise UsageError("train-length: give the length the model was trained at (only a study's checkpoint records it)")
+    if "length" not in values:
+        raise UsageError("length: give the fine-tuning length")
+    longrope = None
+    if args.longrope_block is not None:
+        try:
+            longrope = json.loads(Path(args.longrope_block).read_text(encoding="utf-8"))
+        except (OSError, ValueError) as err:
+            raise UsageError(f"longrope-block: {args.longrope_block} is not a readable JSON file ({err})") from None
+        if not isinstance(longrope, dict):
+            raise UsageError(f"longrope-block: {args.longrope_block} must hold one JSON object (the block)")
+    settings = None
+    if args.search:
+        settings = SearchSettings(train_length=values["train_length"], target_length=values["length"],
+                                  generations=args.search_generations, population=args.search_population,
+                                  sequences=args.search_sequences, parents=min(4, args.search_population),
+                                  seed=values.get("seed", 0))
+    return ExtendConfig(scaling=args.scaling, longrope=longrope, search=settings, **values)
+
+
+def run_extend(args: argparse.Namespace) -> int:
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    cfg = config_from_args(args)
+    record = extend(args.checkpoint, args.out, cfg, resume=args.resume, progress=not args.no_progress, device=args.device)
+    print(f"posenc extend: wrote {Path(args.out) / record['saved']['weights']} and the table in {args.out}", file=sys.stderr)
+    return 0
+
+
+__all__ = ["add_extend_arguments", "config_from_args", "run_extend"]

@@ -1,0 +1,169 @@
+"""A worker of a study run several runs at a time (:mod:`.executors`): a local process or a Ray task.
+
+It makes the stages of a serial study (:class:`.pipeline.Stages`) over the main process's plan (the
+same config), runs the tasks it is given, writes each run's own files (checkpoint, training state,
+window scores), and sends the rest as messages: the run's record after each step
+(:class:`WorkerBook`), its log lines (:class:`WorkerProgress`), then ``done`` or ``failed``. The
+main process applies them, the one writer of results.json.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import sys
+import traceback
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from ..errors import UsageError
+from . import distributed
+from .book import Book
+from .builders import models_for
+from .config import StudyConfig
+from .data import Corpus
+from .pipeline import Stages
+from .plan import Run, plan
+from .progress import Progress
+from .results import Paths
+
+Key = tuple[str, int]  # a run: its row's name and its seed's index
+Message = tuple  # ("log" | "warn", text), ("record", key, record), ("done", key), ("failed", key, kind, text)
+Emit = Callable[[Message], None]
+
+
+@dataclass(frozen=True)
+class Setup:
+    """What a worker needs to make the stages of a study (sent to it once)."""
+
+    cfg: StudyConfig
+    out: str
+    corpus: Corpus | None
+    threads: int
+    progress: bool
+
+
+@dataclass(frozen=True)
+class Task:
+    """One run for a worker: its key and the results.json entries of its row and its bases' rows
+    as they are when it starts (its record, if resumed, and its base's)."""
+
+    key: Key
+    methods: dict
+
+
+def key_of(run: Run) -> Key:
+    return run.row.name, run.index
+
+
+class WorkerBook(Book):
+    """A worker's view of results.json: the entries its task brought; each save sends the records
+    this task set (its run's; a base's, trained again when its checkpoint was missing) to the main
+    process instead of writing the file."""
+
+    def __init__(self, paths: Paths, ctx: distributed.Context, cfg: StudyConfig, runs: dict[Key, Run], emit: Emit) -> None:
+        super().__init__({"methods": {}}, paths, ctx, cfg)
+        self.runs, self.emit = runs, emit
+        self.touched: dict[Key, Run] = {}  # the runs this task set a record of
+
+    def set(self, run: Run, record: dict) -> dict:
+        self.touched[key_of(run)] = run
+        return super().set(run, record)
+
+    def save(self, outputs: bool = False) -> None:
+        for key, run in self.touched.items():
+            record = self.run_of(run)
+            if record is not None:
+                self.emit(("record", key, {k: v for k, v in record.items() if k not in ("row", "seeds", "across_seeds")}))
+
+    def aggregate(self, run: Run) -> None:  # (the main process aggregates the seeds)
+        self.save()
+
+
+class WorkerProgress(Progress):
+    """Log lines and warnings sent to the main process, which shows them; no bars."""
+
+    def __init__(self, enabled: bool, emit: Emit) -> None:
+        super().__init__(enabled, bars=False)
+        self.emit = emit
+
+    def log(self, msg: str) -> None:
+        if self.enabled:
+            self.emit(("log", msg))
+
+    def warn(self, msg: str) -> None:
+        self.emit(("warn", msg))
+
+
+def make_stages(setup: Setup, emit: Emit) -> Stages:
+    """The stages of ``setup``'s study in this worker (its plan is the main process's: the same config)."""
+    torch.set_num_threads(setup.threads)
+    cfg = setup.cfg
+    paths = Paths(Path(setup.out))
+    study = plan(cfg, models_for(cfg), paths, 1)
+    ctx = distributed.Context(torch.device(cfg.device))
+    book = WorkerBook(paths, ctx, cfg, {key_of(r): r for r in study.runs}, emit)
+    return Stages(study, setup.corpus, book, ctx, WorkerProgress(setup.progress, emit), None)
+
+
+def run_task(stages: Stages, task: Task, emit: Emit) -> bool:
+    """Run ``task`` through ``stages``, sending its records, then ``done`` (True) or ``failed`` (False)."""
+    book = stages.book
+    assert isinstance(book, WorkerBook)
+    book.emit = emit
+    assert isinstance(stages.ui, WorkerProgress)
+    stages.ui.emit = emit
+    run = book.runs[task.key]
+    book.results["methods"] = copy.deepcopy(task.methods)
+    book.touched = {}
+    try:
+        stages.run(run)
+    except KeyboardInterrupt:
+        emit(("failed", task.key, "interrupt", ""))
+        return False
+    except UsageError as err:
+        emit(("failed", task.key, "usage", str(err)))
+        return False
+    except BaseException:
+        emit(("failed", task.key, "error", traceback.format_exc()))
+        return False
+    emit(("done", task.key))
+    return True
+
+
+def local_worker(setup: Setup, tasks: Any, messages: Any) -> None:  # (multiprocessing queues)
+    """A local worker process: runs tasks until told to stop (None) or one fails."""
+    try:
+        stages = make_stages(setup, messages.put)
+        while (task := tasks.get()) is not None:
+            if not run_task(stages, task, messages.put):
+                break
+    except KeyboardInterrupt:  # (between tasks: the main process stops the study)
+        return
+
+
+_RAY_STAGES: dict[str, Stages] = {}  # a Ray worker process's stages, per study (Ray reuses its workers)
+
+
+def ray_task(setup: Setup, task: Task) -> list[Message]:
+    """One run as a Ray task: log lines printed here (Ray forwards them), records returned."""
+    sent: list[Message] = []
+
+    def emit(message: Message) -> None:
+        if message[0] in ("log", "warn"):
+            print(message[1], file=sys.stderr, flush=True)
+        else:
+            sent.append(message)
+
+    name = setup.out + json.dumps(asdict(setup.cfg), sort_keys=True, default=str)
+    if name not in _RAY_STAGES:
+        _RAY_STAGES[name] = make_stages(setup, emit)
+    run_task(_RAY_STAGES[name], task, emit)
+    return sent
+
+
+__all__ = ["Emit", "Key", "Message", "Setup", "Task", "WorkerBook", "WorkerProgress", "key_of", "local_worker", "make_stages",
+           "ray_task", "run_task"]
