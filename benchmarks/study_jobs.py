@@ -74,6 +74,7 @@ def main() -> None:
         ["--steps", str(args.steps)] if args.steps else [])
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    given = None if not args.numbers_from else {name: runs[:1] for name, runs in numbers(Path(args.numbers_from)).items()}
     rounds = []
     for r in range(args.rounds):
         checked = not args.no_serial1 and (r == 0 or (args.check_every and r % args.check_every == 0))
@@ -91,12 +92,10 @@ def main() -> None:
                 print(f"round {r + 1}: {name} {times[name]:.1f} s", file=sys.stderr, flush=True)
                 shutil.rmtree(where)
         same = nums["jobs2"] == nums["serial1"] if "serial1" in nums else None
-        if args.numbers_from:
-            given = {name: runs[:1] for name, runs in numbers(Path(args.numbers_from)).items()}
-            rounds_from = {name: runs[:1] for name, runs in nums["jobs2"].items()}
-            same_from = given == rounds_from
-        rounds.append({"times_s": times, "ratio": times["jobs2"] / times["serial2"], "jobs2_equals_serial1": same,
-                       **({"jobs2_equals_numbers_from": same_from} if args.numbers_from else {})})
+        record = {"times_s": times, "ratio": times["jobs2"] / times["serial2"], "jobs2_equals_serial1": same}
+        if given is not None:
+            record["jobs2_equals_numbers_from"] = given == {name: runs[:1] for name, runs in nums["jobs2"].items()}
+        rounds.append(record)
     ratios = [r["ratio"] for r in rounds]
     ran = [n for n in VARIANTS if any(n in r["times_s"] for r in rounds)]
     med = {n: statistics.median(r["times_s"][n] for r in rounds if n in r["times_s"]) for n in ran}

@@ -303,25 +303,21 @@ def _stacked_runs(q, k, v, encoding, geometry: Geometry, scale: float, memo: For
 def _put_back(outs: list[torch.Tensor], geometry: Geometry, q: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """The runs' outputs (n, H, Lq, Dv) in place, (B, H, Tq, Dv): a single run that holds every query
     in order is the output as it is; else one scatter, the queries of no run (padding) 0. One row
-    (the tiled runs of a packed row) is put back head-major, as its views were taken."""
+    (the tiled runs of a packed row) is put back head-major, as its views were taken; several rows
+    token-major, as they were gathered."""
     b, h, tq, _ = q.shape
     runs = geometry.runs or ()
-    whole = len(runs) == 1 and runs[0].q_first == 0 and runs[0].q_index.numel() == b * tq  # one run, every query in order
     if b == 1:
-        heads = [o.transpose(0, 1).reshape(h, -1, o.shape[-1]) for o in outs]  # (H, n*Lq, Dv)
-        if whole:
-            return heads[0].unsqueeze(0)
-        out = q.new_zeros(h, tq, v.shape[-1])
-        if heads:
-            out = out.index_copy(1, torch.cat([seg.q_index.reshape(-1) for seg in runs]), torch.cat(heads, dim=1))
-        return out.unsqueeze(0)  # (1, H, Tq, Dv)
-    flat = [o.transpose(1, 2).reshape(-1, h, o.shape[-1]) for o in outs]  # (n*Lq, H, Dv)
-    if whole:
-        return flat[0].view(b, tq, h, -1).transpose(1, 2)
-    out = q.new_zeros(b * tq, h, v.shape[-1])
-    if flat:
-        out = out.index_copy(0, torch.cat([seg.q_index.reshape(-1) for seg in runs]), torch.cat(flat))
-    return out.view(b, tq, h, -1).transpose(1, 2)
+        parts, dim = [o.transpose(0, 1).reshape(h, -1, o.shape[-1]) for o in outs], 1  # (H, n*Lq, Dv)
+    else:
+        parts, dim = [o.transpose(1, 2).reshape(-1, h, o.shape[-1]) for o in outs], 0  # (n*Lq, H, Dv)
+    if len(runs) == 1 and runs[0].q_first == 0 and runs[0].q_index.numel() == b * tq:  # one run, every query in order
+        out = parts[0]
+    else:
+        out = q.new_zeros(h, tq, v.shape[-1]) if b == 1 else q.new_zeros(b * tq, h, v.shape[-1])
+        if parts:
+            out = out.index_copy(dim, torch.cat([seg.q_index.reshape(-1) for seg in runs]), torch.cat(parts, dim=dim))
+    return out.unsqueeze(0) if b == 1 else out.view(b, tq, h, -1).transpose(1, 2)
 
 
 Stacks = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]

@@ -95,17 +95,15 @@ class ScoreSpec:
         """No score terms at all: content attention plus (maybe) the causal mask."""
         return not (self.has_bias or self.has_query_terms or self.has_value_terms)
 
-    def bias(self, q_positions: torch.Tensor | None = None) -> torch.Tensor:
-        """Dense (H, Tq, Tk) bias for these (or the given) queries; the whole call's is memoised
-        per forward for encodings shared across layers."""
-        if q_positions is None or q_positions is self.q_positions:
+    def bias(self, q_positions: torch.Tensor | None = None, k_positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Dense (H, Tq, Tk) bias for these (or the given) queries and keys; the whole call's is
+        memoised per forward for encodings shared across layers."""
+        whole_q = q_positions is None or q_positions is self.q_positions
+        whole_k = k_positions is None or k_positions is self.k_positions
+        if whole_q and whole_k:
             return self.memo.dense_bias(self.encoding, self.q_positions, self.k_positions)
-        return require(self.encoding, Biases).bias(q_positions, self.k_positions)
-
-    def bias_of(self, rows: slice, keys: slice) -> torch.Tensor:
-        """The encoding's bias (H or 1, Lq, Lk) of the queries ``rows`` and keys ``keys`` (index
-        ranges of this call's positions), not memoised."""
-        return require(self.encoding, Biases).bias(self.q_positions[rows], self.k_positions[keys])
+        return require(self.encoding, Biases).bias(self.q_positions if q_positions is None else q_positions,
+                                                   self.k_positions if k_positions is None else k_positions)
 
     def allowed(self, q_positions: torch.Tensor | None = None) -> torch.Tensor | None:
         """(Tq, Tk) bool, True where a query may see a key; None when every pair is allowed."""

@@ -157,8 +157,8 @@ def _mask(spec: ScoreSpec, region: Region, dtype: torch.dtype) -> torch.Tensor:
 
 def _bias(spec: ScoreSpec, rows: tuple[int, int], keys: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
     """The encoding's bias (H or 1, Lq, Lk) of queries ``rows`` and keys ``keys`` (index ranges),
-    detached: no gradient reaches it on this path (:func:`applies`)."""
-    return spec.bias_of(slice(*rows), slice(*keys)).detach().to(dtype)
+    detached: no gradient reaches it on this path (:func:`_applies`)."""
+    return spec.bias(spec.q_positions[slice(*rows)], spec.k_positions[slice(*keys)]).detach().to(dtype)
 
 
 class _Window(torch.autograd.Function):
