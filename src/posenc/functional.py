@@ -35,7 +35,7 @@ from .call.geometry import Geometry, Run
 from .call.memo import ForwardMemo
 from .call.spec import ScoreSpec
 from .encodings.base import PositionalEncoding, content_scale
-from .encodings.protocol import Gates, Rotates, offers, require
+from .encodings.protocol import Gates, Rotates, ValueTerms, offers, require
 from .encodings.query_scale import QueryScale, scaled_queries
 from .errors import UsageError
 
@@ -400,6 +400,9 @@ def _check(q, k, v, encoding):
                 f"encoding was built for num_heads={encoding.num_heads}, head_dim={encoding.head_dim}; "
                 f"q has {h} heads of head_dim {d}"
             )
+        if offers(encoding, ValueTerms) and v.shape[-1] != d:
+            raise UsageError(f"v must have q's head_dim ({d}) with {type(encoding).__name__}: its relative value "
+                             f"vectors, added to the output, have that width; got {v.shape[-1]}")
     return b, h, hkv, tq, tk, d
 
 

@@ -25,12 +25,13 @@ from types import ModuleType
 from typing import Protocol, runtime_checkable
 
 import torch
+import torch.nn.functional as F
 
 from ..errors import UsageError
 from . import blocked, contextual, eager, features, flex, gated, sdpa, terms
 from .parts import single
 from .parts.base import ScoreSpec
-from .parts.regions import repeated_heads
+from .parts.regions import FLASH_OPS, repeated_heads
 
 
 @runtime_checkable
@@ -118,15 +119,41 @@ def attend(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: S
     Grouped key/value heads (Hkv < H) go as they are to a backend that takes them (sdpa's kernel,
     blocked: each key/value head read for its group); a decode step without query or value terms
     runs the query heads of a group as its queries (:mod:`.parts.single`); any other call gets k
-    and v repeated to H heads."""
+    and v repeated to H heads.
+
+    Values narrower or wider than queries and keys (Dv != D: DeepSeek's MLA) go to the CPU flash
+    kernel, which takes one head dim, with zero features on the narrower side (:func:`_padded`)."""
     chosen_name, chosen = choose(name, spec, q)
+    d, dv = q.shape[-1], v.shape[-1]
+    if dv != d and _pads(chosen_name, q, v, spec):
+        width = max(d, dv)
+        q, k, v = (_padded(x, width) for x in (q, k, v))  # (.., width) each
+        return _attend(chosen_name, chosen, q, k, v, spec)[..., :dv], chosen_name
+    return _attend(chosen_name, chosen, q, k, v, spec), chosen_name
+
+
+def _pads(name: str, q: torch.Tensor, v: torch.Tensor, spec: ScoreSpec) -> bool:
+    """A call with Dv != D runs on the CPU flash kernel with one head dim: zero features added to v
+    change no output column kept, zero features added to q and k change no score. Not where the
+    added features would meet a term of the encoding's (value terms of width Dv, query terms of
+    width D), nor in ``eager`` (the reference formula, as written), nor for one query."""
+    if name == "eager" or not FLASH_OPS or q.device.type != "cpu" or q.shape[-2] == 1:  # (a decode step: the
+        return False  # formula reads k and v once, as a padded copy of v would)
+    return not spec.has_value_terms if q.shape[-1] > v.shape[-1] else not spec.has_query_terms
+
+
+def _padded(x: torch.Tensor, width: int) -> torch.Tensor:
+    return x if x.shape[-1] == width else F.pad(x, (0, width - x.shape[-1]))
+
+
+def _attend(name: str, chosen: Backend, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec) -> torch.Tensor:
     if q.shape[1] // k.shape[1] > 1:
         if takes_grouped_heads(chosen, spec):
-            return chosen.attend(q, k, v, spec), chosen_name
-        if chosen_name != "eager" and not (spec.has_query_terms or spec.has_value_terms) and single.applies(spec, q, k, v):
-            return single.attend(q, k, v, spec), chosen_name
+            return chosen.attend(q, k, v, spec)
+        if name != "eager" and not (spec.has_query_terms or spec.has_value_terms) and single.applies(spec, q, k, v):
+            return single.attend(q, k, v, spec)
         k, v = repeated_heads(k, v, q.shape[1])  # (B, H, Tk, D)
-    return chosen.attend(q, k, v, spec), chosen_name
+    return chosen.attend(q, k, v, spec)
 
 
 __all__ = ["AUTO", "BACKENDS", "Backend", "ScoreSpec", "allowed", "attend", "check_name", "choose", "name_of", "names",
