@@ -23,7 +23,8 @@ BAND_BLOCK = 64  # query rows per explicit band block: the band is BAND_BLOCK + 
 TERM_SPAN = 64.0  # a sloped far block is at most TERM_SPAN / max|slope| queries (blocked.py: Precision)
 MIN_GROUP_HEADS = 2  # heads per far call at least (the kernel's backward runs one head, or one key/value head, per thread)
 ZERO_LOGIT = 110.0  # exp(-ZERO_LOGIT) is below 2^-150: a probability that rounds to 0 in float32
-BAND_WINDOW = 1024  # heads whose window is at most this run as a written-out band (few batched calls)
+BAND_WINDOW = 1024  # steep heads whose window is at most this many keys, and at most
+BAND_SHARE = 2  # 1 / BAND_SHARE of the queries, run as a written-out band (few batched calls)
 
 
 def spread(q: torch.Tensor, k: torch.Tensor, scale: float) -> float:
@@ -139,9 +140,11 @@ def make_plan(spec: ScoreSpec, tq: int, tk: int, dtype: torch.dtype = torch.floa
     far, bands = [], []
     # Far past: query a sees key b when b <= a + qs - ks - past. ref: the boundary key of the middle row.
     for heads, far_rows, window in head_groups(slopes[0], dtype, tq, block, spread, past):
-        if window is not None and window <= BAND_WINDOW and spec.causal:
+        if window is not None and window <= BAND_WINDOW and BAND_SHARE * window <= tq and spec.causal:
             # Steep heads: every key that weighs anything is within the window, so their whole
-            # attention is a band of window + 1 distances, written out exactly and batched.
+            # attention is a band of window + 1 distances, written out exactly and batched (few
+            # calls where far calls would be many; a band of half the queries or more costs more
+            # than the windowed far calls, whose mask is one vector, not a block of biases).
             bands += band.plan_band(tq, tk, qs, ks, window + 1, 0, rows, heads)
             continue
         for region in lower(tq, tk, qs - ks - past, far_rows, window):
