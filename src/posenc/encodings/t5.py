@@ -134,16 +134,21 @@ class T5Bias(PositionalEncoding):
 
     def bias(self, q_positions: torch.Tensor, k_positions: torch.Tensor) -> torch.Tensor:
         check_bias_positions(self, q_positions, k_positions)
-        buckets = self.bucket_table(q_positions, k_positions)  # (Tq, Tk)
-        values: torch.Tensor = self.relative_attention_bias(buckets)  # (Tq, Tk, H)
-        return values.permute(2, 0, 1)  # (H, Tq, Tk)
+        return self._values(self.bucket_table(q_positions, k_positions))  # (H, Tq, Tk)
+
+    def _values(self, buckets: torch.Tensor) -> torch.Tensor:
+        """(H, *buckets.shape): each head's value of each bucket. A selection along the table's
+        transpose (the same numbers as the embedding lookup, heads first): its gradient is one
+        index_add per head, where the embedding's backward over a (Tq, Tk) table of buckets is
+        several times slower on CPU."""
+        weight = self.relative_attention_bias.weight  # (buckets, H)
+        return weight.t().index_select(1, buckets.reshape(-1)).view(weight.shape[1], *buckets.shape)
 
     # Capabilities for the fast backends (see PositionalEncoding). The bias is piecewise constant
     # in r = j - i, and every distance from the last bucket's first one on shares one value per
     # head: beyond that band, attention is plain attention plus a per-head constant.
     def relative_bias(self, relative: torch.Tensor) -> torch.Tensor:
-        values: torch.Tensor = self.relative_attention_bias(self.buckets(relative))  # (*r.shape, H)
-        return values.movedim(-1, 0)  # (H, *r.shape)
+        return self._values(self.buckets(relative))  # (H, *r.shape)
 
     def bias_tails(self) -> BiasTails:
         tails = getattr(self, "_tails", None)  # a function of the fixed sizes: computed once

@@ -227,6 +227,7 @@ class _Generic(torch.autograd.Function):
         q, k, v, out, lse, *params = ctx.saved_tensors
         spec, g = ctx.spec, ctx.g
         dout = dout.contiguous()
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()  # (each read by several matrix products)
         total = (up(dout) * up(out)).sum(-1)  # (B, H, Tq)
         acc = accumulation_dtype(q.dtype)
         dq, dk, dv = (torch.zeros(x.shape, dtype=acc, device=x.device) for x in (q, k, v))
