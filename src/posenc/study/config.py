@@ -52,7 +52,7 @@ EXTEND_LENGTHS = [64, 128, 256, 512, 1024, 2048]
 # Model and training sizes per preset, and the rows each one studies (named here, not "every
 # registered method": a new method must not change what a preset costs). smoke: CI, seconds per
 # method, every registered method (so CI trains each new one). default: the README's main job
-# (about 13 minutes on 2 CPU cores). modern: the methods after ALiBi at the default sizes, with
+# (about 11 minutes on 2 CPU cores with --jobs auto, 16 serially). modern: the methods after ALiBi at the default sizes, with
 # alibi and nope as anchors. recall: the associative-recall task at a size every method learns in
 # a minute or two. paper: the ALiBi paper's setup (train at 512, evaluate to 16x) at a size for one
 # GPU.
@@ -113,7 +113,7 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 PRESET_DESCRIPTIONS = {
     "smoke": "CI, seconds",
-    "default": "the main job, ~13 min on 2 CPU cores",
+    "default": "the main job, ~11 min on 2 CPU cores with --jobs auto",
     "modern": "the newer methods, ~20 min a seed on 2 CPU cores",
     "recall": "associative recall, ~15 min a seed on 2 CPU cores",
     "schedules": "layer schedules, 3 seeds, then its recall half: ~6-7 h on 2 CPU cores (21 runs of ~6 min, then 21 of ~12)",
