@@ -404,6 +404,24 @@ def test_alibi_heads_are_grouped_by_slope():
     assert tails.head_groups(None, torch.float32, 4096, None, 10.0, 0) == [(slice(None), None, None)]
 
 
+def test_steep_alibi_heads_take_far_calls_where_the_window_is_over_half_the_queries():
+    """At N=512 the steep heads' windows (several hundred keys) are over half the queries: they take
+    windowed far calls with the per-key feature, not a written-out band, and stay exact."""
+    torch.manual_seed(8)
+    h, n = 8, 512
+    enc = build("alibi", num_heads=h, head_dim=D)
+    q, k, v = (torch.randn(1, h, n, D) for _ in range(3))
+    pos = torch.arange(n)
+    spec = ScoreSpec(encoding=enc, q_positions=pos, k_positions=pos, causal=True, scale=1 / math.sqrt(D))
+    plan = tails.make_plan(spec, n, n, torch.float32, None, tails.spread(q, k, spec.scale))
+    windows = [w for _, _, w in tails.head_groups(enc.bias_tails().past_slope, torch.float32, n, None,
+                                                   tails.spread(q, k, spec.scale), 0)]
+    assert windows[0] is not None and tails.BAND_SHARE * windows[0] > n  # the steepest group's window
+    assert not plan.bands and any(c.heads.start == 0 for c in plan.far)
+    grad_out = torch.randn(1, h, n, D)
+    assert_agree(run(blocked.attend, enc, q, k, v, spec, grad_out), reference(enc, q, k, v, spec, grad_out))
+
+
 @pytest.mark.parametrize("as_band", [True, False])
 def test_alibi_windows_leave_out_only_keys_that_weigh_nothing(as_band, monkeypatch):
     """At N=2048 the steep heads' windows drop most far keys; the result is float64's to float32

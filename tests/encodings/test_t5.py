@@ -101,6 +101,22 @@ def test_bias_equals_hf_compute_bias(causal: bool, num_buckets: int, max_distanc
     torch.testing.assert_close(got, expected, rtol=0, atol=0)
 
 
+def test_bias_gradient_equals_hf_compute_bias() -> None:
+    """The table's gradient through posenc's lookup (a selection along the transposed table)
+    equals the one through transformers' embedding lookup, for a window-sized block."""
+    heads, tq, tk, past = 4, 256, 511, 255
+    ours = posenc.build("t5", num_heads=heads, head_dim=8, causal=True)
+    theirs = hf_attention(heads, 32, 128, is_decoder=True)
+    with torch.no_grad():
+        ours.relative_attention_bias.weight.normal_()
+        theirs.relative_attention_bias.weight.copy_(ours.relative_attention_bias.weight)
+    grad = torch.randn(heads, tq, tk, generator=torch.Generator().manual_seed(0))
+    ours.bias(torch.arange(past, past + tq), torch.arange(tk)).backward(grad)
+    theirs.compute_bias(tq, tk, past_seen_tokens=past)[0].backward(grad)
+    torch.testing.assert_close(ours.relative_attention_bias.weight.grad, theirs.relative_attention_bias.weight.grad,
+                               rtol=1e-5, atol=1e-4)
+
+
 def test_scalar_score_equals_dense_bias() -> None:
     enc = posenc.build("t5", num_heads=3, head_dim=8, causal=False)
     with torch.no_grad():
