@@ -48,20 +48,28 @@ def lengths_of(layout: str) -> list[int]:
     return out
 
 
+def made(b: int, n: int, memory: str) -> torch.Tensor:
+    """A (b, H, n, D) input with gradients: head-major memory (``heads``), or token-major memory seen
+    through a transpose (``tokens``), as a transformers attention layer hands q, k, v over."""
+    if memory == "heads":
+        return torch.randn(b, H, n, D, requires_grad=True)  # (b, H, n, D)
+    return torch.randn(b, n, H, D).transpose(1, 2).requires_grad_()  # (b, H, n, D), token-major memory
+
+
 class Case:
     """One (layout, method): the packed row and the batches of the same documents, with gradients."""
 
-    def __init__(self, layout: str, method: str) -> None:
+    def __init__(self, layout: str, method: str, memory: str = "heads") -> None:
         torch.manual_seed(0)
         self.encoding = None if method == "nope" else posenc.build(method, num_heads=H, head_dim=D)
         self.lengths = lengths_of(layout)
         ids = torch.cat([torch.full((n,), i) for i, n in enumerate(self.lengths)])[None]  # (1, N)
-        self.row = [torch.randn(1, H, N, D, requires_grad=True) for _ in range(3)]  # q, k, v (1, H, N, D)
+        self.row = [made(1, N, memory) for _ in range(3)]  # q, k, v (1, H, N, D)
         self.ids = ids
         groups: dict[int, int] = {}
         for n in self.lengths:
             groups[n] = groups.get(n, 0) + 1
-        self.batches = [[torch.randn(b, H, n, D, requires_grad=True) for _ in range(3)] for n, b in groups.items()]
+        self.batches = [[made(b, n, memory) for _ in range(3)] for n, b in groups.items()]
 
     def packed(self) -> float:
         start = time.perf_counter()
@@ -84,11 +92,13 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=3, help="steps timed per variant and round (the fastest kept)")
     p.add_argument("--methods", nargs="+", default=METHODS)
     p.add_argument("--layouts", nargs="+", default=LAYOUTS, choices=LAYOUTS)
+    p.add_argument("--memory", default="heads", choices=["heads", "tokens"],
+                   help="q, k, v in head-major memory, or token-major seen through a transpose (as transformers hands them)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    cases = {(lay, m): Case(lay, m) for lay in args.layouts for m in args.methods}
+    cases = {(lay, m): Case(lay, m, args.memory) for lay in args.layouts for m in args.methods}
     jobs = [(lay, m, v) for (lay, m) in cases for v in ("packed", "batch")]
     for lay, m, v in jobs:  # warm-up
         getattr(cases[lay, m], v)()
@@ -115,7 +125,7 @@ def main() -> int:
                      "ratio_min": min(ratios), "ratio_max": max(ratios), "rounds": times[lay, m, "packed"]})
     command = "PYTHONPATH=src python benchmarks/packed.py " + " ".join(sys.argv[1:])
     lines = ["# Packed rows against the same documents as batches, posenc.attend forward + backward", "",
-             f"CPU: {cpu}; torch {torch.__version__}, {args.threads} thread(s); H {H}, D {D}, float32, causal; "
+             f"CPU: {cpu}; torch {torch.__version__}, {args.threads} thread(s); H {H}, D {D}, float32, causal, {args.memory}-major q, k, v; "
              f"{args.rounds} rounds (order rotated), the fastest of {args.steps} steps a round; ratios inside a round, "
              "median (min-max).",
              f"Command: `{command}`", "",

@@ -255,6 +255,7 @@ def _band_backward(
     """The band's gradients: the kernel's backward for a fixed bias, the explicit formula (with the
     bias gradient summed per relative position) for a learned one, in smaller groups."""
     groups = plan.bands if drel is None else [part for g in plan.bands for part in band.split(g, band.EXPLICIT_GROUP)]
+    ws = explicit.Workspace(0, accumulation_dtype(q.dtype), q.device)  # the learned band's buffers, reused by every group
     for group in groups:
         bias, index = _band_bias(plan, rel, group)
         hs = group.heads
@@ -266,19 +267,36 @@ def _band_backward(
         if drel is None:
             gq, gk, gv = kernel_backward(doc, qc, kc, vc, oc, lc.contiguous(), False, plan.scale, bias.to(q.dtype)[None])
         else:
-            h, hkv = qc.shape[1], kc.shape[1]
-            q_g, do_g = fold_heads(qc, hkv), fold_heads(doc, hkv)  # (B*n, hkv, g C, D): a group's heads as rows
-            s = unfold_heads(up(torch.matmul(q_g, kc.transpose(-1, -2))), h).mul_(plan.scale).add_(bias)  # (B*n, h, C, L)
-            p = s.sub_(lc[..., None]).exp_()  # probabilities under the merged normaliser
-            gv = torch.matmul(fold_heads(p.to(doc.dtype), hkv).transpose(-1, -2), do_g)  # (B*n, hkv, L, D)
-            ds = unfold_heads(up(torch.matmul(do_g, vc.transpose(-1, -2))), h).sub_(dc[..., None]).mul_(p)  # dS
-            drel[hs].scatter_add_(1, index.expand(h, -1), ds.sum(0).reshape(h, -1))
-            ds_g = fold_heads(ds.to(q.dtype), hkv)
-            gq = unfold_heads(torch.matmul(ds_g, kc), h).mul_(plan.scale)
-            gk = torch.matmul(ds_g.transpose(-1, -2), q_g).mul_(plan.scale)
+            gq, gk, gv = _learned_band(ws, plan.scale, bias, index, qc, doc, kc, vc, lc, dc, drel, hs)
         grads.add(0, slice(*group.row_range), band.unblocks(gq, group), hs)
         band.add_windows(grads.get(1)[:, kvs], group, gk)
         band.add_windows(grads.get(2)[:, kvs], group, gv)
+
+
+def _learned_band(
+    ws: explicit.Workspace, scale: float, bias: torch.Tensor, index: torch.Tensor, qc: torch.Tensor, doc: torch.Tensor,
+    kc: torch.Tensor, vc: torch.Tensor, lc: torch.Tensor, dc: torch.Tensor, drel: torch.Tensor, hs: slice,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One band group's (dq, dk, dv) blocks for a learned bias, dS = P (dP - D) written out and summed
+    per relative position into ``drel``. q, dO (B*n, h, C, D) and the key/value windows (B*n, hkv,
+    L, D) are copied once into ``ws``, and every product writes into ``ws``: the groups of one
+    backward reuse the same memory (fresh pages per group cost more than the products here, on CPU);
+    the returned blocks live in ``ws`` until the next group."""
+    h, hkv, dt = qc.shape[1], kc.shape[1], qc.dtype
+    q_g = fold_heads(ws.take("q", qc.shape, dt).copy_(qc), hkv)  # (B*n, hkv, g C, D): a group's heads as rows
+    do_g = fold_heads(ws.take("do", doc.shape, dt).copy_(doc), hkv)
+    kw, vw = ws.take("k", kc.shape, dt).copy_(kc), ws.take("v", vc.shape, dt).copy_(vc)  # (B*n, hkv, L, D)
+    rows = (*q_g.shape[:-1], kw.shape[-2])  # (B*n, hkv, g C, L)
+    s = unfold_heads(up(torch.matmul(q_g, kw.transpose(-1, -2), out=ws.take("s", rows, dt))), h)
+    p = s.mul_(scale).add_(bias).sub_(lc[..., None]).exp_()  # (B*n, h, C, L): probabilities under the merged normaliser
+    gv = torch.matmul(fold_heads(p.to(dt), hkv).transpose(-1, -2), do_g, out=ws.take("gv", vw.shape, dt))  # (B*n, hkv, L, D)
+    ds = unfold_heads(up(torch.matmul(do_g, vw.transpose(-1, -2), out=ws.take("dp", rows, dt))), h)
+    ds = ds.sub_(dc[..., None]).mul_(p)  # dS
+    drel[hs].scatter_add_(1, index.expand(h, -1), ds.sum(0).reshape(h, -1))
+    ds_g = fold_heads(ds.to(dt), hkv)
+    gq = unfold_heads(torch.matmul(ds_g, kw, out=ws.take("gq", q_g.shape, dt)), h).mul_(scale)  # (B*n, h, C, D)
+    gk = torch.matmul(ds_g.transpose(-1, -2), q_g, out=ws.take("gk", kw.shape, dt)).mul_(scale)  # (B*n, hkv, L, D)
+    return gq, gk, gv
 
 
 class _Grads:

@@ -96,7 +96,8 @@ def _flushes() -> bool:
     return float(torch.tensor([1e-39]) * 1.0) == 0.0
 
 
-def test_flushed_runs_in_a_thread_that_flushes_and_leaves_the_caller_alone():
+def test_flushed_runs_in_a_thread_that_flushes_and_leaves_the_caller_alone(monkeypatch):
+    monkeypatch.setattr(regions.FLUSHED, "needed", True)  # as on a CPU that pays for denormals
     before = _flushes()
     inside = regions.flushed(_flushes)
     assert _flushes() == before  # the caller's mode is untouched
@@ -108,9 +109,11 @@ def test_flushed_runs_in_a_thread_that_flushes_and_leaves_the_caller_alone():
     assert regions.flushed(lambda: regions.flushed(lambda: 7)) == 7
 
 
-def test_watched_work_stays_in_the_callers_thread():
+def test_watched_work_stays_in_the_callers_thread(monkeypatch):
     """Profilers and dispatch modes are thread-local: under one, the loops run where they see them."""
     import threading
+
+    monkeypatch.setattr(regions.FLUSHED, "needed", True)
 
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -122,6 +125,31 @@ def test_watched_work_stays_in_the_callers_thread():
     with Seen():
         assert regions.flushed(threading.current_thread) is here
     assert regions.flushed(threading.current_thread) is not here or not regions.FLUSHED.available
+
+
+def test_a_thread_without_the_penalty_keeps_the_loops(monkeypatch):
+    """Where the caller's thread multiplies denormals at full speed the worker buys nothing: the
+    loops run in the caller's thread, without grad, in its denormal mode."""
+    import threading
+
+    monkeypatch.setattr(regions.FLUSHED, "needed", False)
+    here = threading.current_thread()
+    assert regions.flushed(threading.current_thread) is here
+    assert regions.flushed(lambda: torch.is_grad_enabled()) is False
+    assert regions.flushed(_flushes) == _flushes()
+
+
+def test_denormal_penalty_is_gone_where_the_thread_flushes():
+    """The probe times denormal products against normal ones: with denormals flushed (and read as
+    zero) in the probing thread there is nothing to pay, whatever the CPU."""
+    if not torch.set_flush_denormal(True):
+        pytest.skip("this CPU has no flush-to-zero mode")
+    try:
+        assert _flushes()
+        assert regions.denormal_penalty() < regions.PENALTY
+    finally:
+        torch.set_flush_denormal(False)
+    assert regions.denormal_penalty(n=1024, repeats=2) > 0
 
 
 def test_flushed_when_false_runs_here_without_grad():

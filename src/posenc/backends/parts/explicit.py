@@ -81,7 +81,7 @@ class _Geometry:
 # The explicit backward of one block, shared by both paths
 
 
-class _Workspace:
+class Workspace:
     """Buffers that every block of one backward reuses. On CPU a fresh (B, H, C, keys) tensor per
     operation can cost more than the operation itself (new pages to fault in, cold caches); views
     of one buffer stay warm."""
@@ -90,12 +90,15 @@ class _Workspace:
         self.numel, self.dtype, self.device = numel, dtype, device
         self.buffers: dict[str, torch.Tensor] = {}
 
-    def take(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
-        """A contiguous tensor of ``shape`` in buffer ``name`` (its old contents)."""
+    def take(self, name: str, shape: tuple[int, ...], dtype: torch.dtype | None = None) -> torch.Tensor:
+        """A contiguous tensor of ``shape`` in buffer ``name`` (its old contents), of the workspace's
+        dtype unless ``dtype`` says otherwise; a buffer too small for ``shape`` is made again."""
+        dtype = self.dtype if dtype is None else dtype
+        need = math.prod(shape)
         buf = self.buffers.get(name)
-        if buf is None:
-            buf = self.buffers[name] = torch.empty(self.numel, dtype=self.dtype, device=self.device)
-        return buf[: math.prod(shape)].view(shape)
+        if buf is None or buf.numel() < need or buf.dtype != dtype:
+            buf = self.buffers[name] = torch.empty(max(need, self.numel), dtype=dtype, device=self.device)
+        return buf[:need].view(shape)
 
 
 def _add_product(target: torch.Tensor, a: torch.Tensor, b: torch.Tensor, alpha: float = 1.0) -> None:
@@ -109,7 +112,7 @@ def _add_product(target: torch.Tensor, a: torch.Tensor, b: torch.Tensor, alpha: 
 
 
 def _block_grads(
-    ws: _Workspace, p: torch.Tensor, dout_c: torch.Tensor, total_c: torch.Tensor, q_c: torch.Tensor,
+    ws: Workspace, p: torch.Tensor, dout_c: torch.Tensor, total_c: torch.Tensor, q_c: torch.Tensor,
     k_c: torch.Tensor, v_c: torch.Tensor, scale: float, dk: torch.Tensor, dv: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """p: probabilities (B, H, C, L), in workspace memory; k_c, v_c, dk, dv have Hkv heads. Adds
@@ -125,7 +128,7 @@ def _block_grads(
     return ds, dq_c
 
 
-def _scores(ws: _Workspace, q_c: torch.Tensor, k_c: torch.Tensor, scale: float, bias: torch.Tensor, lse_c: torch.Tensor) -> torch.Tensor:
+def _scores(ws: Workspace, q_c: torch.Tensor, k_c: torch.Tensor, scale: float, bias: torch.Tensor, lse_c: torch.Tensor) -> torch.Tensor:
     """exp(q k^T * scale + bias - lse): the block's probabilities (B, H, C, L), in workspace memory."""
     q_g = fold_heads(q_c, k_c.shape[1])  # (B, Hkv, g C, D)
     s = torch.matmul(q_g, k_c.transpose(-1, -2), out=ws.take("s", (*q_g.shape[:-1], k_c.shape[-2])))
@@ -180,7 +183,7 @@ def _relative_backward(
     dq, dk, dv = (torch.zeros(x.shape, dtype=acc, device=x.device) for x in (q, k, v))
     dtable = torch.zeros_like(table) if need_table else None
     b, h = q.shape[:2]
-    ws = _Workspace(b * h * min(g.block, g.tq) * (g.tk + min(g.block, g.tq)), acc, q.device)
+    ws = Workspace(b * h * min(g.block, g.tq) * (g.tk + min(g.block, g.tq)), acc, q.device)
     for a0, a1, keys in g.blocks():
         c = a1 - a0
         q_c, dout_c = up(q[:, :, a0:a1].flip(-2)), up(dout[:, :, a0:a1].flip(-2))  # reversed rows
@@ -232,7 +235,7 @@ class _Generic(torch.autograd.Function):
         acc = accumulation_dtype(q.dtype)
         dq, dk, dv = (torch.zeros(x.shape, dtype=acc, device=x.device) for x in (q, k, v))
         dparams = [torch.zeros_like(p) for p in params]
-        ws = _Workspace(q.shape[0] * q.shape[1] * min(g.block, g.tq) * g.tk, acc, q.device)
+        ws = Workspace(q.shape[0] * q.shape[1] * min(g.block, g.tq) * g.tk, acc, q.device)
         for a0, a1, keys in g.blocks():
             # The bias with autograd here; the kernel-like loop in the flushing thread.
             with torch.enable_grad():
@@ -256,7 +259,7 @@ def _generic_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: Sc
 
 
 def _generic_block(
-    ws: _Workspace, g: _Geometry, bias: torch.Tensor, dout: torch.Tensor, total: torch.Tensor,
+    ws: Workspace, g: _Geometry, bias: torch.Tensor, dout: torch.Tensor, total: torch.Tensor,
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lse: torch.Tensor,
     a0: int, a1: int, keys: int, dk: torch.Tensor, dv: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -28,7 +28,9 @@ formula in row blocks, which is also the path for other devices.
 
 from __future__ import annotations
 
+import math
 import threading
+import time
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -92,6 +94,12 @@ class _Flushed:
     float32 result can show. ``torch.set_flush_denormal`` acts on the calling thread only (and the
     OpenMP team that thread starts inherits it), so the setting stays inside this worker: the
     user's threads never see it.
+
+    Where the caller's thread pays no such penalty (:func:`denormal_penalty` below
+    :data:`PENALTY`: a CPU that multiplies denormals at full speed, or a caller that flushes them
+    itself), the hand-off would buy nothing and costs a second OpenMP team beside the caller's
+    (on 2 cores an ALiBi training step at 1024 tokens ran 1.3x slower through the worker than in
+    the caller's thread, on a CPU without the penalty): the loops then run in the caller's thread.
     """
 
     def __init__(self) -> None:
@@ -99,11 +107,19 @@ class _Flushed:
         self._thread: threading.Thread | None = None
         self._threads = 0
         self._lock = threading.Lock()
-        self.available = True
+        self.available = True  # False: the CPU has no flush mode (found when the worker starts)
+        self.needed: bool | None = None  # whether the caller's thread pays for denormals (probed at first use)
 
     def _start(self) -> None:
         self._thread = threading.current_thread()
         self.available = torch.set_flush_denormal(True)  # False where the CPU has no such mode
+
+    def wanted(self) -> bool:
+        """Whether a loop should go to the worker: the CPU flushes, and the caller's thread pays for
+        denormals (probed once, the first time it is asked)."""
+        if self.needed is None:
+            self.needed = denormal_penalty() >= PENALTY
+        return self.available and self.needed
 
     def run(self, fn: Callable[..., T], *args: object) -> T:
         """``fn(*args)`` in the flushing thread, with the caller's intra-op thread count."""
@@ -124,6 +140,29 @@ class _Flushed:
 
 
 FLUSHED = _Flushed()
+PENALTY = 5.0  # a slowdown on denormals below this is not worth the worker's hand-off (a microcode path costs far more)
+
+
+def denormal_penalty(n: int = 1 << 15, repeats: int = 15) -> float:
+    """How many times slower the calling thread multiplies float32 numbers when an operand or the
+    product is denormal than when neither is: the fastest of ``repeats`` products of n numbers each
+    (2^15 numbers: torch's grain for one thread, so the calling thread is the one timed; well under
+    a millisecond in all). About 2 on a CPU that handles denormals in hardware (AMD EPYC,
+    family 26, measured); a microcode path per denormal operation makes it many times that."""
+    half, tiny, small = torch.full((n,), 0.5), torch.full((n,), 1e-39), torch.full((n,), 1e-20)  # 1e-39: denormal
+    out = torch.empty(n)
+
+    def fastest(a: torch.Tensor, b: torch.Tensor) -> float:
+        torch.mul(a, b, out=out)
+        best = math.inf
+        for _ in range(repeats):
+            start = time.perf_counter()
+            torch.mul(a, b, out=out)
+            best = min(best, time.perf_counter() - start)
+        return max(best, 1e-9)
+
+    normal = fastest(half, half)
+    return max(fastest(tiny, half), fastest(small, small)) / normal  # a denormal operand; a denormal product (1e-40)
 
 
 def opaque_to_compile(fn: Fn) -> Fn:
@@ -139,7 +178,8 @@ def opaque_to_compile(fn: Fn) -> Fn:
 @opaque_to_compile  # opaque to torch.compile: a loop of kernel calls on a worker thread (one graph break)
 def flushed(fn: Callable[..., T], *args: object, when: bool = True) -> T:
     """Run a loop of CPU kernel calls with denormals flushed (see :class:`_Flushed`). Work on
-    another device, or watched by a profiler or dispatch mode, runs here in the caller's thread.
+    another device, or watched by a profiler or dispatch mode, or where the caller's thread pays
+    nothing for denormals (:meth:`_Flushed.wanted`), runs here in the caller's thread, without grad.
 
     ``when`` False: the loop runs here, without grad, as it would there: for a call with no score
     term that decays with distance (no bias, T5's constant far tail), whose probabilities are no
@@ -147,7 +187,7 @@ def flushed(fn: Callable[..., T], *args: object, when: bool = True) -> T:
     saves (on 2 cores a windowed RoPE step ran 20-30% slower through the worker, with the caller's
     idle OpenMP threads spinning beside the worker's)."""
     device = next((a.device for a in args if isinstance(a, torch.Tensor)), None)
-    if not when or (device is not None and device.type != "cpu") or _observed():
+    if not when or (device is not None and device.type != "cpu") or _observed() or not FLUSHED.wanted():
         with torch.no_grad():
             return fn(*args)
     return FLUSHED.run(fn, *args)
