@@ -125,7 +125,7 @@ def main() -> int:
                      "ratio_min": min(ratios), "ratio_max": max(ratios), "rounds": times[lay, m, "packed"]})
     command = "PYTHONPATH=src python benchmarks/packed.py " + " ".join(sys.argv[1:])
     lines = ["# Packed rows against the same documents as batches, posenc.attend forward + backward", "",
-             f"CPU: {cpu}; torch {torch.__version__}, {args.threads} thread(s); H {H}, D {D}, float32, causal, {args.memory}-major q, k, v; "
+             f"CPU: {cpu}; torch {torch.__version__}, {args.threads} thread(s); H {H}, D {D}, float32, causal, {args.memory.rstrip('s')}-major q, k, v; "
              f"{args.rounds} rounds (order rotated), the fastest of {args.steps} steps a round; ratios inside a round, "
              "median (min-max).",
              f"Command: `{command}`", "",

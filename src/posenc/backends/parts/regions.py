@@ -98,8 +98,8 @@ class _Flushed:
     Where the caller's thread pays no such penalty (:func:`denormal_penalty` below
     :data:`PENALTY`: a CPU that multiplies denormals at full speed, or a caller that flushes them
     itself), the hand-off would buy nothing and costs a second OpenMP team beside the caller's
-    (on 2 cores an ALiBi training step at 1024 tokens ran 1.3x slower through the worker than in
-    the caller's thread, on a CPU without the penalty): the loops then run in the caller's thread.
+    (on 2 cores of a CPU without the penalty, an attention training step of a bias method took
+    1.1x-2x as long through the worker: ``benchmarks/flush_worker.py``): the loops then run in the caller's thread.
     """
 
     def __init__(self) -> None:
