@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import subprocess
 import sys
@@ -29,18 +28,9 @@ import torch
 
 import posenc
 from posenc.backends.parts import regions
+from posenc.bench.machine import cpu_model
 
 H, D = 8, 32
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def child(args: argparse.Namespace) -> int:
@@ -103,7 +93,7 @@ def main() -> int:
     command = "PYTHONPATH=src python benchmarks/flush_worker.py " + " ".join(sys.argv[1:])
     fmt = "{:.2f}x ({:.2f}-{:.2f})".format
     lines = ["# Kernel loops in the denormal-flushing worker or in the caller's thread, posenc.attend forward + backward", "",
-             f"CPU: {cpu_name()}; torch {torch.__version__}, {args.threads} thread(s); B 1, H {H}, D {D}, float32, causal, "
+             f"CPU: {cpu_model()}; torch {torch.__version__}, {args.threads} thread(s); B 1, H {H}, D {D}, float32, causal, "
              f"token-major q, k, v; {args.rounds} rounds of one fresh process per placement (order alternated), the fastest of "
              f"{args.steps} steps each; median (min-max) over rounds.",
              f"denormal_penalty() here: {penalty:.2f} (the worker is used at {regions.PENALTY:.0f} and above)",
@@ -115,7 +105,7 @@ def main() -> int:
     text = "\n".join(lines) + "\n"
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "table.md").write_text(text)
-    (args.out / "results.json").write_text(json.dumps({"command": command, "cpu": cpu_name(), "torch": torch.__version__,
+    (args.out / "results.json").write_text(json.dumps({"command": command, "cpu": cpu_model(), "torch": torch.__version__,
                                                        "threads": args.threads, "denormal_penalty": penalty, "rows": rows}, indent=1))
     print(text)
     return 0

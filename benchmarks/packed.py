@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import sys
 import time
@@ -30,6 +29,7 @@ from pathlib import Path
 import torch
 
 import posenc
+from posenc.bench.machine import cpu_model
 
 METHODS = ["nope", "rope", "alibi", "t5", "kerple", "fire", "shaw"]
 LAYOUTS = ["64x64", "8x512", "mixed"]
@@ -109,14 +109,7 @@ def main() -> int:
         for lay, m, v in jobs[shift:] + jobs[:shift]:
             times[lay, m, v].append(min(getattr(cases[lay, m], v)() for _ in range(args.steps)))
         print(f"round {r + 1}/{args.rounds} done ({time.perf_counter() - started:.0f} s)", file=sys.stderr, flush=True)
-    cpu = platform.processor() or "unknown"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    cpu = cpu_model()
     rows = []
     for lay, m in cases:
         ratios = [a / b for a, b in zip(times[lay, m, "packed"], times[lay, m, "batch"])]
@@ -125,7 +118,8 @@ def main() -> int:
                      "ratio_min": min(ratios), "ratio_max": max(ratios), "rounds": times[lay, m, "packed"]})
     command = "PYTHONPATH=src python benchmarks/packed.py " + " ".join(sys.argv[1:])
     lines = ["# Packed rows against the same documents as batches, posenc.attend forward + backward", "",
-             f"CPU: {cpu}; torch {torch.__version__}, {args.threads} thread(s); H {H}, D {D}, float32, causal, {args.memory.rstrip('s')}-major q, k, v; "
+             f"CPU: {cpu}; torch {torch.__version__}, {args.threads} thread(s); H {H}, D {D}, float32, causal, "
+             f"{args.memory.rstrip('s')}-major q, k, v; "
              f"{args.rounds} rounds (order rotated), the fastest of {args.steps} steps a round; ratios inside a round, "
              "median (min-max).",
              f"Command: `{command}`", "",

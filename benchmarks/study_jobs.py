@@ -30,6 +30,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from posenc.bench.machine import cpu_model
+
 VARIANTS = {"serial2": ["--threads", "2"], "jobs2": ["--jobs", "2", "--threads", "1"], "serial1": ["--threads", "1"]}
 TARGET = 0.65
 
@@ -42,16 +44,6 @@ def numbers(out: Path) -> dict:
         got[name] = [(r["status"], r["train"].get("losses"), [(e["length"], e.get("loss"), e.get("perplexity"),
                       e.get("ppl_low"), e.get("ppl_high")) for e in r["eval"]]) for r in [entry, *entry.get("seeds", [])]]
     return got
-
-
-def cpu() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "?"
 
 
 def _seconds(rounds: list[dict], name: str) -> list[str]:
@@ -102,7 +94,7 @@ def main() -> None:
     checks = [r["jobs2_equals_serial1"] for r in rounds if r["jobs2_equals_serial1"] is not None]
     lines = [
         f"# posenc study: --jobs 2 at 1 thread vs serial at 2 threads ({args.preset} preset)", "",
-        f"CPU: {cpu()}, {os.cpu_count()} cores; python {platform.python_version()}; {len(rounds)} rounds; "
+        f"CPU: {cpu_model()}, {os.cpu_count()} cores; python {platform.python_version()}; {len(rounds)} rounds; "
         f"options: {' '.join(common)}", "",
         "| variant | median wall (s) | rounds (s) |", "|---|---|---|",
         *[f"| {n} ({' '.join(VARIANTS[n])}) | {med[n]:.1f} | {', '.join(_seconds(rounds, n))} |" for n in ran],
@@ -114,7 +106,7 @@ def main() -> None:
         ok = all(r["jobs2_equals_numbers_from"] for r in rounds)
         lines.append(f"jobs2's numbers equal the first seed of {args.numbers_from}: {'yes' if ok else 'NO'} ({len(rounds)} checked)")
     (out / "table.md").write_text("\n".join(lines) + "\n")
-    (out / "results.json").write_text(json.dumps({"command": sys.argv, "options": vars(args), "cpu": cpu(),
+    (out / "results.json").write_text(json.dumps({"command": sys.argv, "options": vars(args), "cpu": cpu_model(),
                                                   "cores": os.cpu_count(), "rounds": rounds}, indent=1))
     print("\n".join(lines))
 
