@@ -284,16 +284,19 @@ def _stacked_runs(q, k, v, encoding, geometry: Geometry, scale: float, memo: For
     b, h, tq, d = q.shape
     tk, hkv = k.shape[2], k.shape[1]
     runs = geometry.runs or ()  # a segmented geometry has its runs
+    rows: tuple
     if b == 1 and all(seg.q_first is not None and seg.k_first is not None for seg in runs):
-        stack, rows, contiguous = _tiled_stack, (q, k, v, log_gates), False
+        stack, contiguous = _tiled_stack, False
+        q_cut, k_cut = _row_pieces(runs, "q", tq), _row_pieces(runs, "k", tk)
+        rows = (_split(q, q_cut), _split(k, k_cut), _split(v, k_cut), None if log_gates is None else _split(log_gates, k_cut))
     else:
         stack, contiguous = _gathered_stack, rotate and offers(encoding, Rotates)  # the rotation reads contiguous rows faster
         rows = (q.transpose(1, 2).reshape(b * tq, h, d), k.transpose(1, 2).reshape(b * tk, hkv, d),  # (B*T, H, D)
                 v.transpose(1, 2).reshape(b * tk, hkv, v.shape[-1]),
                 None if log_gates is None else log_gates.transpose(1, 2).reshape(b * tk, h))  # (B*Tk, H)
     calls = []
-    for seg in runs:
-        qs, ks, vs, gs = stack(seg, *rows)  # (n, H, Lq, D), (n, Hkv, Lk, D), (n, Hkv, Lk, Dv), (n, H, Lk) or None
+    for i, seg in enumerate(runs):
+        qs, ks, vs, gs = stack(seg, i, *rows)  # (n, H, Lq, D), (n, Hkv, Lk, D), (n, Hkv, Lk, Dv), (n, H, Lk) or None
         if contiguous:
             qs, ks = qs.contiguous(), ks.contiguous()
         calls.append((qs, ks, vs, geometry.run_spec(seg, encoding, scale, memo, gs)))
@@ -302,9 +305,9 @@ def _stacked_runs(q, k, v, encoding, geometry: Geometry, scale: float, memo: For
 
 def _put_back(outs: list[torch.Tensor], geometry: Geometry, q: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """The runs' outputs (n, H, Lq, Dv) in place, (B, H, Tq, Dv): a single run that holds every query
-    in order is the output as it is; else one scatter, the queries of no run (padding) 0. One row
-    (the tiled runs of a packed row) is put back head-major, as its views were taken; several rows
-    token-major, as they were gathered."""
+    in order is the output as it is; one row whose runs hold disjoint ranges (the tiled runs of a
+    packed row) is one ``cat`` in token order, head-major as its views were taken, gaps (padding) 0;
+    else one scatter, token-major as several rows were gathered, the queries of no run 0."""
     b, h, tq, _ = q.shape
     runs = geometry.runs or ()
     if b == 1:
@@ -313,6 +316,12 @@ def _put_back(outs: list[torch.Tensor], geometry: Geometry, q: torch.Tensor, v: 
         parts, dim = [o.transpose(1, 2).reshape(-1, h, o.shape[-1]) for o in outs], 0  # (n*Lq, H, Dv)
     if len(runs) == 1 and runs[0].q_first == 0 and runs[0].q_index.numel() == b * tq:  # one run, every query in order
         out = parts[0]
+    elif b == 1 and all(seg.q_first is not None for seg in runs) and (cut := _row_pieces(runs, "q", tq))[1] is not None:
+        sizes, at = cut
+        pieces: list[torch.Tensor | None] = [None] * len(sizes)
+        for j, part in zip(at or (), parts):
+            pieces[j] = part
+        out = torch.cat([q.new_zeros(h, n, v.shape[-1]) if x is None else x for x, n in zip(pieces, sizes)], dim=1)
     else:
         out = q.new_zeros(h, tq, v.shape[-1]) if b == 1 else q.new_zeros(b * tq, h, v.shape[-1])
         if parts:
@@ -323,26 +332,67 @@ def _put_back(outs: list[torch.Tensor], geometry: Geometry, q: torch.Tensor, v: 
 Stacks = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]
 
 
-def _tiled_stack(seg: Run, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gates: torch.Tensor | None) -> Stacks:
-    """A run's stacks as views of one row's (1, H, T, ...) q, k, v and gates (see :func:`_stacked_runs`)."""
+Cut = tuple[list[int], list[int] | None]
+
+
+def _row_pieces(runs: tuple[Run, ...], side: str, t: int) -> Cut:
+    """How one row's T queries (``side`` "q") or keys ("k") split at its tiled runs: (sizes of the
+    pieces in order, covering [0, T) with the gaps between runs as pieces of their own; for each run
+    the index of its piece), or (T, None) when two runs share tokens (each run then slices the row)."""
+    spans = [(getattr(seg, f"{side}_first"), seg.q_index.numel() if side == "q" else seg.k_index.numel()) for seg in runs]
+    order = sorted(range(len(spans)), key=lambda i: spans[i][0])
+    sizes, at, end = [], [0] * len(spans), 0
+    for i in order:
+        first, size = spans[i]
+        if first < end:
+            return [t], None
+        if first > end:
+            sizes.append(first - end)
+        at[i] = len(sizes)
+        sizes.append(size)
+        end = first + size
+    if end < t:
+        sizes.append(t - end)
+    return sizes, at
+
+
+def _split(x: torch.Tensor, cut: Cut) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
+    """x (1, H, T, ...) and each run's (1, H, n*L, ...) piece of it, views of one ``split`` (its
+    backward writes every run's gradient into one tensor, where a slice per run would fill a zero
+    row each); no pieces when the row is one piece or the runs overlap."""
+    sizes, at = cut
+    if at is None or len(sizes) == 1:
+        return x, None
+    pieces = x.split(sizes, dim=2)
+    return x, [pieces[j] for j in at]
+
+
+def _tiled_stack(seg: Run, i: int, q, k, v, gates) -> Stacks:
+    """Run ``i``'s stacks as views of one row's (1, H, T, ...) q, k, v and gates, each given as
+    (row, the runs' pieces or None) (see :func:`_stacked_runs`)."""
     n, lq = seg.q_index.shape
     lk = seg.k_index.shape[1]
     a, c = seg.q_first, seg.k_first
     assert a is not None and c is not None  # (a tiled run)
-    gs = None if gates is None else _tiled(gates, c, n, lk)
-    return _tiled(q, a, n, lq), _tiled(k, c, n, lk), _tiled(v, c, n, lk), gs
+    gs = None if gates is None else _tiled(gates, i, c, n, lk)
+    return _tiled(q, i, a, n, lq), _tiled(k, i, c, n, lk), _tiled(v, i, c, n, lk), gs
 
 
-def _tiled(x: torch.Tensor, first: int, n: int, length: int) -> torch.Tensor:
-    """x (1, H, T, ...) -> its n segments of ``length`` from ``first`` as (n, H, length, ...): views only
-    (the whole row is not sliced, so its backward writes the gradient in place of a zero-filled copy)."""
-    row = x.squeeze(0)  # (H, T, ...)
-    if first or n * length != row.shape[1]:
-        row = row[:, first:first + n * length]
-    return row.unflatten(1, (n, length)).transpose(0, 1)
+def _tiled(x: tuple[torch.Tensor, list[torch.Tensor] | None], i: int, first: int, n: int, length: int) -> torch.Tensor:
+    """Run ``i``'s n segments of ``length`` from ``first`` of a row (1, H, T, ...) as (n, H, length, ...):
+    views only, of the run's piece when the row was split (the whole row is not sliced, so its
+    backward writes the gradient in place of a zero-filled copy)."""
+    whole, pieces = x
+    if pieces is not None:
+        row = pieces[i]
+    elif first or n * length != whole.shape[2]:
+        row = whole[:, :, first:first + n * length]
+    else:
+        row = whole
+    return row.squeeze(0).unflatten(1, (n, length)).transpose(0, 1)
 
 
-def _gathered_stack(seg: Run, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gates: torch.Tensor | None) -> Stacks:
+def _gathered_stack(seg: Run, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gates: torch.Tensor | None) -> Stacks:
     """A run's stacks gathered from token-major (B*T, H, ...) q, k, v and gates (a slice, a view, when
     the run tiles a contiguous range: no gather and no scatter back)."""
     n, lq = seg.q_index.shape

@@ -169,6 +169,30 @@ def test_packed_rows_of_equal_documents_equal_the_documents_alone(method, length
             close(a, w, 1e-4)
 
 
+@pytest.mark.parametrize("method", ["nope", "rope", "alibi", "t5", "fire"])
+def test_a_padded_packed_row_equals_its_documents_alone(method):
+    """One row: 15 padding tokens, then documents of 40, 40 and 25 (a run of two equal documents
+    and one alone, cut from the row as pieces of one split with the padding a gap): outputs and
+    gradients equal each document alone; padding gets 0 out and 0 gradient."""
+    enc = encoding(method)
+    pad, lengths = 15, [40, 40, 25]
+    t = pad + sum(lengths)
+    q, k, v = (x.requires_grad_() for x in qkv(1, t))
+    doc = torch.cat([torch.zeros(pad, dtype=torch.long)] + [torch.full((n,), i + 1) for i, n in enumerate(lengths)])[None]
+    mask = torch.arange(t)[None] >= pad  # (1, T)
+    out = attend(q, k, v, enc, document_ids=doc, key_padding_mask=mask)
+    real = [x[:, :, pad:] for x in (q, k, v)]
+    want = documents_alone(*real, enc, lengths)
+    close(out[:, :, pad:], want)
+    assert torch.all(out[:, :, :pad] == 0)
+    params = list(enc.parameters())
+    got, ref = grads(out, q, k, v, *params), grads(want, q, k, v, *params)
+    for a, w in zip(got, ref):
+        if a is not None:
+            close(a, w, 1e-4)
+    assert all(torch.all(g[:, :, :pad] == 0) for g in got[:3])
+
+
 @pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("side", ["left", "right"])
 def test_a_padded_batch_equals_its_rows_alone(method, side):

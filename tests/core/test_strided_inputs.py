@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 import posenc
 from posenc import backends
+from posenc.encodings import get_class, options_of
 from posenc.encodings.protocol import Gates, offers
 from posenc.errors import UsageError
 
@@ -55,3 +56,38 @@ def test_strided_equals_contiguous_on_every_backend(method: str, seed: int, leng
         except UsageError:  # a forced backend that cannot run this call says so
             continue
         assert torch.allclose(out, reference, atol=1e-5), name
+
+
+@pytest.mark.parametrize("kv_heads", [H, 1])
+@pytest.mark.parametrize("method", [m for m in posenc.available() if m != "axial_rope"])
+def test_heads_first_memory_equals_contiguous_forward_and_backward(method: str, kv_heads: int) -> None:
+    """q, k, v (B, H, T, D) held in (H, B, T, D) memory, as a packed head-major row's documents are
+    stacked: output and gradients (inputs' and parameters') equal the contiguous inputs' on every
+    backend that runs the call, against the eager backend."""
+    g = torch.Generator().manual_seed(1)
+    b, t = 3, 20
+    heads_first = [torch.randn(hh, b, t, D, generator=g, dtype=torch.float64).transpose(0, 1) for hh in (H, kv_heads, kv_heads)]
+    grouped = {"num_kv_heads": kv_heads} if "num_kv_heads" in options_of(get_class(method)) else {}
+    enc = posenc.build(method, num_heads=H, head_dim=D, **grouped).double()
+    extra = {"log_gates": -torch.rand(b, H, t, generator=g, dtype=torch.float64)} if offers(enc, Gates) else {}
+    w = torch.randn(b, H, t, D, generator=g, dtype=torch.float64)
+
+    def grads(inputs: list[torch.Tensor], backend: str) -> list[torch.Tensor]:
+        xs = [x.detach().requires_grad_() for x in inputs]
+        params = [p for p in enc.parameters() if p.requires_grad]
+        out = posenc.attend(*xs, enc, backend=backend, **extra)
+        return [out, *torch.autograd.grad((out * w).sum(), xs + params, allow_unused=True)]
+
+    reference = grads([x.contiguous() for x in heads_first], "eager")
+    ran = 0
+    for name in backends.names():
+        try:
+            got = grads(heads_first, name)
+        except UsageError:  # a forced backend that cannot run this call says so
+            continue
+        ran += 1
+        for a, r in zip(got, reference):
+            assert (a is None) == (r is None), name
+            if a is not None:
+                torch.testing.assert_close(a, r, atol=1e-9, rtol=1e-7, msg=name)
+    assert ran >= 2

@@ -81,6 +81,7 @@ from .parts.regions import (
     region_backward,
     repeated_heads,
     rows_of,
+    rows_ready,
     unfold_heads,
     up,
 )
@@ -163,7 +164,7 @@ def _forward(
     (output, log-sum-exp); otherwise each far output is freed once merged."""
     b, h, tq, d = q.shape
     hkv = k.shape[1]
-    merged = Merge(b, h, tq, v.shape[-1], q.dtype, q.device)
+    merged = Merge(b, h, tq, v.shape[-1], q.dtype, q.device, like=q)  # (in q's memory: see regions.heads_first)
     far: list[tuple[torch.Tensor, torch.Tensor]] = []  # each far call's output and shifted log-sum-exp: its constant's gradient
     for call in plan.far:
         term, shift, _ = tails.far_terms(plan, rel, call)
@@ -189,9 +190,9 @@ def _backward(
     plan: tails.Plan, far: list[tuple[torch.Tensor, torch.Tensor]] | None, need_rel: bool, dout: torch.Tensor, q: torch.Tensor,
     k: torch.Tensor, v: torch.Tensor, rel: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    dout = dout.contiguous()
+    dout = rows_ready(dout)
     grads = _Grads(q, k, v)  # (in the inputs' layout: a stacked view's gradient needs no copy back)
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()  # (each read by several kernel calls)
+    q, k, v = rows_ready(q), rows_ready(k), rows_ready(v)  # (each read by several kernel calls)
     drel = torch.zeros(rel.shape, dtype=accumulation_dtype(rel.dtype), device=rel.device) if need_rel else None
     dsum = (up(dout) * up(out)).sum(-1)  # (B, H, Tq): D_i = dO_i . O_i
     h, hkv = q.shape[1], k.shape[1]
@@ -279,12 +280,13 @@ def _learned_band(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One band group's (dq, dk, dv) blocks for a learned bias, dS = P (dP - D) written out and summed
     per relative position into ``drel``. q, dO (B*n, h, C, D) and the key/value windows (B*n, hkv,
-    L, D) are copied once into ``ws``, and every product writes into ``ws``: the groups of one
-    backward reuse the same memory (fresh pages per group cost more than the products here, on CPU);
-    the returned blocks live in ``ws`` until the next group."""
+    L, D) are copied once into ``ws`` (q and dO only where they are not contiguous already), and
+    every product writes into ``ws``: the groups of one backward reuse the same memory (fresh pages
+    per group cost more than the products here, on CPU); the returned blocks live in ``ws`` until
+    the next group."""
     h, hkv, dt = qc.shape[1], kc.shape[1], qc.dtype
-    q_g = fold_heads(ws.take("q", qc.shape, dt).copy_(qc), hkv)  # (B*n, hkv, g C, D): a group's heads as rows
-    do_g = fold_heads(ws.take("do", doc.shape, dt).copy_(doc), hkv)
+    q_g = fold_heads(_taken(ws, "q", qc), hkv)  # (B*n, hkv, g C, D): a group's heads as rows
+    do_g = fold_heads(_taken(ws, "do", doc), hkv)
     kw, vw = ws.take("k", kc.shape, dt).copy_(kc), ws.take("v", vc.shape, dt).copy_(vc)  # (B*n, hkv, L, D)
     rows = (*q_g.shape[:-1], kw.shape[-2])  # (B*n, hkv, g C, L)
     s = unfold_heads(up(torch.matmul(q_g, kw.transpose(-1, -2), out=ws.take("s", rows, dt))), h)
@@ -297,6 +299,11 @@ def _learned_band(
     gq = unfold_heads(torch.matmul(ds_g, kw, out=ws.take("gq", q_g.shape, dt)), h).mul_(scale)  # (B*n, h, C, D)
     gk = torch.matmul(ds_g.transpose(-1, -2), q_g, out=ws.take("gk", kw.shape, dt)).mul_(scale)  # (B*n, hkv, L, D)
     return gq, gk, gv
+
+
+def _taken(ws: explicit.Workspace, name: str, x: torch.Tensor) -> torch.Tensor:
+    """x itself when contiguous, else its copy in ``ws``'s buffer ``name``."""
+    return x if x.is_contiguous() else ws.take(name, tuple(x.shape), x.dtype).copy_(x)
 
 
 class _Grads:

@@ -37,7 +37,7 @@ import torch
 
 from ...encodings.protocol import Biases, DistanceBias, offers, require
 from .base import ScoreSpec, accumulation_dtype, needs_grad
-from .regions import apply, flushed, fold_heads, kernel_forward, unfold_heads, up
+from .regions import apply, flushed, fold_heads, heads_first, kernel_forward, unfold_heads, up
 
 BLOCK = 64  # query rows per block: temporaries are (B, H, BLOCK, keys)
 
@@ -139,6 +139,32 @@ def _scores(ws: Workspace, q_c: torch.Tensor, k_c: torch.Tensor, scale: float, b
 # Relative biases: strided views of one vector per head
 
 
+def _heads_first(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """q, k, v (B, H, T, D) whose memory is (H, B, T, D), one head count (the documents of a packed
+    head-major row, stacked as views of it, are): the backward then runs on the (H, B, ...) views,
+    whose two leading axes fold into one for the matrix products without a copy, and returns its
+    gradients in that memory too. The axes' roles are exchanged there: a per-head bias broadcasts
+    over axis 1 and is summed over it (:func:`_batch_sum`); with one head count, folding query heads
+    into their key/value head (:func:`~posenc.backends.parts.regions.fold_heads`) is the identity."""
+    return q.shape[1] == k.shape[1] and all(heads_first(x) for x in (q, k, v))
+
+
+def _batch_sum(ds: torch.Tensor, swap: bool) -> torch.Tensor:
+    """dS (B, H, C, L), or (H, B, C, L) when ``swap``, summed over the batch: (H, C, L)."""
+    axis = 1 if swap else 0
+    return ds.sum(axis) if ds.shape[axis] > 1 else ds.select(axis, 0)
+
+
+def _outputs(q: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Empty (B, H, Tq, Dv) output and (B, H, Tq) log-sum-exp; the output in (H, B, Tq, Dv) memory
+    when q's is (H, B, Tq, D), so that a packed row's documents put back into the row are a view."""
+    b, h, tq = q.shape[:3]
+    lse = torch.empty(b, h, tq, dtype=accumulation_dtype(q.dtype), device=q.device)
+    if heads_first(q):
+        return q.new_empty(h, b, tq, v.shape[-1]).transpose(0, 1), lse
+    return q.new_empty(b, h, tq, v.shape[-1]), lse
+
+
 def _view(table: torch.Tensor, g: _Geometry, a0: int, a1: int, keys: int) -> torch.Tensor:
     """The (1, H, C, keys) bias of rows a1-1 .. a0 (reversed) as a view of ``table`` (H, R)."""
     c = a1 - a0
@@ -163,8 +189,7 @@ class _Relative(torch.autograd.Function):
 
 
 def _relative_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch.Tensor, g: _Geometry) -> tuple[torch.Tensor, torch.Tensor]:
-    out = torch.empty(*q.shape[:-1], v.shape[-1], dtype=q.dtype, device=q.device)  # (B, H, Tq, Dv)
-    lse = torch.empty(q.shape[:-1], dtype=accumulation_dtype(q.dtype), device=q.device)  # (B, H, Tq)
+    out, lse = _outputs(q, v)  # (B, H, Tq, Dv), (B, H, Tq)
     for a0, a1, keys in g.blocks():
         mask = _view(table, g, a0, a1, keys).to(q.dtype)
         o, lz = kernel_forward(q[:, :, a0:a1].flip(-2), k[:, :, :keys], v[:, :, :keys], False, g.scale, mask)
@@ -176,6 +201,9 @@ def _relative_backward(
     g: _Geometry, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     table: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, need_table: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    swap = _heads_first(q, k, v)
+    if swap:  # (the batch and head axes exchanged: see _heads_first)
+        q, k, v, dout, out, lse = (x.transpose(0, 1) for x in (q, k, v, dout, out, lse))
     dout = dout.contiguous()
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()  # (each read by several matrix products)
     acc = accumulation_dtype(q.dtype)
@@ -183,24 +211,29 @@ def _relative_backward(
     dq, dk, dv = (torch.zeros(x.shape, dtype=acc, device=x.device) for x in (q, k, v))
     dtable = torch.zeros_like(table) if need_table else None
     b, h = q.shape[:2]
+    heads = table.shape[0]
     ws = Workspace(b * h * min(g.block, g.tq) * (g.tk + min(g.block, g.tq)), acc, q.device)
     for a0, a1, keys in g.blocks():
         c = a1 - a0
         q_c, dout_c = up(q[:, :, a0:a1].flip(-2)), up(dout[:, :, a0:a1].flip(-2))  # reversed rows
         k_c, v_c = up(k[:, :, :keys]), up(v[:, :, :keys])
-        p = _scores(ws, q_c, k_c, g.scale, _view(table, g, a0, a1, keys), lse[:, :, a0:a1].flip(-1))
+        bias = _view(table, g, a0, a1, keys)  # (1, H, C, L)
+        p = _scores(ws, q_c, k_c, g.scale, bias.transpose(0, 1) if swap else bias, lse[:, :, a0:a1].flip(-1))
         total_c = total[:, :, a0:a1].flip(-1)
         ds, dq_c = _block_grads(ws, p, dout_c, total_c, q_c, k_c, v_c, g.scale, dk[:, :, :keys], dv[:, :, :keys])
         dq[:, :, a0:a1] = dq_c.flip(-2)
         if dtable is not None:
             # Row a', key b reads table[start + a' + b]: write dS along anti-diagonals, sum the rows.
             width = c + keys - 1
-            buf = ws.take("diagonals", (h, c, width)).zero_()  # (H, C, C + L - 1)
-            diagonal = buf.as_strided((h, c, keys), (buf.stride(0), width + 1, 1))
-            diagonal.copy_(ds.sum(0) if ds.shape[0] > 1 else ds[0])
+            buf = ws.take("diagonals", (heads, c, width)).zero_()  # (H, C, C + L - 1)
+            diagonal = buf.as_strided((heads, c, keys), (buf.stride(0), width + 1, 1))
+            diagonal.copy_(_batch_sum(ds, swap))
             start = g.tq - a1
             dtable[:, start : start + width] += buf.sum(1)
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dtable
+    dq, dk, dv = dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    if swap:
+        dq, dk, dv = dq.transpose(0, 1), dk.transpose(0, 1), dv.transpose(0, 1)
+    return dq, dk, dv, dtable
 
 
 # ---------------------------------------------------------------------------------------------
@@ -229,6 +262,9 @@ class _Generic(torch.autograd.Function):
     def backward(ctx: Any, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         q, k, v, out, lse, *params = ctx.saved_tensors
         spec, g = ctx.spec, ctx.g
+        swap = _heads_first(q, k, v)
+        if swap:  # (the batch and head axes exchanged: see _heads_first)
+            q, k, v, dout, out, lse = (x.transpose(0, 1) for x in (q, k, v, dout, out, lse))
         dout = dout.contiguous()
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()  # (each read by several matrix products)
         total = (up(dout) * up(out)).sum(-1)  # (B, H, Tq)
@@ -240,18 +276,21 @@ class _Generic(torch.autograd.Function):
             # The bias with autograd here; the kernel-like loop in the flushing thread.
             with torch.enable_grad():
                 bias = _block_bias(require(spec.encoding, Biases), spec, g, a0, a1, keys, acc)  # (H, C, L)
-            ds, dq[:, :, a0:a1] = flushed(_generic_block, ws, g, bias.detach(), dout, total, q, k, v, lse, a0, a1, keys, dk, dv)
+            shared = bias.detach()[:, None] if swap else bias.detach()  # (H, 1, C, L) or (H, C, L), against (., ., C, L)
+            ds, dq[:, :, a0:a1] = flushed(_generic_block, ws, g, shared, dout, total, q, k, v, lse, a0, a1, keys, dk, dv)
             if params:
-                ds_sum = ds.sum(0) if ds.shape[0] > 1 else ds[0]  # (H, C, L): the bias is shared by the batch
+                ds_sum = _batch_sum(ds, swap)  # (H, C, L): the bias is shared by the batch
                 for acc_p, gp in zip(dparams, torch.autograd.grad(bias, params, ds_sum, allow_unused=True)):
                     if gp is not None:
                         acc_p += gp
-        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, *dparams)
+        dq, dk, dv = dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+        if swap:
+            dq, dk, dv = dq.transpose(0, 1), dk.transpose(0, 1), dv.transpose(0, 1)
+        return (dq, dk, dv, None, None, *dparams)
 
 
 def _generic_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec, g: _Geometry) -> tuple[torch.Tensor, torch.Tensor]:
-    out = torch.empty(*q.shape[:-1], v.shape[-1], dtype=q.dtype, device=q.device)
-    lse = torch.empty(q.shape[:-1], dtype=accumulation_dtype(q.dtype), device=q.device)
+    out, lse = _outputs(q, v)  # (B, H, Tq, Dv), (B, H, Tq)
     for a0, a1, keys in g.blocks():
         mask = _block_bias(require(spec.encoding, Biases), spec, g, a0, a1, keys, q.dtype)[None]  # (1, H, C, L)
         out[:, :, a0:a1], lse[:, :, a0:a1] = kernel_forward(q[:, :, a0:a1], k[:, :, :keys], v[:, :, :keys], False, g.scale, mask)

@@ -272,6 +272,22 @@ def keys_of(x: torch.Tensor, region: Region) -> torch.Tensor:
 # The kernel (CPU flash with its log-sum-exp), or the formula in row blocks
 
 
+def rows_ready(x: torch.Tensor) -> torch.Tensor:
+    """x (..., T, D) as it is when each (batch, head) block of T x D is contiguous (a packed row's
+    documents stacked as views of a head-major row are), else a contiguous copy: the kernels and the
+    block products read a block's rows at unit stride, and a copy of the whole would be fresh memory
+    for nothing."""
+    if x.stride(-1) == 1 and (x.shape[-2] < 2 or x.stride(-2) == x.shape[-1]) and all(st or n < 2 for st, n in zip(x.stride()[:-2], x.shape[:-2])):
+        return x
+    return x.contiguous()
+
+
+def heads_first(x: torch.Tensor) -> bool:
+    """x (B, H, ...), B and H > 1, whose memory is (H, B, ...): the documents of a packed head-major
+    row stacked as views of it. Outputs made in the same memory go back into the row as a view."""
+    return x.dim() >= 3 and x.shape[0] > 1 and x.shape[1] > 1 and x.transpose(0, 1).is_contiguous()
+
+
 def use_kernel(q: torch.Tensor, v: torch.Tensor) -> bool:
     """The CPU flash kernel runs this call (it needs one head dim for q, k and v)."""
     return FLASH_OPS and q.device.type == "cpu" and q.shape[-1] == v.shape[-1]
@@ -393,9 +409,13 @@ class Merge:
     has touched yet is copied, otherwise merged: lse = logaddexp(lse, l), out rescaled by both.
     """
 
-    def __init__(self, b: int, h: int, tq: int, dv: int, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, b: int, h: int, tq: int, dv: int, dtype: torch.dtype, device: torch.device,
+                 like: torch.Tensor | None = None) -> None:
         acc = accumulation_dtype(dtype)
-        self.out = torch.zeros(b, h, tq, dv, dtype=acc, device=device)  # (B, H, Tq, Dv)
+        if like is not None and heads_first(like):  # (B, H, Tq, Dv) in (H, B, Tq, Dv) memory, as ``like`` is
+            self.out = torch.zeros(h, b, tq, dv, dtype=acc, device=device).transpose(0, 1)
+        else:
+            self.out = torch.zeros(b, h, tq, dv, dtype=acc, device=device)  # (B, H, Tq, Dv)
         self.lse = torch.full((b, h, tq), float("-inf"), dtype=acc, device=device)  # (B, H, Tq)
         self._covered: list[tuple[int, int, int, int]] = []  # rows a..b of heads h0..h1 hold a part
 
