@@ -220,14 +220,14 @@ def run_geometry(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, encoding: Po
     if geometry.uniform:
         calls = [(q, k, v, geometry.spec(encoding, scale, memo, log_gates))]
     else:
-        calls = _stacked_runs(q, k, v, encoding, geometry, scale, memo, rotate, log_gates)
+        calls, q_cut = _stacked_runs(q, k, v, encoding, geometry, scale, memo, rotate, log_gates)
     outs, name = [], backend
     for qs, ks, vs, spec in calls:
         o, name = run(qs, ks, vs, spec, backend, rotate, extras)
         outs.append(o)
     if geometry.uniform:
         return outs[0], name
-    return _put_back(outs, geometry, q, v), name
+    return _put_back(outs, geometry, q, v, q_cut), name
 
 
 def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec, backend: str = "auto",
@@ -271,10 +271,11 @@ def _kernel_ready(x: torch.Tensor) -> torch.Tensor:
 
 
 def _stacked_runs(q, k, v, encoding, geometry: Geometry, scale: float, memo: ForwardMemo, rotate: bool,
-                  log_gates: torch.Tensor | None) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, ScoreSpec]]:
+                  log_gates: torch.Tensor | None) -> tuple[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, ScoreSpec]], Cut | None]:
     """Each run of identical segments of a segmented geometry as one stacked backend call: (q, k, v,
     spec) of n segments, (n, H, Lq, D), (n, Hkv, Lk, D), (n, Hkv, Lk, Dv); per-key log gates travel
-    with their keys, so their sums restart at each segment.
+    with their keys, so their sums restart at each segment. Also the row's cut at its queries
+    (:func:`_row_pieces`) for :func:`_put_back` when the runs are tiled views of one row, else None.
 
     One row whose runs each tile a contiguous range (the equal documents of a packed row) stacks
     each run as a view of q, k, v in their own head-major layout, every (document, head) block of
@@ -285,9 +286,11 @@ def _stacked_runs(q, k, v, encoding, geometry: Geometry, scale: float, memo: For
     tk, hkv = k.shape[2], k.shape[1]
     runs = geometry.runs or ()  # a segmented geometry has its runs
     rows: tuple
+    q_cut: Cut | None = None
     if b == 1 and all(seg.q_first is not None and seg.k_first is not None for seg in runs):
         stack, contiguous = _tiled_stack, False
-        q_cut, k_cut = _row_pieces(runs, "q", tq), _row_pieces(runs, "k", tk)
+        q_cut = _row_pieces([(seg.q_first, seg.q_index.numel()) for seg in runs], tq)
+        k_cut = _row_pieces([(seg.k_first, seg.k_index.numel()) for seg in runs], tk)
         rows = (_split(q, q_cut), _split(k, k_cut), _split(v, k_cut), None if log_gates is None else _split(log_gates, k_cut))
     else:
         stack, contiguous = _gathered_stack, rotate and offers(encoding, Rotates)  # the rotation reads contiguous rows faster
@@ -300,13 +303,14 @@ def _stacked_runs(q, k, v, encoding, geometry: Geometry, scale: float, memo: For
         if contiguous:
             qs, ks = qs.contiguous(), ks.contiguous()
         calls.append((qs, ks, vs, geometry.run_spec(seg, encoding, scale, memo, gs)))
-    return calls
+    return calls, q_cut
 
 
-def _put_back(outs: list[torch.Tensor], geometry: Geometry, q: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+def _put_back(outs: list[torch.Tensor], geometry: Geometry, q: torch.Tensor, v: torch.Tensor, q_cut: Cut | None) -> torch.Tensor:
     """The runs' outputs (n, H, Lq, Dv) in place, (B, H, Tq, Dv): a single run that holds every query
     in order is the output as it is; one row whose runs hold disjoint ranges (the tiled runs of a
-    packed row) is one ``cat`` in token order, head-major as its views were taken, gaps (padding) 0;
+    packed row, ``q_cut`` from :func:`_stacked_runs`) is one ``cat`` in token order, head-major as its
+    views were taken, gaps (padding) 0;
     else one scatter, token-major as several rows were gathered, the queries of no run 0."""
     b, h, tq, _ = q.shape
     runs = geometry.runs or ()
@@ -316,10 +320,10 @@ def _put_back(outs: list[torch.Tensor], geometry: Geometry, q: torch.Tensor, v: 
         parts, dim = [o.transpose(1, 2).reshape(-1, h, o.shape[-1]) for o in outs], 0  # (n*Lq, H, Dv)
     if len(runs) == 1 and runs[0].q_first == 0 and runs[0].q_index.numel() == b * tq:  # one run, every query in order
         out = parts[0]
-    elif b == 1 and all(seg.q_first is not None for seg in runs) and (cut := _row_pieces(runs, "q", tq))[1] is not None:
-        sizes, at = cut
+    elif q_cut is not None and (at := q_cut[1]) is not None:
+        sizes = q_cut[0]
         pieces: list[torch.Tensor | None] = [None] * len(sizes)
-        for j, part in zip(at or (), parts):
+        for j, part in zip(at, parts):
             pieces[j] = part
         out = torch.cat([q.new_zeros(h, n, v.shape[-1]) if x is None else x for x, n in zip(pieces, sizes)], dim=1)
     else:
@@ -335,15 +339,16 @@ Stacks = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]
 Cut = tuple[list[int], list[int] | None]
 
 
-def _row_pieces(runs: tuple[Run, ...], side: str, t: int) -> Cut:
-    """How one row's T queries (``side`` "q") or keys ("k") split at its tiled runs: (sizes of the
-    pieces in order, covering [0, T) with the gaps between runs as pieces of their own; for each run
-    the index of its piece), or (T, None) when two runs share tokens (each run then slices the row)."""
-    spans = [(getattr(seg, f"{side}_first"), seg.q_index.numel() if side == "q" else seg.k_index.numel()) for seg in runs]
-    order = sorted(range(len(spans)), key=lambda i: spans[i][0])
+def _row_pieces(spans: list[tuple[int | None, int]], t: int) -> Cut:
+    """How one row's T queries or keys split at its tiled runs, given each run's (first token, number
+    of tokens): (sizes of the pieces in order, covering [0, T) with the gaps between runs as pieces of
+    their own; for each run the index of its piece), or ([T], None) when two runs share tokens (each
+    run then slices the row)."""
+    order = sorted(range(len(spans)), key=lambda i: spans[i][0] or 0)
     sizes, at, end = [], [0] * len(spans), 0
     for i in order:
         first, size = spans[i]
+        assert first is not None  # (a tiled run)
         if first < end:
             return [t], None
         if first > end:

@@ -37,7 +37,7 @@ import torch
 
 from ...encodings.protocol import Biases, DistanceBias, offers, require
 from .base import ScoreSpec, accumulation_dtype, needs_grad
-from .regions import apply, flushed, fold_heads, heads_first, kernel_forward, unfold_heads, up
+from .regions import apply, flushed, fold_heads, heads_first, kernel_forward, new_output, unfold_heads, up
 
 BLOCK = 64  # query rows per block: temporaries are (B, H, BLOCK, keys)
 
@@ -156,13 +156,10 @@ def _batch_sum(ds: torch.Tensor, swap: bool) -> torch.Tensor:
 
 
 def _outputs(q: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Empty (B, H, Tq, Dv) output and (B, H, Tq) log-sum-exp; the output in (H, B, Tq, Dv) memory
-    when q's is (H, B, Tq, D), so that a packed row's documents put back into the row are a view."""
-    b, h, tq = q.shape[:3]
-    lse = torch.empty(b, h, tq, dtype=accumulation_dtype(q.dtype), device=q.device)
-    if heads_first(q):
-        return q.new_empty(h, b, tq, v.shape[-1]).transpose(0, 1), lse
-    return q.new_empty(b, h, tq, v.shape[-1]), lse
+    """Empty (B, H, Tq, Dv) output, in q's memory (:func:`~posenc.backends.parts.regions.new_output`),
+    and (B, H, Tq) log-sum-exp."""
+    lse = torch.empty(q.shape[:3], dtype=accumulation_dtype(q.dtype), device=q.device)
+    return new_output(q, v.shape[-1], q.dtype), lse
 
 
 def _view(table: torch.Tensor, g: _Geometry, a0: int, a1: int, keys: int) -> torch.Tensor:

@@ -288,6 +288,17 @@ def heads_first(x: torch.Tensor) -> bool:
     return x.dim() >= 3 and x.shape[0] > 1 and x.shape[1] > 1 and x.transpose(0, 1).is_contiguous()
 
 
+def new_output(q: torch.Tensor, dv: int, dtype: torch.dtype, zero: bool = False) -> torch.Tensor:
+    """An uninitialized (or ``zero``) (B, H, Tq, Dv) output for q (B, H, Tq, D), in (H, B, Tq, Dv)
+    memory when q's memory is (H, B, ...) (:func:`heads_first`), so that a packed row's documents
+    put back into the row are a view."""
+    b, h, tq = q.shape[:3]
+    make = torch.zeros if zero else torch.empty
+    if heads_first(q):
+        return make(h, b, tq, dv, dtype=dtype, device=q.device).transpose(0, 1)
+    return make(b, h, tq, dv, dtype=dtype, device=q.device)
+
+
 def use_kernel(q: torch.Tensor, v: torch.Tensor) -> bool:
     """The CPU flash kernel runs this call (it needs one head dim for q, k and v)."""
     return FLASH_OPS and q.device.type == "cpu" and q.shape[-1] == v.shape[-1]
@@ -412,8 +423,8 @@ class Merge:
     def __init__(self, b: int, h: int, tq: int, dv: int, dtype: torch.dtype, device: torch.device,
                  like: torch.Tensor | None = None) -> None:
         acc = accumulation_dtype(dtype)
-        if like is not None and heads_first(like):  # (B, H, Tq, Dv) in (H, B, Tq, Dv) memory, as ``like`` is
-            self.out = torch.zeros(h, b, tq, dv, dtype=acc, device=device).transpose(0, 1)
+        if like is not None:  # (B, H, Tq, Dv) in ``like``'s memory (see new_output)
+            self.out = new_output(like, dv, acc, zero=True)
         else:
             self.out = torch.zeros(b, h, tq, dv, dtype=acc, device=device)  # (B, H, Tq, Dv)
         self.lse = torch.full((b, h, tq), float("-inf"), dtype=acc, device=device)  # (B, H, Tq)
