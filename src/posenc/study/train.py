@@ -21,6 +21,7 @@ import pickle
 import signal
 import threading
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
@@ -192,7 +193,9 @@ def restore(path: Path, model: StudiedModel, opt: torch.optim.Optimizer, sched: 
     file cannot run code. StateError when it is damaged or from another model. A state saved at or
     after ``drop_at`` belongs to the model without positions: they are dropped before loading."""
     try:
-        state = torch.load(path, map_location=device, weights_only=True)
+        with warnings.catch_warnings():  # a foreign file's pickle protocol: our own error below says what to do
+            warnings.filterwarnings("ignore", message="Detected pickle protocol", category=UserWarning)
+            state = torch.load(path, map_location=device, weights_only=True)
         if drop_at is not None and int(state["step"]) > drop_at:
             model.drop_positions()
         model.load_state_dict(state["model"])
