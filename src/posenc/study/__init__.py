@@ -42,6 +42,8 @@ The modules, in the order a run meets them:
     extend.py      ``posenc extend``: a checkpoint fine-tuned under a scaling at a longer length
                    (its settings in extend_config.py, its command line in extend_cli.py, a
                    transformers model's side in extend_hf.py)
+    pose.py        PoSE's position ids (Zhu et al. 2024): short windows whose ids skip over a
+                   target length (``posenc extend --pose``)
     evaluation.py  windows and scoring at one length (perplexity, or recall accuracy)
     metrics.py     a run's typed score at one length (LMScore, RecallScore), as results.json writes it
     recall.py      the associative-recall task: sequences, batches, evaluation sets

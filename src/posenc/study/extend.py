@@ -29,6 +29,11 @@ trained, the scaling zero-shot, and the extended model; perplexity on the lm tas
 accuracy on the recall task. An interrupted run continues with ``resume`` from its last training
 state (every ``checkpoint_every`` steps) and with the scores already written.
 
+PoSE (``pose``, Zhu et al. 2024, :mod:`.pose`) is a recipe for the fine-tune under any scaling: the
+model under the block for ``length``, trained on windows of ``train_length`` whose position ids skip
+over ``length`` (drawn from the data seed and the step); ``extend.json`` records it (``recipe``) and
+the extended column is named ``SCALING+pose``.
+
 A transformers causal LM with RoPE (a ``save_pretrained`` folder, or the model) is extended the same
 way through ``posenc.hf`` (:mod:`.extend_hf`: what changes, and how its result is saved).
 """
@@ -54,6 +59,7 @@ from .data import Corpus, load_corpus, train_batch
 from .evaluation import evaluate, evaluate_recall
 from .extend_config import KINDS, ExtendConfig
 from .longrope_search import search
+from .pose import step_positions
 from .progress import Progress
 from .rows import SCALINGS
 from .studied import StudiedModel
@@ -68,9 +74,11 @@ FORMAT = "posenc-extend-1"
 _SEEDED = re.compile(r"^(?P<stem>.+)\.seed(?P<seed>\d+)$")
 
 
-def study_defaults(checkpoint: Path, length: int | None) -> dict[str, Any]:
+def study_defaults(checkpoint: Path, length: int | None, pose: bool = False) -> dict[str, Any]:
     """The settings a study's checkpoint brings (empty for any other checkpoint): see the module
-    docstring. ``length``: the fine-tuning length (for the batch size); None: the study's own."""
+    docstring. ``length``: the fine-tuning length (for the batch size); None: the study's own.
+    ``pose``: PoSE trains at the study's train length, so the batch is pre-training's, on plain
+    windows (no packing: PoSE's ids skip within one window)."""
     root = checkpoint.parent.parent
     if checkpoint.parent.name != "checkpoints" or not (root / "results.json").is_file():
         return {}
@@ -85,10 +93,10 @@ def study_defaults(checkpoint: Path, length: int | None) -> dict[str, Any]:
     target = length or int(cfg.get("finetune_length") or 2 * t)
     return {
         "train_length": t, "lr": float(cfg["lr"]) * float(cfg["min_lr_ratio"]), "min_lr_ratio": float(cfg["min_lr_ratio"]),
-        "batch_size": max(1, int(cfg["batch_size"]) * t // target), "weight_decay": float(cfg["weight_decay"]),
+        "batch_size": max(1, int(cfg["batch_size"]) * t // (t if pose else target)), "weight_decay": float(cfg["weight_decay"]),
         "grad_clip": float(cfg["grad_clip"]), "checkpoint_every": int(cfg["checkpoint_every"]), "seed": seed,
         "data": cfg.get("data", "default"), "valid_bytes": int(cfg["valid_bytes"]),
-        "pack_documents": bool(cfg.get("pack_documents", False)), "task": cfg.get("task", "lm"),
+        "pack_documents": bool(cfg.get("pack_documents", False)) and not pose, "task": cfg.get("task", "lm"),
         "recall_sequences": int(cfg.get("recall_sequences", 64)), "eval_lengths": list(cfg["eval_lengths"]),
         "length": target,
     }
@@ -174,8 +182,19 @@ class PosencModels:
 class _Data:
     corpus: Corpus | None  # None: the recall task
 
-    def batches(self, cfg: ExtendConfig, settings: TrainSettings) -> Callable[[int], tuple[torch.Tensor, ...]]:
+    def batches(self, cfg: ExtendConfig, settings: TrainSettings) -> Callable[[int], tuple[torch.Tensor | None, ...]]:
         seed, size, length = settings.data_seed, settings.batch_size, settings.length
+        batch = self._windows(cfg, seed, size, length)
+        if not cfg.pose:
+            return batch
+
+        def posed(step: int) -> tuple[torch.Tensor | None, ...]:  # PoSE: windows of train_length, ids over cfg.length
+            x, y = batch(step)[:2]
+            return x, y, None, step_positions(seed, step, size, length, cfg.length, cfg.pose_chunks)
+
+        return posed
+
+    def _windows(self, cfg: ExtendConfig, seed: int, size: int, length: int) -> Callable[[int], tuple[torch.Tensor, ...]]:
         if self.corpus is None:
             return lambda step: recall.train_batch(seed, step, size, length)
         corpus = self.corpus
@@ -191,6 +210,19 @@ class _Data:
             return {"length": length, **{f"{cls}_accuracy": d["accuracy"] for cls, d in classes.items()}}
         res = evaluate(model, self.corpus.valid, length, None, ctx)
         return {"length": length, "perplexity": res["perplexity"], "loss": res["loss"]}
+
+
+def pose_recipe(cfg: ExtendConfig) -> dict[str, Any]:
+    """What extend.json records of a PoSE fine-tune (:mod:`.pose`)."""
+    return {"name": "pose", "paper": "Zhu et al., ICLR 2024, PoSE, arXiv 2309.10400, section 3.2",
+            "window": cfg.train_length, "target": cfg.length, "chunks": cfg.pose_chunks,
+            "biases": "u_0 = 0, u_i ~ U({u_(i-1), .., target - window})", "cuts": "uniform, every chunk non-empty",
+            "content": "the window's consecutive tokens (v_i = 0)"}
+
+
+def _column(cfg: ExtendConfig) -> str:
+    """The extended model's column name: the scaling, with ``+pose`` for a PoSE fine-tune."""
+    return f"{cfg.scaling}+pose" if cfg.pose else cfg.scaling
 
 
 def _metric(cfg: ExtendConfig) -> str:
@@ -210,17 +242,19 @@ def table_rows(record: dict, cfg: ExtendConfig) -> list[dict]:
     return out
 
 
-def _csv(rows: list[dict], key: str) -> str:
-    lines = [f"length,base_{key},zero_shot_{key},extended_{key}"]
+def _csv(rows: list[dict], key: str, pose: bool = False) -> str:
+    extended = "pose_extended" if pose else "extended"
+    lines = [f"length,base_{key},zero_shot_{key},{extended}_{key}"]
     for r in rows:
         cells = ["" if r[c] is None else f"{r[c]:.6g}" for c in ("base", "zero_shot", "extended")]
         lines.append(",".join([str(r["length"]), *cells]))
     return "\n".join(lines) + "\n"
 
 
-def printed(rows: list[dict], key: str, scaling: str) -> str:
-    """The before/after table as text."""
-    head = f"{'length':>8}  {'base':>12}  {scaling + ' zero-shot':>18}  {scaling + ' extended':>18}"
+def printed(rows: list[dict], key: str, scaling: str, extended: str | None = None) -> str:
+    """The before/after table as text; ``extended``: the fine-tune's name (default ``scaling``;
+    ``yarn+pose`` for a PoSE fine-tune)."""
+    head = f"{'length':>8}  {'base':>12}  {scaling + ' zero-shot':>18}  {(extended or scaling) + ' extended':>18}"
     lines = [f"{key} by length", head]
     for r in rows:
         cells = [("-" if r[c] is None else f"{r[c]:.4f}") for c in ("base", "zero_shot", "extended")]
@@ -291,6 +325,9 @@ def extend(checkpoint: str | Path | torch.nn.Module, out: str | Path, cfg: Exten
         models = PosencModels(load_checkpoint(Path(checkpoint), device))
         source = str(checkpoint)
     models.check(cfg)
+    if cfg.pose and not isinstance(models, PosencModels):
+        raise UsageError("pose: PoSE is for posenc checkpoints; posenc.hf reads position ids that skip as the restarts of "
+                         "packed documents, so a transformers model would not attend across PoSE's chunks")
     data = _Data(None if cfg.task == "recall" else load_corpus(cfg.data, cfg.valid_bytes))
     if data.corpus is not None:
         if max(cfg.eval_lengths) > data.corpus.valid_tokens:
@@ -300,6 +337,8 @@ def extend(checkpoint: str | Path | torch.nn.Module, out: str | Path, cfg: Exten
             raise UsageError(f"length ({cfg.length}) needs a training split longer than {data.corpus.train.numel()} bytes")
     settings = {**asdict(cfg), "search": None if cfg.search is None else
                 {**asdict(cfg.search), "start_tokens": list(cfg.search.start_tokens)}}
+    if not cfg.pose:  # (a run without PoSE keeps the settings, and so the resumability, of the runs before PoSE)
+        del settings["pose"], settings["pose_chunks"]
     fresh = not (out / MARKER).exists()
     rundir = RunDir.claim(out, "extend", owned=_owned)
     try:
@@ -360,6 +399,8 @@ def _run(models: Models, out: Path, cfg: ExtendConfig, data: _Data, record: dict
     started = time.perf_counter()
     block = _block(models, cfg, record, out, data, ui, resume)
     record["scaling"] = block if block is not None else {"drope": True}
+    if cfg.pose:
+        record["recipe"] = pose_recipe(cfg)
     write_json(path, record)
     start = models.scaled(block)
 
@@ -385,7 +426,7 @@ def _run(models: Models, out: Path, cfg: ExtendConfig, data: _Data, record: dict
         else:
             settings = cfg.settings()
             try:
-                model, trained = train(f"extend {cfg.scaling}", settings, models.trainable(block), data.batches(cfg, settings),
+                model, trained = train(f"extend {_column(cfg)}", settings, models.trainable(block), data.batches(cfg, settings),
                                        out / "state.pt", distributed.Context(models.device), ui)
             except StateError as err:
                 raise UsageError(f"{err}; delete it and continue with resume to fine-tune from step 0") from None
@@ -403,10 +444,10 @@ def _run(models: Models, out: Path, cfg: ExtendConfig, data: _Data, record: dict
     record["status"] = "done"
     record["time_s"] = round(record.get("time_s", 0.0) + time.perf_counter() - started, 3)
     write_json(path, record)
-    write_json(out / "table.json", {"metric": key, "scaling": cfg.scaling, "rows": rows})
-    write_text(out / "table.csv", _csv(rows, key))
-    ui.warn(printed(rows, key, cfg.scaling))
+    write_json(out / "table.json", {"metric": key, "scaling": cfg.scaling, **({"recipe": "pose"} if cfg.pose else {}), "rows": rows})
+    write_text(out / "table.csv", _csv(rows, key, cfg.pose))
+    ui.warn(printed(rows, key, cfg.scaling, _column(cfg)))
     return record
 
 
-__all__ = ["ExtendConfig", "KINDS", "dropped", "extend", "is_transformers", "scaled", "study_defaults", "table_rows"]
+__all__ = ["ExtendConfig", "KINDS", "dropped", "extend", "is_transformers", "pose_recipe", "scaled", "study_defaults", "table_rows"]

@@ -47,6 +47,9 @@ def add_extend_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--search-generations", type=int, default=8, help="the search's generations (default 8)")
     p.add_argument("--search-population", type=int, default=16, help="the search's population (default 16)")
     p.add_argument("--search-sequences", type=int, default=4, help="validation windows per individual (default 4)")
+    p.add_argument("--pose", action="store_true", help="PoSE (Zhu et al. 2024): fine-tune on windows of the train length "
+                                                       "whose position ids skip over --length (posenc checkpoints)")
+    p.add_argument("--pose-chunks", type=int, help="PoSE's chunks per window, 1 .. train length (default 2)")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--threads", type=int, help="CPU threads (torch.set_num_threads)")
     p.add_argument("--resume", action="store_true", help="continue the extension in --out")
@@ -56,7 +59,7 @@ def add_extend_arguments(p: argparse.ArgumentParser) -> None:
 def config_from_args(args: argparse.Namespace) -> ExtendConfig:
     """The :class:`ExtendConfig` of the command line: given options, then a study's, then defaults."""
     checkpoint = Path(args.checkpoint)
-    defaults = study_defaults(checkpoint, args.length)
+    defaults = study_defaults(checkpoint, args.length, pose=bool(getattr(args, "pose", False)))
     given = {"length": args.length, "steps": args.steps, "train_length": args.train_length, "lr": args.lr,
              "batch_size": args.batch_size, "warmup": args.warmup, "seed": args.seed, "data": args.data,
              "valid_bytes": args.valid_bytes, "pack_documents": args.pack_documents, "eval_lengths": args.eval_lengths,
@@ -86,7 +89,12 @@ def config_from_args(args: argparse.Namespace) -> ExtendConfig:
                                   generations=args.search_generations, population=args.search_population,
                                   sequences=args.search_sequences, parents=min(4, args.search_population),
                                   seed=values.get("seed", 0))
-    return ExtendConfig(scaling=args.scaling, longrope=longrope, search=settings, **values)
+    pose = bool(getattr(args, "pose", False))
+    chunks = getattr(args, "pose_chunks", None)
+    if not pose and chunks is not None:
+        raise UsageError("pose-chunks: applies to a PoSE fine-tune; add --pose")
+    return ExtendConfig(scaling=args.scaling, longrope=longrope, search=settings, pose=pose,
+                        pose_chunks=2 if chunks is None else chunks, **values)
 
 
 def run_extend(args: argparse.Namespace) -> int:

@@ -34,6 +34,11 @@ class ExtendConfig:
             study's default rule (:func:`.variants.scaling_block`).
         task: "lm" (perplexity of ``data``) or "recall" (the study's associative recall).
         eval_lengths: the lengths of the before/after table.
+        pose: PoSE (Zhu et al. 2024, :mod:`.pose`): the fine-tune trains on windows of
+            ``train_length`` whose position ids skip over ``length`` (``pose_chunks`` chunks, each
+            example's own), instead of windows of ``length``; the model is the scaling's for
+            ``length`` all the same. Not with ``drope`` (no positions) or ``pack_documents``.
+        pose_chunks: PoSE's chunks per window, in ``[1, train_length]`` (the paper's default 2).
     """
 
     scaling: str
@@ -57,6 +62,8 @@ class ExtendConfig:
     eval_lengths: list[int] = field(default_factory=list)
     longrope: dict[str, Any] | None = None
     search: SearchSettings | None = None
+    pose: bool = False
+    pose_chunks: int = 2
 
     def __post_init__(self) -> None:
         if self.scaling not in KINDS:
@@ -87,6 +94,15 @@ class ExtendConfig:
         if self.search is not None and (self.search.target_length, self.search.train_length) != (self.length, self.train_length):
             raise UsageError(f"search: its target_length and train_length ({self.search.target_length}, "
                              f"{self.search.train_length}) must be length and train_length ({self.length}, {self.train_length})")
+        if not isinstance(self.pose, bool):
+            raise UsageError(f"pose must be True or False, got {self.pose!r}")
+        if isinstance(self.pose_chunks, bool) or not isinstance(self.pose_chunks, int) or not (
+                1 <= self.pose_chunks <= (self.train_length if self.pose else self.pose_chunks)):
+            raise UsageError(f"pose_chunks must be an integer in [1, train_length={self.train_length}], got {self.pose_chunks!r}")
+        if self.pose and self.scaling == "drope":
+            raise UsageError("pose: PoSE trains position ids, and drope drops the positions; use another scaling")
+        if self.pose and self.pack_documents:
+            raise UsageError("pose: PoSE's position ids skip within one window; leave out pack_documents")
         lengths = self.eval_lengths or sorted({self.train_length, self.length, 2 * self.length})
         if any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in lengths):
             raise UsageError(f"eval_lengths must be integers >= 1, got {lengths!r}")
@@ -98,8 +114,9 @@ class ExtendConfig:
 
     def settings(self) -> TrainSettings:
         """The fine-tune's training settings (see the module docstring)."""
-        size = self.batch_size or max(1, self.tokens_per_step // self.length)
-        common: dict[str, Any] = dict(steps=max(1, self.steps), batch_size=size, length=self.length, grad_clip=self.grad_clip,
+        window = self.train_length if self.pose else self.length  # PoSE: short windows, positions over length
+        size = self.batch_size or max(1, self.tokens_per_step // window)
+        common: dict[str, Any] = dict(steps=max(1, self.steps), batch_size=size, length=window, grad_clip=self.grad_clip,
                                       checkpoint_every=self.checkpoint_every, data_seed=self.seed + FINETUNE_STREAM,
                                       min_lr_ratio=self.min_lr_ratio, weight_decay=self.weight_decay)
         if self.scaling == "drope":

@@ -249,7 +249,7 @@ def _wrap(model: StudiedModel, ctx: distributed.Context) -> torch.nn.Module:
     return DistributedDataParallel(model, device_ids=ids, **no_sync)
 
 
-def train(label: str, settings: TrainSettings, model: StudiedModel, batch: Callable[[int], tuple[torch.Tensor, ...]],
+def train(label: str, settings: TrainSettings, model: StudiedModel, batch: Callable[[int], tuple[torch.Tensor | None, ...]],
           state_path: Path, ctx: distributed.Context, ui: Progress, on_step: StepCallback | None = None
           ) -> tuple[StudiedModel, TrainRecord]:
     """Train ``model`` (its initial state) as ``settings`` say, continuing from ``state_path`` when
@@ -259,7 +259,8 @@ def train(label: str, settings: TrainSettings, model: StudiedModel, batch: Calla
 
     Args:
         label: the run's name in progress lines, and what ``on_step`` is called with.
-        batch: step -> inputs, targets (B, T) each [, document ids (B, T)]: a pure function of the
+        batch: step -> inputs, targets (B, T) each [, document ids (B, T) or None [, positions
+            (B, T): the inputs' position ids, e.g. PoSE's (:mod:`.pose`)]]: a pure function of the
             step, so a run continued from a saved state sees the batches an unbroken one would.
 
     Raises:
@@ -296,11 +297,12 @@ def train(label: str, settings: TrainSettings, model: StudiedModel, batch: Calla
                     group["weight_decay"] = 0.0
                 net = _wrap(model, ctx)  # DDP over the parameters that remain
                 dropped = True
-            x, y, *docs = batch(step)  # (B, T) each, the global batch; packed rows: document ids too
+            x, y, *more = batch(step)  # (B, T) each, the global batch; packed rows: document ids; PoSE: positions
+            assert x is not None and y is not None
             share = x.shape[0] // ctx.world
             mine = slice(ctx.rank * share, (ctx.rank + 1) * share)
             x, y = x[mine].to(ctx.device), y[mine].to(ctx.device)
-            extra = {"document_ids": docs[0][mine].to(ctx.device)} if docs else {}
+            extra = {name: t[mine].to(ctx.device) for name, t in zip(("document_ids", "positions"), more) if t is not None}
             try:
                 logits = net(x, **extra)  # (B/world, T, vocab)
             except (ValueError, OverflowError) as err:
