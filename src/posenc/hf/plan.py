@@ -81,6 +81,13 @@ def _rotary_tables(rotary: nn.Module, kind: str | None) -> tuple[torch.Tensor, f
     return (inv if inv.is_meta else inv.float().cpu()), float(1.0 if factor is None else factor)
 
 
+def _buffer_dtype(rotary: nn.Module, kind: str | None) -> torch.dtype:
+    """The dtype the model's rotary module holds its inverse frequencies in (float32 unless the model was cast)."""
+    inv = (getattr(rotary, f"{kind}_inv_freq", None) if kind else None)
+    inv = inv if isinstance(inv, torch.Tensor) else getattr(rotary, "inv_freq", None)
+    return inv.dtype if isinstance(inv, torch.Tensor) and inv.is_floating_point() else torch.float32
+
+
 def _family_schedule(config: Any, family: Family | None, depth: int) -> Schedule:
     """The model's own schedule: its table row read by :func:`posenc.schedule_from_hf`, or for a
     model outside the table the LLaMA pattern: RoPE from the config on every layer, windowed
@@ -189,9 +196,13 @@ def _verify_rope(encoding: PositionalEncoding, rotary: nn.Module, kind: str | No
     inv, factor = _rotary_tables(rotary, kind)
     if inv.is_meta or encoding.inv_freq.is_meta:  # a model being built by from_pretrained: checked once loaded
         return
-    ours = encoding.inv_freq.detach().float().cpu()
+    # At the buffer's own precision: a model cast with .to(torch.bfloat16) or .half() holds its
+    # frequencies rounded to that dtype, so ours are rounded the same way and compared within its eps.
+    held = _buffer_dtype(rotary, kind)
+    rtol = max(1e-5, torch.finfo(held).eps)
+    ours = encoding.inv_freq.detach().to(held).float().cpu()
     name = family.name if family is not None else "this model"
-    if ours.shape != inv.shape or not torch.allclose(ours, inv, rtol=1e-5, atol=1e-9):
+    if ours.shape != inv.shape or not torch.allclose(ours, inv, rtol=rtol, atol=1e-9):
         raise UsageError(f"rope: posenc's RoPE read from the {name} config ({ours.numel()} frequencies) differs from the "
                          f"model's rotary module ({inv.numel()}) on layers of type {kind!r}; refusing a wrong model")
     if abs(encoding.attention_factor - factor) > 1e-6 * max(1.0, abs(factor)):

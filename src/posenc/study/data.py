@@ -23,6 +23,9 @@ one side) is joined in path order and cut at a line boundary so that validation 
 skipped in a folder (each is listed with its reason: binary, or not UTF-8) and refused as a single
 file. Only the first ``valid_bytes + 1`` bytes of validation text are kept, so every evaluation
 length scores exactly the same ``valid_bytes`` target tokens.
+
+:func:`tokenized` turns a byte corpus into a real checkpoint's token ids (``posenc extend`` of a
+transformers model with its own tokenizer): the same split, each split's text encoded.
 """
 
 from __future__ import annotations
@@ -268,6 +271,42 @@ def _from_hf(spec: str, valid_bytes: int) -> Corpus:
         "split": f"dataset splits: train / {vsplit}",
     }
     return _finish(train, valid, valid_bytes, fingerprint, spec)
+
+
+TOKENIZE_PIECE = 1 << 20  # characters encoded per call: whole lines, about 1 MB of text
+
+
+def _pieces(text: str, size: int = TOKENIZE_PIECE) -> list[str]:
+    """``text`` in consecutive pieces of about ``size`` characters, each cut after a line end."""
+    pieces, start = [], 0
+    while start < len(text):
+        end = text.find("\n", start + size)
+        end = len(text) if end < 0 else end + 1
+        pieces.append(text[start:end])
+        start = end
+    return pieces
+
+
+def tokenized(corpus: Corpus, tokenizer: Any, name: str) -> Corpus:
+    """``corpus`` in a tokenizer's ids (int32): each split's bytes decoded as UTF-8 (a character cut
+    at a split's edge becomes U+FFFD) and encoded without special tokens, in pieces of whole lines of
+    about 1 MB (a tokenizer joins no token across a piece's line end). The validation split is the
+    same ``valid_bytes + 1`` bytes, so it holds fewer tokens: :attr:`Corpus.valid_tokens` counts them.
+    ``tokenizer``: a transformers tokenizer (called on a list of texts); ``name`` goes to the fingerprint.
+    Files are not kept as documents (``train_documents`` is None)."""
+
+    def ids(data: torch.Tensor) -> torch.Tensor:
+        pieces = _pieces(bytes(data.numpy()).decode("utf-8", errors="replace"))
+        if not pieces:
+            return torch.zeros(0, dtype=torch.int32)
+        encoded = tokenizer(pieces, add_special_tokens=False)["input_ids"]
+        return torch.cat([torch.tensor(e, dtype=torch.int32) for e in encoded])
+
+    train, valid = ids(corpus.train), ids(corpus.valid)
+    if valid.numel() < 2:
+        raise UsageError(f"valid_bytes: the validation text is {valid.numel()} token(s) in {name}'s tokenizer; needs at least 2")
+    fingerprint = {**corpus.fingerprint, "tokens": name, "train_tokens": train.numel(), "valid_tokens": valid.numel() - 1}
+    return Corpus(train, valid, fingerprint)
 
 
 def load_corpus(spec: str = "default", valid_bytes: int = DEFAULT_VALID_BYTES) -> Corpus:

@@ -174,6 +174,10 @@ class PosencModels:
         path = out / saved.get("weights", self.weights)
         return load_checkpoint(path, self.device) if path.exists() else None
 
+    def corpus(self, corpus: Corpus) -> Corpus:
+        """The data as it is: a posenc model's tokens are bytes."""
+        return corpus
+
 
 # -- scores ----------------------------------------------------------------------------------------
 
@@ -288,12 +292,17 @@ class Models(Protocol):
     def searchable(self) -> torch.nn.Module: ...
     def save(self, model: StudiedModel, out: Path) -> dict[str, Any]: ...
     def load(self, out: Path, saved: dict[str, Any]) -> StudiedModel | None: ...
+    def corpus(self, corpus: Corpus) -> Corpus: ...  # the data in the model's tokens
 
 
 def is_transformers(checkpoint: Any) -> bool:
-    """A transformers model: a ``PreTrainedModel``, or a folder ``save_pretrained`` wrote (config.json)."""
+    """A transformers model: a ``PreTrainedModel``, a folder ``save_pretrained`` wrote (config.json),
+    a GGUF file or a folder holding one."""
     if isinstance(checkpoint, (str, Path)):
-        return Path(checkpoint).is_dir() and (Path(checkpoint) / "config.json").is_file()
+        p = Path(checkpoint)
+        if p.is_file():
+            return p.suffix.lower() == ".gguf"
+        return p.is_dir() and ((p / "config.json").is_file() or any(p.glob("*.gguf")))
     return isinstance(checkpoint, torch.nn.Module) and hasattr(checkpoint, "config") and hasattr(checkpoint, "save_pretrained")
 
 
@@ -304,7 +313,8 @@ def extend(checkpoint: str | Path | torch.nn.Module, out: str | Path, cfg: Exten
 
     Args:
         checkpoint: a posenc checkpoint (``NAME.safetensors``), or a transformers causal LM with
-            RoPE: a folder ``save_pretrained`` wrote, or the model itself (:mod:`.extend_hf`).
+            RoPE: a folder ``save_pretrained`` wrote, a GGUF file (or a folder holding one), or the
+            model itself (:mod:`.extend_hf`; a checkpoint's own tokenizer gives the data's tokens).
 
     Raises:
         UsageError: a checkpoint that is not a RoPE model or already has a scaling, data too short
@@ -328,7 +338,7 @@ def extend(checkpoint: str | Path | torch.nn.Module, out: str | Path, cfg: Exten
     if cfg.pose and not isinstance(models, PosencModels):
         raise UsageError("pose: PoSE is for posenc checkpoints; posenc.hf reads position ids that skip as the restarts of "
                          "packed documents, so a transformers model would not attend across PoSE's chunks")
-    data = _Data(None if cfg.task == "recall" else load_corpus(cfg.data, cfg.valid_bytes))
+    data = _Data(None if cfg.task == "recall" else models.corpus(load_corpus(cfg.data, cfg.valid_bytes)))
     if data.corpus is not None:
         if max(cfg.eval_lengths) > data.corpus.valid_tokens:
             raise UsageError(f"eval_lengths: {max(cfg.eval_lengths)} exceeds the {data.corpus.valid_tokens} validation "

@@ -21,8 +21,9 @@ from .longrope_search import SearchSettings
 def add_extend_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("checkpoint", help="a posenc checkpoint (NAME.safetensors with NAME.json), e.g. a study's "
                                       "OUT/checkpoints/rope.safetensors (its study's settings are the defaults), or a "
-                                      "transformers model's folder (save_pretrained: config.json and weights; byte "
-                                      "tokens, train length default: its max_position_embeddings)")
+                                      "transformers model's folder (save_pretrained: config.json and weights), a .gguf "
+                                      "file or a folder holding one (its own tokenizer's tokens, else bytes; train "
+                                      "length default: its max_position_embeddings)")
     p.add_argument("--out", required=True, help="output directory (created; never a folder of other files)")
     p.add_argument("--scaling", required=True, choices=KINDS,
                    help="linear (PI), ntk, yarn, llama3, longrope (given with --longrope-block, or searched with "

@@ -1,7 +1,8 @@
 """``posenc extend`` for a transformers causal LM with RoPE (:func:`posenc.study.extend.extend`).
 
 The checkpoint is a folder ``save_pretrained`` wrote (``config.json`` and the weights; a plain
-transformers model, or one saved after ``posenc.hf.use(model, "rope")``), or the model itself. The
+transformers model, or one saved after ``posenc.hf.use(model, "rope")``), a GGUF file or a folder
+holding one (read by :func:`posenc.hf.load_pretrained`, dequantized to float32), or the model itself. The
 job is the one :mod:`.extend` runs on posenc's own models, with the same blocks, training loop,
 batches and table; what differs is only how the model is changed:
 
@@ -19,8 +20,11 @@ batches and table; what differs is only how the model is changed:
   ``posenc.hf.from_pretrained(AutoModelForCausalLM, OUT/model)``. ``extend.json``'s ``saved``
   says which (``format``: ``transformers`` or ``posenc.hf``).
 
-Tokens are bytes, as in the study (token id = byte value): the model's vocabulary must cover the
-256 byte values. ``train_length`` defaults to the config's ``max_position_embeddings``.
+Tokens: a checkpoint that brings its tokenizer (a GGUF file; a folder with tokenizer files) has the
+data and the table in that tokenizer's ids (:func:`posenc.study.data.tokenized`), which is saved
+with the result in ``OUT/model/``. Otherwise tokens are bytes, as in the study (token id = byte
+value), and the model's vocabulary must cover the 256 byte values (a model passed in memory is
+always fed bytes). ``train_length`` defaults to the config's ``max_position_embeddings``.
 """
 
 from __future__ import annotations
@@ -35,12 +39,14 @@ from typing import Any
 import torch
 import transformers
 from torch import nn
-from transformers import AutoModelForCausalLM, PreTrainedModel
+from transformers import PreTrainedModel
 
 from .. import hf as posenc_hf
 from ..encodings.rope import RoPE
 from ..errors import UsageError
+from ..hf.checkpoints import load_pretrained
 from ..hf.families import text_config
+from .data import Corpus, tokenized
 from .extend_config import ExtendConfig
 from .hf_models import StudyModel, StudyModelConfig
 from .studied import StudiedModel
@@ -50,20 +56,26 @@ FOLDER = "model"
 
 
 def load(path: str | Path, device: str = "cpu") -> PreTrainedModel:
-    """The causal LM saved in the folder ``path`` (float32), posenc's encoding restored if it has one."""
-    config = transformers.AutoConfig.from_pretrained(path)
-    if isinstance(getattr(config, "posenc", None), dict):
-        model = posenc_hf.from_pretrained(AutoModelForCausalLM, path, config=config, dtype=torch.float32)
-    else:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    nn.Module.to(model, torch.device(device))
-    return model
+    """The causal LM in ``path`` (float32; a folder, a GGUF file or a folder holding one), posenc's
+    encoding restored if it has one. :func:`posenc.hf.load_pretrained` gives its tokenizer too."""
+    return load_pretrained(path, dtype=torch.float32, device=device)[0]
 
 
 def train_length_of(path: str | Path) -> int | None:
-    """The default training length of the model in the folder ``path``: its ``max_position_embeddings``."""
+    """The default training length of the model in ``path``: its ``max_position_embeddings`` (a GGUF
+    file's context length, read from its metadata without its weights)."""
+    p = Path(path)
+    if p.is_dir() and not (p / "config.json").is_file():
+        p = next(iter(sorted(p.glob("*.gguf"))), p)  # a folder holding a GGUF file
+    if p.is_file() and p.suffix.lower() == ".gguf":
+        try:
+            config = transformers.AutoConfig.from_pretrained(p.parent, gguf_file=p.name, local_files_only=True)
+        except Exception:  # (no gguf package, an unreadable file: load() reports it)
+            return None
+        n = getattr(text_config(config), "max_position_embeddings", None)
+        return int(n) if isinstance(n, int) and n > 0 else None
     try:
-        values = json.loads((Path(path) / "config.json").read_text(encoding="utf-8"))
+        values = json.loads((p / "config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
     inner = values.get("text_config") or values
@@ -74,11 +86,15 @@ def train_length_of(path: str | Path) -> int | None:
 class HFModels:
     """:class:`posenc.study.extend.Models` for a transformers model (see the module docstring)."""
 
-    def __init__(self, model: PreTrainedModel, source: str) -> None:
+    def __init__(self, model: PreTrainedModel, source: str, tokenizer: Any = None) -> None:
         self.model = model  # (never changed: every scaled or trained model is a copy)
         self.source = source
+        self.tokenizer = tokenizer  # None: byte tokens
         inner = text_config(model.config)
-        if int(getattr(inner, "vocab_size", 0) or 0) < 256:
+        if tokenizer is not None and len(tokenizer) > int(getattr(inner, "vocab_size", 0) or 0):
+            raise UsageError(f"checkpoint: its tokenizer has {len(tokenizer)} tokens, more than the model's vocab_size "
+                             f"{getattr(inner, 'vocab_size', None)}")
+        if tokenizer is None and int(getattr(inner, "vocab_size", 0) or 0) < 256:
             raise UsageError(f"checkpoint: posenc extend's tokens are bytes; the model's vocab_size must be >= 256, got "
                              f"{getattr(inner, 'vocab_size', None)}")
         own = posenc_hf.use(copy.deepcopy(self.model), "rope")  # the model's own RoPE, read and verified
@@ -111,7 +127,14 @@ class HFModels:
             return cls(checkpoint, name)
         if isinstance(checkpoint, nn.Module):
             raise UsageError(f"checkpoint: a transformers PreTrainedModel, got {type(checkpoint).__name__}")
-        return cls(load(checkpoint, device), str(checkpoint))
+        model, tokenizer = load_pretrained(checkpoint, dtype=torch.float32, device=device)
+        return cls(model, str(checkpoint), tokenizer)
+
+    def corpus(self, corpus: Corpus) -> Corpus:
+        """The data in the checkpoint's own tokens (its tokenizer's ids), or bytes when it has none."""
+        if self.tokenizer is None:
+            return corpus
+        return tokenized(corpus, self.tokenizer, str(getattr(self.tokenizer, "name_or_path", "") or self.source))
 
     @property
     def device(self) -> torch.device:
@@ -158,6 +181,8 @@ class HFModels:
             shutil.rmtree(partial, ignore_errors=True)
             hf.save_pretrained(partial)
             form = "posenc.hf"
+        if self.tokenizer is not None:  # (the table's tokens: load_pretrained(OUT/model) gives it back)
+            self.tokenizer.save_pretrained(partial)
         shutil.rmtree(final, ignore_errors=True)
         partial.rename(final)
         return {"weights": FOLDER, "format": form}
