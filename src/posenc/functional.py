@@ -28,14 +28,14 @@ import math
 import torch
 
 from . import backends
-from .backends.parts import windows
+from .backends.parts import remapped, windows
 from .backends.parts.windows import Extras
 from .call.axes import as_taken, check_takes_axes
 from .call.geometry import Geometry, Run
 from .call.memo import ForwardMemo
 from .call.spec import ScoreSpec
 from .encodings.base import PositionalEncoding, content_scale
-from .encodings.protocol import Gates, Rotates, ValueTerms, offers, require
+from .encodings.protocol import Gates, Remaps, Rotates, ValueTerms, offers, require
 from .encodings.query_scale import QueryScale, scaled_queries
 from .errors import UsageError
 
@@ -241,6 +241,8 @@ def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec, back
     if spec.causal and spec.q_start < spec.k_start and spec.starts is None and spec.log_gates is None and spec.k_positions.numel():
         return _unseen(q, k, v, spec, backend, rotate, extras)
     enc = spec.encoding
+    if offers(enc, Remaps):  # rotated per region, inside (q and k always come un-rotated: it has no rotate hook)
+        return remapped.attend(q, k, v, spec, extras, backend)
     if rotate and offers(enc, Rotates):
         q, k = enc.rotate(q, k, spec.q_positions, spec.k_positions)
     if extras is not None:

@@ -30,6 +30,8 @@ BREAKS = {
     "cope": 5,            # contextual: the band + far kernel loop
     "fox": 5,             # gated: the forgotten keys per block (the gates, |q.k|) and the kernel loop, one opaque call
     "xpos": 8,            # reads the largest position for its scale and table length
+    # position remaps: each layer's call plans its regions' pieces on the host, one opaque call
+    "selfextend": 4, "rerope": 4, "string": 4, "dca": 4,
 }
 
 

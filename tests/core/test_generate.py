@@ -67,7 +67,8 @@ def test_which_encodings_share_positions():
     # Every registered method batches with shared positions, except where the rotation follows the
     # current length (xPos centred) or the bias depends on positions themselves (FIRE normalises by
     # the query's position; CoPE counts gates over the keys, padding included): equal-length groups.
-    own = {"fire", "cope"}
+    # Position remaps (SelfExtend's groups, DCA's chunks) read positions themselves, not i - j alone.
+    own = {"fire", "cope", "selfextend", "rerope", "string", "dca"}
     for method in METHODS:
         enc = sharp_lm(method).encoding
         assert gen.shares_positions(enc) == (not enc.rotation_depends_on_length and method not in own), method

@@ -73,7 +73,7 @@ def test_skipping_positions_match_the_formula(method, causal):
     positions = torch.tensor([0, 3, 4, 9, 10, 11, 20, 31, 40, 41, 55, 63])
     x = torch.randn(2, positions.numel(), H * D)
     out = fast(x, positions)
-    assert fast.last_backend in ("sdpa", "eager")  # no fast path that assumes steps of one
+    assert fast.last_backend in ("sdpa", "eager", "remapped")  # no fast path that assumes steps of one  # remapped: intervals found by bisection
     want = slow(x.double(), positions)
     torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
     # (embed tables are the model's business, unused by one attention layer: allow_unused)

@@ -14,7 +14,7 @@ from agreement import MaxTensor
 from posenc import backends
 from posenc.backends.parts.windows import Extras, plan
 from posenc.encodings.base import content_scale
-from posenc.encodings.protocol import Biases, Embeds, Gates, QueryTerms, Rotates, ValueTerms, offers
+from posenc.encodings.protocol import Biases, Embeds, Gates, QueryTerms, Remaps, Rotates, ValueTerms, offers
 from posenc.encodings.query_scale import LogFloorScale, ScalableSoftmax, Temperature, parse_query_scale
 from posenc.errors import UsageError
 
@@ -39,14 +39,22 @@ def allowed(qp: torch.Tensor, kp: torch.Tensor, causal: bool, window=None, chunk
 
 
 def reference(enc, q, k, v, qp, kp, causal, window=None, chunk=None, sinks=None, factor=None):
-    """softmax(q k^T / sqrt(D) + bias + query_terms + mask [, sink]) v + value_terms, whole."""
+    """softmax(q k^T / sqrt(D) + bias + query_terms + mask [, sink]) v + value_terms, whole; a position
+    remap's scores are each pair's region's rotated q . k."""
     if offers(enc, Rotates):
         q, k = enc.rotate(q, k, qp, kp)
     if factor is not None:
         q = q * factor[:, None]
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
-    s = q @ k.transpose(-1, -2) * content_scale(enc, q.shape[-1])  # 1/sqrt(D) unless the encoding says otherwise
+    if offers(enc, Remaps):
+        s = torch.full((q.shape[0], q.shape[1], len(qp), len(kp)), float("-inf"), dtype=q.dtype)
+        for region in enc.regions(qp, kp):
+            inside = (kp[None, :] >= region.low[:, None]) & (kp[None, :] < region.high[:, None])  # (Tq, Tk)
+            scores = enc.rotate_at(q, region.q_at) @ enc.rotate_at(k, region.k_at).transpose(-1, -2) / q.shape[-1] ** 0.5
+            s = torch.where(inside, scores, s)
+    else:
+        s = q @ k.transpose(-1, -2) * content_scale(enc, q.shape[-1])  # 1/sqrt(D) unless the encoding says otherwise
     if offers(enc, Biases):
         s = s + enc.bias(qp, kp)
     if offers(enc, QueryTerms):

@@ -18,6 +18,7 @@ from .learned import Learned
 from .mrope import MRoPE
 from .nope import NoPE
 from .protocol import offers
+from .remap import STRING, DualChunk, ReRoPE, SelfExtend
 from .rope import RoPE
 from .sandwich import Sandwich
 from .shaw import Shaw
@@ -36,6 +37,8 @@ REGISTRY[AxialRoPE.name] = AxialRoPE
 REGISTRY[RoPEMixed.name] = RoPEMixed
 REGISTRY[DeBERTa.name] = DeBERTa
 REGISTRY[ForgettingTransformer.name] = ForgettingTransformer
+for _remap in (SelfExtend, ReRoPE, STRING, DualChunk):  # training-free position remaps of RoPE (remap.py)
+    REGISTRY[_remap.name] = _remap
 
 
 def available() -> list[str]:

@@ -23,6 +23,11 @@ randomized positions skip values, and fast backends that assume steps of one the
   token from the attention layer's input x (B, T, dim); called by ``posenc.Attention`` on its input
   (``posenc.attend`` takes them as ``log_gates``), kept in the KV cache beside the keys. The score
   of query i and key j gains sum_{l=j+1..i} log f_l (the Forgetting Transformer).
+- :class:`Remaps` ``regions(q_positions, k_positions) -> [RemapRegion]`` and ``rotate_at(x,
+  positions)``: a rotation whose positions depend on the pair (SelfExtend, ReRoPE, STRING, DCA): each
+  region is a set of keys per query with its own query and key positions; the attention rotates q
+  and k per region and merges the regions' softmax parts exactly (``backends/parts/remapped.py``).
+  Such an encoding offers no ``rotate``: its KV cache keeps un-rotated keys.
 
 Every score term is in *logit units*: the attention computes ``softmax(q k^T * scale + bias +
 query_terms) v + value_terms`` with ``scale = 1/sqrt(D)``; a paper that scales its own terms has the
@@ -111,6 +116,26 @@ class ValueTerms(Protocol):
 @runtime_checkable
 class Gates(Protocol):
     def log_gates(self, x: torch.Tensor) -> torch.Tensor: ...
+
+
+@dataclass(frozen=True)
+class RemapRegion:
+    """One region of a position remap (:class:`Remaps`): query i sees the keys at positions
+    ``low[i] <= j < high[i]`` (the causal mask still applies), with the query rotated at ``q_at[i]``
+    and the key at ``k_at[j]``. ``q_at``, ``low``, ``high``: (Tq,) integers; ``k_at``: (Tk,) integers >= 0.
+    The regions of one call are disjoint."""
+
+    q_at: torch.Tensor
+    k_at: torch.Tensor
+    low: torch.Tensor
+    high: torch.Tensor
+
+
+@runtime_checkable
+class Remaps(Protocol):
+    def regions(self, q_positions: torch.Tensor, k_positions: torch.Tensor) -> list[RemapRegion]: ...
+
+    def rotate_at(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor: ...
 
 
 @dataclass(frozen=True)
@@ -237,7 +262,7 @@ class ContextualPositions(Protocol):
     def contextual_positions(self) -> ContextualForm: ...
 
 
-HOOKS: tuple[type, ...] = (Embeds, Rotates, Biases, QueryTerms, ValueTerms, Gates)
+HOOKS: tuple[type, ...] = (Embeds, Rotates, Biases, QueryTerms, ValueTerms, Gates, Remaps)
 CAPABILITIES: tuple[type, ...] = (
     Scores, DistanceBias, RelativeBias, ClippedTables, DistanceKeys, DisentangledTables, BiasFeatures, ContextualPositions,
 )
@@ -281,5 +306,5 @@ __all__ = [
     "CAPABILITIES", "HOOKS", "BiasFeatures", "BiasTails", "Biases", "ClipTables", "ClippedTables", "ContextualForm", "ContextualPositions",
     "DisentangledForm", "DisentangledTables", "DistanceBias", "DistanceKeyForm", "DistanceKeys",
     "Embeds", "Gates",
-    "QueryTerms", "RelativeBias", "Rotates", "Scores", "ValueTerms", "members", "offers", "require",
+    "QueryTerms", "RelativeBias", "RemapRegion", "Remaps", "Rotates", "Scores", "ValueTerms", "members", "offers", "require",
 ]

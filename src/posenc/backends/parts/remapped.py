@@ -1,0 +1,279 @@
+"""The attention of a position remap (:class:`~posenc.encodings.protocol.Remaps`: SelfExtend, ReRoPE,
+STRING, DCA): each region rotated at its own positions, the regions' softmax parts merged exactly.
+
+Shape legend: B batch, H query heads, Hkv key/value heads, Tq queries, Tk keys, D head dim,
+L queries of a block, P keys of a piece.
+
+How one call runs:
+
+1. Each region of the encoding gives, per query, an interval of key positions (the causal mask, a
+   layer's window and its chunk narrow it) and the positions q and k are rotated at. Its keys are
+   rotated once per call (only the range some query of the region sees), its queries once.
+2. The queries are cut into blocks of :data:`BLOCK` (also where a region's interval jumps, at a
+   chunk edge). In a block, a region's keys split into at most three *pieces*: the keys every query
+   of the block sees (a rectangle: one call of the CPU flash kernel, no mask) and, on either side,
+   the keys only some of them see (a few hundred columns: written out with the mask).
+3. The pieces are disjoint, so their (output, log-sum-exp) pairs fold into each query's softmax
+   exactly (``o = sum_p exp(lse_p - lse) o_p``, ``lse = logsumexp_p lse_p``); attention sinks join as
+   one more logit with no value.
+4. The backward recomputes each piece's probabilities from the merged log-sum-exp,
+   ``p = exp(s - lse)``, and ``rowsum(dO * O)`` of the merged output: the gradients of a single
+   softmax over all regions (the flash kernel's backward for the rectangles, written out for the
+   rest), then through the rotations by autograd.
+
+No (Tq, Tk) tensor is made: a block holds at most L x (P written-out keys). A left-padded batch
+(``starts``, a decode step of a padded cache) runs row by row, each row at its own positions
+counted from its first real token, as the row alone; its padding queries get 0.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from ...call.spec import ScoreSpec
+from ...encodings.protocol import RemapRegion, Remaps, require
+from ...encodings.query_scale import scaled_queries
+from ...errors import UsageError
+from .base import accumulation_dtype
+from .regions import apply, kernel_backward, kernel_forward, opaque_to_compile, repeated_heads, use_kernel
+from .windows import Extras
+
+BLOCK = 256  # queries per block
+
+Piece = tuple[int, int, int, bool]  # (region, first key, end key (indices into the region's keys), masked)
+
+
+@opaque_to_compile  # plans its pieces from the positions on the host: one graph break per call
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec, extras: Extras | None,
+           backend: str) -> tuple[torch.Tensor, str]:
+    """(out (B, H, Tq, Dv), "remapped") for un-rotated q (B, H, Tq, D), k, v (B, Hkv, Tk, D).
+
+    Raises:
+        UsageError: a bidirectional call, a soft cap, or a backend other than "auto" and "eager".
+    """
+    enc = require(spec.encoding, Remaps)
+    name = type(spec.encoding).__name__
+    if not spec.causal:
+        raise UsageError(f"{name} remaps causal distances: it needs causal=True")
+    if extras is not None and extras.softcap is not None:
+        raise UsageError(f"softcap: {name} merges softmax parts of rotated regions and takes no logit soft-capping")
+    if backend not in ("auto", "eager"):
+        raise UsageError(f"backend: {name} runs its own merged regions; give backend='auto' or 'eager', got {backend!r}")
+    eager = backend == "eager" or not use_kernel(q, v)
+    if spec.starts is None:
+        return _attend(q, k, v, spec.q_positions, spec.k_positions, enc, spec.scale, extras, eager), "remapped"
+    rows = []
+    for b, start in enumerate(spec.starts.tolist()):  # left padding: each row alone, from its first real token
+        qi = int(torch.searchsorted(spec.q_positions, start))
+        ki = int(torch.searchsorted(spec.k_positions, start))
+        o = _attend(q[b:b + 1, :, qi:], k[b:b + 1, :, ki:], v[b:b + 1, :, ki:], spec.q_positions[qi:] - start,
+                    spec.k_positions[ki:] - start, enc, spec.scale, extras, eager)
+        rows.append(torch.cat((o.new_zeros(1, q.shape[1], qi, v.shape[-1]), o), dim=2))
+    return torch.cat(rows), "remapped"
+
+
+def _bounds(region: RemapRegion, qp: torch.Tensor, kp: torch.Tensor, extras: Extras | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(first key index, end key index) (Tq,) of each query's keys in ``region``: its interval of key
+    positions, under the causal mask and the layer's window or chunk."""
+    low, high = region.low, torch.minimum(region.high, qp + 1)
+    if extras is not None and extras.window is not None:
+        low = torch.maximum(low, qp - extras.window + 1)
+    if extras is not None and extras.chunk is not None:
+        first = torch.div(qp, extras.chunk, rounding_mode="floor") * extras.chunk
+        low, high = torch.maximum(low, first), torch.minimum(high, first + extras.chunk)
+    lo = torch.searchsorted(kp, low)
+    hi = torch.searchsorted(kp, high)
+    return lo, torch.maximum(hi, lo)
+
+
+def _blocks(tq: int, bounds: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[int, int]]:
+    """Query blocks of at most BLOCK, also cut where a region's interval jumps by more than BLOCK // 2
+    keys from one query to the next (a chunk's edge), so that written-out pieces stay narrow."""
+    cuts = {0, tq}
+    if tq > 1:
+        for lo, hi in bounds:
+            jump = ((lo[1:] - lo[:-1]).abs() > BLOCK // 2) | ((hi[1:] - hi[:-1]).abs() > BLOCK // 2)
+            cuts.update((jump.nonzero().squeeze(-1) + 1).tolist())
+    edges = sorted(cuts)
+    out: list[tuple[int, int]] = []
+    for a, b in zip(edges, edges[1:]):
+        out.extend((s, min(s + BLOCK, b)) for s in range(a, b, BLOCK))
+    return out
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qp: torch.Tensor, kp: torch.Tensor, enc: Remaps,
+            scale: float, extras: Extras | None, eager: bool) -> torch.Tensor:
+    """One row set at shared positions: the regions' rotations, their pieces, the merged softmax."""
+    tq = q.shape[-2]
+    if tq == 0 or k.shape[-2] == 0:
+        return q.new_zeros(*q.shape[:-1], v.shape[-1])
+    regions = enc.regions(qp, kp)
+    bounds = [_bounds(r, qp, kp, extras) for r in regions]
+    qs, ks, firsts, spans = [], [], [], []
+    for region, (lo, hi) in zip(regions, bounds):
+        seen = hi > lo  # (Tq,) queries with a key in this region
+        if not bool(seen.any()):
+            continue
+        k0, k1 = int(lo[seen].min()), int(hi[seen].max())
+        qr = enc.rotate_at(q, region.q_at)  # (B, H, Tq, D)
+        if extras is not None and extras.query_scale is not None:
+            qr = scaled_queries(qr, extras.query_scale, qp)
+        qs.append(qr)
+        ks.append(enc.rotate_at(k[:, :, k0:k1], region.k_at[k0:k1]))  # (B, Hkv, k1 - k0, D)
+        firsts.append(k0)
+        spans.append((lo - k0, hi - k0))
+    plan = _plan(tq, spans, eager)
+    sinks = None if extras is None else extras.sinks
+    if sinks is not None and sinks.numel() != q.shape[1]:
+        raise UsageError(f"sinks must hold one logit per query head ({q.shape[1]}), got {sinks.numel()}")
+    return apply(_Remapped, plan, scale, firsts, v, sinks, *qs, *ks)
+
+
+def _plan(tq: int, spans: list[tuple[torch.Tensor, torch.Tensor]], eager: bool) -> dict[str, Any]:
+    """Blocks and their pieces: for each block of queries (a, b), the pieces of each region."""
+    blocks = _blocks(tq, spans)
+    lists = [(lo.tolist(), hi.tolist()) for lo, hi in spans]
+    plan_blocks: list[tuple[int, int, list[Piece]]] = []
+    for a, b in blocks:
+        pieces: list[Piece] = []
+        for r, (lo, hi) in enumerate(lists):
+            rows = [(x, y) for x, y in zip(lo[a:b], hi[a:b]) if y > x]
+            if not rows:
+                continue
+            first, end = min(x for x, _ in rows), max(y for _, y in rows)
+            if len(rows) == b - a:
+                inner_lo, inner_hi = max(lo[a:b]), min(hi[a:b])  # keys every query of the block sees
+            else:
+                inner_lo = inner_hi = end
+            if eager or inner_hi - inner_lo < 1:
+                pieces.append((r, first, end, True))
+                continue
+            if first < inner_lo:
+                pieces.append((r, first, inner_lo, True))
+            pieces.append((r, inner_lo, inner_hi, False))
+            if inner_hi < end:
+                pieces.append((r, inner_hi, end, True))
+        plan_blocks.append((a, b, pieces))
+    return {"blocks": plan_blocks, "spans": spans}
+
+
+def _mask(spans: list[tuple[torch.Tensor, torch.Tensor]], piece: Piece, a: int, b: int) -> torch.Tensor:
+    """(L, P) bool: which keys of a written-out piece each query of rows a..b sees."""
+    r, c0, c1, _ = piece
+    lo, hi = spans[r]
+    cols = torch.arange(c0, c1, device=lo.device)[None, :]
+    return (cols >= lo[a:b, None]) & (cols < hi[a:b, None])
+
+
+def _grouped(k: torch.Tensor, v: torch.Tensor, h: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return (k, v) if k.shape[1] == h else repeated_heads(k, v, h)
+
+
+def _summed(x: torch.Tensor, hkv: int) -> torch.Tensor:
+    """(B, H, P, D) -> (B, Hkv, P, D): each group's query heads summed."""
+    b, h, p, d = x.shape
+    return x if h == hkv else x.reshape(b, hkv, h // hkv, p, d).sum(2)
+
+
+def _written(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out (B, H, L, Dv), lse (B, H, L)) of one masked piece, in the accumulation dtype; a row with no
+    key gets 0 and -inf."""
+    acc = accumulation_dtype(q.dtype)
+    k, v = _grouped(k, v, q.shape[1])
+    s = torch.matmul(q, k.transpose(-1, -2)).to(acc) * scale  # (B, H, L, P)
+    s = s.masked_fill(~mask, float("-inf"))
+    lse = torch.logsumexp(s, -1)  # (B, H, L)
+    p = torch.exp(s - torch.where(torch.isneginf(lse), 0.0, lse)[..., None])
+    return torch.matmul(p, v.to(acc)), lse
+
+
+def _fold(o: torch.Tensor | None, lse: torch.Tensor | None, o2: torch.Tensor, l2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two disjoint parts of the same softmax rows as one: (out, lse), rows with no key 0 and -inf."""
+    if o is None or lse is None:
+        return o2, l2
+    new = torch.logaddexp(lse, l2)
+    ref = torch.where(torch.isneginf(new), 0.0, new)
+    return o * torch.exp(lse - ref)[..., None] + o2 * torch.exp(l2 - ref)[..., None], new
+
+
+class _Remapped(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, plan: dict[str, Any], scale: float, firsts: list[int], v: torch.Tensor, sinks: torch.Tensor | None,
+                *qk: torch.Tensor) -> torch.Tensor:
+        n = len(qk) // 2
+        qs, ks = qk[:n], qk[n:]
+        b, h, tq, _ = qs[0].shape
+        acc = accumulation_dtype(qs[0].dtype)
+        outs, lses = [], []
+        for a, e, pieces in plan["blocks"]:
+            o, lse = None, None
+            for piece in pieces:
+                r, c0, c1, masked = piece
+                qb, kb = qs[r][:, :, a:e], ks[r][:, :, c0:c1]
+                vb = v[:, :, firsts[r] + c0:firsts[r] + c1]
+                if masked:
+                    po, pl = _written(qb, kb, vb, scale, _mask(plan["spans"], piece, a, e))
+                else:
+                    po, pl = kernel_forward(qb, kb, vb, False, scale)
+                o, lse = _fold(o, lse, po.to(acc), pl.to(acc))
+            if o is None or lse is None:  # no key in any region (cannot happen for a causal row that sees itself)
+                o, lse = qs[0].new_zeros(b, h, e - a, v.shape[-1], dtype=acc), qs[0].new_full((b, h, e - a), -math.inf, dtype=acc)
+            outs.append(o)
+            lses.append(lse)
+        out, lse = torch.cat(outs, 2), torch.cat(lses, 2)  # (B, H, Tq, Dv), (B, H, Tq)
+        if sinks is not None:  # one more logit per head with no value
+            new = torch.logaddexp(lse, sinks.to(acc).view(1, h, 1))
+            out, lse = out * torch.exp(lse - new)[..., None], new
+        out = out.to(qs[0].dtype)
+        ctx.plan, ctx.scale, ctx.firsts, ctx.n, ctx.has_sinks = plan, scale, firsts, n, sinks is not None
+        ctx.save_for_backward(v, out, lse, *(() if sinks is None else (sinks,)), *qk)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        v, out, lse, *rest = ctx.saved_tensors
+        sinks = rest.pop(0) if ctx.has_sinks else None
+        n, scale, plan = ctx.n, ctx.scale, ctx.plan
+        qs, ks = rest[:n], rest[n:]
+        acc = lse.dtype
+        hkv = v.shape[1]
+        dout = dout.contiguous()
+        delta = (dout.to(acc) * out.to(acc)).sum(-1)  # (B, H, Tq): rowsum(dO * O) of the merged softmax
+        lse_b = torch.where(torch.isneginf(lse), math.inf, lse)  # a row with no key: every p is 0
+        dqs = [torch.zeros_like(x, dtype=acc) for x in qs]
+        dks = [torch.zeros_like(x, dtype=acc) for x in ks]
+        dv = torch.zeros_like(v, dtype=acc)
+        for a, e, pieces in plan["blocks"]:
+            do = dout[:, :, a:e]
+            for piece in pieces:
+                r, c0, c1, masked = piece
+                qb, kb = qs[r][:, :, a:e], ks[r][:, :, c0:c1]
+                k0 = ctx.firsts[r]
+                vb = v[:, :, k0 + c0:k0 + c1]
+                if masked:
+                    kg, vg = _grouped(kb, vb, qb.shape[1])
+                    s = torch.matmul(qb, kg.transpose(-1, -2)).to(acc) * scale
+                    s = s.masked_fill(~_mask(plan["spans"], piece, a, e), float("-inf"))
+                    p = torch.exp(s - lse_b[:, :, a:e, None])  # (B, H, L, P)
+                    dp = torch.matmul(do.to(acc), vg.to(acc).transpose(-1, -2))
+                    ds = p * (dp - delta[:, :, a:e, None])
+                    dqs[r][:, :, a:e] += torch.matmul(ds, kg.to(acc)) * scale
+                    dks[r][:, :, c0:c1] += _summed(torch.matmul(ds.transpose(-1, -2), qb.to(acc)) * scale, hkv)
+                    dv[:, :, k0 + c0:k0 + c1] += _summed(torch.matmul(p.transpose(-1, -2), do.to(acc)), hkv)
+                else:
+                    dq, dk, dvp = kernel_backward(do, qb, kb, vb, out[:, :, a:e].contiguous(), lse_b[:, :, a:e].contiguous(), False, scale)
+                    dqs[r][:, :, a:e] += dq
+                    dks[r][:, :, c0:c1] += dk
+                    dv[:, :, k0 + c0:k0 + c1] += dvp
+        dsinks = None
+        if sinks is not None:
+            h = out.shape[1]
+            dsinks = -(torch.exp(sinks.to(acc).view(1, h, 1) - lse_b) * delta).sum((0, 2)).to(sinks.dtype)
+        grads = [g.to(x.dtype) for g, x in zip(dqs + dks, list(qs) + list(ks))]
+        return (None, None, None, dv.to(v.dtype), dsinks, *grads)
+
+
+__all__ = ["BLOCK", "attend"]
