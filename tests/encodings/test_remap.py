@@ -182,6 +182,29 @@ def test_a_sliding_window_layer_narrows_every_region(name, opts):
     torch.testing.assert_close(got, want, rtol=0, atol=2e-6)
 
 
+def test_a_soft_cap_bends_the_content_scores_of_every_region():
+    """Gemma 2's cap on q . k * scale, before the mask: against the reference with the cap, outputs and gradients."""
+    q, k, v = (x.requires_grad_() for x in inputs(t=120))
+    name, opts = CASES[0]
+    enc = build(name, **opts).double()
+    got = posenc.attend(q, k, v, enc, softcap=0.5)
+    pos = torch.arange(120)
+    i, j = pos[:, None], pos[None, :]
+    rel = paper_distance(name, opts, i, j).to(torch.float64)
+    theta = BASE ** (-torch.arange(0, D, 2, dtype=torch.float64) / D)
+    kk, vv = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)
+    q1, q2, k1, k2 = q[..., :D // 2], q[..., D // 2:], kk[..., :D // 2], kk[..., D // 2:]
+    angle = rel[..., None] * theta
+    a = q1[:, :, :, None] * k1[:, :, None] + q2[:, :, :, None] * k2[:, :, None]
+    b = q2[:, :, :, None] * k1[:, :, None] - q1[:, :, :, None] * k2[:, :, None]
+    s = torch.tanh((a * angle.cos() - b * angle.sin()).sum(-1) / math.sqrt(D) / 0.5) * 0.5
+    want = torch.softmax(s.masked_fill(j > i, float("-inf")), -1) @ vv
+    torch.testing.assert_close(got, want, rtol=0, atol=2e-6)
+    g = torch.randn_like(want)
+    for x, y in zip(torch.autograd.grad(got, (q, k, v), g), torch.autograd.grad(want, (q, k, v), g)):
+        torch.testing.assert_close(x, y, rtol=0, atol=1e-5)
+
+
 def test_bad_options_and_calls_are_usage_errors():
     with pytest.raises(UsageError, match="group"):
         build("selfextend", group=0)
@@ -196,8 +219,6 @@ def test_bad_options_and_calls_are_usage_errors():
     with pytest.raises(UsageError):
         posenc.build("selfextend", num_heads=H, head_dim=D, causal=False)
     q, k, v = inputs(t=20)
-    with pytest.raises(UsageError, match="softcap"):
-        posenc.attend(q, k, v, build("selfextend").double(), softcap=30.0)
     with pytest.raises(UsageError, match="backend"):
         posenc.attend(q, k, v, build("dca").double(), backend="sdpa")
 

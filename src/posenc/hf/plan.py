@@ -21,7 +21,7 @@ from torch import nn
 
 from ..encodings import build, get_class, options_of
 from ..encodings.base import PositionalEncoding
-from ..encodings.protocol import Embeds, offers
+from ..encodings.protocol import Embeds, Remaps, offers
 from ..encodings.rope import RoPE
 from ..errors import UsageError
 from ..model.schedule import Layer, Schedule
@@ -242,6 +242,12 @@ def layer_plans(model: Any, config: Any, family: Family | None, attentions: list
         elif offers(cls, Embeds):  # absolute: one module, its embed on the input, nothing in the layers
             layers = [Layer("nope", window=o.window, chunk=o.chunk, sinks=o.sinks, query_scale=o.query_scale) for o in own.layers]
             absolute = _build(encoding, dict(options), sizes, causal)
+        elif offers(cls, Remaps):  # a remap of the model's own RoPE: each RoPE layer's base and scaling, NoPE layers kept
+            accepted = set(options_of(cls))
+            layers = [Layer(encoding, {**{k: v for k, v in o.options.items() if k in accepted}, **options}, o.window, o.chunk, o.sinks,
+                            o.query_scale) if o.encoding == "rope" else o for o in own.layers]
+            for layer in layers:
+                _build(layer.encoding, dict(layer.options), sizes, causal)  # the registry's own errors, first
         else:
             _build(encoding, dict(options), sizes, causal)  # the registry's own errors for a bad option, first
             layers = [Layer(encoding, dict(options), o.window, o.chunk, o.sinks, o.query_scale) for o in own.layers]

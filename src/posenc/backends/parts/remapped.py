@@ -12,7 +12,8 @@ How one call runs:
 2. The queries are cut into blocks of :data:`BLOCK` (also where a region's interval jumps, at a
    chunk edge). In a block, a region's keys split into at most three *pieces*: the keys every query
    of the block sees (a rectangle: one call of the CPU flash kernel, no mask) and, on either side,
-   the keys only some of them see (a few hundred columns: written out with the mask).
+   the keys only some of them see (a few hundred columns: written out with the mask). With a logit
+   soft cap (Gemma 2) every piece is written out, the cap applied to its content scores.
 3. The pieces are disjoint, so their (output, log-sum-exp) pairs fold into each query's softmax
    exactly (``o = sum_p exp(lse_p - lse) o_p``, ``lse = logsumexp_p lse_p``); attention sinks join as
    one more logit with no value.
@@ -52,17 +53,16 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec, e
     """(out (B, H, Tq, Dv), "remapped") for un-rotated q (B, H, Tq, D), k, v (B, Hkv, Tk, D).
 
     Raises:
-        UsageError: a bidirectional call, a soft cap, or a backend other than "auto" and "eager".
+        UsageError: a bidirectional call, or a backend other than "auto" and "eager".
     """
     enc = require(spec.encoding, Remaps)
     name = type(spec.encoding).__name__
     if not spec.causal:
         raise UsageError(f"{name} remaps causal distances: it needs causal=True")
-    if extras is not None and extras.softcap is not None:
-        raise UsageError(f"softcap: {name} merges softmax parts of rotated regions and takes no logit soft-capping")
     if backend not in ("auto", "eager"):
         raise UsageError(f"backend: {name} runs its own merged regions; give backend='auto' or 'eager', got {backend!r}")
-    eager = backend == "eager" or not use_kernel(q, v)
+    # A soft cap bends every content score: no flash-kernel rectangle, every piece written out.
+    eager = backend == "eager" or not use_kernel(q, v) or (extras is not None and extras.softcap is not None)
     if spec.starts is None:
         return _attend(q, k, v, spec.q_positions, spec.k_positions, enc, spec.scale, extras, eager), "remapped"
     rows = []
@@ -126,6 +126,7 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qp: torch.Tensor,
         firsts.append(k0)
         spans.append((lo - k0, hi - k0))
     plan = _plan(tq, spans, eager)
+    plan["softcap"] = None if extras is None else extras.softcap
     sinks = None if extras is None else extras.sinks
     if sinks is not None and sinks.numel() != q.shape[1]:
         raise UsageError(f"sinks must hold one logit per query head ({q.shape[1]}), got {sinks.numel()}")
@@ -178,13 +179,23 @@ def _summed(x: torch.Tensor, hkv: int) -> torch.Tensor:
     return x if h == hkv else x.reshape(b, hkv, h // hkv, p, d).sum(2)
 
 
-def _written(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, softcap: float | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(scores (B, H, L, P) in the accumulation dtype, tanh of the capped scores or None): q k^T * scale,
+    soft-capped as ``softcap * tanh(s / softcap)`` (Gemma 2) when a cap is given."""
+    s = torch.matmul(q, k.transpose(-1, -2)).to(accumulation_dtype(q.dtype)) * scale
+    if softcap is None:
+        return s, None
+    t = torch.tanh(s / softcap)
+    return t * softcap, t
+
+
+def _written(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: torch.Tensor,
+             softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(out (B, H, L, Dv), lse (B, H, L)) of one masked piece, in the accumulation dtype; a row with no
     key gets 0 and -inf."""
     acc = accumulation_dtype(q.dtype)
     k, v = _grouped(k, v, q.shape[1])
-    s = torch.matmul(q, k.transpose(-1, -2)).to(acc) * scale  # (B, H, L, P)
-    s = s.masked_fill(~mask, float("-inf"))
+    s = _scores(q, k, scale, softcap)[0].masked_fill(~mask, float("-inf"))  # (B, H, L, P)
     lse = torch.logsumexp(s, -1)  # (B, H, L)
     p = torch.exp(s - torch.where(torch.isneginf(lse), 0.0, lse)[..., None])
     return torch.matmul(p, v.to(acc)), lse
@@ -215,7 +226,7 @@ class _Remapped(torch.autograd.Function):
                 qb, kb = qs[r][:, :, a:e], ks[r][:, :, c0:c1]
                 vb = v[:, :, firsts[r] + c0:firsts[r] + c1]
                 if masked:
-                    po, pl = _written(qb, kb, vb, scale, _mask(plan["spans"], piece, a, e))
+                    po, pl = _written(qb, kb, vb, scale, _mask(plan["spans"], piece, a, e), plan["softcap"])
                 else:
                     po, pl = kernel_forward(qb, kb, vb, False, scale)
                 o, lse = _fold(o, lse, po.to(acc), pl.to(acc))
@@ -255,11 +266,13 @@ class _Remapped(torch.autograd.Function):
                 vb = v[:, :, k0 + c0:k0 + c1]
                 if masked:
                     kg, vg = _grouped(kb, vb, qb.shape[1])
-                    s = torch.matmul(qb, kg.transpose(-1, -2)).to(acc) * scale
+                    s, t = _scores(qb, kg, scale, plan["softcap"])
                     s = s.masked_fill(~_mask(plan["spans"], piece, a, e), float("-inf"))
                     p = torch.exp(s - lse_b[:, :, a:e, None])  # (B, H, L, P)
                     dp = torch.matmul(do.to(acc), vg.to(acc).transpose(-1, -2))
                     ds = p * (dp - delta[:, :, a:e, None])
+                    if t is not None:  # through the cap: d(c tanh(x / c)) = 1 - tanh^2
+                        ds = ds * (1 - t * t)
                     dqs[r][:, :, a:e] += torch.matmul(ds, kg.to(acc)) * scale
                     dks[r][:, :, c0:c1] += _summed(torch.matmul(ds.transpose(-1, -2), qb.to(acc)) * scale, hkv)
                     dv[:, :, k0 + c0:k0 + c1] += _summed(torch.matmul(p.transpose(-1, -2), do.to(acc)), hkv)
