@@ -25,9 +25,10 @@ this one (:func:`use`, the hooks it installs, saving and loading). How it plugs 
   layer's cache holds the last keys, so the same rule holds there. Families whose layers are not
   passed ``position_ids`` (Llama 4) take those given to the model, read by a pre-hook.
 - Packed batches (several documents in one row, ``position_ids`` restarting): a document starts
-  wherever a real token's position is not its predecessor's plus one, and attention never crosses
-  documents, with or without a cache. A cached call whose queries restart is a UsageError (their
-  keys' documents are unknown).
+  wherever a real token's position does not increase (is <= its predecessor's), and attention never
+  crosses documents, with or without a cache. Ids that increase by more than 1 (PoSE's skipping
+  chunks) are one document, each token at its own id. A cached call whose queries restart or skip
+  is a UsageError (their keys' documents and positions are unknown).
 - A static cache's unwritten slots (False in every row of the mask) are dropped from the keys.
 - The layers of one model forward share one :class:`~posenc.call.geometry.Geometry` per key length
   (positions, documents and padding, read once) and one :class:`~posenc.call.memo.ForwardMemo`.

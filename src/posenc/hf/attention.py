@@ -61,11 +61,18 @@ def padding_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int =
 
 
 def _restarts(positions: torch.Tensor, real: torch.Tensor | None) -> torch.Tensor:
-    """(B, T) bool: a token whose position is not its predecessor's + 1, both real."""
-    step = positions[:, 1:] != positions[:, :-1] + 1  # (B, T-1)
+    """(B, T) bool: a token whose position does not increase on its predecessor's (<= it), both
+    real: the start of a packed document. Ids that increase by more than 1 (PoSE's chunks, skipping
+    positions) stay in one document, each token at its own id, as :class:`Geometry` reads them."""
+    step = positions[:, 1:] <= positions[:, :-1]  # (B, T-1)
     if real is not None:
         step = step & real[:, 1:] & real[:, :-1]
     return torch.nn.functional.pad(step, (1, 0), value=False)
+
+
+def _gaps(positions: torch.Tensor) -> bool:
+    """Whether any position is not its predecessor's + 1 (a restart or a skip)."""
+    return bool((positions[:, 1:] != positions[:, :-1] + 1).any())
 
 
 def _key_end(tq: int, tk: int, real: torch.Tensor | None) -> int:
@@ -91,7 +98,7 @@ def _geometry(query: torch.Tensor, tk: int, attention_mask: torch.Tensor | None,
         # built without the general planning (one host read of the first query position).
         first = tk - tq if position_ids is None else int(position_ids[0, 0])
         past = first - (tk - tq)  # the first key's position
-        if past >= 0 and (position_ids is None or tq == 1 or not bool(_restarts(position_ids, None).any())):
+        if past >= 0 and (position_ids is None or tq == 1 or not _gaps(position_ids)):
             q_pos = torch.arange(first, first + tq, device=device)
             k_pos = torch.arange(past, past + tk, device=device)
             return Geometry(batch, tq, tk, causal, q_pos, k_pos, True, None, first, past, True)
@@ -109,9 +116,12 @@ def _geometry(query: torch.Tensor, tk: int, attention_mask: torch.Tensor | None,
         if restarts is not None and bool(restarts.any()):
             document_ids = restarts.long().cumsum(-1)  # (B, T)
     else:
-        if tq > 1 and bool(_restarts(q_pos, None).any()):
-            raise UsageError("position_ids: queries that restart (packed documents) after a cache past are not "
-                             "supported: their keys' documents are unknown; run each document's chunks with its own cache")
+        if tq > 1 and _gaps(q_pos):
+            # The cached keys' positions are derived (consecutive, ending at the last query), so
+            # queries after a cache past must be consecutive too.
+            raise UsageError("position_ids: queries that restart (packed documents) or skip after a cache past are not "
+                             "supported: their keys' documents and positions are unknown; run each document's chunks "
+                             "with its own cache, with consecutive position ids")
         k_pos = q_pos[:, -1:] - torch.arange(tk - 1, -1, -1, device=device)  # (B, Tk): consecutive, ending at the last query
         before = k_pos < 0  # left padding, or an earlier document of a packed prefill
         if bool(before.any()):
