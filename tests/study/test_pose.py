@@ -230,14 +230,72 @@ def test_interrupted_pose_run_resumes_exactly(tiny, tmp_path):
     assert not all(torch.equal(a[k], c[k]) for k in a)
 
 
-def test_a_transformers_model_is_refused(tiny, tmp_path):
-    # posenc.hf reads position ids that skip as packed documents' restarts: PoSE would not attend across chunks.
+def _hf_args(folder, text, out, *more):
+    return ["extend", str(folder), "--out", str(out), "--scaling", "yarn", "--length", "64", "--steps", "6",
+            "--batch-size", "3", "--checkpoint-every", "2", "--data", str(text), "--valid-bytes", "512",
+            "--eval-lengths", "16", "64", "--threads", "1", "--no-progress", "--pose", *more]
+
+
+def _hf_weights(out):
+    from safetensors.torch import load_file
+
+    return load_file(str(out / "model" / "model.safetensors"))
+
+
+def test_a_transformers_model_trains_with_pose_and_resumes_exactly(tiny, tmp_path):
+    # posenc.hf reads ids that increase and skip as one document: the PoSE ids reach the model as position_ids.
     transformers = pytest.importorskip("transformers")
+    from posenc.study.extend_hf import HFModels
+
     torch.manual_seed(0)
     config = transformers.LlamaConfig(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
                                       intermediate_size=32, vocab_size=256, max_position_embeddings=16)
     _, text = tiny
-    cfg = ex.ExtendConfig(scaling="yarn", length=64, train_length=16, steps=1, data=str(text), valid_bytes=512, pose=True)
-    with pytest.raises(UsageError, match="pose"):
-        ex.extend(transformers.LlamaForCausalLM(config), tmp_path / "hf", cfg, progress=False)
-    assert not (tmp_path / "hf").exists()
+    folder = tmp_path / "llama"
+    transformers.LlamaForCausalLM(config).save_pretrained(folder)
+
+    # the trained model's forward with PoSE ids is transformers' own YaRN model fed them as position_ids
+    models = HFModels.of(folder)
+    block = ex.scaling_block("yarn", 4.0, 16, models.rope.base, models.rope.rotary_dim)
+    study = models.trainable(block)
+    own = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        **{**config.to_dict(), "rope_parameters": {**block, "rope_theta": models.rope.base}}))
+    own.load_state_dict(models.model.state_dict())
+    ids = step_positions(FINETUNE_STREAM, 0, 3, 16, 64, 3)
+    x = torch.randint(0, 256, (3, 16), generator=_gen(2))
+    with torch.no_grad():
+        want = own(x, position_ids=ids, attention_mask=torch.ones_like(x)).logits
+        assert float((study(x, positions=ids) - want).abs().max()) < 1e-5
+    with pytest.raises(UsageError, match="positions"):
+        study(x[:, :4], positions=torch.tensor([0, 5, 5, 6]))
+
+    assert main(_hf_args(folder, text, tmp_path / "whole")) == 0
+    whole = json.loads((tmp_path / "whole" / "extend.json").read_text())
+    assert whole["settings"]["pose"] is True and whole["recipe"]["name"] == "pose"
+    assert whole["saved"]["format"] == "transformers"
+    assert all(math.isfinite(s["perplexity"]) for s in whole["scores"]["extended"])
+
+    import posenc.study.extend as module
+
+    def stop(label, step):
+        if step == 3:
+            raise KeyboardInterrupt
+
+    original = module.train
+    module.train = lambda *a, **k: original(*a, **{**k, "on_step": stop})
+    try:
+        assert main(_hf_args(folder, text, tmp_path / "broken")) == 130
+    finally:
+        module.train = original
+    assert (tmp_path / "broken" / "state.pt").exists()
+    assert main(_hf_args(folder, text, tmp_path / "broken", "--resume")) == 0
+    broken = json.loads((tmp_path / "broken" / "extend.json").read_text())
+    assert broken["train"]["losses"] == whole["train"]["losses"]
+    assert broken["scores"] == whole["scores"] and broken["table"] == whole["table"]
+    a, b = _hf_weights(tmp_path / "whole"), _hf_weights(tmp_path / "broken")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+    # The ids reach the model: with one chunk (ids 0..15, the same windows) the weights differ.
+    assert main(_hf_args(folder, text, tmp_path / "one", "--pose-chunks", "1")) == 0
+    c = _hf_weights(tmp_path / "one")
+    assert not all(torch.equal(a[k], c[k]) for k in a)

@@ -32,7 +32,8 @@ state (every ``checkpoint_every`` steps) and with the scores already written.
 PoSE (``pose``, Zhu et al. 2024, :mod:`.pose`) is a recipe for the fine-tune under any scaling: the
 model under the block for ``length``, trained on windows of ``train_length`` whose position ids skip
 over ``length`` (drawn from the data seed and the step); ``extend.json`` records it (``recipe``) and
-the extended column is named ``SCALING+pose``.
+the extended column is named ``SCALING+pose``. A transformers model gets the ids as ``position_ids``
+(posenc.hf reads ids that increase and skip as one document, each token at its own id).
 
 A transformers causal LM with RoPE (a ``save_pretrained`` folder, or the model) is extended the same
 way through ``posenc.hf`` (:mod:`.extend_hf`: what changes, and how its result is saved).
@@ -335,9 +336,6 @@ def extend(checkpoint: str | Path | torch.nn.Module, out: str | Path, cfg: Exten
         models = PosencModels(load_checkpoint(Path(checkpoint), device))
         source = str(checkpoint)
     models.check(cfg)
-    if cfg.pose and not isinstance(models, PosencModels):
-        raise UsageError("pose: PoSE is for posenc checkpoints; posenc.hf reads position ids that skip as the restarts of "
-                         "packed documents, so a transformers model would not attend across PoSE's chunks")
     data = _Data(None if cfg.task == "recall" else models.corpus(load_corpus(cfg.data, cfg.valid_bytes)))
     if data.corpus is not None:
         if max(cfg.eval_lengths) > data.corpus.valid_tokens:

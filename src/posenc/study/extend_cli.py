@@ -49,7 +49,7 @@ def add_extend_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--search-population", type=int, default=16, help="the search's population (default 16)")
     p.add_argument("--search-sequences", type=int, default=4, help="validation windows per individual (default 4)")
     p.add_argument("--pose", action="store_true", help="PoSE (Zhu et al. 2024): fine-tune on windows of the train length "
-                                                       "whose position ids skip over --length (posenc checkpoints)")
+                                                       "whose position ids skip over --length (posenc and transformers checkpoints)")
     p.add_argument("--pose-chunks", type=int, help="PoSE's chunks per window, 1 .. train length (default 2)")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--threads", type=int, help="CPU threads (torch.set_num_threads)")

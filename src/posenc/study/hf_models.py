@@ -13,9 +13,10 @@ writes it; no download, no weights).
   options takes the model's own RoPE parameters, so at initialisation it is the ``hf`` model.
 - **Variants**: ``+drop`` (DroPE: ``use(model, "nope")`` at the drop step), the RoPE scalings
   (``+yarn``, ...: ``set_scaling`` on the model's posenc RoPE), ``+blockwise`` and ``+ft`` map onto
-  the model as on posenc's own; ``+random`` does not (posenc.hf reads a position that is not its
-  predecessor's + 1 as the start of a packed document, so randomized positions cannot reach the
-  attention through ``position_ids``) and is a UsageError naming the row, as is a variant of ``hf``.
+  the model as on posenc's own; ``+random`` does not (the randomized positions are drawn inside
+  posenc's own LM, ``LMConfig.random_positions``, which a transformers model has no place for) and
+  is a UsageError naming the row, as is a variant of ``hf``. Position ids that increase and skip
+  (PoSE's, ``posenc extend --pose``) reach the model through ``StudyModel``'s ``positions``.
 - **Same start**: a trained row's model is built right after ``torch.manual_seed(seed)``, and the
   encoding (with any parameters of its own) only after the model, so every row of a seed starts
   from the same transformer weights.
@@ -168,15 +169,25 @@ class StudyModel(nn.Module):
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
                 document_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """Args: tokens (B, T) byte ids. Returns logits (B, T, V).
+        """Args: tokens (B, T) byte ids; ``positions`` (B, T) or (T,): each token's position id, increasing
+        along a row and free to skip (PoSE's chunks, ``posenc extend --pose``), passed as
+        ``position_ids`` with an all-ones attention mask, so that the model reads one sequence (HF's
+        own attention would otherwise read skipping ids as packed sequences). Returns logits (B, T, V).
 
         Raises:
-            UsageError: for ``positions`` or ``document_ids`` (the study refuses +random and
-                pack_documents with hf_config before they could come here).
+            UsageError: for ``document_ids`` (the study refuses pack_documents with hf_config before
+                it could come here), or ``positions`` that do not increase along a row.
         """
-        if positions is not None or document_ids is not None:
-            raise UsageError("positions / document_ids: a study of a transformers model passes neither")
-        return self.model(input_ids=tokens, use_cache=False).logits  # (B, T, V)
+        if document_ids is not None:
+            raise UsageError("document_ids: a study of a transformers model passes none")
+        if positions is None:
+            return self.model(input_ids=tokens, use_cache=False).logits  # (B, T, V)
+        if positions.shape[-1] > 1 and bool((positions[..., 1:] <= positions[..., :-1]).any()):
+            raise UsageError("positions: the position ids of a transformers model's row must increase (a restart "
+                             "would start a packed document)")
+        position_ids = positions.to(device=tokens.device, dtype=torch.long).expand(tokens.shape)
+        return self.model(input_ids=tokens, position_ids=position_ids, attention_mask=torch.ones_like(tokens),
+                          use_cache=False).logits  # (B, T, V)
 
     @property
     def max_length(self) -> int | None:
@@ -217,9 +228,9 @@ class HFModels:
         """
         cfg, name = self.cfg, row.name
         if "random" in row.train:
-            raise UsageError(f"methods: {name!r}: +random is not supported with hf_config: posenc.hf reads a position "
-                             "that is not its predecessor's + 1 as the start of a packed document, so randomized "
-                             "positions cannot reach the attention through position_ids")
+            raise UsageError(f"methods: {name!r}: +random is not supported with hf_config: the randomized positions "
+                             "are drawn inside posenc's own LM (random_positions), which a transformers model has no "
+                             "place for")
         if row.kind == "finetune" and not issubclass(get_class(row.method), RoPE):
             raise UsageError(f"methods: {name!r}: +ft fine-tunes a RoPE scaling; {row.method} is not RoPE")
         try:
