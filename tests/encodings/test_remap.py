@@ -159,6 +159,28 @@ def test_cached_decoding_equals_the_full_pass_with_windows_and_left_padding(name
 
 
 @pytest.mark.parametrize("name, opts", CASES)
+def test_kept_rotated_keys_follow_a_cropped_and_rewritten_cache(name, opts):
+    """Decode steps keep each far region's rotated keys; a cache cropped and refilled with other tokens
+    (speculative decoding), or another prompt in the same cache, must not reuse stale rows."""
+    torch.manual_seed(2)
+    lm = posenc.LM(posenc.LMConfig(encoding=name, encoding_options=opts, dim=32, depth=2, num_heads=4, num_kv_heads=2)).eval()
+    a, b = torch.randint(0, 256, (1, 200)), torch.randint(0, 256, (1, 200))
+    with torch.no_grad():
+        cache = lm.new_cache(batch_size=1)
+        lm(a[:, :150], cache=cache)
+        for t in range(150, 170):
+            lm(a[:, t:t + 1], cache=cache)
+        cache.crop(155)  # forget 15 tokens, then continue with other ones
+        other = torch.cat([a[:, :155], b[:, :30]], 1)
+        steps = [lm(other[:, t:t + 1], cache=cache) for t in range(155, 185)]
+        torch.testing.assert_close(torch.cat(steps, 1), lm(other)[:, 155:], rtol=0, atol=1e-4)
+        cache.reset()  # a new prompt in the same cache
+        first = lm(b[:, :120], cache=cache)
+        steps = [first[:, -1:]] + [lm(b[:, t:t + 1], cache=cache) for t in range(120, 160)]
+        torch.testing.assert_close(torch.cat(steps, 1), lm(b[:, :160])[:, 119:], rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("name, opts", CASES)
 def test_a_sliding_window_layer_narrows_every_region(name, opts):
     q, k, v = inputs()
     enc = build(name, **opts).double()

@@ -93,3 +93,20 @@ def test_a_length_dependent_scaling_is_refused_at_use() -> None:
     model = transformers.AutoModelForCausalLM.from_config(config)
     with pytest.raises(UsageError, match="scaling"):
         phf.use(model, "selfextend")
+
+
+def test_two_caches_decoding_in_turn_keep_their_own_rotated_keys() -> None:
+    """The kept rotated keys of a decode step live in the model's workspace, one slot per layer: two
+    caches of the same length decoding in turn must each get their own rows (checked by the raw keys)."""
+    model = phf.use(untouched("llama"), "selfextend", group=3, window=5)
+    a, b = tokens(1, 40, seed=3), tokens(1, 40, seed=4)
+    caches = [transformers.DynamicCache(config=model.config), transformers.DynamicCache(config=model.config)]
+    with torch.no_grad():
+        got: list[list[torch.Tensor]] = [[], []]
+        for i, x in enumerate((a, b)):
+            got[i].append(model(x[:, :30], past_key_values=caches[i], use_cache=True).logits[:, -1])
+        for t in range(30, 40):
+            for i, x in enumerate((a, b)):
+                got[i].append(model(x[:, t:t + 1], past_key_values=caches[i], use_cache=True).logits[:, -1])
+    for i, x in enumerate((a, b)):
+        assert err(torch.stack(got[i][:-1], 1), logits(model, x, use_cache=False)[:, 29:-1]) < 1e-4, i

@@ -38,6 +38,13 @@ class ForwardMemo:
         self._values: dict[tuple[object, ...], object] = {}
         self._held: dict[int, nn.Module] = {}
         self.workspace = workspace
+        self._calls = 0
+
+    def next_call(self) -> int:
+        """0, 1, 2, ... for the calls of this forward that ask: the layers of a model forward call in
+        the same order every forward, so the number names a layer's slot in a :class:`Workspace`."""
+        self._calls += 1
+        return self._calls - 1
 
     def _get(self, encoding: nn.Module, key: tuple[object, ...], make: Callable[[], T]) -> T:
         full = (id(encoding), *key)

@@ -22,7 +22,15 @@ How one call runs:
    softmax over all regions (the flash kernel's backward for the rectangles, written out for the
    rest), then through the rotations by autograd.
 
-No (Tq, Tk) tensor is made: a block holds at most L x (P written-out keys). A left-padded batch
+No (Tq, Tk) tensor is made: a block holds at most L x (P written-out keys).
+
+Decode steps: a region whose keys start at the first key (the far regions) keeps its rotated keys
+between calls in the KV cache's workspace (one slot per layer: the layer's call number in the
+forward, :meth:`~posenc.call.memo.ForwardMemo.next_call`), so a step rotates only its new keys.
+The kept rows are used only when they are still the cache's rows: the same first key position, the
+same number of rows or fewer before this call's queries, and the same per-row sums of the raw keys
+(one read of the keys, which catches a cache cropped and rewritten, reordered beams or another
+cache in the same slot); anything else rotates every key again. A left-padded batch
 (``starts``, a decode step of a padded cache) runs row by row, each row at its own positions
 counted from its first real token, as the row alone; its padding queries get 0.
 """
@@ -30,10 +38,12 @@ counted from its first real token, as the row alone; its padding queries get 0.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, cast
 
 import torch
+from torch import nn
 
+from ...call.memo import Workspace
 from ...call.spec import ScoreSpec
 from ...encodings.protocol import RemapRegion, Remaps, require
 from ...encodings.query_scale import scaled_queries
@@ -63,14 +73,18 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec, e
         raise UsageError(f"backend: {name} runs its own merged regions; give backend='auto' or 'eager', got {backend!r}")
     # A soft cap bends every content score: no flash-kernel rectangle, every piece written out.
     eager = backend == "eager" or not use_kernel(q, v) or (extras is not None and extras.softcap is not None)
+    kept: tuple[Workspace, object] | None = None
+    if spec.workspace is not None:
+        kept = (spec.workspace, spec.memo.next_call())
     if spec.starts is None:
-        return _attend(q, k, v, spec.q_positions, spec.k_positions, enc, spec.scale, extras, eager), "remapped"
+        return _attend(q, k, v, spec.q_positions, spec.k_positions, enc, spec.scale, extras, eager, kept), "remapped"
     rows = []
     for b, start in enumerate(spec.starts.tolist()):  # left padding: each row alone, from its first real token
         qi = int(torch.searchsorted(spec.q_positions, start))
         ki = int(torch.searchsorted(spec.k_positions, start))
         o = _attend(q[b:b + 1, :, qi:], k[b:b + 1, :, ki:], v[b:b + 1, :, ki:], spec.q_positions[qi:] - start,
-                    spec.k_positions[ki:] - start, enc, spec.scale, extras, eager)
+                    spec.k_positions[ki:] - start, enc, spec.scale, extras, eager,
+                    None if kept is None else (kept[0], (kept[1], "row", b)))
         rows.append(torch.cat((o.new_zeros(1, q.shape[1], qi, v.shape[-1]), o), dim=2))
     return torch.cat(rows), "remapped"
 
@@ -105,7 +119,7 @@ def _blocks(tq: int, bounds: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tu
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qp: torch.Tensor, kp: torch.Tensor, enc: Remaps,
-            scale: float, extras: Extras | None, eager: bool) -> torch.Tensor:
+            scale: float, extras: Extras | None, eager: bool, kept: tuple[Workspace, object] | None = None) -> torch.Tensor:
     """One row set at shared positions: the regions' rotations, their pieces, the merged softmax."""
     tq = q.shape[-2]
     if tq == 0 or k.shape[-2] == 0:
@@ -113,7 +127,8 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qp: torch.Tensor,
     regions = enc.regions(qp, kp)
     bounds = [_bounds(r, qp, kp, extras) for r in regions]
     qs, ks, firsts, spans = [], [], [], []
-    for region, (lo, hi) in zip(regions, bounds):
+    sums = None
+    for r, (region, (lo, hi)) in enumerate(zip(regions, bounds)):
         seen = hi > lo  # (Tq,) queries with a key in this region
         if not bool(seen.any()):
             continue
@@ -122,7 +137,12 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qp: torch.Tensor,
         if extras is not None and extras.query_scale is not None:
             qr = scaled_queries(qr, extras.query_scale, qp)
         qs.append(qr)
-        ks.append(enc.rotate_at(k[:, :, k0:k1], region.k_at[k0:k1]))  # (B, Hkv, k1 - k0, D)
+        if kept is not None and k0 == 0 and not (torch.is_grad_enabled() and k.requires_grad):
+            if sums is None:
+                sums = k.sum(-1)  # (B, Hkv, Tk): what the kept rows are checked against
+            ks.append(_kept_keys(enc, k, region.k_at, k1, kp, tq, sums, kept, r))
+        else:
+            ks.append(enc.rotate_at(k[:, :, k0:k1], region.k_at[k0:k1]))  # (B, Hkv, k1 - k0, D)
         firsts.append(k0)
         spans.append((lo - k0, hi - k0))
     plan = _plan(tq, spans, eager)
@@ -131,6 +151,36 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qp: torch.Tensor,
     if sinks is not None and sinks.numel() != q.shape[1]:
         raise UsageError(f"sinks must hold one logit per query head ({q.shape[1]}), got {sinks.numel()}")
     return apply(_Remapped, plan, scale, firsts, v, sinks, *qs, *ks)
+
+
+def _kept_keys(enc: Remaps, k: torch.Tensor, k_at: torch.Tensor, k1: int, kp: torch.Tensor, tq: int, sums: torch.Tensor,
+               kept: tuple[Workspace, object], region: int) -> torch.Tensor:
+    """Keys 0..k1-1 rotated at ``k_at``, (B, Hkv, k1, D): the rows kept from the slot's last call
+    that are still the cache's (see the module docstring), the others rotated now and kept."""
+    workspace, slot = kept
+    b, hkv, tk, d = k.shape
+    entry: dict[str, Any] = workspace.get(("remap-keys", workspace.hold(cast(nn.Module, enc)), slot, region),
+                                          (b, hkv, d, k.dtype, k.device), dict)
+    rows, valid = entry.get("rows"), 0
+    if rows is not None and entry["first"] == int(kp[0]):
+        valid = min(entry["n"], tk - tq, k1)
+        if valid and not torch.equal(entry["sums"][..., :valid], sums[..., :valid]):
+            valid = 0
+    if rows is None or rows.shape[2] < k1:
+        grown = k.new_empty(b, hkv, max(k1, 2 * (0 if rows is None else rows.shape[2]), 16), d)  # (B, Hkv, capacity, D)
+        if valid and rows is not None:
+            grown[:, :, :valid] = rows[:, :, :valid]
+        rows = grown
+        sums_kept = sums.new_empty(b, hkv, rows.shape[2])
+        if valid:
+            sums_kept[..., :valid] = entry["sums"][..., :valid]
+        entry["sums"] = sums_kept
+    assert rows is not None
+    if valid < k1:
+        rows[:, :, valid:k1] = enc.rotate_at(k[:, :, valid:k1], k_at[valid:k1])
+        entry["sums"][..., valid:k1] = sums[..., valid:k1]
+    entry.update(rows=rows, n=k1, first=int(kp[0]))
+    return rows[:, :, :k1]
 
 
 def _plan(tq: int, spans: list[tuple[torch.Tensor, torch.Tensor]], eager: bool) -> dict[str, Any]:
