@@ -35,6 +35,10 @@ over ``length`` (drawn from the data seed and the step); ``extend.json`` records
 the extended column is named ``SCALING+pose``. A transformers model gets the ids as ``position_ids``
 (posenc.hf reads ids that increase and skip as one document, each token at its own id).
 
+Remaps (``remaps``: SelfExtend, ReRoPE, STRING, DCA; :mod:`posenc.encodings.remap`) add zero-shot
+columns: the base model under the remap of its own RoPE (base, layout, rotary dim), nothing
+trained, scored at every evaluation length (``scores["remap:LABEL"]``, the table's ``LABEL`` column).
+
 A transformers causal LM with RoPE (a ``save_pretrained`` folder, or the model) is extended the same
 way through ``posenc.hf`` (:mod:`.extend_hf`: what changes, and how its result is saved).
 """
@@ -58,7 +62,7 @@ from ..model.lm import LM, LMConfig
 from . import distributed, recall
 from .data import Corpus, load_corpus, train_batch
 from .evaluation import evaluate, evaluate_recall
-from .extend_config import KINDS, ExtendConfig
+from .extend_config import KINDS, ExtendConfig, remap_label
 from .longrope_search import search
 from .pose import step_positions
 from .progress import Progress
@@ -123,6 +127,21 @@ def scaled(model: LM, block: dict[str, Any]) -> LM:
     return out
 
 
+def remapped(model: LM, remap: dict[str, Any]) -> LM:
+    """A new :class:`LM` with ``model``'s weights and its RoPE (base, layout, rotary dim, scaling)
+    under the training-free position remap ``remap`` (``{"name", "options"}``, :func:`.extend_config.parse_remap`)."""
+    if model.config.schedule is not None:
+        raise UsageError("remap: the checkpoint has a layer schedule; a remap rebuilds one encoding for every layer")
+    rope = _rope_of(model)
+    own: dict[str, Any] = {"base": rope.base, "layout": rope.layout, "rotary_dim": rope.rotary_dim}
+    if rope.scaling.rope_type != "default":
+        own["scaling"] = model.config.encoding_options.get("scaling")
+    options = {**model.config.encoding_options, **own, **remap["options"]}
+    out = LM(LMConfig(**{**model.config.to_dict(), "encoding": remap["name"], "encoding_options": options}))
+    out.load_state_dict({k: v.detach().clone() for k, v in model.state_dict().items()})
+    return out
+
+
 def dropped(model: LM) -> LM:
     """A copy of ``model`` with its positions dropped (DroPE, before the recalibration)."""
     out = LM(LMConfig(**model.config.to_dict()))
@@ -154,6 +173,10 @@ class PosencModels:
     def scaled(self, block: dict[str, Any] | None) -> LM:
         """The base model under ``block`` (None: its positions dropped)."""
         return scaled(self.base, block) if block is not None else dropped(self.base)
+
+    def remapped(self, remap: dict[str, Any]) -> LM:
+        """The base model under a position remap of its own RoPE (a zero-shot column)."""
+        return remapped(self.base, remap)
 
     def trainable(self, block: dict[str, Any] | None) -> LM:
         """The model the fine-tune starts from: scaled, or (DroPE) the base, dropped at step 0."""
@@ -234,36 +257,52 @@ def _metric(cfg: ExtendConfig) -> str:
     return "far_accuracy" if cfg.task == "recall" else "perplexity"
 
 
+def remap_column(remap: dict[str, Any]) -> str:
+    """A remap's key in ``extend.json``'s scores: ``remap:`` and its label."""
+    return f"remap:{remap_label(remap)}"
+
+
 def table_rows(record: dict, cfg: ExtendConfig) -> list[dict]:
-    """One row per evaluation length: the base model, the scaling zero-shot, the extended model."""
+    """One row per evaluation length: the base model, the scaling zero-shot, the extended model,
+    then each remap zero-shot (keyed by its label, ``selfextend group=4 window=1024``)."""
     key = _metric(cfg)
+    columns = [("base", "base"), ("zero_shot", "zero_shot"), ("extended", "extended"),
+               *((remap_label(r), remap_column(r)) for r in cfg.remaps)]
     out = []
     for length in cfg.eval_lengths:
         row: dict[str, Any] = {"length": length}
-        for column in ("base", "zero_shot", "extended"):
+        for name, column in columns:
             found = [s for s in record["scores"].get(column, []) if s["length"] == length]
-            row[column] = found[0].get(key) if found else None
+            row[name] = found[0].get(key) if found else None
         out.append(row)
     return out
 
 
-def _csv(rows: list[dict], key: str, pose: bool = False) -> str:
+def _csv(rows: list[dict], key: str, pose: bool = False, remaps: list[str] | None = None) -> str:
+    """The table as CSV; ``remaps``: the remaps' labels (a column each, ``LABEL_zero_shot_KEY`` with
+    the label's spaces as underscores)."""
     extended = "pose_extended" if pose else "extended"
-    lines = [f"length,base_{key},zero_shot_{key},{extended}_{key}"]
+    labels = remaps or []
+    lines = [",".join([f"length,base_{key},zero_shot_{key},{extended}_{key}",
+                       *(f"{label.replace(' ', '_')}_zero_shot_{key}" for label in labels)])]
     for r in rows:
-        cells = ["" if r[c] is None else f"{r[c]:.6g}" for c in ("base", "zero_shot", "extended")]
+        cells = ["" if r[c] is None else f"{r[c]:.6g}" for c in ("base", "zero_shot", "extended", *labels)]
         lines.append(",".join([str(r["length"]), *cells]))
     return "\n".join(lines) + "\n"
 
 
-def printed(rows: list[dict], key: str, scaling: str, extended: str | None = None) -> str:
+def printed(rows: list[dict], key: str, scaling: str, extended: str | None = None, remaps: list[str] | None = None) -> str:
     """The before/after table as text; ``extended``: the fine-tune's name (default ``scaling``;
-    ``yarn+pose`` for a PoSE fine-tune)."""
+    ``yarn+pose`` for a PoSE fine-tune); ``remaps``: the remaps' labels, a zero-shot column each."""
+    labels = remaps or []
+    widths = [max(18, len(label) + 10) for label in labels]
     head = f"{'length':>8}  {'base':>12}  {scaling + ' zero-shot':>18}  {(extended or scaling) + ' extended':>18}"
+    head += "".join(f"  {label + ' zero-shot':>{w}}" for label, w in zip(labels, widths))
     lines = [f"{key} by length", head]
     for r in rows:
-        cells = [("-" if r[c] is None else f"{r[c]:.4f}") for c in ("base", "zero_shot", "extended")]
-        lines.append(f"{r['length']:>8}  {cells[0]:>12}  {cells[1]:>18}  {cells[2]:>18}")
+        cells = [("-" if r[c] is None else f"{r[c]:.4f}") for c in ("base", "zero_shot", "extended", *labels)]
+        line = f"{r['length']:>8}  {cells[0]:>12}  {cells[1]:>18}  {cells[2]:>18}"
+        lines.append(line + "".join(f"  {c:>{w}}" for c, w in zip(cells[3:], widths)))
     return "\n".join(lines)
 
 
@@ -289,6 +328,7 @@ class Models(Protocol):
     def device(self) -> torch.device: ...
     def check(self, cfg: ExtendConfig) -> None: ...
     def scaled(self, block: dict[str, Any] | None) -> StudiedModel: ...
+    def remapped(self, remap: dict[str, Any]) -> StudiedModel: ...
     def trainable(self, block: dict[str, Any] | None) -> StudiedModel: ...
     def searchable(self) -> torch.nn.Module: ...
     def save(self, model: StudiedModel, out: Path) -> dict[str, Any]: ...
@@ -347,6 +387,8 @@ def extend(checkpoint: str | Path | torch.nn.Module, out: str | Path, cfg: Exten
                 {**asdict(cfg.search), "start_tokens": list(cfg.search.start_tokens)}}
     if not cfg.pose:  # (a run without PoSE keeps the settings, and so the resumability, of the runs before PoSE)
         del settings["pose"], settings["pose_chunks"]
+    if not cfg.remaps:  # (likewise without remaps)
+        del settings["remaps"]
     fresh = not (out / MARKER).exists()
     rundir = RunDir.claim(out, "extend", owned=_owned)
     try:
@@ -426,6 +468,8 @@ def _run(models: Models, out: Path, cfg: ExtendConfig, data: _Data, record: dict
 
     scores("base", models.base)
     scores("zero_shot", start)
+    for remap in cfg.remaps:  # the base model under each remap of its own RoPE, zero-shot
+        scores(remap_column(remap), models.remapped(remap))
     model = start
     if cfg.steps:
         loaded = models.load(out, record["saved"]) if record.get("status") in ("trained", "done") and "saved" in record else None
@@ -452,10 +496,13 @@ def _run(models: Models, out: Path, cfg: ExtendConfig, data: _Data, record: dict
     record["status"] = "done"
     record["time_s"] = round(record.get("time_s", 0.0) + time.perf_counter() - started, 3)
     write_json(path, record)
-    write_json(out / "table.json", {"metric": key, "scaling": cfg.scaling, **({"recipe": "pose"} if cfg.pose else {}), "rows": rows})
-    write_text(out / "table.csv", _csv(rows, key, cfg.pose))
-    ui.warn(printed(rows, key, cfg.scaling, _column(cfg)))
+    labels = [remap_label(r) for r in cfg.remaps]
+    write_json(out / "table.json", {"metric": key, "scaling": cfg.scaling, **({"recipe": "pose"} if cfg.pose else {}),
+                                    **({"remaps": cfg.remaps} if cfg.remaps else {}), "rows": rows})
+    write_text(out / "table.csv", _csv(rows, key, cfg.pose, labels))
+    ui.warn(printed(rows, key, cfg.scaling, _column(cfg), labels))
     return record
 
 
-__all__ = ["ExtendConfig", "KINDS", "dropped", "extend", "is_transformers", "pose_recipe", "scaled", "study_defaults", "table_rows"]
+__all__ = ["ExtendConfig", "KINDS", "dropped", "extend", "is_transformers", "pose_recipe", "remap_column", "remapped", "scaled",
+           "study_defaults", "table_rows"]

@@ -51,6 +51,11 @@ def add_extend_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pose", action="store_true", help="PoSE (Zhu et al. 2024): fine-tune on windows of the train length "
                                                        "whose position ids skip over --length (posenc and transformers checkpoints)")
     p.add_argument("--pose-chunks", type=int, help="PoSE's chunks per window, 1 .. train length (default 2)")
+    p.add_argument("--remap", action="append", metavar="NAME[:KEY=VALUE,...]",
+                   help="a zero-shot column: the base model under a training-free remap of its own RoPE, "
+                        "scored at every length; NAME one of selfextend (group, window), rerope (window), string "
+                        "(shift, local), dca (chunk_size, local_size), e.g. --remap selfextend:group=4,window=1024 "
+                        "(repeat for more columns)")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--threads", type=int, help="CPU threads (torch.set_num_threads)")
     p.add_argument("--resume", action="store_true", help="continue the extension in --out")
@@ -95,7 +100,7 @@ def config_from_args(args: argparse.Namespace) -> ExtendConfig:
     if not pose and chunks is not None:
         raise UsageError("pose-chunks: applies to a PoSE fine-tune; add --pose")
     return ExtendConfig(scaling=args.scaling, longrope=longrope, search=settings, pose=pose,
-                        pose_chunks=2 if chunks is None else chunks, **values)
+                        pose_chunks=2 if chunks is None else chunks, remaps=list(getattr(args, "remap", None) or []), **values)
 
 
 def run_extend(args: argparse.Namespace) -> int:

@@ -4,6 +4,8 @@ checked when it is made, and the fine-tune's training settings it gives (:mod:`.
 
 from __future__ import annotations
 
+import inspect
+import json
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -15,6 +17,68 @@ from .plan import FINETUNE_STREAM
 from .train import TrainSettings
 
 KINDS = ("linear", "ntk", "yarn", "llama3", "longrope", "drope")
+
+# A remap keeps the model's own RoPE: these options are the RoPE's, never the remap's.
+_ROPE_OPTIONS = ("num_heads", "head_dim", "causal", "base", "layout", "rotary_dim", "scaling", "cache_length")
+
+
+def remap_names() -> list[str]:
+    """The training-free position remaps of RoPE (``posenc.available()`` offering ``Remaps``)."""
+    from ..encodings import available, get_class
+    from ..encodings.protocol import Remaps, offers
+
+    return [n for n in available() if offers(get_class(n), Remaps)]
+
+
+def parse_remap(spec: str | dict[str, Any]) -> dict[str, Any]:
+    """A remap as ``{"name": NAME, "options": {...}}``, from ``"NAME"`` or ``"NAME:KEY=VALUE,KEY=VALUE"``
+    (a value is read as JSON when it parses, else as a string) or from such a dict; checked by
+    building the encoding.
+
+    Raises:
+        UsageError: naming ``remap``: an unknown name or option, an option of the model's RoPE
+            (base, layout, rotary_dim, scaling, cache_length: a remap keeps the model's own), or a
+            value the method rejects.
+    """
+    from ..encodings import get_class
+
+    if isinstance(spec, str):
+        name, _, rest = spec.strip().partition(":")
+        options: dict[str, Any] = {}
+        for item in filter(None, (part.strip() for part in rest.split(","))):
+            key, eq, text = item.partition("=")
+            if not eq or not key.strip():
+                raise UsageError(f"remap: {spec!r}: options are KEY=VALUE separated by commas (e.g. selfextend:group=4,window=1024)")
+            try:
+                value = json.loads(text)
+            except ValueError:
+                value = text
+            options[key.strip()] = value
+    elif isinstance(spec, dict) and set(spec) <= {"name", "options"} and isinstance(spec.get("options", {}), dict):
+        name, options = str(spec.get("name")), dict(spec.get("options", {}))
+    else:
+        raise UsageError(f"remap: a text NAME[:KEY=VALUE,...] or {{'name': ..., 'options': {{...}}}}, got {spec!r}")
+    names = remap_names()
+    if name not in names:
+        raise UsageError(f"remap: {name!r} is not a position remap; one of {names}")
+    cls = get_class(name)
+    own = [k for k in inspect.signature(cls.__init__).parameters if k != "self" and k not in _ROPE_OPTIONS]
+    for key in options:
+        if key in _ROPE_OPTIONS:
+            raise UsageError(f"remap: {name} keeps the model's own RoPE; {key!r} is not an option of the remap "
+                             f"(its options: {own})")
+        if key not in own:
+            raise UsageError(f"remap: {name} has no option {key!r}; its options: {own}")
+    try:
+        cls(1, 2, **options)
+    except UsageError as err:
+        raise UsageError(f"remap: {name}: {err}") from None
+    return {"name": name, "options": options}
+
+
+def remap_label(remap: dict[str, Any]) -> str:
+    """A remap's column name: ``NAME`` and its options, ``selfextend group=4 window=1024``."""
+    return " ".join([remap["name"], *(f"{k}={v}" for k, v in remap["options"].items())])
 
 
 @dataclass(frozen=True)
@@ -39,6 +103,9 @@ class ExtendConfig:
             example's own), instead of windows of ``length``; the model is the scaling's for
             ``length`` all the same. Not with ``drope`` (no positions) or ``pack_documents``.
         pose_chunks: PoSE's chunks per window, in ``[1, train_length]`` (the paper's default 2).
+        remaps: training-free position remaps of the model's own RoPE (:func:`parse_remap`: texts
+            ``"selfextend:group=4,window=1024"`` or ``{"name", "options"}`` dicts), each a zero-shot
+            column of the table: the base model under the remap at every evaluation length.
     """
 
     scaling: str
@@ -64,6 +131,7 @@ class ExtendConfig:
     search: SearchSettings | None = None
     pose: bool = False
     pose_chunks: int = 2
+    remaps: list[Any] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.scaling not in KINDS:
@@ -103,6 +171,13 @@ class ExtendConfig:
             raise UsageError("pose: PoSE trains position ids, and drope drops the positions; use another scaling")
         if self.pose and self.pack_documents:
             raise UsageError("pose: PoSE's position ids skip within one window; leave out pack_documents")
+        if not isinstance(self.remaps, (list, tuple)):
+            raise UsageError(f"remaps must be a list of remaps (NAME:KEY=VALUE,...), got {self.remaps!r}")
+        remaps = [parse_remap(r) for r in self.remaps]
+        labels = [remap_label(r) for r in remaps]
+        if len(set(labels)) != len(labels):
+            raise UsageError(f"remap: the same remap twice ({labels})")
+        object.__setattr__(self, "remaps", remaps)
         lengths = self.eval_lengths or sorted({self.train_length, self.length, 2 * self.length})
         if any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in lengths):
             raise UsageError(f"eval_lengths must be integers >= 1, got {lengths!r}")
@@ -128,4 +203,4 @@ class ExtendConfig:
         return TrainSettings(lr=self.lr, warmup=warmup, constant=True, **common)
 
 
-__all__ = ["KINDS", "ExtendConfig"]
+__all__ = ["KINDS", "ExtendConfig", "parse_remap", "remap_label", "remap_names"]

@@ -10,6 +10,8 @@ batches and table; what differs is only how the model is changed:
 - **a scaling**: a copy after ``posenc.hf.use(copy, "rope", base=..., scaling=block)``: posenc's
   RoPE with the model's base, rotated features and pair layout (the family's row in
   :data:`posenc.hf.families.FAMILIES`), under the block.
+- **a remap** (a zero-shot column): a copy after ``posenc.hf.use(copy, NAME, **options)``, which
+  keeps each layer's own RoPE base and scaling.
 - **DroPE**: a copy after ``posenc.hf.use(copy, "nope")`` (the recalibration starts from the model's
   own RoPE, dropped at step 0).
 - **saved**: ``OUT/model/``. A scaling transformers has (``linear``, ``yarn``, ``llama3``,
@@ -156,6 +158,13 @@ class HFModels:
         if block is None:
             return self._wrapped(posenc_hf.use(model, "nope"), None)
         return self._wrapped(posenc_hf.use(model, "rope", base=self.rope.base, scaling=block), block)
+
+    def remapped(self, remap: dict[str, Any]) -> StudiedModel:
+        """A copy of the model after ``posenc.hf.use(copy, NAME, **options)``: the remap of each layer's
+        own RoPE (its base and scaling kept)."""
+        model = posenc_hf.use(copy.deepcopy(self.model), remap["name"], **remap["options"])
+        return StudyModel(model, StudyModelConfig(**{**self.record.to_dict(), "attention": "posenc", "encoding": remap["name"],
+                                                     "encoding_options": dict(remap["options"])}))
 
     def trainable(self, block: dict[str, Any] | None) -> StudiedModel:
         """The model the fine-tune starts from: scaled, or (DroPE) the model's own RoPE, dropped at step 0."""
