@@ -4,7 +4,9 @@
 #      bfloat16 and float16, decoding on CUDA), which skip on a machine without a GPU;
 #   2. a one-GPU torchrun smoke study with the nccl backend;
 #   3. the attention level in bfloat16 at N = 4,096 .. 16,384 (train and inference), ratios to NoPE;
-#   4. the decode level in bfloat16 at caches of N = 4,096 .. 16,384 (batch 1 and 8), ratios to NoPE.
+#   4. the decode level in bfloat16 at caches of N = 4,096 .. 16,384 (batch 1 and 8), ratios to NoPE;
+#   5. the position remaps (SelfExtend, ReRoPE, STRING, DCA) against plain RoPE, one attention forward
+#      at 16,384 tokens in bfloat16 with SmolLM2's heads (benchmarks/remap_costs.py).
 # Each part has its own time limit (a part that runs out is reported, the others still run); the
 # benchmarks keep what they measured in their jobs.json when stopped. Results go under
 # benchmarks/results/gpu/ (attention/, decode/, study-smoke-STAMP/, tests.log). The exit status is

@@ -186,7 +186,7 @@ def test_pose_batches_are_short_windows_with_skipping_ids(tiny):
         ex.ExtendConfig(scaling="drope", length=64, train_length=16, steps=1, pose=True)
     with pytest.raises(UsageError, match="pose"):
         ex.ExtendConfig(scaling="yarn", length=64, train_length=16, steps=1, pose=True, pack_documents=True)
-    with pytest.raises(UsageError, match=r"pose_chunks.*\[1, train_length=16\]"):
+    with pytest.raises(UsageError, match=r"pose_chunks.*\[1, window=16\]"):
         ex.ExtendConfig(scaling="yarn", length=64, train_length=16, steps=1, pose=True, pose_chunks=17)
     assert main(["extend", str(ckpt), "--out", "unused", "--scaling", "yarn", "--train-length", "16", "--length", "64",
                  "--steps", "1", "--pose-chunks", "3"]) == 2  # --pose-chunks needs --pose
@@ -299,3 +299,16 @@ def test_a_transformers_model_trains_with_pose_and_resumes_exactly(tiny, tmp_pat
     assert main(_hf_args(folder, text, tmp_path / "one", "--pose-chunks", "1")) == 0
     c = _hf_weights(tmp_path / "one")
     assert not all(torch.equal(a[k], c[k]) for k in a)
+
+
+def test_a_pose_window_shorter_than_the_train_length() -> None:
+    """--pose-window N trains on windows of N tokens whose ids still skip over the target length."""
+    from posenc.errors import UsageError
+    from posenc.study.extend_config import ExtendConfig
+
+    cfg = ExtendConfig(scaling="yarn", length=256, steps=2, train_length=64, pose=True, pose_window=16)
+    assert cfg.settings().length == 16
+    with pytest.raises(UsageError, match="pose_window"):
+        ExtendConfig(scaling="yarn", length=256, steps=2, train_length=64, pose=True, pose_window=65)
+    with pytest.raises(UsageError, match="pose_window"):
+        ExtendConfig(scaling="yarn", length=256, steps=2, train_length=64, pose_window=16)

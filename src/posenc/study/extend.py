@@ -243,7 +243,7 @@ class _Data:
 def pose_recipe(cfg: ExtendConfig) -> dict[str, Any]:
     """What extend.json records of a PoSE fine-tune (:mod:`.pose`)."""
     return {"name": "pose", "paper": "Zhu et al., ICLR 2024, PoSE, arXiv 2309.10400, section 3.2",
-            "window": cfg.train_length, "target": cfg.length, "chunks": cfg.pose_chunks,
+            "window": cfg.pose_window or cfg.train_length, "target": cfg.length, "chunks": cfg.pose_chunks,
             "biases": "u_0 = 0, u_i ~ U({u_(i-1), .., target - window})", "cuts": "uniform, every chunk non-empty",
             "content": "the window's consecutive tokens (v_i = 0)"}
 
@@ -386,7 +386,9 @@ def extend(checkpoint: str | Path | torch.nn.Module, out: str | Path, cfg: Exten
     settings = {**asdict(cfg), "search": None if cfg.search is None else
                 {**asdict(cfg.search), "start_tokens": list(cfg.search.start_tokens)}}
     if not cfg.pose:  # (a run without PoSE keeps the settings, and so the resumability, of the runs before PoSE)
-        del settings["pose"], settings["pose_chunks"]
+        del settings["pose"], settings["pose_chunks"], settings["pose_window"]
+    elif cfg.pose_window is None:  # (likewise a PoSE run at the train length)
+        del settings["pose_window"]
     if not cfg.remaps:  # (likewise without remaps)
         del settings["remaps"]
     fresh = not (out / MARKER).exists()

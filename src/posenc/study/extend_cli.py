@@ -50,7 +50,8 @@ def add_extend_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--search-sequences", type=int, default=4, help="validation windows per individual (default 4)")
     p.add_argument("--pose", action="store_true", help="PoSE (Zhu et al. 2024): fine-tune on windows of the train length "
                                                        "whose position ids skip over --length (posenc and transformers checkpoints)")
-    p.add_argument("--pose-chunks", type=int, help="PoSE's chunks per window, 1 .. train length (default 2)")
+    p.add_argument("--pose-chunks", type=int, help="PoSE's chunks per window, 1 .. window (default 2)")
+    p.add_argument("--pose-window", type=int, help="PoSE's training window, 1 .. train length (default: the train length)")
     p.add_argument("--remap", action="append", metavar="NAME[:KEY=VALUE,...]",
                    help="a zero-shot column: the base model under a training-free remap of its own RoPE, "
                         "scored at every length; NAME one of selfextend (group, window), rerope (window), string "
@@ -97,9 +98,10 @@ def config_from_args(args: argparse.Namespace) -> ExtendConfig:
                                   seed=values.get("seed", 0))
     pose = bool(getattr(args, "pose", False))
     chunks = getattr(args, "pose_chunks", None)
-    if not pose and chunks is not None:
-        raise UsageError("pose-chunks: applies to a PoSE fine-tune; add --pose")
-    return ExtendConfig(scaling=args.scaling, longrope=longrope, search=settings, pose=pose,
+    window = getattr(args, "pose_window", None)
+    if not pose and (chunks is not None or window is not None):
+        raise UsageError("pose-chunks, pose-window: apply to a PoSE fine-tune; add --pose")
+    return ExtendConfig(scaling=args.scaling, longrope=longrope, search=settings, pose=pose, pose_window=window,
                         pose_chunks=2 if chunks is None else chunks, remaps=list(getattr(args, "remap", None) or []), **values)
 
 

@@ -102,7 +102,9 @@ class ExtendConfig:
             ``train_length`` whose position ids skip over ``length`` (``pose_chunks`` chunks, each
             example's own), instead of windows of ``length``; the model is the scaling's for
             ``length`` all the same. Not with ``drope`` (no positions) or ``pack_documents``.
-        pose_chunks: PoSE's chunks per window, in ``[1, train_length]`` (the paper's default 2).
+        pose_chunks: PoSE's chunks per window, in ``[1, window]`` (the paper's default 2).
+        pose_window: PoSE's training window N, in ``[1, train_length]``; None: ``train_length`` (the
+            paper trains at the original length; a shorter window costs less per step).
         remaps: training-free position remaps of the model's own RoPE (:func:`parse_remap`: texts
             ``"selfextend:group=4,window=1024"`` or ``{"name", "options"}`` dicts), each a zero-shot
             column of the table: the base model under the remap at every evaluation length.
@@ -132,6 +134,7 @@ class ExtendConfig:
     pose: bool = False
     pose_chunks: int = 2
     remaps: list[Any] = field(default_factory=list)
+    pose_window: int | None = None
 
     def __post_init__(self) -> None:
         if self.scaling not in KINDS:
@@ -164,9 +167,14 @@ class ExtendConfig:
                              f"{self.search.train_length}) must be length and train_length ({self.length}, {self.train_length})")
         if not isinstance(self.pose, bool):
             raise UsageError(f"pose must be True or False, got {self.pose!r}")
+        if self.pose_window is not None and (isinstance(self.pose_window, bool) or not isinstance(self.pose_window, int)
+                                             or not 1 <= self.pose_window <= self.train_length or not self.pose):
+            raise UsageError(f"pose_window must be an integer in [1, train_length={self.train_length}] with pose, "
+                             f"got {self.pose_window!r}")
+        window = self.train_length if self.pose_window is None else self.pose_window
         if isinstance(self.pose_chunks, bool) or not isinstance(self.pose_chunks, int) or not (
-                1 <= self.pose_chunks <= (self.train_length if self.pose else self.pose_chunks)):
-            raise UsageError(f"pose_chunks must be an integer in [1, train_length={self.train_length}], got {self.pose_chunks!r}")
+                1 <= self.pose_chunks <= (window if self.pose else self.pose_chunks)):
+            raise UsageError(f"pose_chunks must be an integer in [1, window={window}], got {self.pose_chunks!r}")
         if self.pose and self.scaling == "drope":
             raise UsageError("pose: PoSE trains position ids, and drope drops the positions; use another scaling")
         if self.pose and self.pack_documents:
@@ -189,7 +197,7 @@ class ExtendConfig:
 
     def settings(self) -> TrainSettings:
         """The fine-tune's training settings (see the module docstring)."""
-        window = self.train_length if self.pose else self.length  # PoSE: short windows, positions over length
+        window = (self.pose_window or self.train_length) if self.pose else self.length  # PoSE: short windows, positions over length
         size = self.batch_size or max(1, self.tokens_per_step // window)
         common: dict[str, Any] = dict(steps=max(1, self.steps), batch_size=size, length=window, grad_clip=self.grad_clip,
                                       checkpoint_every=self.checkpoint_every, data_seed=self.seed + FINETUNE_STREAM,
