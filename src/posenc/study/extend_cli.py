@@ -105,7 +105,22 @@ def config_from_args(args: argparse.Namespace) -> ExtendConfig:
                         pose_chunks=2 if chunks is None else chunks, remaps=list(getattr(args, "remap", None) or []), **values)
 
 
+def check_run_options(device: object, threads: object) -> None:
+    """``--device`` and ``--threads`` before anything is loaded.
+
+    Raises:
+        UsageError: a device other than cpu and cuda, cuda without a CUDA GPU, or threads < 1.
+    """
+    if device not in ("cpu", "cuda"):
+        raise UsageError(f"device must be cpu or cuda, got {device!r}")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise UsageError("device: cuda was asked for, but torch sees no CUDA GPU (torch.cuda.is_available() is False)")
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+        raise UsageError(f"threads must be an integer >= 1, got {threads!r}")
+
+
 def run_extend(args: argparse.Namespace) -> int:
+    check_run_options(args.device, args.threads)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     cfg = config_from_args(args)
@@ -114,4 +129,4 @@ def run_extend(args: argparse.Namespace) -> int:
     return 0
 
 
-__all__ = ["add_extend_arguments", "config_from_args", "run_extend"]
+__all__ = ["add_extend_arguments", "check_run_options", "config_from_args", "run_extend"]

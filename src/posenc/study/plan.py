@@ -153,7 +153,8 @@ def parse_shard(text: str) -> tuple[int, int]:
         UsageError: ``text`` is not two positive integers ``K/N`` with K <= N.
     """
     k, sep, n = text.partition("/")
-    if not (sep and k.isdigit() and n.isdigit() and 1 <= int(k) <= int(n)):
+    digits = set("0123456789")  # str.isdigit also passes superscripts ('²'), which int() refuses
+    if not (sep and k and n and set(k) <= digits and set(n) <= digits and 1 <= int(k) <= int(n)):
         raise UsageError(f"shard must be K/N with integers 1 <= K <= N (the K-th of N parts), got {text!r}")
     return int(k), int(n)
 
