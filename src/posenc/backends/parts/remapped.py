@@ -24,8 +24,8 @@ How one call runs:
 
 No (Tq, Tk) tensor is made: a block holds at most L x (P written-out keys).
 
-Decode steps: a region whose keys start at the first key (the far regions) keeps its rotated keys
-between calls in the KV cache's workspace (one slot per layer: the layer's call number in the
+Decode steps: each region keeps its rotated keys (from the first key on) between calls in the KV
+cache's workspace (one slot per layer: the layer's call number in the
 forward, :meth:`~posenc.call.memo.ForwardMemo.next_call`), so a step rotates only its new keys.
 The kept rows are used only when they are still the cache's rows: the same first key position, the
 same number of rows or fewer before this call's queries, and the same per-row sums of the raw keys
@@ -137,10 +137,10 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qp: torch.Tensor,
         if extras is not None and extras.query_scale is not None:
             qr = scaled_queries(qr, extras.query_scale, qp)
         qs.append(qr)
-        if kept is not None and k0 == 0 and not (torch.is_grad_enabled() and k.requires_grad):
+        if kept is not None and not (torch.is_grad_enabled() and k.requires_grad):
             if sums is None:
                 sums = k.sum(-1)  # (B, Hkv, Tk): what the kept rows are checked against
-            ks.append(_kept_keys(enc, k, region.k_at, k1, kp, tq, sums, kept, r))
+            ks.append(_kept_keys(enc, k, region.k_at, k1, kp, tq, sums, kept, r)[:, :, k0:])
         else:
             ks.append(enc.rotate_at(k[:, :, k0:k1], region.k_at[k0:k1]))  # (B, Hkv, k1 - k0, D)
         firsts.append(k0)
