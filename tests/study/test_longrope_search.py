@@ -138,3 +138,27 @@ def test_search_takes_a_transformers_model_through_posenc_hf(valid):
                      "attention_factor": math.sqrt(1 + math.log(4) / math.log(T))})
     ppl = evaluate(model, valid[: 2 * TARGET + 1], [TARGET])[TARGET]["perplexity"]
     assert result.baselines["pi"] == pytest.approx(ppl, rel=1e-9)
+
+
+def test_a_kept_individual_whose_perplexity_was_not_finite_resumes_as_infinite(model, valid, tmp_path, monkeypatch):
+    """A state holding null perplexities (the model's was not finite) resumes without float(None), and
+    an edited state with a negative perplexity is refused (issue 48, items 15 and 27)."""
+    state = tmp_path / "state.json"
+    original = ls._Search._perplexity
+    calls = {"n": 0}
+
+    def some_nan(self):
+        calls["n"] += 1
+        return math.nan if calls["n"] % 2 else original(self)
+
+    monkeypatch.setattr(ls._Search, "_perplexity", some_nan)
+    ls.search(model, valid, settings(generations=1), state=state, progress=False)
+    saved = json.loads(state.read_text())
+    assert any(r["perplexity"] is None for r in saved["evaluated"])
+    monkeypatch.setattr(ls._Search, "_perplexity", original)
+    result = ls.search(model, valid, settings(generations=1), state=state, resume=True, progress=False)
+    assert math.isfinite(result.perplexity)
+    saved["evaluated"][0]["perplexity"] = -3.0
+    state.write_text(json.dumps(saved))
+    with pytest.raises(UsageError, match="perplexity"):
+        ls.search(model, valid, settings(generations=1), state=state, resume=True, progress=False)

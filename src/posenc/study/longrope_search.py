@@ -296,6 +296,10 @@ class _Search:
         if not same:
             raise UsageError(f"state: {state} was written by a search with other settings; remove it or use another path")
         for record in evaluated:
+            ppl = record.get("perplexity") if isinstance(record, dict) else "missing"
+            if ppl is not None and (isinstance(ppl, bool) or not isinstance(ppl, (int, float)) or not math.isfinite(ppl) or ppl < 1):
+                raise UsageError(f"state: {state} holds an individual with perplexity {ppl!r}; a perplexity is a finite "
+                                 "number >= 1 (or null where the model's was not finite): remove the file or restore it")
             self.memo[Individual(tuple(record["factors"]), record["start"]).key] = record
             self.order.append(record)
         self.seconds = float(saved.get("seconds", 0.0))
@@ -307,8 +311,9 @@ class _Search:
 
     def fitness(self, ind: Individual, generation: int) -> float:
         """The perplexity of ``ind`` at the target length (memoised; the state written after a new one)."""
-        if ind.key in self.memo:
-            return float(self.memo[ind.key]["perplexity"])
+        if ind.key in self.memo:  # null: an individual whose perplexity was not finite
+            kept = self.memo[ind.key]["perplexity"]
+            return math.inf if kept is None else float(kept)
         if not monotone(ind.factors, self.settings.upper) or len(ind.factors) != self.pairs:
             raise AssertionError(f"an individual breaks the search's constraint: {ind}")
         s = self.settings
