@@ -102,3 +102,17 @@ def test_bad_options_name_the_parameter(study, tmp_path):
         ex.ExtendConfig(scaling="xpos", length=64, steps=1, train_length=32)
     assert main(["extend", str(out / "results.json"), "--out", str(tmp_path / "x"), "--scaling", "yarn",
                  "--steps", "1", "--train-length", "32", "--length", "64"]) == 2
+
+
+def test_extend_resumes_a_checkpoint_named_by_another_path_and_refuses_its_study_folder(study, tmp_path, monkeypatch):
+    """A run started with an absolute path resumes with a relative one (issue 48, item 24); --out may not
+    be the folder holding the checkpoint, e.g. its study's (item 25)."""
+    out, _ = study
+    checkpoint = out / "checkpoints" / "rope.safetensors"
+    args = ["--scaling", "yarn", "--steps", "0", "--no-progress"]
+    assert main(["extend", str(checkpoint), "--out", str(tmp_path / "ext"), *args]) == 0
+    monkeypatch.chdir(out)
+    assert main(["extend", "checkpoints/rope.safetensors", "--out", str(tmp_path / "ext"), *args, "--resume"]) == 0
+    with pytest.raises(UsageError, match="out"):
+        ex.extend(checkpoint, out, ex.ExtendConfig(**{**ex.study_defaults(checkpoint, None), "scaling": "yarn", "steps": 0}),
+                  progress=False)

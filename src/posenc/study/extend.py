@@ -375,6 +375,9 @@ def extend(checkpoint: str | Path | torch.nn.Module, out: str | Path, cfg: Exten
             raise UsageError(f"checkpoint: a posenc checkpoint file or a transformers model, got {type(checkpoint).__name__}")
         models = PosencModels(load_checkpoint(Path(checkpoint), device))
         source = str(checkpoint)
+    if isinstance(checkpoint, (str, Path)) and out.resolve() in Path(checkpoint).resolve().parents:
+        raise UsageError(f"out: {out} holds the checkpoint being extended ({checkpoint}), e.g. its study's folder; "
+                         "choose a folder of its own")
     models.check(cfg)
     data = _Data(None if cfg.task == "recall" else models.corpus(load_corpus(cfg.data, cfg.valid_bytes)))
     if data.corpus is not None:
@@ -404,13 +407,24 @@ def extend(checkpoint: str | Path | torch.nn.Module, out: str | Path, cfg: Exten
         rundir.release()
 
 
+def _same_source(saved: object, source: str) -> bool:
+    """The checkpoint of a run being resumed: the same text, or the same file named another way
+    (a relative and an absolute path)."""
+    if saved == source:
+        return True
+    if not isinstance(saved, str):
+        return False
+    a, b = Path(saved), Path(source)
+    return a.exists() and b.exists() and a.resolve() == b.resolve()
+
+
 def _start(out: Path, source: str, settings: dict, resume: bool, fresh: bool) -> dict:
     path = out / "extend.json"
     if path.exists():
         if not resume:
             raise UsageError(f"out: {out} already holds an extension (extend.json); continue it with resume, or choose another out")
         saved = json.loads(path.read_text(encoding="utf-8"))
-        if saved.get("settings") != settings or saved.get("checkpoint") != source:
+        if saved.get("settings") != settings or not _same_source(saved.get("checkpoint"), source):
             raise UsageError(f"resume: {out} was extended from another checkpoint or with other settings; use another out")
         return dict(saved)
     if resume and fresh:
