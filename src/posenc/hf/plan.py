@@ -242,11 +242,12 @@ def layer_plans(model: Any, config: Any, family: Family | None, attentions: list
         elif offers(cls, Embeds):  # absolute: one module, its embed on the input, nothing in the layers
             layers = [Layer("nope", window=o.window, chunk=o.chunk, sinks=o.sinks, query_scale=o.query_scale) for o in own.layers]
             absolute = _build(encoding, dict(options), sizes, causal)
-        elif offers(cls, Remaps):  # a remap of the model's own RoPE: each RoPE layer's base and scaling, NoPE layers kept
-            accepted = set(options_of(cls))
-            layers = [Layer(encoding, {**{k: v for k, v in o.options.items() if k in accepted}, **options}, o.window, o.chunk, o.sinks,
+        elif offers(cls, Remaps) or encoding == "rope":
+            # The model's own RoPE under other options, or a remap of it: each RoPE layer keeps its base (and
+            # its scaling, unless one is given), the family's NoPE layers stay NoPE.
+            layers = [Layer(encoding, _own_rope_options(cls, o.options, options, config), o.window, o.chunk, o.sinks,
                             o.query_scale) if o.encoding == "rope" else o for o in own.layers]
-            for layer in layers:
+            for layer in {layer.sharing_key: layer for layer in layers}.values():
                 _build(layer.encoding, dict(layer.options), sizes, causal)  # the registry's own errors, first
         else:
             _build(encoding, dict(options), sizes, causal)  # the registry's own errors for a bad option, first
@@ -286,6 +287,25 @@ def layer_plans(model: Any, config: Any, family: Family | None, attentions: list
         plans.append(LayerPlan(enc, layer.window, layer.chunk, family.sinks if layer.sinks and family is not None else None,
                                layer.query_scale, sizes.rotary_dim if sizes.rope_last else 0, causal))
     return plans, nn.ModuleList(modules), record
+
+
+def _own_rope_options(cls: type, own: dict[str, Any], options: dict[str, Any], config: Any) -> dict[str, Any]:
+    """A RoPE layer's options for ``use(model, "rope" or a remap, **options)``: the layer's own (base,
+    scaling) under the user's. A given base, or a scaling block naming its own ``rope_theta``, replaces
+    the layer's base; a ``dynamic`` block without the training length takes the config's
+    ``max_position_embeddings``, as transformers does."""
+    accepted = set(options_of(cls))
+    merged = {k: v for k, v in own.items() if k in accepted}
+    block = options.get("scaling")
+    if "base" in options or (isinstance(block, dict) and "rope_theta" in block):
+        merged.pop("base", None)
+    merged.update(options)
+    if isinstance(block, dict) and block.get("rope_type", block.get("type")) == "dynamic" and not (
+            {"original_max_position_embeddings", "max_position_embeddings"} & set(block)):
+        length = getattr(config, "max_position_embeddings", None)
+        if isinstance(length, int):
+            merged["scaling"] = {**block, "original_max_position_embeddings": length}
+    return merged
 
 
 def _with_own_rope(layer: Layer, own: Layer) -> Layer:

@@ -1,0 +1,54 @@
+"""``use(model, "rope", **options)`` keeps the model's own RoPE where the options do not speak: each
+layer's base, the family's NoPE layers (issue 48, items 2 and 26), and a dynamic block without the
+training length reads the config's, as transformers does."""
+
+from __future__ import annotations
+
+import copy
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+transformers.logging.set_verbosity_error()
+import posenc.hf as phf  # noqa: E402
+from posenc.encodings.rope import RoPE  # noqa: E402
+
+pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.filterwarnings("ignore")]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from test_families import err, logits, tokens, untouched  # noqa: E402
+
+
+def scaled_copy(model, block: dict):
+    """The untouched model with ``block`` as its own rope_parameters (transformers' own scaling)."""
+    config = copy.deepcopy(model.config)
+    config.rope_parameters = block
+    theirs = transformers.AutoModelForCausalLM.from_config(config).eval()
+    theirs.load_state_dict(model.state_dict(), strict=False)
+    return theirs
+
+
+def test_a_scaling_keeps_the_models_base_and_nope_layers() -> None:
+    ref = untouched("smollm3")  # NoPE on every fourth layer, base 2e6
+    base = ref.config.rope_parameters["rope_theta"]
+    yarn = {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 16}
+    model = phf.use(copy.deepcopy(ref), "rope", scaling=yarn)
+    encodings = [e for e in phf.adapter._installed(model)]
+    ropes = [e for e in encodings if isinstance(e, RoPE)]
+    assert ropes and all(e.base == base for e in ropes)
+    assert any(not isinstance(e, RoPE) for e in encodings)  # the NoPE layers stay NoPE
+    theirs = scaled_copy(ref, {**yarn, "rope_theta": base})
+    ids = tokens(1, 40)
+    assert err(logits(model, ids), logits(theirs, ids)) < 1e-5
+
+
+def test_a_dynamic_block_without_the_training_length_reads_the_configs() -> None:
+    ref = untouched("llama")
+    block = {"rope_type": "dynamic", "factor": 3.0}
+    model = phf.use(copy.deepcopy(ref), "rope", scaling=block)
+    theirs = scaled_copy(ref, {**block, "rope_theta": ref.config.rope_parameters["rope_theta"]})
+    ids = tokens(1, ref.config.max_position_embeddings + 20)  # past the training length: the base grows
+    assert err(logits(model, ids), logits(theirs, ids)) < 1e-4
