@@ -9,7 +9,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
