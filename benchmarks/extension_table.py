@@ -141,7 +141,7 @@ def main() -> int:
         longrope = None
         if args.longrope_block:
             saved = json.loads(Path(args.longrope_block).read_text())
-            longrope = saved.get("scaling_block") or saved.get("block") or saved
+            longrope = saved["search"]["block"] if "search" in saved else saved.get("scaling", saved)  # extend.json, or a block
         for length in args.lengths:
             s = max(2, length // TRAINED) if length > TRAINED else 2
             ids = window(tokens, length)

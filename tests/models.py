@@ -53,3 +53,15 @@ def saved_learned_lm(folder, max_positions: int):
     path.parent.mkdir()
     save_checkpoint(model, path)
     return path
+
+
+def tiny_rope_checkpoint(root) -> tuple:
+    """A tiny RoPE LM saved as ``root/rope.safetensors`` and a small corpus ``root/corpus.txt`` beside
+    it (posenc extend's tests): (checkpoint path, corpus path)."""
+    from posenc import save_checkpoint
+
+    text = root / "corpus.txt"
+    text.write_text("".join(f"def f{i}(x):\n    return x * {i} + {i % 7}\n" for i in range(1500)))
+    torch.manual_seed(0)
+    save_checkpoint(posenc.LM(posenc.LMConfig(encoding="rope", dim=16, depth=1, num_heads=2)), root / "rope.safetensors")
+    return root / "rope.safetensors", text

@@ -45,21 +45,26 @@ def paper_distance(name: str, opts: dict, i: torch.Tensor, j: torch.Tensor) -> t
     raise AssertionError(name)
 
 
-def reference(name, opts, q, k, v, positions, sinks=None):
-    """softmax(q_i . R(rel(i, j)) k_j / sqrt(D), causal [, sinks]) v in float64, R the half-layout rotation."""
+def paper_scores(name, opts, q, k, positions):
+    """q_i . R(rel(i, j)) k_j / sqrt(D) (B, H, T, T) in float64, R the half-layout rotation, k's heads repeated."""
     i, j = positions[:, None], positions[None, :]
     rel = paper_distance(name, opts, i, j).to(torch.float64)  # (T, T)
     theta = BASE ** (-torch.arange(0, D, 2, dtype=torch.float64) / D)  # (D/2,)
     angle = rel[..., None] * theta  # (T, T, D/2)
-    g = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
+    k = k.repeat_interleave(q.shape[1] // k.shape[1], 1)
     q1, q2 = q[..., : D // 2], q[..., D // 2:]
     k1, k2 = k[..., : D // 2], k[..., D // 2:]
     # R(m) q . R(n) k = sum_f (q1 k1 + q2 k2) cos((m - n) t_f) - (q2 k1 - q1 k2) sin((m - n) t_f)
     a = q1[:, :, :, None] * k1[:, :, None] + q2[:, :, :, None] * k2[:, :, None]  # (B, H, T, T, D/2)
     b = q2[:, :, :, None] * k1[:, :, None] - q1[:, :, :, None] * k2[:, :, None]
-    s = (a * angle.cos() - b * angle.sin()).sum(-1) / math.sqrt(D)
-    s = s.masked_fill(j > i, float("-inf"))
+    return (a * angle.cos() - b * angle.sin()).sum(-1) / math.sqrt(D)
+
+
+def reference(name, opts, q, k, v, positions, sinks=None):
+    """softmax(q_i . R(rel(i, j)) k_j / sqrt(D), causal [, sinks]) v in float64."""
+    i, j = positions[:, None], positions[None, :]
+    v = v.repeat_interleave(q.shape[1] // v.shape[1], 1)
+    s = paper_scores(name, opts, q, k, positions).masked_fill(j > i, float("-inf"))
     if sinks is not None:
         s = torch.cat((s, sinks.view(1, -1, 1, 1).expand(*s.shape[:-1], 1)), -1)
         return torch.softmax(s, -1)[..., :-1] @ v
@@ -187,20 +192,9 @@ def test_a_sliding_window_layer_narrows_every_region(name, opts):
     window = 60
     got = posenc.attend(q, k, v, enc, window=window)
     pos = torch.arange(240)
-    # the reference with the window as one more mask: rel only matters inside it
-    i, j = pos[:, None], pos[None, :]
-    outside = (j <= i - window)
-    s_ref = reference(name, opts, q, k, v, pos)  # only to fix shapes; recomputed with the mask below
-    rel = paper_distance(name, opts, i, j).to(torch.float64)
-    theta = BASE ** (-torch.arange(0, D, 2, dtype=torch.float64) / D)
-    kk, vv = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)
-    q1, q2, k1, k2 = q[..., :D // 2], q[..., D // 2:], kk[..., :D // 2], kk[..., D // 2:]
-    angle = rel[..., None] * theta
-    a = q1[:, :, :, None] * k1[:, :, None] + q2[:, :, :, None] * k2[:, :, None]
-    b = q2[:, :, :, None] * k1[:, :, None] - q1[:, :, :, None] * k2[:, :, None]
-    s = (a * angle.cos() - b * angle.sin()).sum(-1) / math.sqrt(D)
-    want = torch.softmax(s.masked_fill((j > i) | outside, float("-inf")), -1) @ vv
-    assert want.shape == s_ref.shape
+    i, j = pos[:, None], pos[None, :]  # the window as one more mask: rel only matters inside it
+    s = paper_scores(name, opts, q, k, pos).masked_fill((j > i) | (j <= i - window), float("-inf"))
+    want = torch.softmax(s, -1) @ v.repeat_interleave(2, 1)
     torch.testing.assert_close(got, want, rtol=0, atol=2e-6)
 
 
@@ -212,15 +206,8 @@ def test_a_soft_cap_bends_the_content_scores_of_every_region():
     got = posenc.attend(q, k, v, enc, softcap=0.5)
     pos = torch.arange(120)
     i, j = pos[:, None], pos[None, :]
-    rel = paper_distance(name, opts, i, j).to(torch.float64)
-    theta = BASE ** (-torch.arange(0, D, 2, dtype=torch.float64) / D)
-    kk, vv = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)
-    q1, q2, k1, k2 = q[..., :D // 2], q[..., D // 2:], kk[..., :D // 2], kk[..., D // 2:]
-    angle = rel[..., None] * theta
-    a = q1[:, :, :, None] * k1[:, :, None] + q2[:, :, :, None] * k2[:, :, None]
-    b = q2[:, :, :, None] * k1[:, :, None] - q1[:, :, :, None] * k2[:, :, None]
-    s = torch.tanh((a * angle.cos() - b * angle.sin()).sum(-1) / math.sqrt(D) / 0.5) * 0.5
-    want = torch.softmax(s.masked_fill(j > i, float("-inf")), -1) @ vv
+    s = torch.tanh(paper_scores(name, opts, q, k, pos) / 0.5) * 0.5
+    want = torch.softmax(s.masked_fill(j > i, float("-inf")), -1) @ v.repeat_interleave(2, 1)
     torch.testing.assert_close(got, want, rtol=0, atol=2e-6)
     g = torch.randn_like(want)
     for x, y in zip(torch.autograd.grad(got, (q, k, v), g), torch.autograd.grad(want, (q, k, v), g)):

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 import posenc
+from models import tiny_rope_checkpoint
 from posenc.cli import main
 from posenc.errors import UsageError
-from posenc.model.checkpoint import save_checkpoint
 from posenc.study import extend as ex
 from posenc.study.extend_config import parse_remap
 
@@ -26,11 +26,7 @@ LABELS = ["selfextend group=1 window=4", "selfextend group=4 window=8", "dca chu
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     root = tmp_path_factory.mktemp("remap")
-    text = root / "corpus.txt"
-    text.write_text("".join(f"def f{i}(x):\n    return x * {i} + {i % 7}\n" for i in range(1500)))
-    torch.manual_seed(0)
-    save_checkpoint(posenc.LM(posenc.LMConfig(encoding="rope", dim=16, depth=1, num_heads=2)), root / "rope.safetensors")
-    return root, text
+    return root, tiny_rope_checkpoint(root)[1]
 
 
 def _args(ckpt, text, out, *more):

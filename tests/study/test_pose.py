@@ -15,10 +15,10 @@ from fractions import Fraction
 import pytest
 import torch
 
-import posenc
+from models import tiny_rope_checkpoint
 from posenc.cli import main
 from posenc.errors import UsageError
-from posenc.model.checkpoint import load_checkpoint, save_checkpoint
+from posenc.model.checkpoint import load_checkpoint
 from posenc.study import extend as ex
 from posenc.study.plan import FINETUNE_STREAM
 from posenc.study.pose import pose_layout, pose_position_ids, pose_position_ids_batch, positions_of, step_positions
@@ -150,15 +150,25 @@ def test_bad_inputs_name_the_parameter(args, name):
 # -- posenc extend --pose ------------------------------------------------------------------------------
 
 
+def interrupted(args: list[str], at: int = 3) -> int:
+    """``posenc extend`` with these arguments, interrupted (Ctrl-C) when training reaches step ``at``."""
+    import posenc.study.extend as module
+
+    def stop(label, step):
+        if step == at:
+            raise KeyboardInterrupt
+
+    original = module.train
+    module.train = lambda *a, **k: original(*a, **{**k, "on_step": stop})
+    try:
+        return main(args)
+    finally:
+        module.train = original
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    root = tmp_path_factory.mktemp("pose")
-    text = root / "corpus.txt"
-    text.write_text("".join(f"def f{i}(x):\n    return x * {i} + {i % 7}\n" for i in range(1500)))
-    torch.manual_seed(0)
-    model = posenc.LM(posenc.LMConfig(encoding="rope", dim=16, depth=1, num_heads=2))
-    save_checkpoint(model, root / "rope.safetensors")
-    return root / "rope.safetensors", text
+    return tiny_rope_checkpoint(tmp_path_factory.mktemp("pose"))
 
 
 def _args(ckpt, text, out, *more):
@@ -203,18 +213,7 @@ def test_interrupted_pose_run_resumes_exactly(tiny, tmp_path):
     assert json.loads((tmp_path / "whole" / "table.json").read_text())["recipe"] == "pose"
     assert load_checkpoint(tmp_path / "whole" / "model.safetensors").config.encoding_options["scaling"]["rope_type"] == "yarn"
 
-    import posenc.study.extend as module
-
-    def stop(label, step):
-        if step == 3:
-            raise KeyboardInterrupt
-
-    original = module.train
-    module.train = lambda *a, **k: original(*a, **{**k, "on_step": stop})
-    try:
-        assert main(_args(ckpt, text, tmp_path / "broken")) == 130  # (the command's code for an interrupt)
-    finally:
-        module.train = original
+    assert interrupted(_args(ckpt, text, tmp_path / "broken")) == 130  # (the command's code for an interrupt)
     assert (tmp_path / "broken" / "state.pt").exists()  # the state of step 2
     assert main(_args(ckpt, text, tmp_path / "broken", "--resume")) == 0
     broken = json.loads((tmp_path / "broken" / "extend.json").read_text())
@@ -275,18 +274,7 @@ def test_a_transformers_model_trains_with_pose_and_resumes_exactly(tiny, tmp_pat
     assert whole["saved"]["format"] == "transformers"
     assert all(math.isfinite(s["perplexity"]) for s in whole["scores"]["extended"])
 
-    import posenc.study.extend as module
-
-    def stop(label, step):
-        if step == 3:
-            raise KeyboardInterrupt
-
-    original = module.train
-    module.train = lambda *a, **k: original(*a, **{**k, "on_step": stop})
-    try:
-        assert main(_hf_args(folder, text, tmp_path / "broken")) == 130
-    finally:
-        module.train = original
+    assert interrupted(_hf_args(folder, text, tmp_path / "broken")) == 130
     assert (tmp_path / "broken" / "state.pt").exists()
     assert main(_hf_args(folder, text, tmp_path / "broken", "--resume")) == 0
     broken = json.loads((tmp_path / "broken" / "extend.json").read_text())
