@@ -256,3 +256,45 @@ def test_ray_equals_a_serial_study_and_resume_and_report_work_on_it(serial, tmp_
     again = run_experiment(_cfg(), out, resume=True, progress=False)  # every run finished: all skipped
     assert numbers(out) == numbers(serial) and again["status"] == "done"
     assert cli.main(["report", str(out), "--out", str(tmp_path / "report.html")]) == 0
+
+
+def _descendants(pid: int) -> set[int]:
+    """Every process below ``pid`` (read from /proc)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            if child not in found:
+                found.add(child)
+                todo.append(child)
+    return found
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads the process tree from /proc")
+def test_workers_exit_when_the_main_process_is_killed(tmp_path):
+    """SIGKILL of `posenc study --jobs 2`'s main process (no cleanup runs) ends its workers too (issue 48, item 16)."""
+    out = tmp_path / "run"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "posenc", "study", *LONG, "--jobs", "2", "--out", str(out)], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.time() + 120
+    while not list((out / "state").glob("*.pt")) and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    workers = _descendants(proc.pid)
+    assert len(workers) >= 2, workers  # the forkserver and its workers
+    proc.kill()
+    proc.wait()
+    deadline = time.time() + 20
+    alive = workers
+    while alive and time.time() < deadline:
+        time.sleep(0.2)
+        alive = {p for p in workers if Path(f"/proc/{p}").exists() and "Z" not in Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[0]}
+    for p in alive:  # (leave nothing behind, whatever the result)
+        os.kill(p, signal.SIGKILL)
+    assert not alive

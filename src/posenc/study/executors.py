@@ -109,7 +109,7 @@ class LocalPool:
     def __init__(self, setup: Setup, jobs: int) -> None:
         mp = _context()
         self.tasks, self.messages = mp.Queue(), mp.Queue()
-        self.procs = [mp.Process(target=local_worker, args=(setup, self.tasks, self.messages), daemon=True,
+        self.procs = [mp.Process(target=local_worker, args=(setup, self.tasks, self.messages, os.getpid()), daemon=True,
                                  name=f"posenc-study-worker-{i}") for i in range(jobs)]
         for p in self.procs:
             p.start()

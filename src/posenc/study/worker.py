@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import sys
+import threading
+import time
 import traceback
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -134,8 +137,30 @@ def run_task(stages: Stages, task: Task, emit: Emit) -> bool:
     return True
 
 
-def local_worker(setup: Setup, tasks: Any, messages: Any) -> None:  # (multiprocessing queues)
-    """A local worker process: runs tasks until told to stop (None) or one fails."""
+def exit_with(parent: int, every: float = 1.0) -> threading.Thread:
+    """A daemon thread that ends this process (exit status 1) once process ``parent`` is gone: a
+    study's workers die with its main process, even one killed by SIGKILL (which runs no cleanup).
+    The worker's own parent is the forkserver, so the main process's pid is given."""
+    def watch() -> None:
+        while True:
+            time.sleep(every)
+            try:
+                os.kill(parent, 0)  # signal 0: only asks whether the process exists
+            except ProcessLookupError:
+                os._exit(1)
+            except PermissionError:  # exists, owned by another user (cannot be ours): keep watching
+                pass
+
+    thread = threading.Thread(target=watch, name="posenc-parent-watch", daemon=True)
+    thread.start()
+    return thread
+
+
+def local_worker(setup: Setup, tasks: Any, messages: Any, parent: int | None = None) -> None:  # (multiprocessing queues)
+    """A local worker process: runs tasks until told to stop (None) or one fails; exits when the
+    study's main process ``parent`` is gone."""
+    if parent is not None:
+        exit_with(parent)
     try:
         stages = make_stages(setup, messages.put)
         while (task := tasks.get()) is not None:
