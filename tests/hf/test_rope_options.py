@@ -1,6 +1,7 @@
 """``use(model, "rope", **options)`` keeps the model's own RoPE where the options do not speak: each
 layer's base, the family's NoPE layers (issue 48, items 2 and 26), and a dynamic block without the
-training length reads the config's, as transformers does."""
+training length reads the config's, as transformers does. FoX's gate takes the model's hidden size,
+and FoX is refused where the family's attention has windows, chunks or sinks."""
 
 from __future__ import annotations
 
@@ -51,3 +52,25 @@ def test_a_dynamic_block_without_the_training_length_reads_the_configs() -> None
     theirs = scaled_copy(ref, {**block, "rope_theta": ref.config.rope_parameters["rope_theta"]})
     ids = tokens(1, ref.config.max_position_embeddings + 20)  # past the training length: the base grows
     assert err(logits(model, ids), logits(theirs, ids)) < 1e-4
+
+
+@pytest.mark.parametrize("model_type, refused", [("deepseek_v3", None), ("qwen3_moe", None), ("mistral", "window"),
+                                                 ("gpt_oss", "window"), ("llama4_text", "chunk")])
+def test_fox_runs_where_the_hidden_size_differs_and_is_refused_where_it_cannot_run(model_type: str, refused: str | None) -> None:
+    """FoX's gate reads the layer input (config.hidden_size wide, not heads x head_dim in MLA models or
+    Qwen3); a family with windows, chunks or sinks is refused at use(), before any forward (issue 47, item 7)."""
+    from posenc.errors import UsageError
+
+    ref = untouched(model_type)
+    if refused is not None:
+        with pytest.raises(UsageError, match=refused):
+            phf.use(ref, "fox")
+        return
+    model = phf.use(ref, "fox")
+    gates = [e for e in phf.adapter._installed(model)]
+    assert all(e.input_dim == ref.config.hidden_size for e in gates)
+    ids = tokens(1, 14)
+    out = model.generate(ids, max_new_tokens=4, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    full = logits(model, out.sequences, use_cache=False)[0]
+    for step, step_logits in enumerate(out.logits):
+        assert err(step_logits[0], full[13 + step]) < 1e-4

@@ -41,20 +41,25 @@ class ForgettingTransformer(PositionalEncoding):
     shift_invariant = True  # no position enters at all
     # not shared across layers (derived from its learned parameters): each layer learns its own gate
 
-    def __init__(self, num_heads: int, head_dim: int, causal: bool = True) -> None:
+    def __init__(self, num_heads: int, head_dim: int, causal: bool = True, input_dim: int | None = None) -> None:
         super().__init__(num_heads, head_dim, causal)
-        self.gate = nn.Linear(self.dim, num_heads)  # w (H, dim), b (H,)
+        if input_dim is not None and (isinstance(input_dim, bool) or not isinstance(input_dim, int) or input_dim < 1):
+            raise UsageError(f"input_dim must be a positive integer (the layer input's width) or None, got {input_dim!r}")
+        # The width of the layer's input x: num_heads * head_dim unless the model's differs (Qwen3,
+        # Gemma 2/3, gpt-oss and MLA models have a hidden size other than heads x head_dim).
+        self.input_dim = self.dim if input_dim is None else input_dim
+        self.gate = nn.Linear(self.input_dim, num_heads)  # w (H, input_dim), b (H,)
 
     def log_gates(self, x: torch.Tensor) -> torch.Tensor:
-        """log f_t = log sigmoid(w_h . x_t + b_h): x (B, T, dim) -> (B, H, T), float32 or float64.
+        """log f_t = log sigmoid(w_h . x_t + b_h): x (B, T, input_dim) -> (B, H, T), float32 or float64.
 
         Raises:
-            UsageError: ``x`` is not a floating (B, T, dim) tensor with the width the gate was
-                built for (dim = num_heads * head_dim).
+            UsageError: ``x`` is not a floating (B, T, input_dim) tensor with the width the gate
+                was built for (``input_dim``, num_heads * head_dim by default).
         """
-        if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[-1] != self.dim or not x.is_floating_point():
+        if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[-1] != self.input_dim or not x.is_floating_point():
             raise UsageError(f"x: fox's forget gates read the layer input, a float (batch, length, dim) tensor with "
-                             f"dim = num_heads * head_dim = {self.dim}, got {_described(x)}")
+                             f"dim = input_dim = {self.input_dim}, got {_described(x)}")
         dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
         logits = F.linear(x.to(dtype), self.gate.weight.to(dtype), self.gate.bias.to(dtype))  # (B, T, H)
         return F.logsigmoid(logits).transpose(1, 2)

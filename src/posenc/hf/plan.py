@@ -21,7 +21,7 @@ from torch import nn
 
 from ..encodings import build, get_class, options_of
 from ..encodings.base import PositionalEncoding
-from ..encodings.protocol import Embeds, Remaps, offers
+from ..encodings.protocol import Embeds, Gates, Remaps, offers
 from ..encodings.rope import RoPE
 from ..errors import UsageError
 from ..model.schedule import Layer, Schedule
@@ -155,6 +155,7 @@ class _Sizes:
     rotary_dim: int  # r, read from the model's rotary module
     layout: str
     rope_last: bool
+    hidden: int | None = None  # the layer input's width (config.hidden_size)
 
 
 def _sizes(model: Any, config: Any, family: Family | None, rotary: nn.Module) -> _Sizes:
@@ -171,7 +172,9 @@ def _sizes(model: Any, config: Any, family: Family | None, rotary: nn.Module) ->
     layout = family.layout if family is not None else "half"
     if family is None and not inv.is_meta:
         _check_rotation(model, rotary, r, layout)
-    return _Sizes(heads, kv_heads, d, r, layout, family is not None and family.rope_slice == "last")
+    hidden = getattr(config, "hidden_size", None)
+    return _Sizes(heads, kv_heads, d, r, layout, family is not None and family.rope_slice == "last",
+                  hidden if isinstance(hidden, int) else None)
 
 
 def _build(name: str, options: dict[str, Any], sizes: _Sizes, causal: bool) -> PositionalEncoding:
@@ -185,6 +188,8 @@ def _build(name: str, options: dict[str, Any], sizes: _Sizes, causal: bool) -> P
         extra["rotary_dim"] = sizes.rotary_dim
     if "num_kv_heads" in accepted and "num_kv_heads" not in options:
         extra["num_kv_heads"] = sizes.kv_heads
+    if "input_dim" in accepted and "input_dim" not in options and sizes.hidden is not None:
+        extra["input_dim"] = sizes.hidden  # a gate that reads the layer input (FoX)
     return build(name, num_heads=sizes.heads, head_dim=sizes.head_dim, causal=causal, **options, **extra)
 
 
@@ -282,6 +287,11 @@ def layer_plans(model: Any, config: Any, family: Family | None, attentions: list
         if layer.sinks and (family is None or family.sinks is None):
             raise UsageError(f"schedule: layer {i} asks for sinks, but the {type(attention).__name__} of this model has no "
                              "sink logits")
+        if offers(enc, Gates) and (layer.window or layer.chunk or layer.sinks or getattr(config, "attn_logit_softcapping", None)):
+            what = "window" if layer.window else "chunk" if layer.chunk else "sinks" if layer.sinks else "logit soft cap"
+            raise UsageError(f"{getattr(enc, 'name', type(enc).__name__)}: layer {i} of this model has a {what}, and forget "
+                             "gates run only on full causal attention (posenc has no gated path with windows, chunks, sinks "
+                             "or soft caps); refusing before any forward")
         if enc not in modules:
             modules.append(enc)
         plans.append(LayerPlan(enc, layer.window, layer.chunk, family.sinks if layer.sinks and family is not None else None,
