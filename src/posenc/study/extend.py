@@ -120,7 +120,14 @@ def _rope_of(model: LM) -> RoPE:
 
 
 def scaled(model: LM, block: dict[str, Any]) -> LM:
-    """A new :class:`LM` with ``model``'s weights and its RoPE under ``block`` (recorded in its config)."""
+    """A new :class:`LM` with ``model``'s weights and its RoPE under ``block`` (recorded in its config).
+
+    Raises:
+        UsageError: a checkpoint with a layer schedule (one scaling for every layer is all extend writes).
+    """
+    if getattr(model.config, "schedule", None):
+        raise UsageError(f"checkpoint: posenc extend scales one RoPE shared by every layer; this checkpoint has a layer "
+                         f"schedule ({model.config.schedule}), whose layers would each need their own block")
     options = {**model.config.encoding_options, "scaling": block}
     out = LM(LMConfig(**{**model.config.to_dict(), "encoding_options": options}))
     out.load_state_dict({k: v.detach().clone() for k, v in model.state_dict().items()})
