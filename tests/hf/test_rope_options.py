@@ -54,7 +54,7 @@ def test_a_dynamic_block_without_the_training_length_reads_the_configs() -> None
     assert err(logits(model, ids), logits(theirs, ids)) < 1e-4
 
 
-@pytest.mark.parametrize("model_type, refused", [("deepseek_v3", None), ("qwen3_moe", None), ("mistral", "window"),
+@pytest.mark.parametrize("model_type, refused", [("deepseek_v3", None), ("qwen3_moe", None), ("gpt_neox", None), ("mistral", "window"),
                                                  ("gpt_oss", "window"), ("llama4_text", "chunk")])
 def test_fox_runs_where_the_hidden_size_differs_and_is_refused_where_it_cannot_run(model_type: str, refused: str | None) -> None:
     """FoX's gate reads the layer input (config.hidden_size wide, not heads x head_dim in MLA models or

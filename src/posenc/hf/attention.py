@@ -265,7 +265,7 @@ def _reorder_with(cache: Any, kept: dict[int, torch.Tensor]) -> None:
 def keep_input(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     """A forward pre-hook on an attention module: its input (the gates' source) and its KV cache."""
     module.__dict__["_posenc_input"] = args[0] if args else kwargs.get("hidden_states")
-    cache = kwargs.get("cache", kwargs.get("past_key_values", kwargs.get("past_key_value")))
+    cache = next((kwargs[k] for k in ("cache", "past_key_values", "past_key_value", "layer_past") if kwargs.get(k) is not None), None)
     module.__dict__["_posenc_cache"] = cache
 
 
