@@ -30,8 +30,9 @@ cache's workspace (one slot per layer: the layer's call number in the
 forward, :meth:`~posenc.call.memo.ForwardMemo.next_call`), so a step rotates only its new keys.
 The kept rows are used only when they are still the cache's rows: the same first key position, the
 same number of rows or fewer before this call's queries, and the same per-row sums of the raw keys
-(one read of the keys, which catches a cache cropped and rewritten, reordered beams or another
-cache in the same slot); anything else rotates every key again. A left-padded batch
+on every 16th kept row and the last 16 (a read of a sixteenth of the keys, which catches another
+cache in the same slot or reordered beams; a cache cropped and refilled is caught by its rows
+before the queries); anything else rotates every key again. A left-padded batch
 (``starts``, a decode step of a padded cache) runs row by row, each row at its own positions
 counted from its first real token, as the row alone; its padding queries get 0.
 """
@@ -128,7 +129,6 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qp: torch.Tensor,
     regions = enc.regions(qp, kp)
     bounds = [_bounds(r, qp, kp, extras) for r in regions]
     qs, ks, firsts, spans = [], [], [], []
-    sums = None
     for r, (region, (lo, hi)) in enumerate(zip(regions, bounds)):
         seen = hi > lo  # (Tq,) queries with a key in this region
         if not bool(seen.any()):
@@ -139,9 +139,7 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qp: torch.Tensor,
             qr = scaled_queries(qr, extras.query_scale, qp)
         qs.append(qr)
         if kept is not None and not (torch.is_grad_enabled() and k.requires_grad):
-            if sums is None:
-                sums = k.sum(-1)  # (B, Hkv, Tk): what the kept rows are checked against
-            ks.append(_kept_keys(enc, k, region.k_at, k1, kp, tq, sums, kept, r)[:, :, k0:])
+            ks.append(_kept_keys(enc, k, region.k_at, k1, kp, tq, kept, r)[:, :, k0:])
         else:
             ks.append(enc.rotate_at(k[:, :, k0:k1], region.k_at[k0:k1]))  # (B, Hkv, k1 - k0, D)
         firsts.append(k0)
@@ -155,7 +153,7 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qp: torch.Tensor,
     return apply(_Remapped, plan, scale, firsts, v, sinks, *qs, *ks)
 
 
-def _kept_keys(enc: Remaps, k: torch.Tensor, k_at: torch.Tensor, k1: int, kp: torch.Tensor, tq: int, sums: torch.Tensor,
+def _kept_keys(enc: Remaps, k: torch.Tensor, k_at: torch.Tensor, k1: int, kp: torch.Tensor, tq: int,
                kept: tuple[Workspace, object], region: int) -> torch.Tensor:
     """Keys 0..k1-1 rotated at ``k_at``, (B, Hkv, k1, D): the rows kept from the slot's last call
     that are still the cache's (see the module docstring), the others rotated now and kept."""
@@ -166,21 +164,22 @@ def _kept_keys(enc: Remaps, k: torch.Tensor, k_at: torch.Tensor, k1: int, kp: to
     rows, valid = entry.get("rows"), 0
     if rows is not None and entry["first"] == int(kp[0]):
         valid = min(entry["n"], tk - tq, k1)
-        if valid and not torch.equal(entry["sums"][..., :valid], sums[..., :valid]):
+        probe = torch.cat((torch.arange(0, valid, 16), torch.arange(max(0, valid - 16), valid))).to(k.device)
+        if valid and not torch.equal(entry["sums"][..., probe], k[:, :, probe].sum(-1)):
             valid = 0
     if rows is None or rows.shape[2] < k1:
         grown = k.new_empty(b, hkv, max(k1, 2 * (0 if rows is None else rows.shape[2]), 16), d)  # (B, Hkv, capacity, D)
         if valid and rows is not None:
             grown[:, :, :valid] = rows[:, :, :valid]
         rows = grown
-        sums_kept = sums.new_empty(b, hkv, rows.shape[2])
+        sums_kept = k.new_empty(b, hkv, rows.shape[2])
         if valid:
             sums_kept[..., :valid] = entry["sums"][..., :valid]
         entry["sums"] = sums_kept
     assert rows is not None
     if valid < k1:
         rows[:, :, valid:k1] = enc.rotate_at(k[:, :, valid:k1], k_at[valid:k1])
-        entry["sums"][..., valid:k1] = sums[..., valid:k1]
+        entry["sums"][..., valid:k1] = k[:, :, valid:k1].sum(-1)  # (B, Hkv, new rows): what later calls check
     entry.update(rows=rows, n=k1, first=int(kp[0]))
     return rows[:, :, :k1]
 
