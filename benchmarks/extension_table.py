@@ -8,13 +8,14 @@ Not a test: a benchmark, resumable. Every (row, length) cell is one float32 forw
 The text: the distinct long license texts Debian ships in ``/usr/share/common-licenses`` (GPL-3,
 GPL-2, LGPL-2.1, MPL-1.1, MPL-2.0, GFDL-1.3, Apache-2.0, CC0-1.0, Artistic), concatenated in that
 order: long English prose that no posenc test or parameter was tuned to. One pass at length L
-reads ``text[: L - P] + text[: P]`` (P = 256 tokens) and gives two measures:
+reads the L - P tokens of prose that end at token 32,512 of the text, then a copy of the P = 256
+tokens that begin L / 2 tokens earlier, and gives two measures:
 
-- ``tail``: perplexity of the 4,096 tokens of prose just before the repeated passage (the end of
-  the window, where the extended distances are);
-- ``copy``: perplexity of the last P tokens, the second copy of the window's first passage,
-  L - P tokens later (a long-range measure: the model retrieves the passage, which it does well in
-  its own length).
+- ``tail``: perplexity of the 4,096 tokens of prose just before the repeated passage: the same
+  tokens at every length, with L - P - 4,096 tokens of context before them;
+- ``copy``: perplexity of the last P tokens, the second copy of a passage L / 2 tokens back (4,096 at
+  8,192, 8,192 at 16,384, 16,384 at 32,768): a long-range measure the model passes in its own length
+  (it retrieves a passage 4,096 tokens back; at 7,900 tokens back it mostly does not).
 
 Rows (each configured for the 16,384-token target, s = 2, and measured at 8,192 too; the 32,768
 column uses s = 4): none, PI (linear), NTK, dynamic NTK, YaRN, Llama 3, LongRoPE with factors from
@@ -93,10 +94,17 @@ def corpus(tokenizer) -> torch.Tensor:
     return torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
 
 
+END = 32768 - PASSAGE  # every window's prose ends here: the tail measure reads the same tokens at every length
+
+
 def window(tokens: torch.Tensor, length: int) -> torch.Tensor:
-    if tokens.numel() < length - PASSAGE:
-        raise SystemExit(f"the text holds {tokens.numel()} tokens, fewer than {length - PASSAGE}")
-    return torch.cat([tokens[: length - PASSAGE], tokens[:PASSAGE]])[None]  # (1, L)
+    """(1, L): the L - P tokens of prose that end at END, then a copy of the P tokens that begin L / 2
+    tokens before the copy."""
+    if tokens.numel() < END or length - PASSAGE > END:
+        raise SystemExit(f"the text holds {tokens.numel()} tokens; a window of {length} needs {END} and at most {END + PASSAGE}")
+    prose = tokens[END - (length - PASSAGE):END]
+    start = length - PASSAGE - length // 2
+    return torch.cat([prose, prose[start:start + PASSAGE]])[None]
 
 
 def measure(model, ids: torch.Tensor) -> dict[str, float]:
@@ -177,7 +185,7 @@ def write_table(out: Path, results: dict[str, Any]) -> None:
     lines = [f"SmolLM2-135M-Instruct (GGUF Q4_1, dequantized to float32), trained at {TRAINED}; "
              f"{results['machine']['cpu']}, {results['machine']['threads']} threads, torch {results['machine']['torch']}.",
              f"Text: {results['text']['source']}. tail: perplexity of the {TAIL} tokens before the repeated passage; "
-             f"copy: perplexity of the last {PASSAGE} tokens, a copy of the window's first {PASSAGE}.", "",
+             f"copy: perplexity of the last {PASSAGE} tokens, a copy of the {PASSAGE} tokens L/2 back.", "",
              head, "|---|" + "---|---|" * len(lengths)]
     csv = ["row,length,tail_ppl,copy_ppl,seconds"]
     for r in rows:
