@@ -12,9 +12,8 @@ How one call runs:
 2. The queries are cut into blocks of :data:`BLOCK` (also where a region's interval jumps, at a
    chunk edge). In a block, a region's keys split into at most three *pieces*: the keys every query
    of the block sees (a rectangle: one call of the CPU flash kernel, no mask) and, on either side,
-   the keys only some of them see (a few hundred columns: the kernel with the piece's additive mask;
-   a query that sees none of them gets the log-sum-exp -inf). With a logit soft cap (Gemma 2), or
-   ``backend="eager"``, every piece is written out, the cap applied to its content scores.
+   the keys only some of them see (a few hundred columns: written out with the mask). With a logit
+   soft cap (Gemma 2) every piece is written out, the cap applied to its content scores.
 3. The pieces are disjoint, so their (output, log-sum-exp) pairs fold into each query's softmax
    exactly (``o = sum_p exp(lse_p - lse) o_p``, ``lse = logsumexp_p lse_p``); attention sinks join as
    one more logit with no value.
@@ -146,7 +145,6 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qp: torch.Tensor,
         spans.append((lo - k0, hi - k0))
     plan = _plan(tq, spans, eager)
     plan["softcap"] = None if extras is None else extras.softcap
-    plan["written"] = eager  # the masked pieces written out (no kernel, a soft cap, or backend="eager")
     sinks = None if extras is None else extras.sinks
     if sinks is not None and sinks.numel() != q.shape[1]:
         raise UsageError(f"sinks must hold one logit per query head ({q.shape[1]}), got {sinks.numel()}")
@@ -220,11 +218,6 @@ def _mask(spans: list[tuple[torch.Tensor, torch.Tensor]], piece: Piece, a: int, 
     return (cols >= lo[a:b, None]) & (cols < hi[a:b, None])
 
 
-def _additive(seen: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """(1, 1, L, P) additive mask of a piece: 0 where a query sees a key, -inf elsewhere."""
-    return torch.zeros(seen.shape, dtype=dtype, device=seen.device).masked_fill(~seen, float("-inf"))[None, None]
-
-
 def _grouped(k: torch.Tensor, v: torch.Tensor, h: int) -> tuple[torch.Tensor, torch.Tensor]:
     return (k, v) if k.shape[1] == h else repeated_heads(k, v, h)
 
@@ -281,12 +274,8 @@ class _Remapped(torch.autograd.Function):
                 r, c0, c1, masked = piece
                 qb, kb = qs[r][:, :, a:e], ks[r][:, :, c0:c1]
                 vb = v[:, :, firsts[r] + c0:firsts[r] + c1]
-                if masked and plan["written"]:
+                if masked:
                     po, pl = _written(qb, kb, vb, scale, _mask(plan["spans"], piece, a, e), plan["softcap"])
-                elif masked:  # the kernel with the piece's mask; a row that sees none of its keys gets lse -inf
-                    seen = _mask(plan["spans"], piece, a, e)
-                    po, pl = kernel_forward(qb, kb, vb, False, scale, _additive(seen, qb.dtype))
-                    pl = pl.masked_fill(~seen.any(-1), float("-inf"))
                 else:
                     po, pl = kernel_forward(qb, kb, vb, False, scale)
                 o, lse = _fold(o, lse, po.to(acc), pl.to(acc))
@@ -324,7 +313,7 @@ class _Remapped(torch.autograd.Function):
                 qb, kb = qs[r][:, :, a:e], ks[r][:, :, c0:c1]
                 k0 = ctx.firsts[r]
                 vb = v[:, :, k0 + c0:k0 + c1]
-                if masked and plan["written"]:
+                if masked:
                     kg, vg = _grouped(kb, vb, qb.shape[1])
                     s, t = _scores(qb, kg, scale, plan["softcap"])
                     s = s.masked_fill(~_mask(plan["spans"], piece, a, e), float("-inf"))
@@ -337,9 +326,7 @@ class _Remapped(torch.autograd.Function):
                     dks[r][:, :, c0:c1] += _summed(torch.matmul(ds.transpose(-1, -2), qb.to(acc)) * scale, hkv)
                     dv[:, :, k0 + c0:k0 + c1] += _summed(torch.matmul(p.transpose(-1, -2), do.to(acc)), hkv)
                 else:
-                    mask = _additive(_mask(plan["spans"], piece, a, e), qb.dtype) if masked else None
-                    dq, dk, dvp = kernel_backward(do, qb, kb, vb, out[:, :, a:e].contiguous(), lse_b[:, :, a:e].contiguous(), False,
-                                                  scale, mask)
+                    dq, dk, dvp = kernel_backward(do, qb, kb, vb, out[:, :, a:e].contiguous(), lse_b[:, :, a:e].contiguous(), False, scale)
                     dqs[r][:, :, a:e] += dq
                     dks[r][:, :, c0:c1] += dk
                     dv[:, :, k0 + c0:k0 + c1] += dvp
