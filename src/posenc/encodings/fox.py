@@ -59,7 +59,8 @@ class ForgettingTransformer(PositionalEncoding):
         """
         if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[-1] != self.input_dim or not x.is_floating_point():
             raise UsageError(f"x: fox's forget gates read the layer input, a float (batch, length, dim) tensor with "
-                             f"dim = input_dim = {self.input_dim}, got {_described(x)}")
+                             f"dim = {'num_heads * head_dim' if self.input_dim == self.dim else 'input_dim'} = {self.input_dim}, "
+                             f"got {_described(x)}")
         dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
         logits = F.linear(x.to(dtype), self.gate.weight.to(dtype), self.gate.bias.to(dtype))  # (B, T, H)
         return F.logsigmoid(logits).transpose(1, 2)
