@@ -68,7 +68,19 @@ def _layer_types(config: Any) -> list[str] | None:
 
 
 def _rotary_tables(rotary: nn.Module, kind: str | None) -> tuple[torch.Tensor, float]:
-    """The model's own inverse frequencies (r/2,) and attention factor for layers of ``kind``."""
+    """The model's own inverse frequencies (r/2,) and attention factor for layers of ``kind``
+    (float32 on the CPU; :func:`_rotary_buffer` for the buffer as the model holds it)."""
+    inv, factor = _rotary_buffer(rotary, kind)
+    return (inv if inv.is_meta else inv.float().cpu()), factor
+
+
+def _rotary_buffer(rotary: nn.Module, kind: str | None) -> tuple[torch.Tensor, float]:
+    """The rotary module's inverse-frequency buffer for layers of ``kind`` (detached, in the model's
+    dtype and device) and its attention factor.
+
+    Raises:
+        UsageError: the rotary module has no such buffer.
+    """
     inv = getattr(rotary, f"{kind}_inv_freq", None) if kind else None
     factor = getattr(rotary, f"{kind}_attention_scaling", None) if kind else None
     if inv is None:
@@ -77,15 +89,7 @@ def _rotary_tables(rotary: nn.Module, kind: str | None) -> tuple[torch.Tensor, f
     if not isinstance(inv, torch.Tensor):
         raise UsageError(f"model: its rotary module {type(rotary).__name__} has no inv_freq buffer to read the rotated "
                          "features from")
-    inv = inv.detach()
-    return (inv if inv.is_meta else inv.float().cpu()), float(1.0 if factor is None else factor)
-
-
-def _buffer_dtype(rotary: nn.Module, kind: str | None) -> torch.dtype:
-    """The dtype the model's rotary module holds its inverse frequencies in (float32 unless the model was cast)."""
-    inv = (getattr(rotary, f"{kind}_inv_freq", None) if kind else None)
-    inv = inv if isinstance(inv, torch.Tensor) else getattr(rotary, "inv_freq", None)
-    return inv.dtype if isinstance(inv, torch.Tensor) and inv.is_floating_point() else torch.float32
+    return inv.detach(), float(1.0 if factor is None else factor)
 
 
 def _family_schedule(config: Any, family: Family | None, depth: int) -> Schedule:
@@ -198,12 +202,13 @@ def _verify_rope(encoding: PositionalEncoding, rotary: nn.Module, kind: str | No
     and attention factor, or a UsageError naming the difference (never a silently wrong model)."""
     if not isinstance(encoding, RoPE):
         return
-    inv, factor = _rotary_tables(rotary, kind)
-    if inv.is_meta or encoding.inv_freq.is_meta:  # a model being built by from_pretrained: checked once loaded
+    held_inv, factor = _rotary_buffer(rotary, kind)
+    if held_inv.is_meta or encoding.inv_freq.is_meta:  # a model being built by from_pretrained: checked once loaded
         return
+    inv = held_inv.float().cpu()
     # At the buffer's own precision: a model cast with .to(torch.bfloat16) or .half() holds its
     # frequencies rounded to that dtype, so ours are rounded the same way and compared within its eps.
-    held = _buffer_dtype(rotary, kind)
+    held = held_inv.dtype if held_inv.is_floating_point() else torch.float32
     rtol = max(1e-5, torch.finfo(held).eps)
     ours = encoding.inv_freq.detach().to(held).float().cpu()
     name = family.name if family is not None else "this model"

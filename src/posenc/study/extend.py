@@ -119,40 +119,52 @@ def _rope_of(model: LM) -> RoPE:
     return ropes[0]
 
 
+def _rebuilt(model: LM, **config: Any) -> LM:
+    """A new :class:`LM` with ``model``'s config changed by ``config`` and a copy of its weights."""
+    out = LM(LMConfig(**{**model.config.to_dict(), **config}))
+    out.load_state_dict({k: v.detach().clone() for k, v in model.state_dict().items()})
+    return out
+
+
+def _one_encoding(model: LM, option: str, why: str) -> None:
+    """Refuses a checkpoint with a layer schedule (extend rebuilds one encoding for every layer).
+
+    Raises:
+        UsageError: naming ``option`` and the schedule, with ``why``.
+    """
+    if getattr(model.config, "schedule", None):
+        raise UsageError(f"{option}: posenc extend {why}; this checkpoint has a layer schedule ({model.config.schedule}), "
+                         "whose layers would each need their own")
+
+
 def scaled(model: LM, block: dict[str, Any]) -> LM:
     """A new :class:`LM` with ``model``'s weights and its RoPE under ``block`` (recorded in its config).
 
     Raises:
         UsageError: a checkpoint with a layer schedule (one scaling for every layer is all extend writes).
     """
-    if getattr(model.config, "schedule", None):
-        raise UsageError(f"checkpoint: posenc extend scales one RoPE shared by every layer; this checkpoint has a layer "
-                         f"schedule ({model.config.schedule}), whose layers would each need their own block")
-    options = {**model.config.encoding_options, "scaling": block}
-    out = LM(LMConfig(**{**model.config.to_dict(), "encoding_options": options}))
-    out.load_state_dict({k: v.detach().clone() for k, v in model.state_dict().items()})
-    return out
+    _one_encoding(model, "checkpoint", "scales one RoPE shared by every layer")
+    return _rebuilt(model, encoding_options={**model.config.encoding_options, "scaling": block})
 
 
 def remapped(model: LM, remap: dict[str, Any]) -> LM:
     """A new :class:`LM` with ``model``'s weights and its RoPE (base, layout, rotary dim, scaling)
-    under the training-free position remap ``remap`` (``{"name", "options"}``, :func:`.extend_config.parse_remap`)."""
-    if model.config.schedule is not None:
-        raise UsageError("remap: the checkpoint has a layer schedule; a remap rebuilds one encoding for every layer")
+    under the training-free position remap ``remap`` (``{"name", "options"}``, :func:`.extend_config.parse_remap`).
+
+    Raises:
+        UsageError: a checkpoint with a layer schedule.
+    """
+    _one_encoding(model, "remap", "remaps one RoPE shared by every layer")
     rope = _rope_of(model)
     own: dict[str, Any] = {"base": rope.base, "layout": rope.layout, "rotary_dim": rope.rotary_dim}
     if rope.scaling.rope_type != "default":
         own["scaling"] = model.config.encoding_options.get("scaling")
-    options = {**model.config.encoding_options, **own, **remap["options"]}
-    out = LM(LMConfig(**{**model.config.to_dict(), "encoding": remap["name"], "encoding_options": options}))
-    out.load_state_dict({k: v.detach().clone() for k, v in model.state_dict().items()})
-    return out
+    return _rebuilt(model, encoding=remap["name"], encoding_options={**model.config.encoding_options, **own, **remap["options"]})
 
 
 def dropped(model: LM) -> LM:
     """A copy of ``model`` with its positions dropped (DroPE, before the recalibration)."""
-    out = LM(LMConfig(**model.config.to_dict()))
-    out.load_state_dict({k: v.detach().clone() for k, v in model.state_dict().items()})
+    out = _rebuilt(model)
     out.drop_positions()
     return out
 

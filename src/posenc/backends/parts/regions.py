@@ -344,10 +344,11 @@ def repeated_heads(k: torch.Tensor, v: torch.Tensor, h: int) -> tuple[torch.Tens
     return k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
 
 
-def _grouped_sum(x: torch.Tensor, hkv: int) -> torch.Tensor:
-    """(B, H, L, D) -> (B, Hkv, L, D): the gradients of the g query heads of each group, summed."""
+def grouped_sum(x: torch.Tensor, hkv: int) -> torch.Tensor:
+    """(B, H, L, D) -> (B, Hkv, L, D): the gradients of the g query heads of each group, summed
+    (x itself when every query head has its own key/value head)."""
     b, h, length, d = x.shape
-    return x.reshape(b, hkv, h // hkv, length, d).sum(2)
+    return x if h == hkv else x.reshape(b, hkv, h // hkv, length, d).sum(2)
 
 
 def kernel_forward(
@@ -379,7 +380,7 @@ def kernel_backward(
     hkv = k.shape[1]
     if hkv != q.shape[1] and not (GROUPED_KERNEL and use_kernel(q, v)):
         dq, dk, dv = kernel_backward(do, q, *repeated_heads(k, v, q.shape[1]), out, lse, causal, scale, mask)
-        return dq, _grouped_sum(dk, hkv), _grouped_sum(dv, hkv)
+        return dq, grouped_sum(dk, hkv), grouped_sum(dv, hkv)
     if use_kernel(q, v):
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             do, q, k, v, out, lse, 0.0, causal, attn_mask=mask, scale=scale

@@ -50,7 +50,7 @@ from ...encodings.protocol import RemapRegion, Remaps, require
 from ...encodings.query_scale import scaled_queries
 from ...errors import UsageError
 from .base import accumulation_dtype
-from .regions import apply, kernel_backward, kernel_forward, opaque_to_compile, repeated_heads, use_kernel
+from .regions import apply, grouped_sum, kernel_backward, kernel_forward, opaque_to_compile, repeated_heads, use_kernel
 from .windows import Extras
 
 BLOCK = 256  # queries per block
@@ -222,12 +222,6 @@ def _grouped(k: torch.Tensor, v: torch.Tensor, h: int) -> tuple[torch.Tensor, to
     return (k, v) if k.shape[1] == h else repeated_heads(k, v, h)
 
 
-def _summed(x: torch.Tensor, hkv: int) -> torch.Tensor:
-    """(B, H, P, D) -> (B, Hkv, P, D): each group's query heads summed."""
-    b, h, p, d = x.shape
-    return x if h == hkv else x.reshape(b, hkv, h // hkv, p, d).sum(2)
-
-
 def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, softcap: float | None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(scores (B, H, L, P) in the accumulation dtype, tanh of the capped scores or None): q k^T * scale,
     soft-capped as ``softcap * tanh(s / softcap)`` (Gemma 2) when a cap is given."""
@@ -323,8 +317,8 @@ class _Remapped(torch.autograd.Function):
                     if t is not None:  # through the cap: d(c tanh(x / c)) = 1 - tanh^2
                         ds = ds * (1 - t * t)
                     dqs[r][:, :, a:e] += torch.matmul(ds, kg.to(acc)) * scale
-                    dks[r][:, :, c0:c1] += _summed(torch.matmul(ds.transpose(-1, -2), qb.to(acc)) * scale, hkv)
-                    dv[:, :, k0 + c0:k0 + c1] += _summed(torch.matmul(p.transpose(-1, -2), do.to(acc)), hkv)
+                    dks[r][:, :, c0:c1] += grouped_sum(torch.matmul(ds.transpose(-1, -2), qb.to(acc)) * scale, hkv)
+                    dv[:, :, k0 + c0:k0 + c1] += grouped_sum(torch.matmul(p.transpose(-1, -2), do.to(acc)), hkv)
                 else:
                     dq, dk, dvp = kernel_backward(do, qb, kb, vb, out[:, :, a:e].contiguous(), lse_b[:, :, a:e].contiguous(), False, scale)
                     dqs[r][:, :, a:e] += dq
