@@ -162,3 +162,45 @@ def test_a_kept_individual_whose_perplexity_was_not_finite_resumes_as_infinite(m
     state.write_text(json.dumps(saved))
     with pytest.raises(UsageError, match="perplexity"):
         ls.search(model, valid, settings(generations=1), state=state, resume=True, progress=False)
+
+
+@pytest.mark.parametrize("stop", [12, 17])
+def test_a_search_interrupted_in_a_later_generation_resumes_to_the_unbroken_search(model, valid, tmp_path, monkeypatch, stop):
+    """Interrupted after ``stop`` evaluations (in generation 2 or 3 of 3), the resumed search evaluates
+    exactly the individuals of an unbroken one, in its order, and ends with its factors: a resumed
+    generation draws against what was evaluated before it, not against the killed run's later
+    generations (issue 48, item 6: 25 evaluations instead of 24)."""
+    unbroken = ls.search(model, valid, settings(generations=3), progress=False)
+    assert len(unbroken.evaluated) > stop and unbroken.evaluated[stop - 1]["generation"] >= 1
+    state = tmp_path / "state.json"
+    original = ls._Search._perplexity
+    calls = {"n": 0}
+
+    def killed(self):
+        calls["n"] += 1
+        if calls["n"] > stop:
+            raise KeyboardInterrupt
+        return original(self)
+
+    monkeypatch.setattr(ls._Search, "_perplexity", killed)
+    with pytest.raises(KeyboardInterrupt):
+        ls.search(model, valid, settings(generations=3), state=state, progress=False)
+    monkeypatch.setattr(ls._Search, "_perplexity", original)
+    assert len(json.loads(state.read_text())["evaluated"]) == stop
+    resumed = ls.search(model, valid, settings(generations=3), state=state, resume=True, progress=False)
+
+    def trail(result):
+        return [(r["factors"], r["start"], r["generation"]) for r in result.evaluated]
+
+    assert trail(resumed) == trail(unbroken)
+    assert resumed.best == unbroken.best and resumed.perplexity == unbroken.perplexity
+
+
+def test_a_state_without_an_individuals_generation_is_refused(model, valid, tmp_path):
+    state = tmp_path / "state.json"
+    ls.search(model, valid, settings(generations=1), state=state, progress=False)
+    saved = json.loads(state.read_text())
+    del saved["evaluated"][2]["generation"]
+    state.write_text(json.dumps(saved))
+    with pytest.raises(UsageError, match="generation"):
+        ls.search(model, valid, settings(generations=1), state=state, resume=True, progress=False)

@@ -23,9 +23,12 @@ The algorithm, written here from the paper's description:
 3. The next population is the ``population`` fittest of the old one and the children.
 
 Every draw of generation ``g`` comes from a generator seeded by ``(seed, g)``, and every evaluated
-individual is kept in the state file with its perplexity (written atomically after each one): a
-search interrupted and continued (``resume``) evaluates nothing twice and gives the factors an
-unbroken one gives, and a search with the same seed gives the same factors.
+individual is kept in the state file with its perplexity and generation (written atomically after
+each one): a search interrupted and continued (``resume``) evaluates nothing twice and gives the
+factors an unbroken one gives, and a search with the same seed gives the same factors. A resumed
+generation ``g`` draws its children against what was evaluated before ``g`` only (the state may
+hold individuals that the interrupted run evaluated in ``g`` and later), so it draws what the
+unbroken search drew.
 
 The result is a Hugging Face ``longrope`` block (:meth:`SearchResult.block`): ``short_factor`` all
 1 (the model rotates as trained up to ``L``), ``long_factor`` the best factors,
@@ -300,6 +303,10 @@ class _Search:
             if ppl is not None and (isinstance(ppl, bool) or not isinstance(ppl, (int, float)) or not math.isfinite(ppl) or ppl < 1):
                 raise UsageError(f"state: {state} holds an individual with perplexity {ppl!r}; a perplexity is a finite "
                                  "number >= 1 (or null where the model's was not finite): remove the file or restore it")
+            generation = record.get("generation")
+            if isinstance(generation, bool) or not isinstance(generation, int) or not 0 <= generation <= self.settings.generations:
+                raise UsageError(f"state: {state} holds an individual with generation {generation!r}; a generation is an "
+                                 f"integer in [0, {self.settings.generations}]: remove the file or restore it")
             self.memo[Individual(tuple(record["factors"]), record["start"]).key] = record
             self.order.append(record)
         self.seconds = float(saved.get("seconds", 0.0))
@@ -412,7 +419,10 @@ def search(model: nn.Module, valid: torch.Tensor, settings: SearchSettings, *, s
         g = torch.Generator().manual_seed(s.seed * 1_000_003 + generation)
         ranked = sorted(scored, key=lambda t: (t[0], t[1]))
         parents = [ind for _, _, ind in ranked[: s.parents]]
-        seen = set(run.memo)
+        # what an unbroken search had evaluated when this generation began: a resumed state also
+        # holds the killed run's later generations, which must not steer this one's draws
+        before = [r for r in run.order if r["generation"] < generation]
+        seen = {Individual(tuple(r["factors"]), r["start"]).key for r in before}
         children: list[Individual] = []
         for _ in range(s.mutations):
             parent = parents[int(torch.randint(len(parents), (), generator=g))]
@@ -422,7 +432,7 @@ def search(model: nn.Module, valid: torch.Tensor, settings: SearchSettings, *, s
             i, j = torch.randperm(len(parents), generator=g)[:2].tolist()
             children.append(child := _child(lambda i=i, j=j: _cross(parents[i], parents[j], g), s, seen))
             seen.add(child.key)
-        offset = len(run.order)
+        offset = len(before)
         pool = ranked + [(run.fitness(ind, generation), offset + i, ind) for i, ind in enumerate(children)]
         unique: dict[str, tuple[float, int, Individual]] = {}
         for item in sorted(pool, key=lambda t: (t[0], t[1])):
