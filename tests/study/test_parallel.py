@@ -298,3 +298,21 @@ def test_workers_exit_when_the_main_process_is_killed(tmp_path):
     for p in alive:  # (leave nothing behind, whatever the result)
         os.kill(p, signal.SIGKILL)
     assert not alive
+
+
+def test_resume_with_jobs_evaluates_a_run_trained_but_not_evaluated(serial, tmp_path):
+    """A run killed after its final checkpoint and before its evaluation (results.json: ``trained``, no
+    scores) is evaluated by ``--resume --jobs 2``, which then equals the serial study (issue 48, item 7:
+    the worker never sent those evaluations back; the study stayed ``partial`` however often resumed)."""
+    def unevaluated(results: dict) -> None:
+        for name in ("alibi", "rope"):
+            entry = results["methods"][name]
+            entry.update(status="trained", eval=[])
+            entry.pop("across_seeds", None)
+        results["status"] = "running"
+
+    out = _copy(serial, tmp_path / "run", unevaluated)
+    assert cli.main(["study", "--out", str(out), "--resume", "--quiet", "--jobs", "2"]) == 0
+    results = json.loads((out / "results.json").read_text())
+    assert results["status"] == "done", {m: e["status"] for m, e in results["methods"].items()}
+    assert numbers(out) == numbers(serial)

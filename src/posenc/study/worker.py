@@ -63,9 +63,9 @@ def key_of(run: Run) -> Key:
 
 
 class WorkerBook(Book):
-    """A worker's view of results.json: the entries its task brought; each save sends the records
-    this task set (its run's; a base's, trained again when its checkpoint was missing) to the main
-    process instead of writing the file."""
+    """A worker's view of results.json: the entries its task brought; each save sends the task's
+    run's record (set now, or brought and added to) and any other record this task set (a base's,
+    trained again when its checkpoint was missing) to the main process instead of writing the file."""
 
     def __init__(self, paths: Paths, ctx: distributed.Context, cfg: StudyConfig, runs: dict[Key, Run], emit: Emit) -> None:
         super().__init__({"methods": {}}, paths, ctx, cfg)
@@ -121,7 +121,9 @@ def run_task(stages: Stages, task: Task, emit: Emit) -> bool:
     stages.ui.emit = emit
     run = book.runs[task.key]
     book.results["methods"] = copy.deepcopy(task.methods)
-    book.touched = {}
+    # The task's own run is sent after every save, whichever stage changed its record: a resumed
+    # run trained but not evaluated has its evaluations added to the record it brought, not set anew
+    book.touched = {task.key: run}
     try:
         stages.run(run)
     except KeyboardInterrupt:
