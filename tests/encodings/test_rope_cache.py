@@ -37,6 +37,8 @@ SCALINGS = {
     "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": L},
     "longrope": {"rope_type": "longrope", "short_factor": SHORT, "long_factor": LONG, "original_max_position_embeddings": L, "factor": 4.0},
     "proportional": {"rope_type": "proportional", "partial_rotary_factor": 0.5},
+    "ntk_alpha": {"rope_type": "ntk_alpha", "alpha": 50.0},
+    "resonance": {"rope_type": "resonance"},
 }
 # One case per scaling type the library knows: a new type fails here until it has one.
 assert set(SCALINGS) == set(ROPE_TYPES), sorted(set(ROPE_TYPES) ^ set(SCALINGS))

@@ -173,7 +173,7 @@ def test_dynamic_at_the_training_length_is_plain_rope_for_any_factor() -> None:
      "rope_from_hf: max_position_embeddings must be a positive integer, got '2048'"),
     ({**SIZES, "rope_scaling": {"rope_type": ["linear"], "factor": 2.0}},
      "rope scaling: rope_type must be one of ['default', 'linear', 'ntk', 'dynamic', 'yarn', 'llama3', 'longrope', "
-     "'proportional'], got ['linear']"),
+     "'proportional', 'ntk_alpha', 'resonance'], got ['linear']"),
     ({**SIZES, "rope_scaling": "linear"}, "rope_from_hf: rope_scaling must be a JSON object (a dict of RoPE keys), got 'linear'"),
     ({**SIZES, "rope_scaling": {"rope_type": "ntk", "factor": "2"}},
      "rope scaling: factor must be a finite number in [0.0001, 1e+06], got '2'"),

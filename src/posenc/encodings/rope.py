@@ -11,7 +11,7 @@ permutation of q/k features:
 ``rotary_dim`` < head_dim rotates only the first ``rotary_dim`` features (partial rotary, GPT-J and
 GPT-NeoX), spreading the whole frequency range over them. ``scaling`` takes the ``rope_scaling`` /
 ``rope_parameters`` block of a Hugging Face config (linear, ntk, dynamic, yarn, llama3, longrope,
-proportional): see :mod:`.rope_scaling` for the schedules, and note that p-RoPE (``proportional``)
+proportional, ntk_alpha, resonance): see :mod:`.rope_scaling` for the schedules, and note that p-RoPE (``proportional``)
 is not partial rotary. :func:`posenc.hf.rope.rope_from_hf` builds the encoding from a whole config.
 
 Precision: the cos/sin tables are built in float32 from float64 angles of integer positions
@@ -230,7 +230,7 @@ class RoPE(PositionalEncoding):
         cfg.check_rotary_dim(rotary_dim)
         if cfg.rope_type == "proportional" and int((cfg.partial_rotary_factor or 1.0) * rotary_dim // 2) < 1:
             raise UsageError(f"proportional rope: partial_rotary_factor={cfg.partial_rotary_factor} keeps no frequency of {rotary_dim // 2}")
-        if cfg.rope_type in ("ntk", "dynamic") and rotary_dim < 4:
+        if cfg.rope_type in ("ntk", "dynamic", "ntk_alpha") and rotary_dim < 4:
             raise UsageError(f"rope scaling: {cfg.rope_type} raises the base to the power r/(r-2) of the rotated "
                              f"features r: it needs rotary_dim >= 4, got {rotary_dim}")
         inv_freq, attention_factor = inverse_frequencies(cfg, base, rotary_dim)

@@ -27,6 +27,18 @@ rotated features) and, for two of them, multiplies the rotated q and k by an *at
   (``p = partial_rotary_factor``). This is NOT partial rotary: with the other types
   ``partial_rotary_factor`` rotates only the first ``p * head_dim`` features but spreads the whole
   frequency range over them (GPT-NeoX, Phi); p-RoPE keeps every rotated pair's original frequency.
+- ``ntk_alpha``: Hunyuan's NTK-alpha, as vLLM serves it (``DynamicNTKAlphaRotaryEmbedding``) and
+  transformers' Hunyuan models compute it (``compute_ntk_alpha_rope_parameters``): the base grows to
+  ``base * alpha^(r/(r-2))``, a fixed ``alpha`` (the static NTK formula with ``alpha`` for ``s``).
+  Hunyuan's checkpoints label it ``"type": "dynamic"`` with an ``alpha`` key; such a block is read as
+  ``ntk_alpha``, and the keys those checkpoints carry beside ``alpha`` (``factor``, ``beta_fast``,
+  ``beta_slow``, ``mscale``, ``mscale_all_dim``, the lengths), which neither engine reads, are dropped.
+- ``resonance``: Resonance RoPE (Wang et al. 2024, "Resonance RoPE: Improving Context Length
+  Generalization of Large Language Models", §3, eq. 5 and Algorithm 1): every wavelength
+  ``lambda_k = 2 pi / theta_k`` is rounded to the nearest integer, ``theta_k' = 2 pi / round(lambda_k)``,
+  so each pair's angle repeats exactly at integer positions. ``"resonance": true`` in a block of any
+  other type applies the same rounding after that type's schedule (Resonance YaRN, the paper's §4:
+  ``{"rope_type": "yarn", ..., "resonance": true}``); a pair with frequency 0 (p-RoPE) stays 0.
 
 Each schedule is computed in float64 and rounded once to float32 (the frequencies a checkpoint
 uses). The formulas, including the places where a parameter may be left out, follow Hugging Face
@@ -55,7 +67,7 @@ FACTOR_RANGE = (1e-4, 1e6)
 
 
 # Keys every type accepts besides its own (rope_type / type name the type).
-COMMON_KEYS = ("rope_theta", "partial_rotary_factor")
+COMMON_KEYS = ("rope_theta", "partial_rotary_factor", "resonance")
 # The keys each type reads (optional or required); any other key is a UsageError.
 TYPE_KEYS: dict[str, tuple[str, ...]] = {
     "default": (),
@@ -68,6 +80,8 @@ TYPE_KEYS: dict[str, tuple[str, ...]] = {
     "longrope": ("short_factor", "long_factor", "original_max_position_embeddings", "factor",
                  "max_position_embeddings", "attention_factor"),
     "proportional": ("factor",),
+    "ntk_alpha": ("alpha",),
+    "resonance": (),
 }
 ROPE_TYPES = tuple(TYPE_KEYS)
 REQUIRED: dict[str, tuple[str, ...]] = {
@@ -77,7 +91,12 @@ REQUIRED: dict[str, tuple[str, ...]] = {
     "yarn": ("original_max_position_embeddings",),
     "llama3": ("factor", "original_max_position_embeddings", "low_freq_factor", "high_freq_factor"),
     "longrope": ("short_factor", "long_factor", "original_max_position_embeddings"),
+    "ntk_alpha": ("alpha",),
 }
+# Keys a Hunyuan checkpoint's ``"type": "dynamic"`` block carries beside ``alpha``; transformers and
+# vLLM read only ``alpha`` (and ``rope_theta``) for it, so :func:`parse_scaling` drops them.
+HUNYUAN_IGNORED = ("factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "original_max_position_embeddings",
+                   "max_position_embeddings")
 
 
 def _number(key: str, value: Any, low: float = 0.0, strict: bool = True, high: float | None = None) -> float:
@@ -99,6 +118,11 @@ def _factor(key: str, value: Any) -> float:
     if not ok or not low <= value <= high:
         raise UsageError(f"rope scaling: {key} must be a finite number in [{low:g}, {high:g}], got {value!r}")
     return float(value)
+
+
+def _alpha(key: str, value: Any) -> float:
+    """NTK-alpha's alpha: in [1, FACTOR_RANGE's top] (1: plain RoPE; below 1 would shrink the base)."""
+    return _number(key, value, 1.0, strict=False, high=FACTOR_RANGE[1])
 
 
 def _length(key: str, value: Any) -> int:
@@ -141,6 +165,8 @@ class RopeScaling:
     long_factor: tuple[float, ...] | None = None
     partial_rotary_factor: float | None = None
     rope_theta: float | None = None
+    alpha: float | None = None
+    resonance: bool | None = None
 
     def __post_init__(self) -> None:
         if self.rope_type not in TYPE_KEYS:
@@ -162,12 +188,14 @@ class RopeScaling:
                    "rope_theta": lambda k, v: _number(k, v, 1.0, high=MAX_BASE),
                    "mscale": lambda k, v: _number(k, v, strict=False), "mscale_all_dim": lambda k, v: _number(k, v, strict=False),
                    "original_max_position_embeddings": _length, "max_position_embeddings": _length,
-                   "short_factor": _factors, "long_factor": _factors}
+                   "short_factor": _factors, "long_factor": _factors, "alpha": _alpha}
         for key, check in convert.items():
             if getattr(self, key) is not None:
                 object.__setattr__(self, key, check(key, getattr(self, key)))
         if self.truncate is not None and not isinstance(self.truncate, bool):
             raise UsageError(f"rope scaling: truncate must be true or false, got {self.truncate!r}")
+        if self.resonance is not None and not isinstance(self.resonance, bool):
+            raise UsageError(f"rope scaling: resonance must be true or false, got {self.resonance!r}")
         p = self.partial_rotary_factor
         if p is not None and not 0 < _number("partial_rotary_factor", p) <= 1:
             raise UsageError(f"rope scaling: partial_rotary_factor must be in (0, 1], got {p!r}")
@@ -196,6 +224,11 @@ class RopeScaling:
             )
 
     # -- derived values -------------------------------------------------------------------------
+
+    @property
+    def rounds_wavelengths(self) -> bool:
+        """Resonance RoPE's rounding applies: ``rope_type`` ``resonance``, or ``resonance: true``."""
+        return self.rope_type == "resonance" or bool(self.resonance)
 
     @property
     def depends_on_length(self) -> bool:
@@ -239,7 +272,9 @@ class RopeScaling:
 def parse_scaling(scaling: Mapping[str, Any] | RopeScaling | None) -> RopeScaling:
     """A Hugging Face style block (``rope_scaling`` / ``rope_parameters``) as a :class:`RopeScaling`.
 
-    Accepts ``rope_type`` or its older name ``type`` (both, if equal); None means no scaling.
+    Accepts ``rope_type`` or its older name ``type`` (both, if equal); None means no scaling. A
+    ``dynamic`` block with an ``alpha`` key (Hunyuan's checkpoints) is ``ntk_alpha``, as transformers
+    and vLLM read it: its other keys (:data:`HUNYUAN_IGNORED`), which they do not read, are dropped.
     """
     if scaling is None:
         return RopeScaling()
@@ -255,6 +290,9 @@ def parse_scaling(scaling: Mapping[str, Any] | RopeScaling | None) -> RopeScalin
     names = set(given)
     if len(names) > 1:
         raise UsageError(f"rope scaling: rope_type and type disagree: {sorted(map(str, names))}")
+    if names == {"dynamic"} and block.get("alpha") is not None:
+        names = {"ntk_alpha"}
+        block = {k: v for k, v in block.items() if k not in HUNYUAN_IGNORED}
     fields = {f.name for f in dataclasses.fields(RopeScaling)}
     unknown = sorted(set(block) - fields)
     if unknown:
@@ -373,9 +411,31 @@ def _proportional(cfg: RopeScaling, base: float, dim: int, length: int | None) -
     return theta / (cfg.factor or 1.0), 1.0
 
 
+def _ntk_alpha(cfg: RopeScaling, base: float, dim: int, length: int | None) -> tuple[torch.Tensor, float]:
+    return default_frequencies(base * _need(cfg, "alpha") ** (dim / (dim - 2)), dim), 1.0
+
+
+def resonant(theta: torch.Tensor) -> torch.Tensor:
+    """Resonance RoPE's rounding (Wang et al. 2024, eq. 5): ``2 pi / round(2 pi / theta)`` for every
+    frequency above 0 (float64 in and out); frequency 0 (a pair p-RoPE leaves still) stays 0.
+
+    Raises:
+        UsageError: a wavelength that rounds to 0 (a frequency above 4 pi: a factor below 1 on a
+            fast pair), which would give an infinite frequency.
+    """
+    moving = theta > 0
+    wavelength = torch.where(moving, 2 * math.pi / theta.where(moving, torch.ones_like(theta)), torch.zeros_like(theta))
+    rounded = torch.round(wavelength)  # (r/2,)
+    if bool((moving & (rounded < 1)).any()):
+        raise UsageError(f"rope scaling: resonance rounds a wavelength of {float(wavelength[moving].min()):.3g} positions "
+                         "to 0; every rotated pair needs a wavelength of at least 0.5 positions (a factor >= 1 keeps it)")
+    return torch.where(moving, 2 * math.pi / rounded.where(moving, torch.ones_like(rounded)), theta)
+
+
 SCHEDULES: dict[str, Callable[[RopeScaling, float, int, int | None], tuple[torch.Tensor, float]]] = {
     "default": _default, "linear": _linear, "ntk": _ntk, "dynamic": _dynamic, "yarn": _yarn,
-    "llama3": _llama3, "longrope": _longrope, "proportional": _proportional,
+    "llama3": _llama3, "longrope": _longrope, "proportional": _proportional, "ntk_alpha": _ntk_alpha,
+    "resonance": _default,  # (the rounding below)
 }
 
 
@@ -383,6 +443,8 @@ def inverse_frequencies(cfg: RopeScaling, base: float, dim: int, length: int | N
     """(theta (dim/2,) float32, attention_factor) of ``cfg`` for ``dim`` rotated features at the
     current ``length`` (None: the original length; only ``dynamic`` and ``longrope`` read it)."""
     theta, attention = SCHEDULES[cfg.rope_type](cfg, float(base), dim, length)
+    if cfg.rounds_wavelengths:
+        theta = resonant(theta)  # after the type's own transform (Resonance YaRN: after YaRN's)
     return theta.to(torch.float32), float(attention)
 
 
@@ -416,6 +478,6 @@ def check_table(cfg: RopeScaling, base: float, dim: int, theta: torch.Tensor, at
 
 
 __all__ = [
-    "FACTOR_RANGE", "MAX_BASE", "ROPE_TYPES", "RopeScaling", "check_table", "default_frequencies",
-    "inverse_frequencies", "parse_scaling", "rotary_dim_of",
+    "FACTOR_RANGE", "HUNYUAN_IGNORED", "MAX_BASE", "ROPE_TYPES", "RopeScaling", "check_table", "default_frequencies",
+    "inverse_frequencies", "parse_scaling", "resonant", "rotary_dim_of",
 ]

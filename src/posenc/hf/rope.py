@@ -137,7 +137,7 @@ def resolve_hf(config: object) -> HFRope:
         block.pop("factor", None)
         if max_positions is not None:
             block["max_position_embeddings"] = max_positions
-    if rope_type == "dynamic":
+    if rope_type == "dynamic" and block.get("alpha") is None:  # (with alpha: Hunyuan's ntk_alpha, length-free)
         if max_positions is None:
             raise UsageError("rope_from_hf: dynamic scaling needs the config's max_position_embeddings")
         block.pop("original_max_position_embeddings", None)  # HF ignores it for dynamic

@@ -2,7 +2,8 @@
 
 The job of the papers on context extension, on the user's own checkpoint and data: PI (``linear``,
 Chen et al. 2023), ``ntk`` (bloc97 2023), ``yarn`` with its attention factor (Peng et al. 2023),
-``llama3`` (Meta's Llama 3.1 rule), ``longrope`` (Ding et al. 2024: the factors given as a block,
+``llama3`` (Meta's Llama 3.1 rule), ``ntk_alpha`` (Hunyuan's NTK-alpha, alpha = s), ``resonance``
+(Wang et al. 2024: integer wavelengths) and ``resonance_yarn`` (YaRN, then rounded), ``longrope`` (Ding et al. 2024: the factors given as a block,
 or found first by LongRoPE's search, :mod:`.longrope_search`, scored on the last windows of the
 training split so that the table's validation bytes stay unseen), and ``drope`` (Gelberg et al. 2025:
 the positions dropped, then the model recalibrated without them).
@@ -69,7 +70,7 @@ from .progress import Progress
 from .rows import SCALINGS
 from .studied import StudiedModel
 from .train import StateError, TrainSettings, train
-from .variants import scaling_block
+from .variants import EXTRA_SCALINGS, scaling_block
 
 FORMAT = "posenc-extend-1"
 
@@ -475,7 +476,7 @@ def _block(models: Models, cfg: ExtendConfig, record: dict, out: Path, data: _Da
                             resume=resume or (out / "search-state.json").exists(), progress=ui.enabled)
             record["search"] = result.to_json()
         return dict(record["search"]["block"])
-    assert cfg.scaling in SCALINGS
+    assert cfg.scaling in (*SCALINGS, *EXTRA_SCALINGS)
     return scaling_block(cfg.scaling, cfg.factor, cfg.train_length, enc.base, enc.rotary_dim)
 
 

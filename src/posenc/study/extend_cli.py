@@ -27,7 +27,8 @@ def add_extend_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", required=True, help="output directory (created; never a folder of other files)")
     p.add_argument("--scaling", required=True, choices=KINDS,
                    help="linear (PI), ntk, yarn, llama3, longrope (given with --longrope-block, or searched with "
-                        "--search), drope (drop the positions, then recalibrate)")
+                        "--search), ntk_alpha (Hunyuan's, alpha = the factor), resonance (integer wavelengths), "
+                        "resonance_yarn (YaRN with integer wavelengths), drope (drop the positions, then recalibrate)")
     p.add_argument("--length", type=int, help="fine-tuning (target) length (a study's default: its finetune_length)")
     p.add_argument("--steps", type=int, required=True, help="fine-tuning steps (0: the zero-shot scaling only)")
     p.add_argument("--train-length", type=int, help="the length the model was trained at (a study's: read)")

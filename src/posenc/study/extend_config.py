@@ -16,7 +16,7 @@ from .longrope_search import SearchSettings
 from .plan import FINETUNE_STREAM
 from .train import TrainSettings
 
-KINDS = ("linear", "ntk", "yarn", "llama3", "longrope", "drope")
+KINDS = ("linear", "ntk", "yarn", "llama3", "longrope", "ntk_alpha", "resonance", "resonance_yarn", "drope")
 
 # A remap keeps the model's own RoPE: these options are the RoPE's, never the remap's.
 _ROPE_OPTIONS = ("num_heads", "head_dim", "causal", "base", "layout", "rotary_dim", "scaling", "cache_length")

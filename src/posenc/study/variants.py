@@ -21,6 +21,9 @@ every scaling is the plain rotation). Per type, the block handed to
   non-uniform, frequency-dependent shape LongRoPE's search finds (low frequencies interpolated
   more), without the search; ``factor = s`` and ``original_max_position_embeddings = T`` set
   longrope's attention factor ``sqrt(1 + ln s / ln T)``.
+- ``ntk_alpha``, ``resonance``, ``resonance_yarn`` (``posenc extend`` only, no study row):
+  ``alpha = s``; the default frequencies rounded to integer wavelengths; the ``yarn`` block with
+  ``resonance: true``.
 
 A fine-tuned row (``+ft``, the PI / YaRN protocol) uses the same blocks with one fixed factor,
 ``finetune_length / T``, for its fine-tune and for every evaluation length.
@@ -48,6 +51,10 @@ from ..encodings.rope import RoPE
 from ..model.lm import LM
 from .rows import SEARCHED, Row
 
+# Scalings ``posenc extend`` takes beyond the study's rows (rows.SCALINGS, whose presets they would
+# change): their blocks come from :func:`scaling_block` too.
+EXTRA_SCALINGS = ("ntk_alpha", "resonance", "resonance_yarn")
+
 # length -> the searched longrope block a +longrope_searched row evaluates with at that length
 Searched = Callable[[int], dict[str, Any]]
 
@@ -66,6 +73,12 @@ def scaling_block(kind: str, factor: float, train_length: int, base: float, rota
     if kind == "llama3":
         return {"rope_type": "llama3", "factor": s, "original_max_position_embeddings": t,
                 "low_freq_factor": 1.0, "high_freq_factor": 4.0}
+    if kind == "ntk_alpha":  # Hunyuan's NTK-alpha: the static NTK formula with alpha = s
+        return {"rope_type": "ntk_alpha", "alpha": s}
+    if kind == "resonance":  # Resonance RoPE: integer wavelengths, no stretch
+        return {"rope_type": "resonance"}
+    if kind == "resonance_yarn":  # Resonance YaRN: YaRN's frequencies, then rounded
+        return {**scaling_block("yarn", s, t, base, rotary_dim), "resonance": True}
     if kind in ("longrope", SEARCHED):  # (a searched row's stand-in: the shape its search's block has)
         pairs = rotary_dim // 2
         wavelengths = [2 * math.pi * base ** (2 * k / rotary_dim) for k in range(pairs)]
@@ -131,4 +144,4 @@ def applied(model: nn.Module, row: Row, length: int, train_length: int, searched
                 setattr(enc, what, old)
 
 
-__all__ = ["applied", "encodings", "scaling_block"]
+__all__ = ["EXTRA_SCALINGS", "applied", "encodings", "scaling_block"]
