@@ -98,3 +98,95 @@ def test_export_in_other_families(model_type, tmp_path):
     plain = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
     with torch.no_grad():
         assert (plain(ids).logits - expected).abs().max() < 1e-5
+
+
+def family_model(model_type: str, **sizes) -> transformers.PreTrainedModel:
+    """A tiny model of ``model_type`` (tests/hf_family_configs.py), seeded."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parents[1]))
+    from hf_family_configs import config_kwargs
+
+    config = transformers.AutoConfig.for_model(model_type, **config_kwargs(model_type, **sizes))
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(config).eval()
+
+
+def exported_difference(model, path) -> float:
+    """The largest logit difference between ``model`` and its export, loaded in plain transformers."""
+    ids = torch.randint(3, 64, (2, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ours = model(ids).logits
+    plain = transformers.AutoModelForCausalLM.from_pretrained(ph.export(model, path)).eval()
+    assert plain.config._attn_implementation != ph.NAME
+    with torch.no_grad():
+        return float((plain(ids).logits - ours).abs().max())
+
+
+@pytest.mark.parametrize("model_type, schedule, named", [
+    ("llama", "[rope window=8]", "window=8"),
+    ("llama", "[rope chunk=8]", "chunk=8"),
+    ("llama", "[rope temp=0.5/4]", "temp"),
+    ("llama", "3x[rope] 1x[rope window=4]", "layer 3"),
+    ("mistral", "[rope window=4]", "window=8"),  # its own window is 8
+    ("cohere2", "[rope]", "window=8"),  # drops the family's windows
+    ("smollm3", "[rope]", "nope"),  # rotates the family's NoPE layer
+    ("llama4_text", "[rope chunk=8]", "nope"),
+])
+def test_export_refuses_layers_the_family_config_cannot_say(model_type, schedule, named, tmp_path):
+    """Windows, chunks, query temperatures and NoPE layers live in the layer plans, not in the
+    encodings: an export of them as the family's plain config ran another model (0.2 to 2 in the
+    logits, issue 48 items 1 and 2); it is refused, naming the layer's attention."""
+    model = ph.use(family_model(model_type), schedule)
+    with pytest.raises(UsageError, match=named):
+        ph.export(model, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("model_type, scaling", [
+    ("smollm3", {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 16}),
+    ("cohere2", {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 16}),
+    ("llama4_text", {"rope_type": "linear", "factor": 2.0}),
+    ("mistral", {"rope_type": "linear", "factor": 2.0}),
+])
+def test_export_keeps_the_family_layer_pattern(model_type, scaling, tmp_path):
+    """use(model, "rope", scaling=...) keeps the family's NoPE layers, windows and chunks; the export
+    writes them as the family's config does and loads with posenc's logits (it was refused, naming
+    the NoPE layers' 'nope', issue 48 item 2)."""
+    model = ph.use(family_model(model_type), "rope", scaling=scaling)
+    assert exported_difference(model, tmp_path / "out") < 1e-5
+
+
+def test_export_checks_the_block_against_the_family_config_class(tmp_path):
+    """Phi-3's config class keeps only default and longrope (it turns yarn into a longrope block
+    without factors: a raw KeyError before); Ministral 3 keeps its llama_4_scaling_beta (lost
+    before: the export failed at its first forward). Issue 48 item 13."""
+    for scaling in ({"rope_type": "linear", "factor": 2.0},
+                    {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 16}):
+        model = ph.use(family_model("phi3"), "rope", scaling=scaling)
+        with pytest.raises(UsageError, match="Phi3Config .*keeps rope types default, longrope"):
+            ph.export(model, tmp_path / scaling["rope_type"])
+    model = ph.use(family_model("ministral3"), "rope")
+    assert exported_difference(model, tmp_path / "ministral3") < 1e-5
+    saved = json.loads((tmp_path / "ministral3" / "config.json").read_text())
+    assert saved["rope_parameters"]["llama_4_scaling_beta"] == model.config.rope_parameters["llama_4_scaling_beta"]
+    # A scaling whose length differs from the one Ministral 3's query scale divides by: the plain model
+    # would scale queries otherwise, so it is refused.
+    model = ph.use(family_model("ministral3"), "rope", scaling={"rope_type": "yarn", "factor": 2.0,
+                                                               "original_max_position_embeddings": 16})
+    with pytest.raises(UsageError, match="query scale"):
+        ph.export(model, tmp_path / "ministral3-yarn")
+
+
+def test_a_dynamic_export_warns_that_it_is_for_transformers_only(tmp_path):
+    """vLLM serves a dynamic block with unscaled frequencies (NaN past the original length, issue 48
+    item 11): the export warns; the other scalings do not."""
+    model = ph.use(rope_llama(), "rope", scaling=BLOCKS["dynamic"])
+    with pytest.warns(UserWarning, match="vLLM"):
+        ph.export(model, tmp_path / "dynamic")
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ph.export(ph.use(rope_llama(), "rope", scaling=BLOCKS["yarn"]), tmp_path / "yarn")

@@ -127,3 +127,31 @@ def test_packed_documents_are_refused_for_a_transformers_model(setup, tmp_path):
                           pack_documents=True)
     with pytest.raises(UsageError, match="pack_documents"):
         ex.extend(tiny_llama(), tmp_path / "x", cfg, progress=False)
+
+
+@pytest.mark.parametrize("encoding, options", [("alibi", {}), ("nope", {}), ("t5", {}),
+                                               ("rope", {"scaling": {"rope_type": "linear", "factor": 2.0}}),
+                                               ("rope", {"base": 500000.0}), ("1x[rope] 1x[nope]", {})])
+@pytest.mark.parametrize("saved", [False, True])
+def test_a_model_running_another_encoding_is_refused(setup, tmp_path, encoding, options, saved):
+    """A model after posenc.hf.use with anything but its own RoPE (another encoding, a scaling, another
+    base, a schedule), in memory or saved: its base column scored posenc's encoding while the extended
+    columns scored the config's own RoPE on its weights (issue 48 item 3)."""
+    _, text = setup
+    model = ph.use(tiny_llama(), encoding, **options)
+    checkpoint = model
+    if saved:
+        model.save_pretrained(tmp_path / "saved")
+        checkpoint = tmp_path / "saved"
+    cfg = ex.ExtendConfig(scaling="yarn", length=2 * T, steps=1, train_length=T, data=str(text), valid_bytes=1024)
+    with pytest.raises(UsageError, match="not its own RoPE"):
+        ex.extend(checkpoint, tmp_path / "x", cfg, progress=False)
+
+
+def test_a_model_after_use_rope_is_its_own_rope(setup, tmp_path):
+    """use(model, "rope") keeps the model's own RoPE: still extended."""
+    _, text = setup
+    cfg = ex.ExtendConfig(scaling="linear", length=2 * T, steps=1, train_length=T, data=str(text), valid_bytes=1024,
+                          batch_size=2, eval_lengths=[2 * T])
+    record = ex.extend(ph.use(tiny_llama(), "rope"), tmp_path / "own", cfg, progress=False)
+    assert record["saved"]["format"] == "transformers"

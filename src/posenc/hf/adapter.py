@@ -59,7 +59,7 @@ from ..model.schedule import Schedule
 from .attention import NAME, ForwardState, LayerPlan, RotaryStandIn, keep_input, padding_mask, posenc_attention, register
 from .families import FAMILIES, family_of, qk_head_dim, text_config
 from .plan import attention_of, decoder_stack, layer_plans
-from .saving import mark, recorded_options
+from .saving import MARKER, mark, recorded_options
 
 _Model = TypeVar("_Model", bound=PreTrainedModel)
 
@@ -157,6 +157,8 @@ def use(model: _Model, encoding: str | nn.Module | Schedule, **options: Any) -> 
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
     stack.posenc_encodings = modules.to(device=device, dtype=dtype)
+    # Saved with the weights: a plain transformers load reports it as unexpected (posenc.hf.saving).
+    stack.register_buffer(MARKER, torch.ones((), dtype=torch.int64, device=device), persistent=True)
     # The model's own RoPE, verified equal to posenc's (use(model, "rope")), whose rotation does not
     # depend on the length: the model rotates q and k itself, so the cache keeps rotated keys and a
     # decode step rotates one key, not the whole cache. Everything else rotates in the attention.
@@ -226,7 +228,10 @@ def from_pretrained(model_class: Any, path: str | os.PathLike[str], *, encoding:
         model_class.post_init(self)
         use(self, encoding if encoding is not None else recorded_encoding(self.config, record))
 
-    loading: Any = type(model_class.__name__, (model_class,), {"post_init": post_init})
+    # A checkpoint saved before the marker buffer (posenc.hf.saving) loads without a missing-key report.
+    ignored = {*(model_class._keys_to_ignore_on_load_missing or ()), rf"(^|\.){MARKER}$"}
+    loading: Any = type(model_class.__name__, (model_class,), {"post_init": post_init,
+                                                               "_keys_to_ignore_on_load_missing": ignored})
     loading.__module__, loading.__qualname__ = model_class.__module__, model_class.__qualname__
     model: PreTrainedModel = loading.from_pretrained(path, config=config, **kwargs)
     model.__class__ = model_class  # the subclass only hooked construction

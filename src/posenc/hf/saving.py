@@ -9,7 +9,11 @@
   :func:`posenc.hf.from_pretrained`. A model that silently runs its own RoPE in place of the
   trained encoding (ALiBi, NoPE, ... have no weights to warn about) cannot come out of it. Asking
   for the model's own attention explicitly (``from_pretrained(path, attn_implementation="sdpa")``)
-  still builds it with its own RoPE: that is a choice made in writing.
+  still builds it with its own RoPE, but not without a word: ``use`` puts a marker buffer
+  (:data:`MARKER`, ``<decoder stack>.posenc_marker``, one int64) on the decoder stack, saved with
+  the weights, which a plain class does not have, so transformers' load report lists
+  ``model.posenc_marker`` as UNEXPECTED (a warning naming posenc) for every encoding, parameter-free
+  ones (ALiBi, NoPE, Sandwich, ...) included. :func:`posenc.hf.export` leaves it out.
 - **The encoding comes back whole.** :func:`recorded_options` adds to the recorded options what
   ``use`` derived from the model's config rather than recorded (the key/value head count of an
   encoding with per-key-head parameters, RoPE-Mixed's), so :func:`posenc.hf.from_pretrained`
@@ -23,6 +27,9 @@ from typing import Any
 from ..encodings import get_class, options_of
 from ..errors import UsageError
 from .attention import NAME
+
+#: The name of the marker buffer :func:`posenc.hf.use` puts on the decoder stack (see the module docstring).
+MARKER = "posenc_marker"
 
 
 def mark(config: Any) -> None:
@@ -52,4 +59,4 @@ def recorded_options(config: Any, record: dict[str, Any]) -> dict[str, Any]:
     return options
 
 
-__all__ = ["NAME", "mark", "recorded_options"]
+__all__ = ["MARKER", "NAME", "mark", "recorded_options"]

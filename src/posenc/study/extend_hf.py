@@ -1,7 +1,8 @@
 """``posenc extend`` for a transformers causal LM with RoPE (:func:`posenc.study.extend.extend`).
 
 The checkpoint is a folder ``save_pretrained`` wrote (``config.json`` and the weights; a plain
-transformers model, or one saved after ``posenc.hf.use(model, "rope")``), a GGUF file or a folder
+transformers model, or one saved after ``posenc.hf.use(model, "rope")``; one saved after ``use`` with
+another encoding, options or a schedule is refused: it does not run its own RoPE), a GGUF file or a folder
 holding one (read by :func:`posenc.hf.load_pretrained`, dequantized to float32), or the model itself. The
 job is the one :mod:`.extend` runs on posenc's own models, with the same blocks, training loop,
 batches and table; what differs is only how the model is changed:
@@ -99,6 +100,16 @@ class HFModels:
         if tokenizer is None and int(getattr(inner, "vocab_size", 0) or 0) < 256:
             raise UsageError(f"checkpoint: posenc extend's tokens are bytes; the model's vocab_size must be >= 256, got "
                              f"{getattr(inner, 'vocab_size', None)}")
+        installed = getattr(self.model.config, "posenc", None)
+        if isinstance(installed, dict) and not installed.get("from_config"):
+            # The base column would score posenc's encoding, the extended ones the config's own RoPE.
+            what = installed.get("schedule") or installed.get("encoding")
+            options = installed.get("options") or {}
+            raise UsageError(f"checkpoint: it runs posenc's {what!r}{f' with {options}' if options else ''} "
+                             "(config.posenc, from posenc.hf.use), not its own RoPE; posenc extend extends the "
+                             "model's own RoPE (its config's rope_parameters), so its base column and its extended "
+                             "columns would score different models. Extend the model as it was before posenc.hf.use "
+                             "(or after posenc.hf.use(model, 'rope'), which keeps its own RoPE)")
         own = posenc_hf.use(copy.deepcopy(self.model), "rope")  # the model's own RoPE, read and verified
         ropes = [e for e in encodings(own) if isinstance(e, RoPE)]
         if not ropes or len(ropes) != len(encodings(own)):
