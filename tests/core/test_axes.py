@@ -386,4 +386,4 @@ def test_declared_axes() -> None:
         enc = posenc.build(name, num_heads=2, head_dim=16)
         if enc.position_axes != 1:
             many[name] = (enc.position_axes, enc.axis_first)
-    assert many == {"mrope": (3, True), "axial_rope": (2, False), "rope_mixed": (2, False)}
+    assert many == {"mrope": (3, True), "axial_rope": (2, False), "rope_mixed": (2, False), "xdrope": (4, True)}

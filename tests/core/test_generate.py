@@ -68,7 +68,7 @@ def test_which_encodings_share_positions():
     # current length (xPos centred) or the bias depends on positions themselves (FIRE normalises by
     # the query's position; CoPE counts gates over the keys, padding included): equal-length groups.
     # Position remaps (SelfExtend's groups, DCA's chunks) read positions themselves, not i - j alone.
-    own = {"fire", "cope", "selfextend", "rerope", "string", "dca"}
+    own = {"fire", "cope", "selfextend", "rerope", "string", "dca", "xdrope"}
     for method in METHODS:
         enc = sharp_lm(method).encoding
         assert gen.shares_positions(enc) == (not enc.rotation_depends_on_length and method not in own), method

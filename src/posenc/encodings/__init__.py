@@ -25,6 +25,7 @@ from .shaw import Shaw
 from .sinusoidal import Sinusoidal
 from .t5 import T5Bias, relative_position_bucket
 from .transformer_xl import TransformerXL
+from .xdrope import XDRoPE
 from .xpos import XPos
 
 REGISTRY: dict[str, type[PositionalEncoding]] = {
@@ -35,6 +36,7 @@ REGISTRY[XPos.name] = XPos
 REGISTRY[MRoPE.name] = MRoPE  # multi-axis RoPE: positions with an axis dimension (or 1-D, as RoPE)
 REGISTRY[AxialRoPE.name] = AxialRoPE
 REGISTRY[RoPEMixed.name] = RoPEMixed
+REGISTRY[XDRoPE.name] = XDRoPE  # Hunyuan-VL's four-axis RoPE: (4, T) or (4, B, T) ids
 REGISTRY[DeBERTa.name] = DeBERTa
 REGISTRY[ForgettingTransformer.name] = ForgettingTransformer
 for _remap in (SelfExtend, ReRoPE, STRING, DualChunk):  # training-free position remaps of RoPE (remap.py)

@@ -54,7 +54,10 @@ def grid_positions(encoding: PositionalEncoding, height: int, width: int) -> tor
         return vision_text_positions([(1, height, width)])  # (3, T): temporal 0, then (row, column)
     if axes == 2 and not first:
         return patch_positions(height, width)  # (T, 2): (column, row)
-    raise UsageError(f"a grid picture needs an encoding with 2-D positions (mrope, axial_rope, rope_mixed), got {type(encoding).__name__}")
+    if axes == 4 and first:  # XD-RoPE, as Hunyuan-VL's get_rope_index: (sequence index, column, row, image 0)
+        xy = patch_positions(height, width).T  # (2, T)
+        return torch.cat((torch.arange(height * width)[None], xy, torch.zeros(1, height * width, dtype=torch.long)))  # (4, T)
+    raise UsageError(f"a grid picture needs an encoding with 2-D positions (mrope, axial_rope, rope_mixed, xdrope), got {type(encoding).__name__}")
 
 
 def grid_pattern(encoding: PositionalEncoding, height: int, width: int, patch: tuple[int, int] | None = None) -> torch.Tensor:
@@ -70,7 +73,8 @@ def grid_pattern(encoding: PositionalEncoding, height: int, width: int, patch: t
     c = torch.ones(1, encoding.num_heads, 1, encoding.head_dim)
     with torch.no_grad():
         q, k = rotary.rotate(c, c.expand(1, -1, height * width, -1), one, positions)  # (1, H, 1, D), (1, H, T, D)
-        sim = (q * k).sum(-1) / encoding.head_dim  # (1, H, T): |c|^2 = D
+        # |q| = |k| = |c| for a rotation; XD-RoPE's map of a pair whose ids differ is not one
+        sim = (q * k).sum(-1) / (q.norm(dim=-1) * k.norm(dim=-1)).clamp_min(1e-30)  # (1, H, T)
     return sim[0].view(-1, height, width).float()
 
 
