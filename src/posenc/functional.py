@@ -35,12 +35,14 @@ from .call.geometry import Geometry, Run
 from .call.memo import ForwardMemo
 from .call.spec import ScoreSpec
 from .encodings.base import PositionalEncoding, content_scale
-from .encodings.protocol import Gates, Remaps, Rotates, ValueTerms, offers, require
+from .encodings.protocol import Curves, Gates, Remaps, Rotates, ValueTerms, offers, require
 from .encodings.query_scale import QueryScale, scaled_queries
 from .errors import UsageError
 
 #: The one refusal of forget gates with a window, chunk, sinks or soft cap (attend, Attention, schedules).
 GATES_ALONE = "log_gates (forget gates) take no window, chunk, sinks or softcap: give the full causal attention"
+#: The same refusal for per-query bias curves (the Inkling bias).
+CURVES_ALONE = "query_curves (bias curves over distance) take no window, chunk, sinks or softcap: give the full attention"
 
 
 def attend(
@@ -65,6 +67,7 @@ def attend(
     query_scale: QueryScale | None = None,
     log_gates: torch.Tensor | None = None,
     softcap: float | None = None,
+    query_curves: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Scaled dot-product attention with ``encoding``'s positions: (B, H, Tq, D).
 
@@ -111,6 +114,10 @@ def attend(
             Required for such an encoding; None otherwise.
         softcap: logit soft-capping (Gemma 2): each content score s = q . k * scale becomes
             ``softcap * tanh(s / softcap)`` before the position terms and masks; None: no cap.
+        query_curves: (B, H, Tq, R) per-query bias curves over backward distance, the queries'
+            ``encoding.query_curves(x, positions)`` for an encoding with the ``Curves`` hook (the
+            Inkling bias): query i and key j gain ``query_curves[..., i, p_i - p_j]`` when
+            0 <= p_i - p_j < R. Required for such an encoding; None otherwise.
 
     Returns:
         (B, H, Tq, D) in q's dtype.
@@ -123,6 +130,7 @@ def attend(
     b, h, hkv, tq, tk, d = _check(q, k, v, encoding)
     q, k, v = _dtypes(q, k, v)
     _check_gates(log_gates, encoding, b, h, tk)
+    _check_curves(query_curves, encoding, b, h, tq)
     if getattr(encoding, "causal", causal) != causal:
         raise UsageError(f"encoding was built with causal={encoding.causal}; attend got causal={causal}")
     backends.check_name(backend)
@@ -137,11 +145,13 @@ def attend(
         extras = Extras(window, chunk, sinks, query_scale, softcap)
         if log_gates is not None and extras.restricts:
             raise UsageError(GATES_ALONE)
+        if query_curves is not None and extras.restricts:
+            raise UsageError(CURVES_ALONE)
     if q.numel() == 0 or tk == 0:  # nothing in, nothing out; a query that sees no key gets 0 (docs/conventions.md)
         return q.new_zeros(b, h, tq, v.shape[-1])
     with _autocast_off(q):
         return run_geometry(q, k, v, encoding, geometry, scale, ForwardMemo() if memo is None else memo, backend, rotate, extras,
-                       log_gates)[0]
+                            log_gates, query_curves)[0]
 
 
 def _encoding_of(encoding: object, q: object, causal: bool) -> PositionalEncoding:
@@ -203,10 +213,10 @@ def _autocast_off(q: torch.Tensor) -> contextlib.AbstractContextManager:
 
 def run_geometry(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, encoding: PositionalEncoding, geometry: Geometry, scale: float,
                  memo: ForwardMemo, backend: str, rotate: bool, extras: Extras | None = None,
-                 log_gates: torch.Tensor | None = None) -> tuple[torch.Tensor, str]:
+                 log_gates: torch.Tensor | None = None, curves: torch.Tensor | None = None) -> tuple[torch.Tensor, str]:
     """(out, the registered name of the backend that ran) for inputs :func:`attend` has checked, on
     a made :class:`Geometry`: a uniform call, or its runs of segments. :class:`posenc.Attention`
-    calls it with its own checks done."""
+    calls it with its own checks done. ``curves`` (B, H, Tq, R) travel with their queries."""
     q_axes, k_axes = geometry.q_axes, geometry.k_axes
     if q_axes is not None:
         # Ids with an axis dimension: q and k rotated once, each token at its own ids, before the
@@ -218,9 +228,9 @@ def run_geometry(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, encoding: Po
             q, k = rotation.rotate(q, k, as_taken(encoding, q_axes), as_taken(encoding, k_axes))
         rotate = False
     if geometry.uniform:
-        calls = [(q, k, v, geometry.spec(encoding, scale, memo, log_gates))]
+        calls = [(q, k, v, geometry.spec(encoding, scale, memo, log_gates, curves))]
     else:
-        calls, q_cut = _stacked_runs(q, k, v, encoding, geometry, scale, memo, rotate, log_gates)
+        calls, q_cut = _stacked_runs(q, k, v, encoding, geometry, scale, memo, rotate, log_gates, curves)
     outs, name = [], backend
     for qs, ks, vs, spec in calls:
         o, name = run(qs, ks, vs, spec, backend, rotate, extras)
@@ -238,7 +248,8 @@ def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec, back
     contiguous, or that repeat memory (stride 0), are copied first: the CPU flash kernel and the
     backends' own loops read rows of unit stride."""
     q, k, v = _kernel_ready(q), _kernel_ready(k), _kernel_ready(v)
-    if spec.causal and spec.q_start < spec.k_start and spec.starts is None and spec.log_gates is None and spec.k_positions.numel():
+    if (spec.causal and spec.q_start < spec.k_start and spec.starts is None and spec.log_gates is None and spec.curves is None
+            and spec.k_positions.numel()):
         return _unseen(q, k, v, spec, backend, rotate, extras)
     enc = spec.encoding
     if offers(enc, Remaps):  # rotated per region, inside (q and k always come un-rotated: it has no rotate hook)
@@ -273,10 +284,11 @@ def _kernel_ready(x: torch.Tensor) -> torch.Tensor:
 
 
 def _stacked_runs(q, k, v, encoding, geometry: Geometry, scale: float, memo: ForwardMemo, rotate: bool,
-                  log_gates: torch.Tensor | None) -> tuple[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, ScoreSpec]], Cut | None]:
+                  log_gates: torch.Tensor | None, curves: torch.Tensor | None = None,
+                  ) -> tuple[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, ScoreSpec]], Cut | None]:
     """Each run of identical segments of a segmented geometry as one stacked backend call: (q, k, v,
     spec) of n segments, (n, H, Lq, D), (n, Hkv, Lk, D), (n, Hkv, Lk, Dv); per-key log gates travel
-    with their keys, so their sums restart at each segment. Also the row's cut at its queries
+    with their keys, so their sums restart at each segment, and per-query curves with their queries. Also the row's cut at its queries
     (:func:`_row_pieces`) for :func:`_put_back` when the runs are tiled views of one row, else None.
 
     One row whose runs each tile a contiguous range (the equal documents of a packed row) stacks
@@ -293,18 +305,20 @@ def _stacked_runs(q, k, v, encoding, geometry: Geometry, scale: float, memo: For
         stack, contiguous = _tiled_stack, False
         q_cut = _row_pieces([(seg.q_first, seg.q_index.numel()) for seg in runs], tq)
         k_cut = _row_pieces([(seg.k_first, seg.k_index.numel()) for seg in runs], tk)
-        rows = (_split(q, q_cut), _split(k, k_cut), _split(v, k_cut), None if log_gates is None else _split(log_gates, k_cut))
+        rows = (_split(q, q_cut), _split(k, k_cut), _split(v, k_cut), None if log_gates is None else _split(log_gates, k_cut),
+                None if curves is None else _split(curves, q_cut))
     else:
         stack, contiguous = _gathered_stack, rotate and offers(encoding, Rotates)  # the rotation reads contiguous rows faster
         rows = (q.transpose(1, 2).reshape(b * tq, h, d), k.transpose(1, 2).reshape(b * tk, hkv, d),  # (B*T, H, D)
                 v.transpose(1, 2).reshape(b * tk, hkv, v.shape[-1]),
-                None if log_gates is None else log_gates.transpose(1, 2).reshape(b * tk, h))  # (B*Tk, H)
+                None if log_gates is None else log_gates.transpose(1, 2).reshape(b * tk, h),  # (B*Tk, H)
+                None if curves is None else curves.transpose(1, 2).reshape(b * tq, h, curves.shape[-1]))  # (B*Tq, H, R)
     calls = []
     for i, seg in enumerate(runs):
-        qs, ks, vs, gs = stack(seg, i, *rows)  # (n, H, Lq, D), (n, Hkv, Lk, D), (n, Hkv, Lk, Dv), (n, H, Lk) or None
+        qs, ks, vs, gs, cs = stack(seg, i, *rows)  # (n, H, Lq, D), (n, Hkv, Lk, D), (n, Hkv, Lk, Dv), (n, H, Lk), (n, H, Lq, R)
         if contiguous:
             qs, ks = qs.contiguous(), ks.contiguous()
-        calls.append((qs, ks, vs, geometry.run_spec(seg, encoding, scale, memo, gs)))
+        calls.append((qs, ks, vs, geometry.run_spec(seg, encoding, scale, memo, gs, cs)))
     return calls, q_cut
 
 
@@ -335,7 +349,7 @@ def _put_back(outs: list[torch.Tensor], geometry: Geometry, q: torch.Tensor, v: 
     return out.unsqueeze(0) if b == 1 else out.view(b, tq, h, -1).transpose(1, 2)
 
 
-Stacks = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]
+Stacks = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]
 
 
 Cut = tuple[list[int], list[int] | None]
@@ -374,15 +388,16 @@ def _split(x: torch.Tensor, cut: Cut) -> tuple[torch.Tensor, list[torch.Tensor] 
     return x, [pieces[j] for j in at]
 
 
-def _tiled_stack(seg: Run, i: int, q, k, v, gates) -> Stacks:
-    """Run ``i``'s stacks as views of one row's (1, H, T, ...) q, k, v and gates, each given as
+def _tiled_stack(seg: Run, i: int, q, k, v, gates, curves=None) -> Stacks:
+    """Run ``i``'s stacks as views of one row's (1, H, T, ...) q, k, v, gates and curves, each given as
     (row, the runs' pieces or None) (see :func:`_stacked_runs`)."""
     n, lq = seg.q_index.shape
     lk = seg.k_index.shape[1]
     a, c = seg.q_first, seg.k_first
     assert a is not None and c is not None  # (a tiled run)
     gs = None if gates is None else _tiled(gates, i, c, n, lk)
-    return _tiled(q, i, a, n, lq), _tiled(k, i, c, n, lk), _tiled(v, i, c, n, lk), gs
+    cs = None if curves is None else _tiled(curves, i, a, n, lq)
+    return _tiled(q, i, a, n, lq), _tiled(k, i, c, n, lk), _tiled(v, i, c, n, lk), gs, cs
 
 
 def _tiled(x: tuple[torch.Tensor, list[torch.Tensor] | None], i: int, first: int, n: int, length: int) -> torch.Tensor:
@@ -399,16 +414,34 @@ def _tiled(x: tuple[torch.Tensor, list[torch.Tensor] | None], i: int, first: int
     return row.squeeze(0).unflatten(1, (n, length)).transpose(0, 1)
 
 
-def _gathered_stack(seg: Run, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gates: torch.Tensor | None) -> Stacks:
-    """A run's stacks gathered from token-major (B*T, H, ...) q, k, v and gates (a slice, a view, when
+def _gathered_stack(seg: Run, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gates: torch.Tensor | None,
+                    curves: torch.Tensor | None = None) -> Stacks:
+    """A run's stacks gathered from token-major (B*T, H, ...) q, k, v, gates and curves (a slice, a view, when
     the run tiles a contiguous range: no gather and no scatter back)."""
     n, lq = seg.q_index.shape
     lk = seg.k_index.shape[1]
     qi = seg.q_index.reshape(-1) if seg.q_first is None else slice(seg.q_first, seg.q_first + n * lq)
     ki = seg.k_index.reshape(-1) if seg.k_first is None else slice(seg.k_first, seg.k_first + n * lk)
     gs = None if gates is None else gates[ki].view(n, lk, -1).transpose(1, 2)  # (n, H, Lk)
+    cs = None if curves is None else curves[qi].view(n, lq, curves.shape[1], -1).transpose(1, 2)  # (n, H, Lq, R)
     return (q[qi].view(n, lq, q.shape[1], -1).transpose(1, 2), k[ki].view(n, lk, k.shape[1], -1).transpose(1, 2),
-            v[ki].view(n, lk, v.shape[1], -1).transpose(1, 2), gs)
+            v[ki].view(n, lk, v.shape[1], -1).transpose(1, 2), gs, cs)
+
+
+def _check_curves(curves, encoding, b: int, h: int, tq: int) -> None:
+    """Curves only for an encoding with the Curves hook, as a float (B, H, Tq, R) tensor."""
+    curved = encoding is not None and offers(encoding, Curves)
+    if curves is None:
+        if curved:
+            raise UsageError(f"encoding {type(encoding).__name__} has bias curves: pass query_curves=encoding.query_curves(x, positions) "
+                             "(batch, heads, queries, distances)")
+        return
+    if not curved:
+        raise UsageError(f"query_curves: encoding {type(encoding).__name__} has no bias curves (the Curves hook); leave query_curves None")
+    if not isinstance(curves, torch.Tensor) or not curves.is_floating_point() or curves.dim() != 4 or tuple(curves.shape[:3]) != (b, h, tq) \
+            or curves.shape[-1] < 1:
+        raise UsageError(f"query_curves must be a float tensor of shape (batch, heads, queries, distances) = {(b, h, tq, 'R >= 1')}, "
+                         f"got {getattr(curves, 'shape', type(curves).__name__)}")
 
 
 def _check_gates(log_gates, encoding, b: int, h: int, tk: int) -> None:

@@ -20,7 +20,7 @@ from posenc import backends
 from posenc.backends import blocked, eager, flex, sdpa, terms
 from posenc.backends.parts import single
 from posenc.backends.parts.base import ScoreSpec
-from posenc.encodings.protocol import ClippedTables, DistanceKeys, RelativeBias, Remaps, offers
+from posenc.encodings.protocol import ClippedTables, Curves, DistanceKeys, RelativeBias, Remaps, offers
 from posenc.errors import UsageError
 from posenc.model.attention import LayerCache
 from toy_encodings import registered
@@ -355,4 +355,7 @@ def test_a_decode_step_allocates_nothing_that_grows_with_the_cache(method):
         assert largest[512] < 10 * largest[64], largest
         return
     assert largest[64] == largest[512], largest
+    if offers(model.encoding, Curves):  # the new query's bias over its R backward distances (B, H, 1, R) float32, R = 1,024
+        assert largest[512] <= 2 * 4 * model.encoding.distances * 4, largest
+        return
     assert largest[512] <= 2 * 4 * 32 * 4 * 4, largest  # (B, 1, 4 x dim) float32: the MLP's hidden layer

@@ -29,9 +29,10 @@ def encoding(method: str, causal: bool = True, dtype=torch.float32):
     return enc.to(dtype)
 
 
-# posenc.attend on q, k, v alone: a method whose gates come from the layer input (fox) needs
-# log_gates as well, and has its own tests of packing, padding and caching (tests/encodings/test_fox.py).
-METHODS = [m for m in available() if not has_hook(build(m, num_heads=4, head_dim=8), "log_gates")]
+# posenc.attend on q, k, v alone: a method whose gates or curves come from the layer input (fox,
+# inkling) needs log_gates or query_curves as well, and has its own tests of packing, padding and
+# caching (tests/encodings/test_fox.py, tests/encodings/test_inkling.py).
+METHODS = [m for m in available() if not any(has_hook(build(m, num_heads=4, head_dim=8), hook) for hook in ("log_gates", "query_curves"))]
 # Methods that offer the bias hook (its own checks of the positions it is given).
 BIASES = [m for m in available() if has_hook(build(m, num_heads=4, head_dim=8), "bias")]
 assert {"alibi", "t5", "kerple", "sandwich", "fire"} <= set(BIASES), BIASES

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 import posenc
 from posenc import backends
 from posenc.encodings import get_class, options_of
-from posenc.encodings.protocol import Gates, offers
+from posenc.encodings.protocol import Curves, Gates, offers
 from posenc.errors import UsageError
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -38,6 +38,8 @@ def case(method: str, seed: int, length: int):
     q, k, v = (torch.randn(1, H, length, D, generator=g) for _ in range(3))
     enc = posenc.build(method, num_heads=H, head_dim=D)
     extra = {"log_gates": -torch.rand(1, H, length, generator=g)} if offers(enc, Gates) else {}
+    if offers(enc, Curves):  # the Inkling bias: curves over 5 distances from the (absent) layer input
+        extra = {"query_curves": torch.randn(1, H, length, 5, generator=g)}
     return q, k, v, enc, extra
 
 
@@ -70,6 +72,8 @@ def test_heads_first_memory_equals_contiguous_forward_and_backward(method: str, 
     grouped = {"num_kv_heads": kv_heads} if "num_kv_heads" in options_of(get_class(method)) else {}
     enc = posenc.build(method, num_heads=H, head_dim=D, **grouped).double()
     extra = {"log_gates": -torch.rand(b, H, t, generator=g, dtype=torch.float64)} if offers(enc, Gates) else {}
+    if offers(enc, Curves):
+        extra = {"query_curves": torch.randn(b, H, t, 5, generator=g, dtype=torch.float64)}
     w = torch.randn(b, H, t, D, generator=g, dtype=torch.float64)
 
     def grads(inputs: list[torch.Tensor], backend: str) -> list[torch.Tensor]:

@@ -67,7 +67,7 @@ def _fast(spec: ScoreSpec, q: torch.Tensor) -> bool:
 def supports(spec: ScoreSpec, q: torch.Tensor) -> bool:
     # Left-padded rows are split into unpadded calls (padding.by_rows in attend).
     return (offers(spec.encoding, ContextualPositions) and spec.has_query_terms and not (spec.has_bias or spec.has_value_terms)
-            and spec.log_gates is None and padding.supported(spec))
+            and spec.log_gates is None and spec.curves is None and padding.supported(spec))
 
 
 def preferred(spec: ScoreSpec, q: torch.Tensor) -> bool:

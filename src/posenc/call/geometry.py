@@ -146,33 +146,37 @@ class Geometry:
     def embed_positions(self) -> torch.Tensor:
         return self.q_positions
 
-    def spec(self, encoding: PositionalEncoding, scale: float, memo: ForwardMemo | None = None, log_gates: torch.Tensor | None = None) -> ScoreSpec:
-        """The one backend call of a uniform geometry (``log_gates`` (B, H, Tk): see :class:`ScoreSpec`)."""
+    def spec(self, encoding: PositionalEncoding, scale: float, memo: ForwardMemo | None = None, log_gates: torch.Tensor | None = None,
+             curves: torch.Tensor | None = None) -> ScoreSpec:
+        """The one backend call of a uniform geometry (``log_gates`` (B, H, Tk), ``curves`` (B, H, Tq, R):
+        see :class:`ScoreSpec`)."""
         return ScoreSpec(
             encoding=encoding, q_positions=self.q_positions, k_positions=self.k_positions, causal=self.causal, scale=scale,
             memo=ForwardMemo() if memo is None else memo,
             consecutive=self.consecutive, known_q_start=self._q_start, known_k_start=self._k_start, known_aligned=self._aligned, log_gates=log_gates,
+            curves=curves,
         )
 
     def run_spec(self, run: Run, encoding: PositionalEncoding, scale: float, memo: ForwardMemo,
-                 log_gates: torch.Tensor | None = None) -> ScoreSpec:
+                 log_gates: torch.Tensor | None = None, curves: torch.Tensor | None = None) -> ScoreSpec:
         """The backend call of one stacked run of a segmented geometry (``log_gates`` (n, H, Lk): the
-        run's keys' gates)."""
+        run's keys' gates; ``curves`` (n, H, Lq, R): the run's queries' curves)."""
         return ScoreSpec(encoding=encoding, q_positions=run.q_positions, k_positions=run.k_positions, causal=self.causal,
                          scale=scale, memo=memo, consecutive=run.consecutive, known_q_start=run.q_start,
-                         known_k_start=run.k_start, known_aligned=run.aligned, log_gates=log_gates)
+                         known_k_start=run.k_start, known_aligned=run.aligned, log_gates=log_gates, curves=curves)
 
     def cached_spec(self, encoding: PositionalEncoding, scale: float, memo: ForwardMemo, *, causal: bool, k_positions: torch.Tensor,
                     k_start: int, starts: torch.Tensor | None, workspace: Workspace | None,
-                    log_gates: torch.Tensor | None = None) -> ScoreSpec:
+                    log_gates: torch.Tensor | None = None, curves: torch.Tensor | None = None) -> ScoreSpec:
         """The backend call of a step after a KV cache (a geometry of :meth:`step`): its queries, and
         the keys the layer's cache keeps, ``k_positions`` (Tk,) from ``k_start`` (a windowed cache
         forgets its oldest). ``starts`` (B,): each row's first real position (left padding) or None;
         ``workspace``: the buffers the cache keeps between steps; ``log_gates`` (B, H, Tk): every
-        cached key's gate."""
+        cached key's gate; ``curves`` (B, H, Tq, R): the new queries' curves."""
         return ScoreSpec(encoding=encoding, q_positions=self.q_positions, k_positions=k_positions, causal=causal, scale=scale,
                          memo=memo, consecutive=self.consecutive, starts=starts, workspace=workspace,
-                         known_q_start=self._q_start, known_k_start=k_start, known_aligned=True, log_gates=log_gates)
+                         known_q_start=self._q_start, known_k_start=k_start, known_aligned=True, log_gates=log_gates,
+                         curves=curves)
 
     # Filled by ``of`` for a uniform geometry (ints known without reading the device).
     _q_start: int = 0

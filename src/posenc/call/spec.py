@@ -53,6 +53,11 @@ class ScoreSpec:
     # to i. None: no gates. Only backends that know them run such a call (``gated``, ``eager``):
     # they make ``has_query_terms`` true, so every fast path without them steps aside.
     log_gates: torch.Tensor | None = field(default=None, repr=False)
+    # Per-query bias curves over backward distance (B, H, Tq, R) of the queries, in query order
+    # (:class:`Curves`, the Inkling bias): query i and key j gain curves[i, p_i - p_j] for
+    # 0 <= p_i - p_j < R. None: no curves. Like the gates, they make ``has_query_terms`` true, so
+    # only backends that read them (``eager``) run such a call.
+    curves: torch.Tensor | None = field(default=None, repr=False)
     known_q_start: InitVar[int | None] = None
     known_k_start: InitVar[int | None] = None
     known_aligned: InitVar[bool | None] = None
@@ -73,7 +78,7 @@ class ScoreSpec:
         self.q_start, self.k_start, self.aligned = known_q_start, known_k_start, known_aligned
         # What the encoding offers, asked once per spec (plain attributes: nothing for a compiler to trace).
         self.has_bias = offers(self.encoding, Biases)
-        self.has_query_terms = offers(self.encoding, QueryTerms) or self.log_gates is not None
+        self.has_query_terms = offers(self.encoding, QueryTerms) or self.log_gates is not None or self.curves is not None
         self.has_value_terms = offers(self.encoding, ValueTerms)
         self.has_score_mod = offers(self.encoding, Scores)
         self.relative_bias = offers(self.encoding, RelativeBias)  # a bias of i - j alone
@@ -134,6 +139,12 @@ class ScoreSpec:
         if self.log_gates is not None:
             decay = gate_decay(self.cumulative_gates() if cumulative is None else cumulative, q_positions, self.k_positions)
             terms = decay if terms is None else terms.to(decay.dtype) + decay
+        if self.curves is not None:
+            rows = self.curves
+            if q_positions is not self.q_positions:  # a block of the queries: their rows (positions increase)
+                rows = rows[:, :, torch.searchsorted(self.q_positions, q_positions)]  # (B, H, C, R)
+            bias = curve_bias(rows, q_positions, self.k_positions)
+            terms = bias if terms is None else terms + bias.to(terms.dtype)
         if terms is None:
             raise TypeError(f"{type(enc).__name__} has no query terms here (ask has_query_terms first)")
         return terms
@@ -147,8 +158,8 @@ class ScoreSpec:
 
     def part(self, q_positions: torch.Tensor, k_positions: torch.Tensor, *, padded: bool = False, q_start: int | None = None,
              k_start: int | None = None) -> ScoreSpec:
-        """The same call for a sub-range of its queries and keys, without log gates (the backends
-        that split calls by rows take no gated call). ``padded``: keep the left padding (``starts``)
+        """The same call for a sub-range of its queries and keys, without log gates or curves (the
+        backends that split calls by rows take no such call). ``padded``: keep the left padding (``starts``)
         and, for a single query, this call's workspace (a decode step); else neither, and the
         workspace is the memo's (a caller's cache outside posenc, whose entries are keyed by what
         made them). ``q_start`` / ``k_start``: the first positions, when the caller knows them."""
@@ -156,6 +167,20 @@ class ScoreSpec:
         return ScoreSpec(encoding=self.encoding, q_positions=q_positions, k_positions=k_positions, causal=self.causal, scale=self.scale,
                          memo=self.memo, consecutive=self.consecutive, starts=self.starts if padded else None,
                          workspace=self.workspace if keep else None, known_q_start=q_start, known_k_start=k_start)
+
+
+def curve_bias(curves: torch.Tensor, q_positions: torch.Tensor, k_positions: torch.Tensor) -> torch.Tensor:
+    """The curves' score term (the Inkling bias, :class:`~posenc.encodings.protocol.Curves`), (B, H, C, Tk).
+
+    ``curves`` (B, H, C, R): the bias of each of these C queries (at ``q_positions`` (C,)) over the
+    backward distances 0..R-1; key j at ``k_positions[j]`` gets curves[..., p_i - p_j] when
+    0 <= p_i - p_j < R and 0 otherwise (keys after the query, keys R or more behind it).
+    """
+    r = curves.shape[-1]
+    distance = q_positions[:, None] - k_positions[None, :]  # (C, Tk)
+    inside = (distance >= 0) & (distance < r)
+    index = distance.clamp(0, r - 1).expand(*curves.shape[:2], -1, -1)  # (B, H, C, Tk), a view
+    return curves.gather(-1, index).masked_fill(~inside, 0.0)
 
 
 def gate_decay(cumulative: torch.Tensor, q_positions: torch.Tensor, k_positions: torch.Tensor) -> torch.Tensor:
@@ -173,4 +198,4 @@ def gate_decay(cumulative: torch.Tensor, q_positions: torch.Tensor, k_positions:
     return torch.where(later, cj - ci, ci - cj)
 
 
-__all__ = ["ScoreSpec", "gate_decay"]
+__all__ = ["ScoreSpec", "curve_bias", "gate_decay"]

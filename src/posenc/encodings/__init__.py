@@ -13,6 +13,7 @@ from .cope import CoPE
 from .deberta import DeBERTa
 from .fire import FIRE
 from .fox import ForgettingTransformer
+from .inkling import Inkling
 from .kerple import KERPLE
 from .learned import Learned
 from .mrope import MRoPE
@@ -25,7 +26,6 @@ from .shaw import Shaw
 from .sinusoidal import Sinusoidal
 from .t5 import T5Bias, relative_position_bucket
 from .transformer_xl import TransformerXL
-from .xdrope import XDRoPE
 from .xpos import XPos
 
 REGISTRY: dict[str, type[PositionalEncoding]] = {
@@ -36,9 +36,9 @@ REGISTRY[XPos.name] = XPos
 REGISTRY[MRoPE.name] = MRoPE  # multi-axis RoPE: positions with an axis dimension (or 1-D, as RoPE)
 REGISTRY[AxialRoPE.name] = AxialRoPE
 REGISTRY[RoPEMixed.name] = RoPEMixed
-REGISTRY[XDRoPE.name] = XDRoPE  # Hunyuan-VL's four-axis RoPE: (4, T) or (4, B, T) ids
 REGISTRY[DeBERTa.name] = DeBERTa
 REGISTRY[ForgettingTransformer.name] = ForgettingTransformer
+REGISTRY[Inkling.name] = Inkling  # data-dependent distance curves per query (the Curves hook)
 for _remap in (SelfExtend, ReRoPE, STRING, DualChunk):  # training-free position remaps of RoPE (remap.py)
     REGISTRY[_remap.name] = _remap
 

@@ -23,6 +23,11 @@ randomized positions skip values, and fast backends that assume steps of one the
   token from the attention layer's input x (B, T, dim); called by ``posenc.Attention`` on its input
   (``posenc.attend`` takes them as ``log_gates``), kept in the KV cache beside the keys. The score
   of query i and key j gains sum_{l=j+1..i} log f_l (the Forgetting Transformer).
+- :class:`Curves` ``query_curves(x, positions) -> (B, H, T, R)``: data-dependent per-query
+  biases over backward distance (the Inkling bias), from the attention layer's input x (B, T, dim)
+  at the queries' positions; called by ``posenc.Attention`` on its input (``posenc.attend`` takes them
+  as ``query_curves``). Query i and key j gain curves[i, p_i - p_j] for 0 <= p_i - p_j < R, nothing
+  otherwise. They belong to the queries: a KV cache keeps nothing for them.
 - :class:`Remaps` ``regions(q_positions, k_positions) -> [RemapRegion]`` and ``rotate_at(x,
   positions)``: a rotation whose positions depend on the pair (SelfExtend, ReRoPE, STRING, DCA): each
   region is a set of keys per query with its own query and key positions; the attention rotates q
@@ -116,6 +121,11 @@ class ValueTerms(Protocol):
 @runtime_checkable
 class Gates(Protocol):
     def log_gates(self, x: torch.Tensor) -> torch.Tensor: ...
+
+
+@runtime_checkable
+class Curves(Protocol):
+    def query_curves(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor: ...
 
 
 @dataclass(frozen=True)
@@ -262,7 +272,7 @@ class ContextualPositions(Protocol):
     def contextual_positions(self) -> ContextualForm: ...
 
 
-HOOKS: tuple[type, ...] = (Embeds, Rotates, Biases, QueryTerms, ValueTerms, Gates, Remaps)
+HOOKS: tuple[type, ...] = (Embeds, Rotates, Biases, QueryTerms, ValueTerms, Gates, Curves, Remaps)
 CAPABILITIES: tuple[type, ...] = (
     Scores, DistanceBias, RelativeBias, ClippedTables, DistanceKeys, DisentangledTables, BiasFeatures, ContextualPositions,
 )
@@ -304,6 +314,7 @@ def require(encoding: object, capability: type[C]) -> C:
 
 __all__ = [
     "CAPABILITIES", "HOOKS", "BiasFeatures", "BiasTails", "Biases", "ClipTables", "ClippedTables", "ContextualForm", "ContextualPositions",
+    "Curves",
     "DisentangledForm", "DisentangledTables", "DistanceBias", "DistanceKeyForm", "DistanceKeys",
     "Embeds", "Gates",
     "QueryTerms", "RelativeBias", "RemapRegion", "Remaps", "Rotates", "Scores", "ValueTerms", "members", "offers", "require",

@@ -52,7 +52,7 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from ..encodings import build
-from ..encodings.protocol import Embeds, Gates, offers
+from ..encodings.protocol import Curves, Embeds, Gates, offers
 from ..encodings.rope import RoPE
 from ..errors import UsageError
 from ..model.schedule import Schedule
@@ -176,7 +176,7 @@ def use(model: _Model, encoding: str | nn.Module | Schedule, **options: Any) -> 
         _remove_hooks(attention)
         attention.__dict__["_posenc_plan"] = plan
         attention.__dict__["_posenc_forward"] = state
-        if plan is not None and offers(plan.encoding, Gates):
+        if plan is not None and (offers(plan.encoding, Gates) or offers(plan.encoding, Curves)):  # they read the layer input
             attention.__dict__["_posenc_hook_input"] = attention.register_forward_pre_hook(keep_input, with_kwargs=True)
     _remove_hooks(stack)
     stack.__dict__["_posenc_hook_positions"] = stack.register_forward_pre_hook(_positions_hook(state), with_kwargs=True)

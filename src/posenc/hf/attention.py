@@ -21,7 +21,7 @@ from transformers.masking_utils import AttentionMaskInterface
 from ..call.geometry import Geometry
 from ..call.memo import ForwardMemo, Workspace
 from ..encodings.base import PositionalEncoding
-from ..encodings.protocol import Gates, offers, require
+from ..encodings.protocol import Curves, Gates, offers, require
 from ..encodings.query_scale import QueryScale
 from ..errors import UsageError
 from ..functional import attend
@@ -209,9 +209,15 @@ def posenc_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
     log_gates = None
     if offers(plan.encoding, Gates):
         log_gates = _gates(module, plan.encoding, tq, key_end)
+    curves = None
+    if offers(plan.encoding, Curves):  # the Inkling bias: the new queries' curves from the layer input (the cache keeps none)
+        x = module.__dict__.get("_posenc_input")
+        if x is None or x.shape[1] != tq:
+            raise UsageError("inkling: the layer's input did not reach posenc's attention (its curves come from it)")
+        curves = require(plan.encoding, Curves).query_curves(x, geometry.q_positions)
     out = attend(query, key, value, plan.encoding, scale=scaling, geometry=geometry, memo=memo, causal=geometry.causal, rotate=plan.rotate,
                  window=plan.window, chunk=plan.chunk, sinks=sinks, query_scale=plan.query_scale,
-                 softcap=None if softcap is None else float(softcap), log_gates=log_gates)
+                 softcap=None if softcap is None else float(softcap), log_gates=log_gates, query_curves=curves)
     return out.transpose(1, 2).contiguous(), None
 
 

@@ -21,7 +21,7 @@ from torch import nn
 
 from ..encodings import build, get_class, options_of
 from ..encodings.base import PositionalEncoding
-from ..encodings.protocol import Embeds, Gates, Remaps, offers
+from ..encodings.protocol import Curves, Embeds, Gates, Remaps, offers
 from ..encodings.rope import RoPE
 from ..errors import UsageError
 from ..model.schedule import Layer, Schedule
@@ -292,10 +292,12 @@ def layer_plans(model: Any, config: Any, family: Family | None, attentions: list
         if layer.sinks and (family is None or family.sinks is None):
             raise UsageError(f"schedule: layer {i} asks for sinks, but the {type(attention).__name__} of this model has no "
                              "sink logits")
-        if offers(enc, Gates) and (layer.window or layer.chunk or layer.sinks or getattr(config, "attn_logit_softcapping", None)):
+        if (offers(enc, Gates) or offers(enc, Curves)) and (layer.window or layer.chunk or layer.sinks
+                                                              or getattr(config, "attn_logit_softcapping", None)):
             what = "window" if layer.window else "chunk" if layer.chunk else "sinks" if layer.sinks else "logit soft cap"
-            raise UsageError(f"{getattr(enc, 'name', type(enc).__name__)}: layer {i} of this model has a {what}, and forget "
-                             "gates run only on full causal attention (posenc has no gated path with windows, chunks, sinks "
+            kind = "forget gates" if offers(enc, Gates) else "bias curves"
+            raise UsageError(f"{getattr(enc, 'name', type(enc).__name__)}: layer {i} of this model has a {what}, and {kind} "
+                             "run only on full attention (posenc has no such path with windows, chunks, sinks "
                              "or soft caps); refusing before any forward")
         if enc not in modules:
             modules.append(enc)

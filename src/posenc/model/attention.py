@@ -18,10 +18,10 @@ from ..call.axes import as_taken, check_takes_axes
 from ..call.geometry import Geometry, check_positions
 from ..call.memo import ForwardMemo
 from ..encodings.base import PositionalEncoding, content_scale
-from ..encodings.protocol import Gates, Rotates, offers, require
+from ..encodings.protocol import Curves, Gates, Rotates, offers, require
 from ..encodings.query_scale import QueryScale
 from ..errors import UsageError, check_positive
-from ..functional import GATES_ALONE, run, run_geometry
+from ..functional import CURVES_ALONE, GATES_ALONE, run, run_geometry
 from .cache import LayerCache
 
 
@@ -81,6 +81,8 @@ class Attention(nn.Module):
         Extras(window, chunk, None, query_scale)  # checks them
         if offers(encoding, Gates) and (window is not None or chunk is not None or sinks):
             raise UsageError(GATES_ALONE)
+        if offers(encoding, Curves) and (window is not None or chunk is not None or sinks):
+            raise UsageError(CURVES_ALONE)
         self.window, self.chunk, self.query_scale = window, chunk, query_scale
         self.sinks = nn.Parameter(torch.zeros(num_heads)) if sinks else None  # (H,) logits
 
@@ -134,16 +136,24 @@ class Attention(nn.Module):
                 mask = None if attention_mask is None else _padding_mask(attention_mask)
                 geometry = Geometry.of(b, t, t, x.device, positions=positions, causal=self.causal,
                                        document_ids=document_ids, key_padding_mask=mask, encoding=self.encoding)
-            out, name = run_geometry(q, k, v, self.encoding, geometry, scale, memo, self.backend, True, self.extras, gates)
+            curves = self._curves(x, geometry)  # (B, H, T, R): the Inkling bias of each query, from x
+            out, name = run_geometry(q, k, v, self.encoding, geometry, scale, memo, self.backend, True, self.extras, gates, curves)
         else:
             if document_ids is not None or attention_mask is not None:
                 raise UsageError("document_ids and attention_mask take no KV cache (a cache's padding comes from new_cache(padding=...))")
-            out, name = self._cached(q, k, v, positions, cache, memo, scale, geometry, gates)
+            out, name = self._cached(q, k, v, positions, cache, memo, scale, geometry, gates, x)
         if not torch.compiler.is_compiling():
             self.last_backend = name
         return self.proj(out.transpose(1, 2).reshape(b, t, self.dim))
 
-    def _cached(self, q, k, v, positions, cache: LayerCache, memo, scale, geometry, gates=None) -> tuple[torch.Tensor, str]:
+    def _curves(self, x: torch.Tensor, geometry: Geometry) -> torch.Tensor | None:
+        """Per-query bias curves (B, H, T, R) of an encoding with the Curves hook, from the layer input
+        at the queries' positions (their own: a KV cache keeps nothing for them); else None."""
+        if not offers(self.encoding, Curves):
+            return None
+        return self.encoding.query_curves(x, geometry.q_positions)
+
+    def _cached(self, q, k, v, positions, cache: LayerCache, memo, scale, geometry, gates=None, x=None) -> tuple[torch.Tensor, str]:
         """A step after the KV cache: rotate (unless the rotation depends on the length), append, attend."""
         b, t = q.shape[0], q.shape[-2]
         past = cache.length
@@ -184,7 +194,8 @@ class Attention(nn.Module):
             else:
                 q, k = rotation.rotate(q, k, positions, k_positions)
         spec = geometry.cached_spec(self.encoding, scale, memo, causal=self.causal, k_positions=k_positions, k_start=cache.start,
-                                    starts=cache.starts(q.device), workspace=cache.workspace, log_gates=gates)
+                                    starts=cache.starts(q.device), workspace=cache.workspace, log_gates=gates,
+                                    curves=None if x is None else self._curves(x, geometry))
         return run(q, k, v, spec, self.backend, rotate=False, extras=self.extras)
 
 

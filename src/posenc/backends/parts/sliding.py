@@ -58,7 +58,7 @@ def _applies(spec: ScoreSpec, q: torch.Tensor, window: int) -> bool:
     a CPU with the flash ops, and a window that cuts (more keys than W)."""
     if not (FLASH_OPS and q.device.type == "cpu" and q.dtype in (torch.float32, torch.float64)):
         return False
-    if not (spec.causal and spec.contained and spec.starts is None and spec.log_gates is None):
+    if not (spec.causal and spec.contained and spec.starts is None and spec.log_gates is None and spec.curves is None):
         return False
     if spec.has_query_terms or spec.has_value_terms or q.shape[-2] < 2 or window < 2 or spec.k_positions.numel() <= window:
         return False
