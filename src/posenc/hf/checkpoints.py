@@ -15,11 +15,14 @@ Reading GGUF needs the ``gguf`` and ``accelerate`` packages (``pip install 'pose
 from __future__ import annotations
 
 import importlib.util
+import json
+import zipfile
 from pathlib import Path
 from typing import Any
 
 import torch
 import transformers
+from safetensors import SafetensorError, safe_open
 from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
@@ -82,14 +85,60 @@ def _load_gguf(path: Path, dtype: torch.dtype) -> tuple[PreTrainedModel, Any]:
     return model, tokenizer
 
 
+def read_config(folder: Path) -> dict[str, Any]:
+    """The JSON object in ``folder/config.json``.
+
+    Raises:
+        UsageError: the file cannot be read, is not JSON, or holds something other than one object.
+    """
+    path = folder / "config.json"
+    try:
+        values = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as err:
+        raise UsageError(f"checkpoint: {path} is not a readable JSON file ({err}); restore it from the model's "
+                         "save_pretrained") from None
+    if not isinstance(values, dict):
+        raise UsageError(f"checkpoint: {path} must hold one JSON object (a transformers config), got "
+                         f"{type(values).__name__}")
+    return values
+
+
+def _check_weight_files(folder: Path) -> None:
+    """Each weight file's header read (safetensors) or its container checked (a torch .bin: a zip
+    archive or a legacy pickle), so a truncated or foreign file is named before transformers reads it."""
+    for path in sorted(folder.glob("*.safetensors")):
+        try:
+            with safe_open(str(path), framework="pt"):
+                pass
+        except (OSError, SafetensorError) as err:
+            raise UsageError(f"checkpoint: {path} is not a readable safetensors file ({err}); it may be truncated") from None
+    for path in sorted(folder.glob("pytorch_model*.bin")):
+        with path.open("rb") as f:
+            legacy = f.read(1) == b"\x80"  # (torch.save before the zip format: a pickle)
+        if not legacy and not zipfile.is_zipfile(path):
+            raise UsageError(f"checkpoint: {path} is not a readable torch file (neither a zip archive nor a pickle); "
+                             "it may be truncated")
+
+
 def _load_folder(folder: Path, dtype: torch.dtype) -> tuple[PreTrainedModel, Any]:
-    config = transformers.AutoConfig.from_pretrained(folder, local_files_only=True)
+    values = read_config(folder)
+    try:
+        config = transformers.AutoConfig.from_pretrained(folder, local_files_only=True)
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        kind = values.get("model_type")
+        raise UsageError(f"checkpoint: {folder / 'config.json'} is not a config this transformers "
+                         f"({transformers.__version__}) reads (model_type {kind!r}): {str(err).splitlines()[0]}") from None
+    _check_weight_files(folder)
     if isinstance(getattr(config, "posenc", None), dict):  # saved after posenc.hf.use: its encoding restored
         from .adapter import from_pretrained
 
         model = from_pretrained(AutoModelForCausalLM, folder, config=config, dtype=dtype, local_files_only=True)
     else:
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, local_files_only=True)
+        try:
+            model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, local_files_only=True)
+        except ValueError as err:  # (a config transformers has no causal LM for)
+            raise UsageError(f"checkpoint: {folder} is not a causal LM transformers can load: "
+                             f"{str(err).splitlines()[0]}") from None
     tokenizer = None
     if any((folder / name).is_file() for name in _TOKENIZER):
         tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
@@ -112,7 +161,8 @@ def load_pretrained(path: str | Path, *, dtype: torch.dtype = torch.float32, dev
     Raises:
         UsageError: ``path`` does not exist; it is a file but not a ``.gguf``; a folder without
             weights (neither ``config.json`` with weights nor a ``.gguf``) or with several ``.gguf``
-            files; a ``.gguf`` while the ``gguf`` (or ``accelerate``) package is missing.
+            files; a ``config.json`` that is not JSON or not a config transformers reads; a truncated
+            weight file; a ``.gguf`` while the ``gguf`` (or ``accelerate``) package is missing.
     """
     p = Path(path)
     if not p.exists():
@@ -145,4 +195,4 @@ def is_checkpoint(path: str | Path) -> bool:
     return p.is_dir() and ((p / "config.json").is_file() or any(p.glob("*.gguf")))
 
 
-__all__ = ["SMOLLM2_FILE", "is_checkpoint", "load_pretrained", "smollm2_gguf"]
+__all__ = ["SMOLLM2_FILE", "is_checkpoint", "load_pretrained", "read_config", "smollm2_gguf"]

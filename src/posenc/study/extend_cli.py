@@ -67,6 +67,7 @@ def add_extend_arguments(p: argparse.ArgumentParser) -> None:
 def config_from_args(args: argparse.Namespace) -> ExtendConfig:
     """The :class:`ExtendConfig` of the command line: given options, then a study's, then defaults."""
     checkpoint = Path(args.checkpoint)
+    check_checkpoint_path(checkpoint)
     defaults = study_defaults(checkpoint, args.length, pose=bool(getattr(args, "pose", False)))
     given = {"length": args.length, "steps": args.steps, "train_length": args.train_length, "lr": args.lr,
              "batch_size": args.batch_size, "warmup": args.warmup, "seed": args.seed, "data": args.data,
@@ -106,6 +107,22 @@ def config_from_args(args: argparse.Namespace) -> ExtendConfig:
                         pose_chunks=2 if chunks is None else chunks, remaps=list(getattr(args, "remap", None) or []), **values)
 
 
+def check_checkpoint_path(checkpoint: Path) -> None:
+    """The checkpoint named on the command line exists and is a kind ``posenc extend`` reads, checked
+    before any option is derived from it.
+
+    Raises:
+        UsageError: ``checkpoint`` does not exist, or is a folder holding neither a ``config.json``
+            nor a ``.gguf`` file.
+    """
+    if not checkpoint.exists():
+        raise UsageError(f"checkpoint: {checkpoint} does not exist (a posenc NAME.safetensors, a transformers "
+                         "model's folder, or a .gguf file)")
+    if checkpoint.is_dir() and not is_transformers(checkpoint):
+        raise UsageError(f"checkpoint: the folder {checkpoint} holds neither a config.json with weights "
+                         "(save_pretrained) nor a .gguf file; a posenc checkpoint is its NAME.safetensors file")
+
+
 def check_run_options(device: object, threads: object) -> None:
     """``--device`` and ``--threads`` before anything is loaded.
 
@@ -130,4 +147,4 @@ def run_extend(args: argparse.Namespace) -> int:
     return 0
 
 
-__all__ = ["add_extend_arguments", "check_run_options", "config_from_args", "run_extend"]
+__all__ = ["add_extend_arguments", "check_checkpoint_path", "check_run_options", "config_from_args", "run_extend"]

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import copy
 import hashlib
-import json
 import shutil
 from pathlib import Path
 from typing import Any
@@ -47,7 +46,7 @@ from transformers import PreTrainedModel
 from .. import hf as posenc_hf
 from ..encodings.rope import RoPE
 from ..errors import UsageError
-from ..hf.checkpoints import load_pretrained
+from ..hf.checkpoints import load_pretrained, read_config
 from ..hf.families import text_config
 from .data import Corpus, tokenized
 from .extend_config import ExtendConfig
@@ -66,7 +65,11 @@ def load(path: str | Path, device: str = "cpu") -> PreTrainedModel:
 
 def train_length_of(path: str | Path) -> int | None:
     """The default training length of the model in ``path``: its ``max_position_embeddings`` (a GGUF
-    file's context length, read from its metadata without its weights)."""
+    file's context length, read from its metadata without its weights).
+
+    Raises:
+        UsageError: the folder's ``config.json`` is not JSON or not one object.
+    """
     p = Path(path)
     if p.is_dir() and not (p / "config.json").is_file():
         p = next(iter(sorted(p.glob("*.gguf"))), p)  # a folder holding a GGUF file
@@ -77,10 +80,9 @@ def train_length_of(path: str | Path) -> int | None:
             return None
         n = getattr(text_config(config), "max_position_embeddings", None)
         return int(n) if isinstance(n, int) and n > 0 else None
-    try:
-        values = json.loads((p / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+    if not (p / "config.json").is_file():
         return None
+    values = read_config(p)  # (a corrupt config.json: named now, before anything else asks for a length)
     inner = values.get("text_config") or values
     n = inner.get("max_position_embeddings") if isinstance(inner, dict) else None
     return int(n) if isinstance(n, int) and n > 0 else None
