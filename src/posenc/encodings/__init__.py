@@ -26,6 +26,7 @@ from .shaw import Shaw
 from .sinusoidal import Sinusoidal
 from .t5 import T5Bias, relative_position_bucket
 from .transformer_xl import TransformerXL
+from .xdrope import XDRoPE
 from .xpos import XPos
 
 REGISTRY: dict[str, type[PositionalEncoding]] = {
@@ -36,6 +37,7 @@ REGISTRY[XPos.name] = XPos
 REGISTRY[MRoPE.name] = MRoPE  # multi-axis RoPE: positions with an axis dimension (or 1-D, as RoPE)
 REGISTRY[AxialRoPE.name] = AxialRoPE
 REGISTRY[RoPEMixed.name] = RoPEMixed
+REGISTRY[XDRoPE.name] = XDRoPE  # Hunyuan-VL's four-axis RoPE: (4, T) or (4, B, T) ids
 REGISTRY[DeBERTa.name] = DeBERTa
 REGISTRY[ForgettingTransformer.name] = ForgettingTransformer
 REGISTRY[Inkling.name] = Inkling  # data-dependent distance curves per query (the Curves hook)
