@@ -20,12 +20,14 @@ import posenc
 BREAKS = {
     "nope": 0, "sinusoidal": 0, "learned": 0, "rope": 0, "sandwich": 0,
     "mrope": 0, "axial_rope": 0, "rope_mixed": 0, "xdrope": 0,  # the ids index the precomputed table, as RoPE's
+    "pope": 0,            # its rotation: elementwise, on the positions
     "deberta": 0,         # T=64 is below the disentangled path's MIN_PAIRS: eager (a long call: its rows read once, the band + far loop)
     "shaw": 5,            # terms: the band + far kernel loop (regions.flushed, opaque)
     "transformer_xl": 8,  # distance: per-distance keys through as_strided views
     "alibi": 4,           # blocked: the plan (a bound on |q.k|, the slopes) and the kernel loop, one opaque call
     "t5": 4,              # blocked, as ALiBi
     "kerple": 6,          # explicit: the kernel loop per query block
+    "dpb": 6,             # explicit, as KERPLE
     "fire": 4,            # explicit
     "cope": 5,            # contextual: the band + far kernel loop
     "fox": 5,             # gated: the forgotten keys per block (the gates, |q.k|) and the kernel loop, one opaque call
@@ -39,7 +41,7 @@ OPAQUE = "Skip calling `torch.compiler.disable()`d function"  # a backend's kern
 #: Why each method breaks the graph (the first line of dynamo's reason), as documented in docs/own-model.md.
 REASONS: dict[str, tuple[str, ...]] = {
     **{m: () for m, n in BREAKS.items() if n == 0},
-    **{m: (OPAQUE,) for m in ("shaw", "alibi", "t5", "kerple", "fire", "cope", "fox", "selfextend", "rerope", "string", "dca")},
+    **{m: (OPAQUE,) for m in ("shaw", "alibi", "t5", "kerple", "dpb", "fire", "cope", "fox", "selfextend", "rerope", "string", "dca")},
     "transformer_xl": ("torch.* op returned non-Tensor",),
     "xpos": ("Data dependent operator", "Unsupported Tensor.item() call with capture_scalar_outputs=False"),
 }

@@ -41,6 +41,7 @@ def allowed(qp: torch.Tensor, kp: torch.Tensor, causal: bool, window=None, chunk
 def reference(enc, q, k, v, qp, kp, causal, window=None, chunk=None, sinks=None, factor=None):
     """softmax(q k^T / sqrt(D) + bias + query_terms + mask [, sink]) v + value_terms, whole; a position
     remap's scores are each pair's region's rotated q . k."""
+    scale = content_scale(enc, q.shape[-1])  # of the projections' width: PoPE's rotation widens q and k
     if offers(enc, Rotates):
         q, k = enc.rotate(q, k, qp, kp)
     if factor is not None:
@@ -54,7 +55,7 @@ def reference(enc, q, k, v, qp, kp, causal, window=None, chunk=None, sinks=None,
             scores = enc.rotate_at(q, region.q_at) @ enc.rotate_at(k, region.k_at).transpose(-1, -2) / q.shape[-1] ** 0.5
             s = torch.where(inside, scores, s)
     else:
-        s = q @ k.transpose(-1, -2) * content_scale(enc, q.shape[-1])  # 1/sqrt(D) unless the encoding says otherwise
+        s = q @ k.transpose(-1, -2) * scale  # 1/sqrt(D) unless the encoding says otherwise
     if offers(enc, Biases):
         s = s + enc.bias(qp, kp)
     if offers(enc, QueryTerms):

@@ -11,6 +11,7 @@ from .axial_rope import AxialRoPE, RoPEMixed
 from .base import PositionalEncoding, has_hook
 from .cope import CoPE
 from .deberta import DeBERTa
+from .dynamic_bias import DynamicPositionBias
 from .fire import FIRE
 from .fox import ForgettingTransformer
 from .inkling import Inkling
@@ -18,6 +19,7 @@ from .kerple import KERPLE
 from .learned import Learned
 from .mrope import MRoPE
 from .nope import NoPE
+from .pope import PoPE
 from .protocol import offers
 from .remap import STRING, DualChunk, ReRoPE, SelfExtend
 from .rope import RoPE
@@ -41,6 +43,8 @@ REGISTRY[XDRoPE.name] = XDRoPE  # Hunyuan-VL's four-axis RoPE: (4, T) or (4, B, 
 REGISTRY[DeBERTa.name] = DeBERTa
 REGISTRY[ForgettingTransformer.name] = ForgettingTransformer
 REGISTRY[Inkling.name] = Inkling  # data-dependent distance curves per query (the Curves hook)
+REGISTRY[PoPE.name] = PoPE  # its rotate widens q and k to 2 D features (values keep D)
+REGISTRY[DynamicPositionBias.name] = DynamicPositionBias
 for _remap in (SelfExtend, ReRoPE, STRING, DualChunk):  # training-free position remaps of RoPE (remap.py)
     REGISTRY[_remap.name] = _remap
 

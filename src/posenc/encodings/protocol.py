@@ -12,7 +12,8 @@ randomized positions skip values, and fast backends that assume steps of one the
 - :class:`Embeds` ``embed(x, positions) -> x``: absolute information added to the token embeddings
   x (B, T, dim); called once by the model on its input, not by every attention layer.
 - :class:`Rotates` ``rotate(q, k, q_positions, k_positions) -> (q, k)``: queries and keys
-  transformed before the content product (RoPE and its family).
+  transformed before the content product (RoPE and its family); the returned q and k share one head
+  size, which may differ from the values' (PoPE widens them to 2 D features).
 - :class:`Biases` ``bias(q_positions, k_positions) -> (H, Tq, Tk)``: an additive score bias, the
   same for every item of the batch (T5, ALiBi and the biases after them).
 - :class:`QueryTerms` ``query_terms(q, k, q_positions, k_positions) -> (B, H, Tq, Tk)``: score
@@ -44,9 +45,10 @@ tested against.
 
 - :class:`Scores`: ``score(h, i, j)``, the bias as a scalar function, elementwise over
   broadcastable integer tensors of head, query position and key position: a fused kernel's score
-  modifier (``backends/flex.py``). Every bias method of posenc offers it.
+  modifier (``backends/flex.py``). Every bias method of posenc offers it but the dynamic position
+  bias (its MLP, run per pair, would cost a W x W product per score: ``blocked`` runs it instead).
 - :class:`DistanceBias`: ``relative_bias(r) -> (H, *r.shape)``: a bias that depends on r = j - i
-  alone (KERPLE), so a backend needs one vector per head, not an (H, N, N) tensor
+  alone (KERPLE, the dynamic position bias), so a backend needs one vector per head, not an (H, N, N) tensor
   (``backends/parts/explicit.py``).
 - :class:`RelativeBias`: ``relative_bias(r) -> (H, *r.shape)`` and ``bias_tails() -> BiasTails``:
   a bias that depends on r = j - i alone and, past some distance, is constant or linear in r (T5's

@@ -33,6 +33,10 @@ METHODS: dict[str, tuple[dict, dict] | None] = {
     "xpos": ({"use_abs_pos_emb": False}, {"rotary_xpos": True, "rotary_emb_dim": None}),
     # CoPE: x-transformers' own (attn_use_cope); posenc's cope default max_pos is 16 as well.
     "cope": ({"use_abs_pos_emb": False}, {"attn_use_cope": True, "attn_cope_max_pos": 16}),
+    # PoPE: PolarEmbedding (one phase bias for all layers there, one per layer in posenc).
+    "pope": ({"use_abs_pos_emb": False}, {"polar_pos_emb": True}),
+    # The dynamic position bias: width dim // 4 and depth 2 in both, distances not log-spaced.
+    "dpb": ({"use_abs_pos_emb": False}, {"dynamic_pos_bias": True, "dynamic_pos_bias_mlp_depth": 2}),
 }
 
 
