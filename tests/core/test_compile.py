@@ -19,7 +19,7 @@ import posenc
 # Graph breaks of LM(dim 32, depth 2, 4 heads) at T=64, and where they come from (docs/own-model.md).
 BREAKS = {
     "nope": 0, "sinusoidal": 0, "learned": 0, "rope": 0, "sandwich": 0,
-    "mrope": 0, "axial_rope": 0, "rope_mixed": 0, "xdrope": 0,  # the ids index the precomputed table, as RoPE's
+    "mrope": 0, "axial_rope": 0, "rope_mixed": 0, "xdrope": 0, "fope": 0,  # the ids index the precomputed table, as RoPE's
     "pope": 0,            # its rotation: elementwise, on the positions
     "deberta": 0,         # T=64 is below the disentangled path's MIN_PAIRS: eager (a long call: its rows read once, the band + far loop)
     "shaw": 5,            # terms: the band + far kernel loop (regions.flushed, opaque)

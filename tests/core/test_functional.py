@@ -21,7 +21,7 @@ H, HKV, D = 4, 2, 16
 def encoding(method: str, causal: bool = True, dtype=torch.float32):
     torch.manual_seed(1)
     options = {"max_positions": 512} if method == "learned" else {}
-    if method == "rope_mixed":  # frequencies per key head: a query and its key turn alike
+    if method in ("rope_mixed", "fope"):  # frequencies (coefficients) per key head: a query and its key turn alike
         options = {"num_kv_heads": HKV}
     enc = build(method, num_heads=H, head_dim=D, causal=causal, **options)
     for p in enc.parameters():  # large enough that the position terms matter

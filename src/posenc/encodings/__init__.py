@@ -13,6 +13,7 @@ from .cope import CoPE
 from .deberta import DeBERTa
 from .dynamic_bias import DynamicPositionBias
 from .fire import FIRE
+from .fope import FoPE
 from .fox import ForgettingTransformer
 from .inkling import Inkling
 from .kerple import KERPLE
@@ -40,6 +41,7 @@ REGISTRY[MRoPE.name] = MRoPE  # multi-axis RoPE: positions with an axis dimensio
 REGISTRY[AxialRoPE.name] = AxialRoPE
 REGISTRY[RoPEMixed.name] = RoPEMixed
 REGISTRY[XDRoPE.name] = XDRoPE  # Hunyuan-VL's four-axis RoPE: (4, T) or (4, B, T) ids
+REGISTRY[FoPE.name] = FoPE  # RoPE's pairs as learned Fourier series (per key head)
 REGISTRY[DeBERTa.name] = DeBERTa
 REGISTRY[ForgettingTransformer.name] = ForgettingTransformer
 REGISTRY[Inkling.name] = Inkling  # data-dependent distance curves per query (the Curves hook)

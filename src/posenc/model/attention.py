@@ -175,7 +175,14 @@ class Attention(nn.Module):
         if rotation is not None and not late:
             # New q and k at their own ids (the slots with 1-D positions); cached keys keep theirs.
             at = positions if axes is None else as_taken(self.encoding, axes)
-            q, k = rotation.rotate(q, k, at, at)
+            if axes is None and cache.padding is not None and any(cache.padding) and not self.encoding.shift_invariant:
+                # A rotation of absolute positions (FoPE): each left-padded row turns at its own positions, counted
+                # from its first real token as the full pass counts them (its padding slots clamped to 0: masked).
+                turned = [rotation.rotate(q[b : b + 1], k[b : b + 1], (at - pad).clamp_min(0), (at - pad).clamp_min(0))
+                          for b, pad in enumerate(cache.padding)]
+                q, k = torch.cat([t[0] for t in turned]), torch.cat([t[1] for t in turned])
+            else:
+                q, k = rotation.rotate(q, k, at, at)
         k, v = cache.append(k, v)  # (B, Hkv, past + T, D): views of the cache's buffers
         if axes is not None:
             cache.note_positions(axes)  # each row's next id, for a later step without positions

@@ -25,7 +25,7 @@ COLORS = {
     "nope": "#7f7f7f", "sinusoidal": "#d62728", "learned": "#8c564b", "shaw": "#9467bd",
     "transformer_xl": "#e377c2", "t5": "#2ca02c", "rope": "#ff7f0e", "alibi": "#1f77b4",
     "xpos": "#bcbd22", "kerple": "#17becf", "sandwich": "#393b79", "fire": "#843c39", "cope": "#7b4173",
-    "mrope": "#e6550d", "axial_rope": "#fd8d3c", "rope_mixed": "#a63603", "xdrope": "#d94801",  # oranges: rope's family
+    "mrope": "#e6550d", "axial_rope": "#fd8d3c", "rope_mixed": "#a63603", "xdrope": "#d94801", "fope": "#f16913",  # oranges: rope's family
     "deberta": "#637939", "fox": "#e7ba52", "pope": "#756bb1", "dpb": "#6baed6",
     "hf": "#000000",  # not a method: a transformers model's own attention (hf_config studies)
 }
