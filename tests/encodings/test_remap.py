@@ -102,6 +102,36 @@ def test_float32_on_the_kernel_and_with_sinks(name, opts):
     torch.testing.assert_close(got.double(), want, rtol=0, atol=2e-5)
 
 
+@pytest.mark.parametrize("block, small", [(32, 256), (64, 16)], ids=["blocks", "bands-recut"])
+@pytest.mark.parametrize("name, opts", CASES)
+def test_the_kernels_triangles_give_the_papers_gradients(name, opts, block, small, monkeypatch):
+    """Past one block of queries the regions' edges run on the flash kernel as causal or flipped
+    triangles (a block whose band is narrower than it is cut into small blocks first): outputs and
+    gradients in float32 still equal the float64 reference."""
+    from posenc.backends.parts import remapped
+
+    monkeypatch.setattr(remapped, "BLOCK", block)
+    monkeypatch.setattr(remapped, "EAGER_BLOCK", small)
+    kinds: set[str] = set()
+    plan = remapped._plan
+
+    def seen(*args):
+        out = plan(*args)
+        kinds.update(piece[3] for _, _, pieces in out["blocks"] for piece in pieces)
+        return out
+
+    monkeypatch.setattr(remapped, "_plan", seen)
+    q, k, v = (x.requires_grad_() for x in inputs(t=300))
+    want = reference(name, opts, q, k, v, torch.arange(300))
+    q32, k32, v32 = (x.detach().float().requires_grad_() for x in (q, k, v))
+    got = posenc.attend(q32, k32, v32, build(name, **opts))
+    assert {"causal", "full"} <= kinds and ("flipped" in kinds or name in ("string", "dca")), kinds  # (no band wider than a block)
+    torch.testing.assert_close(got.double(), want, rtol=0, atol=2e-5)
+    g = torch.randn_like(want)
+    for a, b in zip(torch.autograd.grad(got, (q32, k32, v32), g.float()), torch.autograd.grad(want, (q, k, v), g)):
+        torch.testing.assert_close(a.double(), b, rtol=0, atol=5e-5)
+
+
 def test_the_paper_maps_differ_from_rope_where_they_should():
     """The reference is not RoPE in disguise: past the window the outputs differ by order one."""
     q, k, v = inputs()

@@ -9,11 +9,14 @@ How one call runs:
 1. Each region of the encoding gives, per query, an interval of key positions (the causal mask, a
    layer's window and its chunk narrow it) and the positions q and k are rotated at. Its keys are
    rotated once per call (only the range some query of the region sees), its queries once.
-2. The queries are cut into blocks of :data:`BLOCK` (also where a region's interval jumps, at a
+2. The queries are cut into blocks of :data:`BLOCK` (:data:`EAGER_BLOCK` written out; also where a region's interval jumps, at a
    chunk edge). In a block, a region's keys split into at most three *pieces*: the keys every query
    of the block sees (a rectangle: one call of the CPU flash kernel, no mask) and, on either side,
-   the keys only some of them see (a few hundred columns: written out with the mask). With a logit
-   soft cap (Gemma 2) every piece is written out, the cap applied to its content scores.
+   the keys only some of them see. The ends of every method's intervals move one key per query, so
+   those edges are triangles: the kernel's own causal mask runs them, on rows and keys reversed for
+   a left edge (:func:`_edge`); an edge of any other shape (a band narrower than a block) is written
+   out with its mask. With a logit soft cap (Gemma 2) every piece is written out, the cap applied to
+   its content scores.
 3. The pieces are disjoint, so their (output, log-sum-exp) pairs fold into each query's softmax
    exactly (``o = sum_p exp(lse_p - lse) o_p``, ``lse = logsumexp_p lse_p``); attention sinks join as
    one more logit with no value.
@@ -22,14 +25,14 @@ How one call runs:
    softmax over all regions (the flash kernel's backward for the rectangles, written out for the
    rest), then through the rotations by autograd.
 
-No (Tq, Tk) tensor is made: a block holds at most L x (P written-out keys).
+No (Tq, Tk) tensor is made: a block holds at most L x (P written-out keys) scores.
 
 Decode steps: each region keeps its rotated keys (from the first key on) between calls in the KV
 cache's workspace (one slot per layer: the layer's call number in the
 forward, :meth:`~posenc.call.memo.ForwardMemo.next_call`), so a step rotates only its new keys.
 The kept rows are used only when they are still the cache's rows: the same first key position, the
 same number of rows or fewer before this call's queries, and the same per-row sums of the raw keys
-on every 16th kept row and the last 16 (a read of a sixteenth of the keys, which catches another
+on every 16th kept row and the last 16 (a strided read of a sixteenth of the keys, shared by the regions, which catches another
 cache in the same slot or reordered beams; a cache cropped and refilled is caught by its rows
 before the queries); anything else rotates every key again. A left-padded batch
 (``starts``, a decode step of a padded cache) runs row by row, each row at its own positions
@@ -53,9 +56,20 @@ from .base import accumulation_dtype
 from .regions import apply, grouped_sum, kernel_backward, kernel_forward, opaque_to_compile, repeated_heads, use_kernel
 from .windows import Extras
 
-BLOCK = 256  # queries per block
+# Queries per block. On the kernel, 1,024: the CPU flash kernel runs a call of 768 queries or more in
+# tiles of 256 queries, about 13% faster per score than tiles of 64 (its tile below 768), and a
+# triangle edge of 1,024 skips its masked key tiles. Written out (a soft cap, backend="eager"), 256:
+# each piece holds (L, P) scores.
+BLOCK = 1024
+EAGER_BLOCK = 256
+PROBE = 16  # kept keys: every PROBE-th row's sum is checked against the cache on each call
 
-Piece = tuple[int, int, int, bool]  # (region, first key, end key (indices into the region's keys), masked)
+# A piece: (region, first key, end key (indices into the region's keys), kind, first row, end row (of
+# the block)); only rows first..end-1 of the block see the piece's keys. Its kind says how it runs:
+# "full" each of those rows sees every key (the flash kernel, no mask); "causal" the n-th of those rows
+# sees the first n + 1 keys (the kernel's top-left causal mask); "flipped" (square) the n-th sees keys
+# n.. (the kernel's causal mask with rows and keys reversed); "masked" anything else (written out).
+Piece = tuple[int, int, int, str, int, int]
 
 
 @opaque_to_compile  # plans its pieces from the positions on the host: one graph break per call
@@ -104,18 +118,18 @@ def _bounds(region: RemapRegion, qp: torch.Tensor, kp: torch.Tensor, extras: Ext
     return lo, torch.maximum(hi, lo)
 
 
-def _blocks(tq: int, bounds: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[int, int]]:
-    """Query blocks of at most BLOCK, also cut where a region's interval jumps by more than BLOCK // 2
-    keys from one query to the next (a chunk's edge), so that written-out pieces stay narrow."""
+def _blocks(tq: int, bounds: list[tuple[torch.Tensor, torch.Tensor]], size: int) -> list[tuple[int, int]]:
+    """Query blocks of at most ``size``, also cut where a region's interval jumps by more than
+    size // 2 keys from one query to the next (a chunk's edge), so that edge pieces stay narrow."""
     cuts = {0, tq}
     if tq > 1:
         for lo, hi in bounds:
-            jump = ((lo[1:] - lo[:-1]).abs() > BLOCK // 2) | ((hi[1:] - hi[:-1]).abs() > BLOCK // 2)
+            jump = ((lo[1:] - lo[:-1]).abs() > size // 2) | ((hi[1:] - hi[:-1]).abs() > size // 2)
             cuts.update((jump.nonzero().squeeze(-1) + 1).tolist())
     edges = sorted(cuts)
     out: list[tuple[int, int]] = []
     for a, b in zip(edges, edges[1:]):
-        out.extend((s, min(s + BLOCK, b)) for s in range(a, b, BLOCK))
+        out.extend((s, min(s + size, b)) for s in range(a, b, size))
     return out
 
 
@@ -128,6 +142,7 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qp: torch.Tensor,
     regions = enc.regions(qp, kp)
     bounds = [_bounds(r, qp, kp, extras) for r in regions]
     qs, ks, firsts, spans = [], [], [], []
+    probe = _Probe(k, k.shape[-2] - tq)
     for r, (region, (lo, hi)) in enumerate(zip(regions, bounds)):
         seen = hi > lo  # (Tq,) queries with a key in this region
         if not bool(seen.any()):
@@ -138,7 +153,7 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qp: torch.Tensor,
             qr = scaled_queries(qr, extras.query_scale, qp)
         qs.append(qr)
         if kept is not None and not (torch.is_grad_enabled() and k.requires_grad):
-            ks.append(_kept_keys(enc, k, region.k_at, k1, kp, tq, kept, r)[:, :, k0:])
+            ks.append(_kept_keys(enc, k, region.k_at, k1, kp, tq, kept, r, probe)[:, :, k0:])
         else:
             ks.append(enc.rotate_at(k[:, :, k0:k1], region.k_at[k0:k1]))  # (B, Hkv, k1 - k0, D)
         firsts.append(k0)
@@ -151,8 +166,26 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qp: torch.Tensor,
     return apply(_Remapped, plan, scale, firsts, v, sinks, *qs, *ks)
 
 
+class _Probe:
+    """Per-row sums of the raw keys before this call's queries, on every :data:`PROBE` th row (read
+    once per call through a strided view, shared by the regions) and on the last 16 of a prefix."""
+
+    def __init__(self, k: torch.Tensor, before: int):
+        self.k, self.before = k, before
+        self._strided: torch.Tensor | None = None
+
+    def matches(self, sums: torch.Tensor, valid: int) -> bool:
+        """True when the kept ``sums`` (B, Hkv, >= valid) agree with the keys' rows 0..valid-1 at the probes."""
+        if self._strided is None:
+            self._strided = self.k[:, :, :self.before:PROBE].sum(-1)  # (B, Hkv, ceil(before / PROBE))
+        n = -(-valid // PROBE)
+        tail = max(0, valid - 16)
+        return (torch.equal(sums[..., :valid:PROBE], self._strided[..., :n])
+                and torch.equal(sums[..., tail:valid], self.k[:, :, tail:valid].sum(-1)))
+
+
 def _kept_keys(enc: Remaps, k: torch.Tensor, k_at: torch.Tensor, k1: int, kp: torch.Tensor, tq: int,
-               kept: tuple[Workspace, object], region: int) -> torch.Tensor:
+               kept: tuple[Workspace, object], region: int, probe: _Probe) -> torch.Tensor:
     """Keys 0..k1-1 rotated at ``k_at``, (B, Hkv, k1, D): the rows kept from the slot's last call
     that are still the cache's (see the module docstring), the others rotated now and kept."""
     workspace, slot = kept
@@ -162,8 +195,7 @@ def _kept_keys(enc: Remaps, k: torch.Tensor, k_at: torch.Tensor, k1: int, kp: to
     rows, valid = entry.get("rows"), 0
     if rows is not None and entry["first"] == int(kp[0]):
         valid = min(entry["n"], tk - tq, k1)
-        probe = torch.cat((torch.arange(0, valid, 16), torch.arange(max(0, valid - 16), valid))).to(k.device)
-        if valid and not torch.equal(entry["sums"][..., probe], k[:, :, probe].sum(-1)):
+        if valid and not probe.matches(entry["sums"], valid):
             valid = 0
     if rows is None or rows.shape[2] < k1:
         grown = k.new_empty(b, hkv, max(k1, 2 * (0 if rows is None else rows.shape[2]), 16), d)  # (B, Hkv, capacity, D)
@@ -183,36 +215,67 @@ def _kept_keys(enc: Remaps, k: torch.Tensor, k_at: torch.Tensor, k1: int, kp: to
 
 
 def _plan(tq: int, spans: list[tuple[torch.Tensor, torch.Tensor]], eager: bool) -> dict[str, Any]:
-    """Blocks and their pieces: for each block of queries (a, b), the pieces of each region."""
-    blocks = _blocks(tq, spans)
+    """Blocks and their pieces: for each block of queries (a, b), the pieces of each region. A block
+    of :data:`BLOCK` with an edge that is not a triangle (a band narrower than the block) is cut into
+    blocks of :data:`EAGER_BLOCK`, so that what is written out stays narrow."""
     lists = [(lo.tolist(), hi.tolist()) for lo, hi in spans]
     plan_blocks: list[tuple[int, int, list[Piece]]] = []
-    for a, b in blocks:
-        pieces: list[Piece] = []
-        for r, (lo, hi) in enumerate(lists):
-            rows = [(x, y) for x, y in zip(lo[a:b], hi[a:b]) if y > x]
-            if not rows:
-                continue
-            first, end = min(x for x, _ in rows), max(y for _, y in rows)
-            if len(rows) == b - a:
-                inner_lo, inner_hi = max(lo[a:b]), min(hi[a:b])  # keys every query of the block sees
-            else:
-                inner_lo = inner_hi = end
-            if eager or inner_hi - inner_lo < 1:
-                pieces.append((r, first, end, True))
-                continue
-            if first < inner_lo:
-                pieces.append((r, first, inner_lo, True))
-            pieces.append((r, inner_lo, inner_hi, False))
-            if inner_hi < end:
-                pieces.append((r, inner_hi, end, True))
-        plan_blocks.append((a, b, pieces))
+    for a, b in _blocks(tq, spans, EAGER_BLOCK if eager else BLOCK):
+        pieces = _pieces(lists, a, b, eager)
+        if b - a > EAGER_BLOCK and any(p[3] == "masked" for p in pieces):
+            plan_blocks.extend((s, min(s + EAGER_BLOCK, b), _pieces(lists, s, min(s + EAGER_BLOCK, b), eager))
+                               for s in range(a, b, EAGER_BLOCK))
+        else:
+            plan_blocks.append((a, b, pieces))
     return {"blocks": plan_blocks, "spans": spans}
+
+
+def _pieces(lists: list[tuple[list[int], list[int]]], a: int, b: int, eager: bool) -> list[Piece]:
+    """The pieces of each region for the queries a..b-1 (``lists``: each region's (lo, hi) per query)."""
+    pieces: list[Piece] = []
+    for r, (lo, hi) in enumerate(lists):
+        rows = [(x, y) for x, y in zip(lo[a:b], hi[a:b]) if y > x]
+        if not rows:
+            continue
+        first, end = min(x for x, _ in rows), max(y for _, y in rows)
+        if len(rows) == b - a:
+            inner_lo, inner_hi = max(lo[a:b]), min(hi[a:b])  # keys every query of the block sees
+        else:
+            inner_lo = inner_hi = end
+        if eager:
+            pieces.append((r, first, end, "masked", 0, b - a))
+            continue
+        if inner_hi - inner_lo < 1:
+            pieces.append((r, first, end, *_edge(lo[a:b], hi[a:b], first, end)))
+            continue
+        if first < inner_lo:
+            pieces.append((r, first, inner_lo, *_edge(lo[a:b], hi[a:b], first, inner_lo)))
+        pieces.append((r, inner_lo, inner_hi, "full", 0, b - a))
+        if inner_hi < end:
+            pieces.append((r, inner_hi, end, *_edge(lo[a:b], hi[a:b], inner_hi, end)))
+    return pieces
+
+
+def _edge(lo: list[int], hi: list[int], c0: int, c1: int) -> tuple[str, int, int]:
+    """(kind, first row, end row) of the piece of keys c0..c1-1 for the rows whose keys are
+    lo[n]..hi[n]-1 (see :data:`Piece`). The edges of a band whose ends move one key per query (the
+    causal diagonal, SelfExtend's neighbour window, ReRoPE's and STRING's local window, DCA's chunks)
+    are triangles: "causal" past the rows that see none of the piece, or "flipped" before them."""
+    p, n = c1 - c0, len(lo)
+    seen = [(max(x, c0) - c0, min(y, c1) - c0) for x, y in zip(lo, hi)]  # per row: [first, end) in the piece
+    skip = 0
+    while skip < n and seen[skip][1] <= seen[skip][0]:
+        skip += 1
+    if skip < n and all(f == 0 and e == min(r + 1, p) for r, (f, e) in enumerate(seen[skip:])):
+        return "causal", skip, n
+    if p <= n and all(f == r and e == p for r, (f, e) in enumerate(seen[:p])) and all(e <= f for f, e in seen[p:]):
+        return "flipped", 0, p
+    return "masked", 0, n
 
 
 def _mask(spans: list[tuple[torch.Tensor, torch.Tensor]], piece: Piece, a: int, b: int) -> torch.Tensor:
     """(L, P) bool: which keys of a written-out piece each query of rows a..b sees."""
-    r, c0, c1, _ = piece
+    r, c0, c1 = piece[:3]
     lo, hi = spans[r]
     cols = torch.arange(c0, c1, device=lo.device)[None, :]
     return (cols >= lo[a:b, None]) & (cols < hi[a:b, None])
@@ -263,18 +326,20 @@ class _Remapped(torch.autograd.Function):
         acc = accumulation_dtype(qs[0].dtype)
         outs, lses = [], []
         for a, e, pieces in plan["blocks"]:
-            o, lse = None, None
+            o = qs[0].new_zeros(b, h, e - a, v.shape[-1], dtype=acc)  # (B, H, L, Dv)
+            lse = qs[0].new_full((b, h, e - a), -math.inf, dtype=acc)  # (B, H, L): a row with no key keeps 0, -inf
             for piece in pieces:
-                r, c0, c1, masked = piece
-                qb, kb = qs[r][:, :, a:e], ks[r][:, :, c0:c1]
+                r, c0, c1, kind, ra, rb = piece
+                qb, kb = qs[r][:, :, a + ra:a + rb], ks[r][:, :, c0:c1]
                 vb = v[:, :, firsts[r] + c0:firsts[r] + c1]
-                if masked:
+                if kind == "masked":
                     po, pl = _written(qb, kb, vb, scale, _mask(plan["spans"], piece, a, e), plan["softcap"])
+                elif kind == "flipped":  # the n-th row sees keys n..: the causal mask with rows and keys reversed
+                    po, pl = kernel_forward(qb.flip(2), kb.flip(2), vb.flip(2), True, scale)
+                    po, pl = po.flip(2), pl.flip(-1)
                 else:
-                    po, pl = kernel_forward(qb, kb, vb, False, scale)
-                o, lse = _fold(o, lse, po.to(acc), pl.to(acc))
-            if o is None or lse is None:  # no key in any region (cannot happen for a causal row that sees itself)
-                o, lse = qs[0].new_zeros(b, h, e - a, v.shape[-1], dtype=acc), qs[0].new_full((b, h, e - a), -math.inf, dtype=acc)
+                    po, pl = kernel_forward(qb, kb, vb, kind == "causal", scale)
+                o[:, :, ra:rb], lse[:, :, ra:rb] = _fold(o[:, :, ra:rb], lse[:, :, ra:rb], po.to(acc), pl.to(acc))
             outs.append(o)
             lses.append(lse)
         out, lse = torch.cat(outs, 2), torch.cat(lses, 2)  # (B, H, Tq, Dv), (B, H, Tq)
@@ -301,29 +366,34 @@ class _Remapped(torch.autograd.Function):
         dks = [torch.zeros_like(x, dtype=acc) for x in ks]
         dv = torch.zeros_like(v, dtype=acc)
         for a, e, pieces in plan["blocks"]:
-            do = dout[:, :, a:e]
             for piece in pieces:
-                r, c0, c1, masked = piece
-                qb, kb = qs[r][:, :, a:e], ks[r][:, :, c0:c1]
+                r, c0, c1, kind, ra, rb = piece
+                x0, x1 = a + ra, a + rb  # the piece's query rows
+                qb, kb, do = qs[r][:, :, x0:x1], ks[r][:, :, c0:c1], dout[:, :, x0:x1]
                 k0 = ctx.firsts[r]
                 vb = v[:, :, k0 + c0:k0 + c1]
-                if masked:
+                if kind == "masked":
                     kg, vg = _grouped(kb, vb, qb.shape[1])
                     s, t = _scores(qb, kg, scale, plan["softcap"])
-                    s = s.masked_fill(~_mask(plan["spans"], piece, a, e), float("-inf"))
-                    p = torch.exp(s - lse_b[:, :, a:e, None])  # (B, H, L, P)
+                    s = s.masked_fill(~_mask(plan["spans"], piece, x0, x1), float("-inf"))
+                    p = torch.exp(s - lse_b[:, :, x0:x1, None])  # (B, H, L, P)
                     dp = torch.matmul(do.to(acc), vg.to(acc).transpose(-1, -2))
-                    ds = p * (dp - delta[:, :, a:e, None])
+                    ds = p * (dp - delta[:, :, x0:x1, None])
                     if t is not None:  # through the cap: d(c tanh(x / c)) = 1 - tanh^2
                         ds = ds * (1 - t * t)
-                    dqs[r][:, :, a:e] += torch.matmul(ds, kg.to(acc)) * scale
-                    dks[r][:, :, c0:c1] += grouped_sum(torch.matmul(ds.transpose(-1, -2), qb.to(acc)) * scale, hkv)
-                    dv[:, :, k0 + c0:k0 + c1] += grouped_sum(torch.matmul(p.transpose(-1, -2), do.to(acc)), hkv)
+                    dq = torch.matmul(ds, kg.to(acc)) * scale
+                    dk = grouped_sum(torch.matmul(ds.transpose(-1, -2), qb.to(acc)) * scale, hkv)
+                    dvp = grouped_sum(torch.matmul(p.transpose(-1, -2), do.to(acc)), hkv)
+                elif kind == "flipped":
+                    dq, dk, dvp = kernel_backward(do.flip(2), qb.flip(2), kb.flip(2), vb.flip(2), out[:, :, x0:x1].flip(2),
+                                                  lse_b[:, :, x0:x1].flip(-1), True, scale)
+                    dq, dk, dvp = dq.flip(2), dk.flip(2), dvp.flip(2)
                 else:
-                    dq, dk, dvp = kernel_backward(do, qb, kb, vb, out[:, :, a:e].contiguous(), lse_b[:, :, a:e].contiguous(), False, scale)
-                    dqs[r][:, :, a:e] += dq
-                    dks[r][:, :, c0:c1] += dk
-                    dv[:, :, k0 + c0:k0 + c1] += dvp
+                    dq, dk, dvp = kernel_backward(do, qb, kb, vb, out[:, :, x0:x1].contiguous(), lse_b[:, :, x0:x1].contiguous(),
+                                                  kind == "causal", scale)
+                dqs[r][:, :, x0:x1] += dq
+                dks[r][:, :, c0:c1] += dk
+                dv[:, :, k0 + c0:k0 + c1] += dvp
         dsinks = None
         if sinks is not None:
             h = out.shape[1]
@@ -332,4 +402,4 @@ class _Remapped(torch.autograd.Function):
         return (None, None, None, dv.to(v.dtype), dsinks, *grads)
 
 
-__all__ = ["BLOCK", "attend"]
+__all__ = ["BLOCK", "EAGER_BLOCK", "attend"]
