@@ -35,6 +35,16 @@ def tokens(batch: int, length: int, seed: int = 1) -> torch.Tensor:
 # -- item 9: a plain load of a parameter-free encoding's checkpoint says posenc ---------------------
 
 
+@pytest.fixture
+def transformers_warnings():
+    """transformers' warnings on (other test modules set its verbosity to errors when imported)."""
+    before = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_warning()
+    yield
+    transformers.logging.set_verbosity(before)
+
+
+@pytest.mark.usefixtures("transformers_warnings")
 @pytest.mark.parametrize("method", ["sandwich", "alibi", "nope"])
 def test_a_plain_load_of_a_parameter_free_checkpoint_names_posenc(method, tmp_path, caplog):
     """Asked for its own attention (``attn_implementation="sdpa"``), plain transformers built the
@@ -63,6 +73,7 @@ def test_a_plain_load_of_a_parameter_free_checkpoint_names_posenc(method, tmp_pa
     assert "posenc_marker" not in caplog.text
 
 
+@pytest.mark.usefixtures("transformers_warnings")
 def test_a_checkpoint_saved_before_the_marker_loads_in_posenc_without_a_report(tmp_path, caplog):
     """A posenc checkpoint written before the marker existed (no ``posenc_marker`` weight) loads
     through posenc.hf.from_pretrained without a MISSING report."""
@@ -77,6 +88,74 @@ def test_a_checkpoint_saved_before_the_marker_loads_in_posenc_without_a_report(t
     loaded = ph.from_pretrained(transformers.AutoModelForCausalLM, tmp_path)
     assert "MISSING" not in caplog.text
     assert int(loaded.model.posenc_marker) == 1
+
+
+# -- items 4 and 5: caches of windowed and chunked layers ------------------------------------------
+
+
+def family_model(model_type: str, encoding: str, **options) -> transformers.PreTrainedModel:
+    """A tiny model of ``model_type`` (tests/hf_family_configs.py: a window or chunk of 8) after
+    posenc.hf.use(model, encoding, **options)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parents[1]))
+    from hf_family_configs import config_kwargs
+
+    config = transformers.AutoConfig.for_model(model_type, **config_kwargs(model_type))
+    torch.manual_seed(0)
+    return ph.use(transformers.AutoModelForCausalLM.from_config(config).eval(), encoding, **options)
+
+
+YARN = {"scaling": {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 16}}
+
+
+@pytest.mark.parametrize("model_type, encoding, options", [
+    ("mistral", "t5", {}), ("mistral", "alibi", {}), ("mistral", "rope", YARN), ("mistral", "rope", {}),
+    ("mixtral", "alibi", {}), ("phi3", "t5", {}), ("ministral3", "rope", YARN),
+])
+def test_static_cache_of_a_windowed_family_decodes_each_row_as_alone(model_type, encoding, options):
+    """A left-padded batch decoded with a static cache past the window (8): generate hands the mask
+    posenc's mask function made back to the model, which sliced it again at the sliding layer's
+    offset, so a full window's last key was dropped (0.19 to 0.42 a step, issue 48 item 4). Each
+    step's logits now equal a full pass of its row alone, without padding or cache."""
+    model = family_model(model_type, encoding, **options)
+    ids = tokens(2, 6)
+    mask = torch.ones(2, 6, dtype=torch.long)
+    mask[0, :3] = 0
+    steps = 12  # row 0 reaches 6 + 12 + 3 padding slots: past the window of 8 in every cache slot
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=steps, min_new_tokens=steps, do_sample=False,
+                         output_logits=True, return_dict_in_generate=True, pad_token_id=0, cache_implementation="static")
+    cached = torch.stack(out.logits, 1)  # (B, steps, V)
+    worst = 0.0
+    with torch.no_grad():
+        for b in range(2):
+            row = out.sequences[b, 6 - int(mask[b].sum()):]
+            for s in range(steps):
+                n = int(mask[b].sum()) + s
+                alone = model(row[None, :n], use_cache=False).logits[0, -1]
+                worst = max(worst, float((cached[b, s] - alone).abs().max()))
+    assert worst < 1e-4
+
+
+@pytest.mark.parametrize("encoding", ["alibi", "t5", "rope"])
+def test_llama4_chunked_decoding_without_position_ids_equals_the_full_pass(encoding):
+    """Llama 4 does not pass position_ids to its attention; a cached call given none counted the
+    query positions from the keys its chunked layers' cache held (the last chunk - 1), wrong once
+    the prompt filled a chunk: 0.38 in the logits (issue 48 item 5). The model's own positions (made
+    for its rotary module) are now read; token by token and several tokens at once both equal a
+    full pass."""
+    model = family_model("llama4_text", encoding)
+    seq = tokens(1, 20, seed=2)
+    prompt = 9  # past the chunk of 8
+    with torch.no_grad():
+        full = model(seq, use_cache=False).logits[:, prompt:]
+        cache = model(seq[:, :prompt], use_cache=True).past_key_values
+        steps = [model(seq[:, t: t + 1], cache=cache, use_cache=True).logits for t in range(prompt, 20)]
+        assert float((torch.cat(steps, 1) - full).abs().max()) < 1e-5
+        cache = model(seq[:, :prompt], use_cache=True).past_key_values
+        together = model(seq[:, prompt:], cache=cache, use_cache=True).logits
+        assert float((together - full).abs().max()) < 1e-5
 
 
 # -- item 8: dynamic NTK while decoding ------------------------------------------------------------

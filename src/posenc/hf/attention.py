@@ -36,7 +36,9 @@ def padding_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int =
                  attention_mask: torch.Tensor | None = None, device: torch.device | str = "cpu", **_: Any) -> torch.Tensor | None:
     """The mask function registered as ``"posenc"``: the 2-D key mask (B, kv_length), bool, True =
     a real token, for the keys ``kv_offset .. kv_offset + kv_length - 1``; None when every key is
-    real. A key slot past the last query (a static cache's unwritten slots) is not real.
+    real. A key slot past the last query (a static cache's unwritten slots) is not real. A 2-D mask
+    of exactly ``kv_length`` columns with ``kv_offset`` > 0 is taken as one this function made
+    (generate hands it back to the model with a static cache), already aligned to the keys.
     Causality, documents and positions are the attention function's business.
 
     Raises:
@@ -49,10 +51,17 @@ def padding_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int =
         if attention_mask.dim() != 2:
             raise UsageError(f"attention_mask: posenc.hf takes a 2-D padding mask (B, T), got shape {tuple(attention_mask.shape)}")
         mask = attention_mask.to(device=device, dtype=torch.bool)
-        short = kv_offset + kv_length - mask.shape[-1]
-        if short > 0:  # keys past the mask are not real
-            mask = torch.nn.functional.pad(mask, (0, short), value=False)
-        mask = mask[:, kv_offset: kv_offset + kv_length] & written
+        if kv_offset and mask.shape[-1] == kv_length:
+            # Already the keys' columns: a mask this function made, handed back to the model by
+            # generate with a static cache (create_masks_for_generate, then the model's own mask
+            # call). A mask of the tokens has kv_offset + kv_length columns; slicing this one again at
+            # kv_offset would shift it by kv_offset (a full sliding window layer lost its last key).
+            mask = mask & written
+        else:
+            short = kv_offset + kv_length - mask.shape[-1]
+            if short > 0:  # keys past the mask are not real
+                mask = torch.nn.functional.pad(mask, (0, short), value=False)
+            mask = mask[:, kv_offset: kv_offset + kv_length] & written
         if mask.shape[0] != batch_size:
             mask = mask.expand(batch_size, -1)
     elif not bool(written.all()):
@@ -186,6 +195,8 @@ def posenc_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
     position_ids = kwargs.get("position_ids")
     if position_ids is None:
         position_ids = forward.position_ids  # families whose layers do not pass them (Llama 4)
+    if position_ids is None and attention_mask is None:
+        position_ids = forward.made_position_ids  # the model's own, made for a forward given none
     tq, tk = query.shape[2], key.shape[2]
     entry = forward.find(tq, tk, attention_mask, position_ids)
     if entry is None:
@@ -293,6 +304,11 @@ class ForwardState:
         self.entries: list[tuple[Any, ...]] = []
         self.memo: ForwardMemo = ForwardMemo()
         self.position_ids: torch.Tensor | None = None
+        # The positions the model hands its rotary module: made by the model (past cache length +
+        # arange) when it was given none. Layers passed no position_ids (Llama 4) of a forward given
+        # none and no padding mask take these: counted from the keys a cached call holds instead,
+        # they were wrong once a sliding or chunked layer's cache had dropped its first keys.
+        self.made_position_ids: torch.Tensor | None = None
         # The single-query paths' buffers between decode steps (a relative bias vector, a padding
         # mask), kept across forwards as posenc's own KV cache keeps them: every entry is rebuilt
         # when what made it (sizes, padding, the encoding's parameter versions) changes.
@@ -300,6 +316,7 @@ class ForwardState:
 
     def start(self) -> None:
         self.entries = []
+        self.made_position_ids = None
         self.memo = ForwardMemo(self.workspace)
 
     def find(self, tq: int, tk: int, mask: torch.Tensor | None, pos: torch.Tensor | None) -> tuple[Any, ...] | None:
@@ -330,7 +347,11 @@ class RotaryStandIn(nn.Module):
         self.identity = True  # False: the original's own tables pass through (the model rotates)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        self.forward_state.start()
+        state = self.forward_state
+        state.start()
+        made = kwargs.get("position_ids", args[1] if len(args) > 1 else None)
+        if isinstance(made, torch.Tensor) and made.dim() == 2 and not made.is_floating_point():
+            state.made_position_ids = made  # what the model rotates at (see ForwardState)
         out = self.original(*args, **kwargs)
         if not self.identity:
             return out
