@@ -218,3 +218,14 @@ def test_saved_config_keeps_the_record(tmp_path):
     ph.use(llama(), "sandwich").save_pretrained(tmp_path)
     saved = json.loads((tmp_path / "config.json").read_text())
     assert saved["posenc"]["encoding"] == "sandwich" and saved["attn_implementation"] == ph.NAME
+
+
+def test_a_state_dict_saved_before_the_marker_loads_strict():
+    """A study checkpoint written before the marker (no posenc_marker tensor) still loads with a
+    strict load_state_dict, as a study's resume does."""
+    model = ph.use(llama(), "alibi")
+    state = {k: v for k, v in model.state_dict().items() if not k.endswith("posenc_marker")}
+    assert len(state) == len(model.state_dict()) - 1
+    fresh = ph.use(llama(), "alibi")
+    fresh.load_state_dict(state)  # strict
+    assert int(fresh.model.posenc_marker) == 1

@@ -102,6 +102,14 @@ def _positions_hook(state: ForwardState) -> Callable[[nn.Module, tuple[Any, ...]
     return hook
 
 
+def _marker_kept(stack: nn.Module, state_dict: dict[str, Any], prefix: str, *_: Any) -> None:
+    """A load_state_dict pre-hook on the decoder stack: a state dict saved before the marker buffer
+    (posenc.hf.saving; a study's checkpoint of an earlier run) loads, strict, keeping the marker."""
+    key = prefix + MARKER
+    if key not in state_dict and isinstance(getattr(stack, MARKER, None), torch.Tensor):
+        state_dict[key] = getattr(stack, MARKER)
+
+
 def _remove_hooks(holder: nn.Module) -> None:
     for key in [k for k in holder.__dict__ if k.startswith("_posenc_hook")]:
         holder.__dict__.pop(key).remove()
@@ -180,6 +188,7 @@ def use(model: _Model, encoding: str | nn.Module | Schedule, **options: Any) -> 
             attention.__dict__["_posenc_hook_input"] = attention.register_forward_pre_hook(keep_input, with_kwargs=True)
     _remove_hooks(stack)
     stack.__dict__["_posenc_hook_positions"] = stack.register_forward_pre_hook(_positions_hook(state), with_kwargs=True)
+    stack.__dict__["_posenc_hook_marker"] = stack.register_load_state_dict_pre_hook(_marker_kept)
     _remove_hooks(layers[0])
     if offers(modules[0], Embeds):
         hook = _embed_hook(cast(Embeds, modules[0]))
