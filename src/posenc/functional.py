@@ -35,7 +35,7 @@ from .call.geometry import Geometry, Run
 from .call.memo import ForwardMemo
 from .call.spec import ScoreSpec
 from .encodings.base import PositionalEncoding, content_scale
-from .encodings.protocol import Curves, Gates, Remaps, Rotates, ValueTerms, offers, require
+from .encodings.protocol import Curves, Gates, Remaps, Rotates, Selects, ValueTerms, offers, require
 from .encodings.query_scale import QueryScale, scaled_queries
 from .errors import UsageError
 
@@ -43,6 +43,8 @@ from .errors import UsageError
 GATES_ALONE = "log_gates (forget gates) take no window, chunk, sinks or softcap: give the full causal attention"
 #: The same refusal for per-query bias curves (the Inkling bias).
 CURVES_ALONE = "query_curves (bias curves over distance) take no window, chunk, sinks or softcap: give the full attention"
+#: And for selective attention (its selection sums run over every earlier query and key).
+SELECTS_ALONE = "selective attention takes no window, chunk, sinks or softcap: give the full causal attention"
 
 
 def attend(
@@ -147,6 +149,8 @@ def attend(
             raise UsageError(GATES_ALONE)
         if query_curves is not None and extras.restricts:
             raise UsageError(CURVES_ALONE)
+        if offers(encoding, Selects) and extras.restricts:
+            raise UsageError(SELECTS_ALONE)
     if q.numel() == 0 or tk == 0:  # nothing in, nothing out; a query that sees no key gets 0 (docs/conventions.md)
         return q.new_zeros(b, h, tq, v.shape[-1])
     with _autocast_off(q):
@@ -249,7 +253,7 @@ def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec, back
     backends' own loops read rows of unit stride."""
     q, k, v = _kernel_ready(q), _kernel_ready(k), _kernel_ready(v)
     if (spec.causal and spec.q_start < spec.k_start and spec.starts is None and spec.log_gates is None and spec.curves is None
-            and spec.k_positions.numel()):
+            and not spec.selective and spec.k_positions.numel()):
         return _unseen(q, k, v, spec, backend, rotate, extras)
     enc = spec.encoding
     if offers(enc, Remaps):  # rotated per region, inside (q and k always come un-rotated: it has no rotate hook)

@@ -345,12 +345,13 @@ def test_a_decode_step_allocates_nothing_that_grows_with_the_cache(method):
             with NewStorage() as seen:
                 model(torch.randint(0, 64, (2, 1)), cache=cache)
         largest[n] = seen.largest
-    if model.encoding.rotation_depends_on_length or offers(model.encoding, Remaps) or method in ("fire", "cope", "deberta", "fox"):
+    if model.encoding.rotation_depends_on_length or offers(model.encoding, Remaps) or method in ("fire", "cope", "deberta", "fox", "selective"):
         # Some per-step work is one value per key by nature: keys kept un-rotated are rotated again
         # with the current length (xPos centred, dynamic NTK), or per region (a position remap); FIRE's bias of the new query depends
         # on its position, CoPE's on its gates over every key; DeBERTa's p2c term reads one
         # position-query row per key, FoX's decay is one summed gate per key (both eager, no
-        # single-query path of their own). Linear in N (at most one (B, H, N, D) copy), never (N, N).
+        # single-query path of their own), selective attention keeps one selection sum per key.
+        # Linear in N (at most one (B, H, N, D) copy), never (N, N).
         assert largest[512] <= 2 * 4 * (512 + 8) * 8 * 4, largest
         assert largest[512] < 10 * largest[64], largest
         return

@@ -21,6 +21,7 @@ BREAKS = {
     "nope": 0, "sinusoidal": 0, "learned": 0, "rope": 0, "sandwich": 0,
     "mrope": 0, "axial_rope": 0, "rope_mixed": 0, "xdrope": 0, "fope": 0,  # the ids index the precomputed table, as RoPE's
     "pope": 0,            # its rotation: elementwise, on the positions
+    "inkling": 0, "selective": 0,  # eager: the curves / the selection sums are tensor ops on the call's q, k and x
     "deberta": 0,         # T=64 is below the disentangled path's MIN_PAIRS: eager (a long call: its rows read once, the band + far loop)
     "shaw": 5,            # terms: the band + far kernel loop (regions.flushed, opaque)
     "transformer_xl": 8,  # distance: per-distance keys through as_strided views

@@ -68,8 +68,9 @@ def test_which_encodings_share_positions():
     # current length (xPos centred) or the bias depends on positions themselves (FIRE normalises by
     # the query's position; CoPE counts gates over the keys, padding included): equal-length groups.
     # Position remaps (SelfExtend's groups, DCA's chunks) read positions themselves, not i - j alone;
-    # so do Inkling's curves with their long-context factor (log_scaling), on the query's position.
-    own = {"fire", "cope", "selfextend", "rerope", "string", "dca", "xdrope", "inkling", "fope"}
+    # so do Inkling's curves with their long-context factor (log_scaling), on the query's position;
+    # selective attention's unmaskable first key is each row's first real token.
+    own = {"fire", "cope", "selfextend", "rerope", "string", "dca", "inkling", "xdrope", "fope", "selective"}
     for method in METHODS:
         enc = sharp_lm(method).encoding
         assert gen.shares_positions(enc) == (not enc.rotation_depends_on_length and method not in own), method

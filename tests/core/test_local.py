@@ -14,14 +14,14 @@ from agreement import MaxTensor
 from posenc import backends
 from posenc.backends.parts.windows import Extras, plan
 from posenc.encodings.base import content_scale
-from posenc.encodings.protocol import Biases, Curves, Embeds, Gates, QueryTerms, Remaps, Rotates, ValueTerms, offers
+from posenc.encodings.protocol import Biases, Curves, Embeds, Gates, QueryTerms, Remaps, Rotates, Selects, ValueTerms, offers
 from posenc.encodings.query_scale import LogFloorScale, ScalableSoftmax, Temperature, parse_query_scale
 from posenc.errors import UsageError
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 H, D = 4, 16
-ATTENTION_METHODS = [m for m in posenc.available()  # gated encodings (FoX) and curves (Inkling) take no window: a UsageError
-                     if not any(offers(posenc.build(m, num_heads=H, head_dim=D), c) for c in (Embeds, Gates, Curves))]
+ATTENTION_METHODS = [m for m in posenc.available()  # gated encodings (FoX), curves (Inkling) and selective attention take no window: a UsageError
+                     if not any(offers(posenc.build(m, num_heads=H, head_dim=D), c) for c in (Embeds, Gates, Curves, Selects))]
 
 
 def allowed(qp: torch.Tensor, kp: torch.Tensor, causal: bool, window=None, chunk=None) -> torch.Tensor:

@@ -91,7 +91,7 @@ def _path(spec: ScoreSpec, q: torch.Tensor) -> Path | None:
 def supports(spec: ScoreSpec, q: torch.Tensor) -> bool:
     # Per-key log gates and per-query curves are eager's alone (this backend's row split would drop them).
     return ((spec.has_query_terms or spec.has_value_terms) and spec.log_gates is None and spec.curves is None
-            and padding.supported(spec))
+            and not spec.selective and padding.supported(spec))
 
 
 def preferred(spec: ScoreSpec, q: torch.Tensor) -> bool:

@@ -14,7 +14,7 @@ from dataclasses import InitVar, dataclass, field
 import torch
 
 from ..encodings.base import PositionalEncoding
-from ..encodings.protocol import Biases, QueryTerms, RelativeBias, Scores, ValueTerms, offers, require
+from ..encodings.protocol import Biases, QueryTerms, RelativeBias, Scores, Selects, ValueTerms, offers, require
 from .memo import ForwardMemo, Workspace
 
 
@@ -58,6 +58,10 @@ class ScoreSpec:
     # 0 <= p_i - p_j < R. None: no curves. Like the gates, they make ``has_query_terms`` true, so
     # only backends that read them (``eager``) run such a call.
     curves: torch.Tensor | None = field(default=None, repr=False)
+    # Selective attention (:class:`Selects`): each key's sum of the selection S over the queries of
+    # earlier calls (B, Tk), kept by the KV cache; None: no earlier queries (a full pass, the first
+    # step). A selective call makes ``has_query_terms`` true: only ``eager`` runs it.
+    selected: torch.Tensor | None = field(default=None, repr=False)
     known_q_start: InitVar[int | None] = None
     known_k_start: InitVar[int | None] = None
     known_aligned: InitVar[bool | None] = None
@@ -78,7 +82,8 @@ class ScoreSpec:
         self.q_start, self.k_start, self.aligned = known_q_start, known_k_start, known_aligned
         # What the encoding offers, asked once per spec (plain attributes: nothing for a compiler to trace).
         self.has_bias = offers(self.encoding, Biases)
-        self.has_query_terms = offers(self.encoding, QueryTerms) or self.log_gates is not None or self.curves is not None
+        self.selective = offers(self.encoding, Selects)
+        self.has_query_terms = offers(self.encoding, QueryTerms) or self.log_gates is not None or self.curves is not None or self.selective
         self.has_value_terms = offers(self.encoding, ValueTerms)
         self.has_score_mod = offers(self.encoding, Scores)
         self.relative_bias = offers(self.encoding, RelativeBias)  # a bias of i - j alone
@@ -126,10 +131,13 @@ class ScoreSpec:
         starts = self.starts[:, None, None, None]  # (B, 1, 1, 1)
         return (self.k_positions[None, None, None, :] < starts) & (q_positions[None, None, :, None] >= starts)
 
-    def query_terms(self, q: torch.Tensor, k: torch.Tensor, q_positions: torch.Tensor, cumulative: torch.Tensor | None = None) -> torch.Tensor:
+    def query_terms(self, q: torch.Tensor, k: torch.Tensor, q_positions: torch.Tensor, cumulative: torch.Tensor | None = None,
+                    penalty: torch.Tensor | None = None) -> torch.Tensor:
         """Every query-dependent score term of these queries, (B, H, C, Tk) in logits: the
-        encoding's ``query_terms`` and the gates' decay (``cumulative``: :meth:`cumulative_gates`).
-        Only for a call that has them (``has_query_terms``).
+        encoding's ``query_terms``, the gates' decay (``cumulative``: :meth:`cumulative_gates`), the
+        curves, and minus the selection (``penalty`` (B, C, Tk): these queries' rows of
+        :meth:`selection_penalty`, computed once per call from all of its queries). Only for a call
+        that has them (``has_query_terms``).
 
         Raises:
             TypeError: the call has no query terms (a backend's bug, not a user's).
@@ -145,6 +153,11 @@ class ScoreSpec:
                 rows = rows[:, :, torch.searchsorted(self.q_positions, q_positions)]  # (B, H, C, R)
             bias = curve_bias(rows, q_positions, self.k_positions)
             terms = bias if terms is None else terms + bias.to(terms.dtype)
+        if self.selective:
+            if penalty is None:
+                raise TypeError("a selective call's query terms need its penalty rows (selection_penalty, once per call)")
+            minus = -penalty[:, None]  # (B, 1, C, Tk): the same for every head
+            terms = minus if terms is None else terms + minus.to(terms.dtype)
         if terms is None:
             raise TypeError(f"{type(enc).__name__} has no query terms here (ask has_query_terms first)")
         return terms
@@ -155,6 +168,30 @@ class ScoreSpec:
         if g is None:
             raise TypeError("cumulative_gates of a call without log gates (ask log_gates first)")
         return g.cumsum(-1, dtype=torch.float64 if g.dtype == torch.float64 else torch.float32)
+
+    def selection(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        """S (B, Tq, Tk) of selective attention (Leviathan et al. 2024, §3): relu of the selecting
+        head's scores, 0 where a query does not select a key: the key itself (the diagonal), the first
+        key (each row's first real one with left padding), a key after the query or hidden from it.
+        In the scores' dtype (float32 at least)."""
+        scores = require(self.encoding, Selects).selection_scores(q, k)  # (B, Tq, Tk)
+        s = torch.relu(scores.to(torch.promote_types(scores.dtype, torch.float32)))
+        qp, kp = self.q_positions[:, None], self.k_positions[None, :]  # (Tq, 1), (1, Tk)
+        off = (kp >= qp) if self.causal else (kp == qp)  # (Tq, Tk): later keys and the key itself
+        if self.starts is None:
+            s = s.masked_fill(off | (kp == self.k_positions[:1]), 0.0)
+        else:  # left padding: padding keys, and each row's first real key, select nothing
+            starts = self.starts[:, None, None]  # (B, 1, 1)
+            s = s.masked_fill(off | ((kp[None] <= starts) & (qp[None] >= starts)), 0.0)
+        return s
+
+    def selection_penalty(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        """F (B, Tq, Tk): each key's selection summed over the queries before each query, those of
+        this call (an exclusive cumulative sum over its queries) and those of earlier calls
+        (``selected``)."""
+        s = self.selection(q, k)
+        f = s.cumsum(1) - s  # (B, Tq, Tk): the queries before each one
+        return f if self.selected is None else f + self.selected[:, None, :].to(f.dtype)
 
     def part(self, q_positions: torch.Tensor, k_positions: torch.Tensor, *, padded: bool = False, q_start: int | None = None,
              k_start: int | None = None) -> ScoreSpec:

@@ -25,6 +25,7 @@ from .protocol import offers
 from .remap import STRING, DualChunk, ReRoPE, SelfExtend
 from .rope import RoPE
 from .sandwich import Sandwich
+from .selective import SelectiveAttention
 from .shaw import Shaw
 from .sinusoidal import Sinusoidal
 from .t5 import T5Bias, relative_position_bucket
@@ -45,6 +46,7 @@ REGISTRY[FoPE.name] = FoPE  # RoPE's pairs as learned Fourier series (per key he
 REGISTRY[DeBERTa.name] = DeBERTa
 REGISTRY[ForgettingTransformer.name] = ForgettingTransformer
 REGISTRY[Inkling.name] = Inkling  # data-dependent distance curves per query (the Curves hook)
+REGISTRY[SelectiveAttention.name] = SelectiveAttention  # one head's selection masks keys from later queries (the Selects hook)
 REGISTRY[PoPE.name] = PoPE  # its rotate widens q and k to 2 D features (values keep D)
 REGISTRY[DynamicPositionBias.name] = DynamicPositionBias
 for _remap in (SelfExtend, ReRoPE, STRING, DualChunk):  # training-free position remaps of RoPE (remap.py)

@@ -29,6 +29,11 @@ randomized positions skip values, and fast backends that assume steps of one the
   at the queries' positions; called by ``posenc.Attention`` on its input (``posenc.attend`` takes them
   as ``query_curves``). Query i and key j gain curves[i, p_i - p_j] for 0 <= p_i - p_j < R, nothing
   otherwise. They belong to the queries: a KV cache keeps nothing for them.
+- :class:`Selects` ``selection_scores(q, k) -> (B, Tq, Tk)``: selective attention (Leviathan et
+  al. 2024): the content scores of the head that selects, in logits; the backend turns them into
+  S = relu(scores) (0 on the diagonal, on the first key and on hidden keys) and subtracts from every
+  head's logits the sum of S over the earlier queries, F_ij = sum_{t<i} S_tj. A KV cache keeps each
+  key's running sum of S (``ScoreSpec.selected``), so a decode step sees every earlier query's.
 - :class:`Remaps` ``regions(q_positions, k_positions) -> [RemapRegion]`` and ``rotate_at(x,
   positions)``: a rotation whose positions depend on the pair (SelfExtend, ReRoPE, STRING, DCA): each
   region is a set of keys per query with its own query and key positions; the attention rotates q
@@ -128,6 +133,11 @@ class Gates(Protocol):
 @runtime_checkable
 class Curves(Protocol):
     def query_curves(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor: ...
+
+
+@runtime_checkable
+class Selects(Protocol):
+    def selection_scores(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor: ...
 
 
 @dataclass(frozen=True)
@@ -274,7 +284,7 @@ class ContextualPositions(Protocol):
     def contextual_positions(self) -> ContextualForm: ...
 
 
-HOOKS: tuple[type, ...] = (Embeds, Rotates, Biases, QueryTerms, ValueTerms, Gates, Curves, Remaps)
+HOOKS: tuple[type, ...] = (Embeds, Rotates, Biases, QueryTerms, ValueTerms, Gates, Curves, Selects, Remaps)
 CAPABILITIES: tuple[type, ...] = (
     Scores, DistanceBias, RelativeBias, ClippedTables, DistanceKeys, DisentangledTables, BiasFeatures, ContextualPositions,
 )
@@ -319,5 +329,5 @@ __all__ = [
     "Curves",
     "DisentangledForm", "DisentangledTables", "DistanceBias", "DistanceKeyForm", "DistanceKeys",
     "Embeds", "Gates",
-    "QueryTerms", "RelativeBias", "RemapRegion", "Remaps", "Rotates", "Scores", "ValueTerms", "members", "offers", "require",
+    "QueryTerms", "RelativeBias", "RemapRegion", "Remaps", "Rotates", "Scores", "Selects", "ValueTerms", "members", "offers", "require",
 ]

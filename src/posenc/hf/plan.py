@@ -21,7 +21,7 @@ from torch import nn
 
 from ..encodings import build, get_class, options_of
 from ..encodings.base import PositionalEncoding
-from ..encodings.protocol import Curves, Embeds, Gates, Remaps, offers
+from ..encodings.protocol import Curves, Embeds, Gates, Remaps, Selects, offers
 from ..encodings.rope import RoPE
 from ..errors import UsageError
 from ..model.schedule import Layer, Schedule
@@ -289,6 +289,10 @@ def layer_plans(model: Any, config: Any, family: Family | None, attentions: list
                 built[key] = enc
         if from_config:
             _verify_rope(enc, rotary, kind, family)
+        if offers(enc, Selects):
+            raise UsageError(f"{getattr(enc, 'name', type(enc).__name__)}: posenc.hf does not run selective attention (a "
+                             "transformers KV cache keeps no per-key selection sums, so cached decoding would differ from "
+                             "the full pass); use posenc.LM")
         if layer.sinks and (family is None or family.sinks is None):
             raise UsageError(f"schedule: layer {i} asks for sinks, but the {type(attention).__name__} of this model has no "
                              "sink logits")

@@ -18,10 +18,10 @@ from ..call.axes import as_taken, check_takes_axes
 from ..call.geometry import Geometry, check_positions
 from ..call.memo import ForwardMemo
 from ..encodings.base import PositionalEncoding, content_scale
-from ..encodings.protocol import Curves, Gates, Rotates, offers, require
+from ..encodings.protocol import Curves, Gates, Rotates, Selects, offers, require
 from ..encodings.query_scale import QueryScale
 from ..errors import UsageError, check_positive
-from ..functional import CURVES_ALONE, GATES_ALONE, run, run_geometry
+from ..functional import CURVES_ALONE, GATES_ALONE, SELECTS_ALONE, run, run_geometry
 from .cache import LayerCache
 
 
@@ -83,6 +83,8 @@ class Attention(nn.Module):
             raise UsageError(GATES_ALONE)
         if offers(encoding, Curves) and (window is not None or chunk is not None or sinks):
             raise UsageError(CURVES_ALONE)
+        if offers(encoding, Selects) and (window is not None or chunk is not None or sinks):
+            raise UsageError(SELECTS_ALONE)
         self.window, self.chunk, self.query_scale = window, chunk, query_scale
         self.sinks = nn.Parameter(torch.zeros(num_heads)) if sinks else None  # (H,) logits
 
@@ -203,6 +205,14 @@ class Attention(nn.Module):
         spec = geometry.cached_spec(self.encoding, scale, memo, causal=self.causal, k_positions=k_positions, k_start=cache.start,
                                     starts=cache.starts(q.device), workspace=cache.workspace, log_gates=gates,
                                     curves=None if x is None else self._curves(x, geometry))
+        if spec.selective:  # selective attention: the cache keeps each key's selection summed over the queries so far
+            if cache.window is not None:
+                raise UsageError("selective attention cannot decode with a windowed cache (window=...)")
+            spec.selected = cache.selected_sums(k.shape[-2], t)  # (B, past + T): the earlier calls' sums, 0 for the new keys
+            out = run(q, k, v, spec, self.backend, rotate=False, extras=self.extras)
+            now = spec.selection(q, k).sum(1)  # (B, past + T): this call's queries' selection of every key
+            cache.selected = now if spec.selected is None else spec.selected + now
+            return out
         return run(q, k, v, spec, self.backend, rotate=False, extras=self.extras)
 
 

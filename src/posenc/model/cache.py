@@ -84,6 +84,8 @@ class LayerCache:
         self.k: torch.Tensor | None = None  # (B, H, C, D) buffer
         self.v: torch.Tensor | None = None
         self.g: torch.Tensor | None = None  # (B, H, C) per-key log forget gates, when the encoding has them
+        # (B, length) each key's selection summed over every query so far (selective attention)
+        self.selected: torch.Tensor | None = None
         self.length = 0  # tokens seen (padding included)
         self.start = 0  # position of the first kept key (> 0 once a windowed cache forgets)
         self.window = window
@@ -172,6 +174,14 @@ class LayerCache:
         if self.capacity > limit and keep + coming <= limit:
             self.k, self.v = buf_k[:, :, :limit].clone(), buf_v[:, :, :limit].clone()
             self.capacities.append(limit)
+
+    def selected_sums(self, length: int, new: int) -> torch.Tensor | None:
+        """Selective attention's kept sums for the ``length`` cached keys (after :meth:`append`): the
+        earlier calls' (B, length - new), then 0 for the ``new`` keys; None before the first call."""
+        old = self.selected
+        if old is None:
+            return None
+        return torch.cat((old, old.new_zeros(old.shape[0], length - old.shape[-1])), dim=-1)  # (B, length)
 
     def append_gates(self, g: torch.Tensor) -> torch.Tensor:
         """Keep the log forget gates g (B, H, T) of the keys just appended (call right after

@@ -27,6 +27,7 @@ COLORS = {
     "xpos": "#bcbd22", "kerple": "#17becf", "sandwich": "#393b79", "fire": "#843c39", "cope": "#7b4173",
     "mrope": "#e6550d", "axial_rope": "#fd8d3c", "rope_mixed": "#a63603", "xdrope": "#d94801", "fope": "#f16913",  # oranges: rope's family
     "deberta": "#637939", "fox": "#e7ba52", "pope": "#756bb1", "dpb": "#6baed6",
+    "inkling": "#8c6d31", "selective": "#ad494a",
     "hf": "#000000",  # not a method: a transformers model's own attention (hf_config studies)
 }
 # Shades of a method's colour for its variants: rope's scalings, drop and random positions form one

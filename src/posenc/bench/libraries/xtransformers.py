@@ -37,6 +37,12 @@ METHODS: dict[str, tuple[dict, dict] | None] = {
     "pope": ({"use_abs_pos_emb": False}, {"polar_pos_emb": True}),
     # The dynamic position bias: width dim // 4 and depth 2 in both, distances not log-spaced.
     "dpb": ({"use_abs_pos_emb": False}, {"dynamic_pos_bias": True, "dynamic_pos_bias_mlp_depth": 2}),
+    # The Inkling bias: RelativeProjPositionalBias (16 curves over 1,024 distances, as posenc's
+    # default; x-transformers' has no L2 clip and a biased projection, posenc's default clips at 8).
+    "inkling": ({"use_abs_pos_emb": False}, {"attn_use_rel_proj_pos_bias": True, "attn_rel_proj_num_distance_basis": 16,
+                                             "attn_rel_proj_max_dist": 1024}),
+    # Selective attention (its Attend's selective flag: head 0 selects; it keeps no KV cache).
+    "selective": ({"use_abs_pos_emb": False}, {"attn_selective": True}),
 }
 
 
