@@ -5,7 +5,7 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
-from ..errors import UsageError
+from ..errors import UsageError, check_positive
 from .alibi import ALiBi, alibi_slopes
 from .axial_rope import AxialRoPE, RoPEMixed
 from .base import PositionalEncoding, has_hook
@@ -20,6 +20,8 @@ from .kerple import KERPLE
 from .learned import Learned
 from .mrope import MRoPE
 from .nope import NoPE
+from .partial_heads import OPTIONS as COMMON_OPTIONS
+from .partial_heads import PartialHeads, check_heads
 from .pope import PoPE
 from .protocol import offers
 from .remap import STRING, DualChunk, ReRoPE, SelfExtend
@@ -71,32 +73,50 @@ def get_class(name: str) -> type[PositionalEncoding]:
 
 
 def options_of(cls: type[PositionalEncoding]) -> list[str]:
-    """The method's own keyword options: its constructor's parameters beyond the common ones."""
-    return [p for p in inspect.signature(cls.__init__).parameters if p not in ("self", "num_heads", "head_dim", "causal")]
+    """The method's keyword options: its constructor's parameters beyond the sizes and ``causal``,
+    then the options every method takes (:data:`COMMON_OPTIONS`: ``position_heads``,
+    ``position_heads_at``, handled by :func:`build`)."""
+    own = [p for p in inspect.signature(cls.__init__).parameters if p not in ("self", "num_heads", "head_dim", "causal")]
+    return own + [p for p in COMMON_OPTIONS if p not in own]
 
 
 def build(name: str, *, num_heads: int, head_dim: int, causal: bool = True, **options: Any) -> PositionalEncoding:
     """Build the encoding ``name`` for ``num_heads`` heads of ``head_dim`` features.
 
     ``options`` are the method's own keyword arguments (e.g. ``layout="interleaved"`` for rope,
-    ``num_buckets=32`` for t5).
+    ``num_buckets=32`` for t5), and the options of every method: ``position_heads`` P (an integer in
+    1 .. num_heads) builds the method for P heads and puts it on the first P heads, or the last
+    with ``position_heads_at="last"``, the others NoPE (:mod:`.partial_heads`).
 
     Raises:
         UsageError: an unknown name (listing the choices), an unknown option (naming the accepted
             ones), or a size or option the method's constructor rejects (naming it and its range;
-            :class:`~posenc.encodings.base.PositionalEncoding` checks the sizes for every method).
+            :class:`~posenc.encodings.base.PositionalEncoding` checks the sizes for every method);
+            ``position_heads`` outside 1 .. num_heads, or a method whose hooks cannot act on some heads.
     """
     cls = get_class(name)
     accepted = options_of(cls)
     unknown = sorted(set(options) - set(accepted))
     if unknown:
+        own = [p for p in accepted if p not in COMMON_OPTIONS]
         raise UsageError(
-            f"encoding {name!r} got unknown option(s) {unknown}; accepted: {accepted or 'none'}"
+            f"encoding {name!r} got unknown option(s) {unknown}; accepted: {own or 'none'} "
+            f"(and {', '.join(COMMON_OPTIONS)}, which every method takes)"
         )
-    return cls(num_heads, head_dim, causal, **options)
+    count, at = options.pop("position_heads", None), options.pop("position_heads_at", None)
+    if count is None:
+        if at is not None:
+            raise UsageError("position_heads_at needs position_heads (the number of heads with positions)")
+        return cls(num_heads, head_dim, causal, **options)
+    check_positive("num_heads", num_heads)
+    count, at = check_heads(count, num_heads, "first" if at is None else at)
+    if "input_dim" in options_of(cls) and "input_dim" not in options:
+        options["input_dim"] = num_heads * head_dim  # (a gate reads the layer's input, all heads wide)
+    return PartialHeads(cls(count, head_dim, causal, **options), num_heads, at)
 
 
 __all__ = [
+    "COMMON_OPTIONS",
     "REGISTRY",
     "PositionalEncoding",
     "available",
