@@ -7,7 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+import agreement
 import posenc
+from agreement import check_backends
 from posenc.encodings.xdrope import XDRoPE
 from posenc.errors import UsageError
 from posenc.model.cache import LayerCache
@@ -109,6 +111,12 @@ def test_attend_with_four_axis_ids_equals_the_rotated_plain_attention_and_decode
         steps = [attn(x[:, :5], ids[..., :5], cache)]
         steps += [attn(x[:, t : t + 1], ids[..., t : t + 1], cache) for t in range(5, 9)]
     torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_every_backend_agrees_with_eager(causal: bool) -> None:
+    check_backends(posenc.build("xdrope", num_heads=agreement.H, head_dim=agreement.D, causal=causal,
+                                scaling={"rope_type": "ntk_alpha", "alpha": 4.0}), causal)
 
 
 @pytest.mark.parametrize("options,message", [
