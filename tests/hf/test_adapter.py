@@ -253,8 +253,7 @@ def test_families_and_errors() -> None:
         phf.use(llama(), posenc.build("alibi", num_heads=8, head_dim=8))
 
 
-# Selective attention is refused by posenc.hf (test_selective_attention_is_refused).
-@pytest.mark.parametrize("method", [m for m in posenc.available() if m != "selective"])
+@pytest.mark.parametrize("method", posenc.available())
 def test_every_encoding_generates_as_its_full_forward_and_packs(method: str) -> None:
     """Every posenc method in a Llama model: cached greedy decoding of a left-padded batch equals a
     full forward of each row alone; a packed row equals its documents alone."""
@@ -444,7 +443,43 @@ def test_fox_gates_follow_the_cache() -> None:
             model(ids[:, :1], cache=first.cache)
 
 
-def test_selective_attention_is_refused() -> None:
-    """A transformers cache keeps no per-key selection sums: refused at use(), naming why."""
-    with pytest.raises(posenc.UsageError, match="selective attention"):
-        phf.use(llama(), "selective")
+def _graph_tensors(root: object) -> list[str]:
+    """Paths of the tensors reachable from ``root``'s attributes that carry an autograd graph."""
+    found, seen = [], set()
+
+    def walk(obj: object, path: str, depth: int) -> None:
+        if id(obj) in seen or depth > 14:
+            return
+        seen.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            if obj.grad_fn is not None:
+                found.append(path)
+            return
+        if isinstance(obj, dict):
+            for key, value in obj.items():
+                walk(value, f"{path}[{key!r}]", depth + 1)
+        elif isinstance(obj, (list, tuple, set)):
+            for i, value in enumerate(obj):
+                walk(value, f"{path}[{i}]", depth + 1)
+        elif hasattr(obj, "__dict__") and not isinstance(obj, type):
+            for key, value in vars(obj).items():
+                walk(value, f"{path}.{key}", depth + 1)
+
+    walk(root, "model", 0)
+    return found
+
+
+@pytest.mark.parametrize("name", ["t5", "fox"])
+def test_a_model_copies_after_a_forward_with_gradients(name: str) -> None:
+    """Nothing of the last forward stays on the model: ``copy.deepcopy`` after a forward with
+    gradients works and the copy computes what the model does (issue 48, item 18: T5's per-forward
+    bias table and FoX's kept layer input held the graph, and deepcopy raised)."""
+    model = setup_model(name)
+    model.train()
+    ids = tokens(2, 12)
+    model(ids, labels=ids, use_cache=True).loss.backward()
+    assert _graph_tensors(model) == []
+    twin = copy.deepcopy(model)
+    model.eval()
+    twin.eval()
+    assert max_err(logits(twin, ids), logits(model, ids)) == 0.0

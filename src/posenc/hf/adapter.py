@@ -52,11 +52,25 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from ..encodings import build
+from ..encodings.base import PositionalEncoding
 from ..encodings.protocol import Curves, Embeds, Gates, offers
 from ..encodings.rope import RoPE
 from ..errors import UsageError
 from ..model.schedule import Schedule
-from .attention import NAME, ForwardState, LayerPlan, RotaryStandIn, keep_input, padding_mask, posenc_attention, register
+from .attention import (
+    NAME,
+    Encodings,
+    ForwardState,
+    LayerPlan,
+    RotaryStandIn,
+    drop_input,
+    held_encoding,
+    installed_encodings,
+    keep_input,
+    padding_mask,
+    posenc_attention,
+    register,
+)
 from .families import FAMILIES, family_of, qk_head_dim, text_config
 from .plan import attention_of, decoder_stack, layer_plans
 from .saving import MARKER, mark, recorded_options
@@ -70,11 +84,12 @@ SUPPORTED = {t: f.name for f in FAMILIES if f.causal for t in f.model_types}
 _PreHook = Callable[[nn.Module, tuple[Any, ...], dict[str, Any]], tuple[tuple[Any, ...], dict[str, Any]]]
 
 
-def _embed_hook(encoding: Embeds) -> _PreHook:
+def _embed_hook(stack: nn.Module, plan: LayerPlan) -> _PreHook:
     """A forward pre-hook for the first decoder layer that adds an absolute encoding's ``embed`` to
-    its input, at each row's own positions."""
+    its input, at each row's own positions: the encoding ``stack`` holds at call time."""
 
     def hook(layer: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        encoding = cast(Embeds, held_encoding(stack, plan))
         hidden = args[0] if args else kwargs["hidden_states"]
         position_ids = kwargs.get("position_ids")
         if position_ids is None:
@@ -98,6 +113,15 @@ def _positions_hook(state: ForwardState) -> Callable[[nn.Module, tuple[Any, ...]
     def hook(stack: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         pos = kwargs.get("position_ids")
         state.position_ids = pos if isinstance(pos, torch.Tensor) and pos.dim() == 2 else None
+
+    return hook
+
+
+def _finish_hook(state: ForwardState) -> Callable[[nn.Module, tuple[Any, ...], Any], None]:
+    """A forward hook on the decoder stack: the forward's shared state dropped once it returns."""
+
+    def hook(stack: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        state.finish()
 
     return hook
 
@@ -164,7 +188,7 @@ def use(model: _Model, encoding: str | nn.Module | Schedule, **options: Any) -> 
     plans, modules, record = layer_plans(model, inner, family, attentions, rotary, encoding, options)
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
-    stack.posenc_encodings = modules.to(device=device, dtype=dtype)
+    stack.posenc_encodings = Encodings(modules).to(device=device, dtype=dtype)
     # Saved with the weights: a plain transformers load reports it as unexpected (posenc.hf.saving).
     stack.register_buffer(MARKER, torch.ones((), dtype=torch.int64, device=device), persistent=True)
     # The model's own RoPE, verified equal to posenc's (use(model, "rope")), whose rotation does not
@@ -174,6 +198,8 @@ def use(model: _Model, encoding: str | nn.Module | Schedule, **options: Any) -> 
         isinstance(p.encoding, RoPE) and p.encoding.rotation_depends_on_length for p in plans if p is not None))
     if not stand_in.identity:
         plans = [None if p is None else replace(p, rotate=not isinstance(p.encoding, RoPE)) for p in plans]
+    slots = {id(module): i for i, module in enumerate(modules)}  # (each call runs the module held there then)
+    plans = [None if p is None else replace(p, slot=slots.get(id(p.encoding))) for p in plans]
     state = stand_in.forward_state
     state.base = stack
     for attention, plan in zip(attentions, plans):
@@ -186,12 +212,14 @@ def use(model: _Model, encoding: str | nn.Module | Schedule, **options: Any) -> 
         attention.__dict__["_posenc_forward"] = state
         if plan is not None and (offers(plan.encoding, Gates) or offers(plan.encoding, Curves)):  # they read the layer input
             attention.__dict__["_posenc_hook_input"] = attention.register_forward_pre_hook(keep_input, with_kwargs=True)
+            attention.__dict__["_posenc_hook_input_end"] = attention.register_forward_hook(drop_input, with_kwargs=True)
     _remove_hooks(stack)
     stack.__dict__["_posenc_hook_positions"] = stack.register_forward_pre_hook(_positions_hook(state), with_kwargs=True)
+    stack.__dict__["_posenc_hook_finish"] = stack.register_forward_hook(_finish_hook(state))
     stack.__dict__["_posenc_hook_marker"] = stack.register_load_state_dict_pre_hook(_marker_kept)
     _remove_hooks(layers[0])
     if offers(modules[0], Embeds):
-        hook = _embed_hook(cast(Embeds, modules[0]))
+        hook = _embed_hook(stack, LayerPlan(cast(PositionalEncoding, modules[0]), slot=0))
         layers[0].__dict__["_posenc_hook_embed"] = layers[0].register_forward_pre_hook(hook, with_kwargs=True)
     register()
     model.set_attn_implementation(NAME)
@@ -200,9 +228,9 @@ def use(model: _Model, encoding: str | nn.Module | Schedule, **options: Any) -> 
     return model
 
 
-def _installed(model: nn.Module) -> nn.ModuleList:
-    """The encodings :func:`use` installed in ``model`` (its decoder stack's ``posenc_encodings``)."""
-    return cast(nn.ModuleList, decoder_stack(model).posenc_encodings)
+def _installed(model: nn.Module) -> Encodings | nn.ModuleList:
+    """The encodings ``model`` holds (its decoder stack's ``posenc_encodings``, through a trainer's wrapper)."""
+    return installed_encodings(decoder_stack(model))
 
 
 def from_pretrained(model_class: Any, path: str | os.PathLike[str], *, encoding: nn.Module | None = None, **kwargs: Any) -> PreTrainedModel:

@@ -10,6 +10,7 @@ passes.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -155,7 +156,7 @@ class LayerPlan:
     q . k unchanged), so a RoPE with ``rotary_dim=r`` rotates exactly them.
     """
 
-    encoding: PositionalEncoding
+    encoding: PositionalEncoding  # as installed; a call runs the one the model holds then (held_encoding)
     window: int | None = None
     chunk: int | None = None
     sinks: str | None = None  # the attention module's attribute holding (H,) sink logits
@@ -163,6 +164,74 @@ class LayerPlan:
     rope_last: int = 0
     causal: bool = True
     rotate: bool = True  # False: q and k come rotated by the model's own rotary (see use)
+    slot: int | None = None  # the encoding's index in the decoder stack's posenc_encodings
+
+
+class Encodings(nn.Module):
+    """The encodings :func:`posenc.hf.use` installs, at ``<decoder stack>.posenc_encodings``: a
+    list of modules with children ``0``, ``1``, ... (a ModuleList's state-dict keys), indexed,
+    iterated and sized like one. Not a ModuleList, so that a trainer that wraps a module to train
+    and save a copy of it (PEFT's ``modules_to_save=["posenc_encodings"]``) can wrap it whole; the
+    attention then runs the copy (:func:`held_encoding`)."""
+
+    def __init__(self, modules: list[nn.Module] | nn.ModuleList) -> None:
+        super().__init__()
+        for i, module in enumerate(modules):
+            self.add_module(str(i), module)
+
+    def __getitem__(self, index: int) -> nn.Module:
+        n = len(self._modules)
+        if not -n <= index < n:
+            raise IndexError(f"posenc_encodings: index {index} out of range for {n} encoding(s)")
+        module = self._modules[str(index % n)]
+        assert module is not None
+        return module
+
+    def __len__(self) -> int:
+        return len(self._modules)
+
+    def __iter__(self) -> Iterator[nn.Module]:
+        return iter(m for m in self._modules.values() if m is not None)
+
+
+def active_copy(module: nn.Module) -> nn.Module:
+    """``module``, or, where a trainer has wrapped it to train a copy (PEFT's ``modules_to_save``:
+    a wrapper holding ``original_module`` and one copy per adapter in ``modules_to_save``), the
+    module that wrapper runs now: the active adapter's copy, or the original while adapters are
+    disabled or none of them has a copy."""
+    copies = getattr(module, "modules_to_save", None)
+    original = getattr(module, "original_module", None)
+    if not isinstance(copies, nn.ModuleDict) or not isinstance(original, nn.Module):
+        return module
+    active = list(getattr(module, "active_adapters", None) or [])
+    if getattr(module, "disable_adapters", False) or not active or active[0] not in copies:
+        return original
+    return copies[active[0]]
+
+
+def installed_encodings(stack: nn.Module) -> Encodings | nn.ModuleList:
+    """The encodings ``stack`` holds now (``posenc_encodings``, through a trainer's wrapper).
+
+    Raises:
+        UsageError: the stack holds none (posenc.hf.use never ran on it).
+    """
+    held = stack._modules.get("posenc_encodings")
+    if held is None:
+        raise UsageError(f"{type(stack).__name__} holds no posenc_encodings: run posenc.hf.use(model, encoding) first")
+    found = active_copy(held)
+    assert isinstance(found, (Encodings, nn.ModuleList))
+    return found
+
+
+def held_encoding(stack: nn.Module | None, plan: LayerPlan) -> PositionalEncoding:
+    """The encoding a layer runs: the module ``stack`` holds at ``plan.slot`` at call time (a copy
+    a trainer swapped in, a module replaced after a merge), not the one installed."""
+    if stack is None or plan.slot is None:
+        return plan.encoding
+    found = active_copy(installed_encodings(stack)[plan.slot])
+    if not isinstance(found, PositionalEncoding):
+        raise UsageError(f"posenc_encodings[{plan.slot}]: holds a {type(found).__name__}, not a posenc encoding")
+    return found
 
 
 def posenc_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -190,6 +259,7 @@ def posenc_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
                          "needs posenc.hf.use(model, encoding) first (a model saved after use: load it with posenc.hf.from_pretrained)")
     if dropout and module.training:
         raise UsageError(f"attention_dropout must be 0 with posenc.hf (got {dropout})")
+    encoding = held_encoding(forward.base, plan)
     if attention_mask is not None and (attention_mask.dim() != 2 or attention_mask.dtype != torch.bool):
         raise UsageError("attention_mask: posenc.hf takes a 2-D padding mask; a prepared 4-D mask is not supported")
     position_ids = kwargs.get("position_ids")
@@ -218,15 +288,15 @@ def posenc_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
     sinks = None if plan.sinks is None else getattr(module, plan.sinks)
     softcap = kwargs.get("softcap")
     log_gates = None
-    if offers(plan.encoding, Gates):
-        log_gates = _gates(module, plan.encoding, tq, key_end)
+    if offers(encoding, Gates):
+        log_gates = _gates(module, encoding, tq, key_end)
     curves = None
-    if offers(plan.encoding, Curves):  # the Inkling bias: the new queries' curves from the layer input (the cache keeps none)
+    if offers(encoding, Curves):  # the Inkling bias: the new queries' curves from the layer input (the cache keeps none)
         x = module.__dict__.get("_posenc_input")
         if x is None or x.shape[1] != tq:
             raise UsageError("inkling: the layer's input did not reach posenc's attention (its curves come from it)")
-        curves = require(plan.encoding, Curves).query_curves(x, geometry.q_positions)
-    out = attend(query, key, value, plan.encoding, scale=scaling, geometry=geometry, memo=memo, causal=geometry.causal, rotate=plan.rotate,
+        curves = require(encoding, Curves).query_curves(x, geometry.q_positions)
+    out = attend(query, key, value, encoding, scale=scaling, geometry=geometry, memo=memo, causal=geometry.causal, rotate=plan.rotate,
                  window=plan.window, chunk=plan.chunk, sinks=sinks, query_scale=plan.query_scale,
                  softcap=None if softcap is None else float(softcap), log_gates=log_gates, query_curves=curves)
     return out.transpose(1, 2).contiguous(), None
@@ -280,10 +350,19 @@ def _reorder_with(cache: Any, kept: dict[int, torch.Tensor]) -> None:
 
 
 def keep_input(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-    """A forward pre-hook on an attention module: its input (the gates' source) and its KV cache."""
+    """A forward pre-hook on an attention module: its input (the gates' source) and its KV cache,
+    held for this call only (:func:`drop_input`)."""
     module.__dict__["_posenc_input"] = args[0] if args else kwargs.get("hidden_states")
     cache = next((kwargs[k] for k in ("cache", "past_key_values", "past_key_value", "layer_past") if kwargs.get(k) is not None), None)
     module.__dict__["_posenc_cache"] = cache
+
+
+def drop_input(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
+    """A forward hook on an attention module: what :func:`keep_input` held is dropped once the call
+    returns, so nothing of a forward (its graph) stays on the module (``copy.deepcopy`` of a model
+    after a forward with gradients copies it; a recomputed checkpointed layer keeps it again)."""
+    module.__dict__.pop("_posenc_input", None)
+    module.__dict__.pop("_posenc_cache", None)
 
 
 def register() -> None:
@@ -317,6 +396,14 @@ class ForwardState:
     def start(self) -> None:
         self.entries = []
         self.made_position_ids = None
+        self.memo = ForwardMemo(self.workspace)
+
+    def finish(self) -> None:
+        """The model forward returned: its memo (T5's bias table, built from parameters: part of
+        the graph) and geometries are dropped, so nothing of that forward stays on the model
+        (``copy.deepcopy`` after a forward with gradients). The position_ids stay (an input, no
+        graph): a checkpointed layer recomputed in backward reads them again."""
+        self.entries = []
         self.memo = ForwardMemo(self.workspace)
 
     def find(self, tq: int, tk: int, mask: torch.Tensor | None, pos: torch.Tensor | None) -> tuple[Any, ...] | None:
@@ -360,4 +447,5 @@ class RotaryStandIn(nn.Module):
         return torch.ones_like(out)
 
 
-__all__ = ["LayerPlan", "NAME", "RotaryStandIn", "padding_mask", "posenc_attention", "register"]
+__all__ = ["Encodings", "LayerPlan", "NAME", "RotaryStandIn", "active_copy", "drop_input", "held_encoding", "installed_encodings",
+           "keep_input", "padding_mask", "posenc_attention", "register"]

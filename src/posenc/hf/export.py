@@ -29,6 +29,7 @@ from __future__ import annotations
 import copy
 import os
 import warnings
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, cast
 
@@ -37,7 +38,7 @@ from torch import nn
 
 from ..encodings.rope import RoPE
 from ..errors import UsageError
-from .attention import LayerPlan, RotaryStandIn
+from .attention import Encodings, LayerPlan, RotaryStandIn, held_encoding
 from .families import Family, family_of, qk_head_dim, text_config
 from .plan import _family_schedule, attention_of, decoder_stack
 from .saving import MARKER
@@ -47,11 +48,11 @@ EXPRESSIBLE = ("default", "linear", "dynamic", "yarn", "longrope", "llama3")
 DROPPED_KEYS = ("posenc", "_attn_implementation", "_attn_implementation_internal", "attn_implementation")
 
 
-def _installed(model: nn.Module) -> nn.ModuleList | None:
+def _installed(model: nn.Module) -> Encodings | nn.ModuleList | None:
     """The ``posenc_encodings`` of ``model``'s decoder stack, or None when posenc.hf.use never ran."""
     for module in model.modules():
         found = getattr(module, "posenc_encodings", None)
-        if isinstance(found, nn.ModuleList):
+        if isinstance(found, (Encodings, nn.ModuleList)):
             return found
     return None
 
@@ -87,11 +88,14 @@ def rope_parameters(encoding: nn.Module, head_dim: int, layout: str = "half", ro
 
 def _plans(model: nn.Module) -> list[LayerPlan | None]:
     """Each decoder layer's :class:`LayerPlan` as :func:`posenc.hf.use` installed it (None where a
-    layer has no attention)."""
+    layer has no attention), with the encoding the model holds now (e.g. a trained copy after PEFT's
+    merge_and_unload)."""
     plans: list[LayerPlan | None] = []
-    for layer in cast(nn.ModuleList, decoder_stack(model).layers):
+    stack = decoder_stack(model)
+    for layer in cast(nn.ModuleList, stack.layers):
         attention = attention_of(layer)
-        plans.append(None if attention is None else attention.__dict__.get("_posenc_plan"))
+        plan = None if attention is None else attention.__dict__.get("_posenc_plan")
+        plans.append(None if plan is None else replace(plan, encoding=held_encoding(stack, plan)))
     return plans
 
 
