@@ -253,7 +253,8 @@ def test_families_and_errors() -> None:
         phf.use(llama(), posenc.build("alibi", num_heads=8, head_dim=8))
 
 
-@pytest.mark.parametrize("method", posenc.available())
+# Selective attention is refused by posenc.hf (test_selective_attention_is_refused).
+@pytest.mark.parametrize("method", [m for m in posenc.available() if m != "selective"])
 def test_every_encoding_generates_as_its_full_forward_and_packs(method: str) -> None:
     """Every posenc method in a Llama model: cached greedy decoding of a left-padded batch equals a
     full forward of each row alone; a packed row equals its documents alone."""
@@ -441,6 +442,12 @@ def test_fox_gates_follow_the_cache() -> None:
         first = phf.use(llama(), "alibi")(ids, use_cache=True)  # a cache filled by another model's calls
         with pytest.raises(posenc.UsageError, match="fox: the KV cache holds 7 keys"):
             model(ids[:, :1], cache=first.cache)
+
+
+def test_selective_attention_is_refused() -> None:
+    """A transformers cache keeps no per-key selection sums: refused at use(), naming why."""
+    with pytest.raises(posenc.UsageError, match="selective attention"):
+        phf.use(llama(), "selective")
 
 
 def _graph_tensors(root: object) -> list[str]:
