@@ -71,6 +71,7 @@ from .attention import (
     posenc_attention,
     register,
 )
+from .fallback import check_structure
 from .families import FAMILIES, family_of, qk_head_dim, text_config
 from .plan import attention_of, decoder_stack, layer_plans
 from .saving import MARKER, mark, recorded_options
@@ -139,6 +140,39 @@ def _remove_hooks(holder: nn.Module) -> None:
         holder.__dict__.pop(key).remove()
 
 
+def _naming_the_family(error: UsageError, model: nn.Module) -> UsageError:
+    """``error`` naming the model's family (its model_type and class) when it does not already."""
+    model_type = getattr(model.config, "model_type", None)
+    if repr(model_type) in str(error):
+        return error
+    return UsageError(f"model_type {model_type!r} ({type(model).__name__}): {error}")
+
+
+def _planned(model: nn.Module, stack: nn.Module, encoding: str | nn.Module | Schedule, options: dict[str, Any]) -> tuple[Any, ...]:
+    """Everything :func:`use` installs, planned (and refused) before anything of the model changes:
+    a refused ``use()`` leaves the model as it was. A family outside the table is checked by the
+    generic fallback first (:mod:`posenc.hf.fallback`)."""
+    config: Any = model.config
+    # The decoder stack's own config: a multimodal wrapper's text model (Fuyu, GOT-OCR 2, ...)
+    held = getattr(stack, "config", None)
+    inner = held if held is not None and hasattr(held, "num_attention_heads") else text_config(config)
+    family = family_of(getattr(inner, "model_type", None))
+    layers = list(cast(nn.ModuleList, stack.layers))
+    attentions = [attention_of(layer) for layer in layers]
+    if not any(a is not None for a in attentions):
+        raise UsageError(f"model: no decoder layer of {type(model).__name__} has an attention module with layer_idx "
+                         "(posenc.hf looks for self_attn, attention or attn on each layer)")
+    if getattr(inner, "use_bidirectional_attention", None):
+        raise UsageError("model: use_bidirectional_attention is not supported by posenc.hf (a decoder with causal masks)")
+    current = stack.rotary_emb
+    stand_in = current if isinstance(current, RotaryStandIn) else RotaryStandIn(cast(nn.Module, current))
+    rotary = stand_in.original
+    if family is None:
+        check_structure(model, stack, inner, attentions, rotary)
+    plans, modules, record = layer_plans(model, inner, family, attentions, rotary, encoding, options)
+    return inner, family, layers, attentions, stand_in, plans, modules, record
+
+
 def use(model: _Model, encoding: str | nn.Module | Schedule, **options: Any) -> _Model:
     """Turn ``model``'s attention into posenc's attention with ``encoding``; returns ``model``.
 
@@ -164,28 +198,22 @@ def use(model: _Model, encoding: str | nn.Module | Schedule, **options: Any) -> 
     again replaces the encoding.
 
     Raises:
-        UsageError: a model without a decoder stack of ``layers`` and one ``rotary_emb``, a model
-            outside the family table whose rotation is not LLaMA's, an unknown encoding name or
+        UsageError: naming the model's family: a model without a decoder stack of ``layers`` and
+            one ``rotary_emb``, a model outside the family table that is not the LLaMA pattern
+            (:mod:`posenc.hf.fallback`: NoPE layers, per-layer bases, sinks, bidirectional
+            attention, MLA, M-RoPE, per-layer head dims or tables, KV sharing, a mask of its own), an unknown encoding name or
             option, options that are not JSON values or given with a module or schedule, a built
             encoding for other heads or head dim or of the other causality, a schedule of another
             depth or asking for sinks the model lacks, or a RoPE read from the config that differs
             from the model's own tables.
     """
     config: Any = model.config
-    inner = text_config(config)
-    family = family_of(getattr(inner, "model_type", None))
-    stack = decoder_stack(model)
-    layers = list(cast(nn.ModuleList, stack.layers))
-    attentions = [attention_of(layer) for layer in layers]
-    if not any(a is not None for a in attentions):
-        raise UsageError(f"model: no decoder layer of {type(model).__name__} has an attention module with layer_idx")
-    if getattr(inner, "use_bidirectional_attention", None):
-        raise UsageError("model: use_bidirectional_attention is not supported by posenc.hf (a decoder with causal masks)")
-    current = stack.rotary_emb
-    stand_in = current if isinstance(current, RotaryStandIn) else RotaryStandIn(cast(nn.Module, current))
+    try:
+        stack = decoder_stack(model)
+        inner, family, layers, attentions, stand_in, plans, modules, record = _planned(model, stack, encoding, options)
+    except UsageError as error:
+        raise _naming_the_family(error, model) from error.__cause__
     stack.rotary_emb = stand_in
-    rotary = stand_in.original
-    plans, modules, record = layer_plans(model, inner, family, attentions, rotary, encoding, options)
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
     stack.posenc_encodings = Encodings(modules).to(device=device, dtype=dtype)

@@ -87,8 +87,11 @@ def _rotary_buffer(rotary: nn.Module, kind: str | None) -> tuple[torch.Tensor, f
         inv = getattr(rotary, "inv_freq", None)
         factor = getattr(rotary, "attention_scaling", 1.0)
     if not isinstance(inv, torch.Tensor):
-        raise UsageError(f"model: its rotary module {type(rotary).__name__} has no inv_freq buffer to read the rotated "
-                         "features from")
+        looked = f"`{kind}_inv_freq` or `inv_freq`" if kind else "`inv_freq`"
+        typed = sorted(n for n, _ in rotary.named_buffers(recurse=False) if n.endswith("inv_freq"))
+        raise UsageError(f"model: posenc read the rotated features from its rotary module {type(rotary).__name__}'s "
+                         f"buffer {looked}, and it has none ({'its buffers: ' + ', '.join(typed) if typed else 'no inv_freq buffer'}"
+                         "), so posenc cannot check its RoPE against the config")
     return inv.detach(), float(1.0 if factor is None else factor)
 
 
@@ -227,6 +230,12 @@ def layer_plans(model: Any, config: Any, family: Family | None, attentions: list
     sizes = _sizes(model, config, family, rotary)
     causal = family.causal if family is not None else True
     own = _family_schedule(config, family, depth)
+    if family is None:  # the generic fallback: each layer run alone against the schedule read (posenc.hf.fallback)
+        from .fallback import probe
+
+        expected = [_build(layer.encoding, dict(layer.options), sizes, causal) if layer.encoding == "rope" else None
+                    for layer in own.layers]
+        probe(model, config, attentions, rotary, expected, sizes.head_dim, sizes.heads)
     types = _layer_types(config)
     record: dict[str, Any]
     absolute: nn.Module | None = None

@@ -1,0 +1,250 @@
+"""The census of ``transformers`` families for posenc.hf (tests/hf/test_census.py): every model type
+of the installed ``transformers``' causal-LM mapping and the text backbone of each image-text-to-text
+model, each built from a tiny config with random weights, and what ``posenc.hf.use(model, "rope")``
+does with it.
+
+The tiny config is made generically: every key of :data:`TINY` that the family's default config has
+(and can set) takes the tiny value, in the config and in each of its sub-configs (vision towers,
+text models), and a family with several kinds of layers (``layer_types``) gets one layer of each
+kind. :data:`OVERRIDES` holds the few families whose defaults do not build that way;
+:data:`UNBUILDABLE` those that cannot be built here at all, with why. A new family in a later
+``transformers`` is built the generic way and lands in the census by itself.
+
+A family uses RoPE when its built model holds a rotary module (a module whose class name says
+"Rotary") or its modeling module rotates (its source names ``rotary``); the others are not part of
+the census.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+VOCAB = 64
+WINDOW = 8  # shorter than the census's sequences, so every window is crossed
+LIMIT = 16_000_000  # parameters: a tiny model above this asks for an override
+
+#: config key -> its tiny value, set wherever the family's default config has the key.
+TINY: dict[str, Any] = dict(
+    vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=16, max_position_embeddings=256, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    # experts
+    num_experts=4, num_local_experts=4, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+    shared_expert_intermediate_size=32, n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1,
+    # multi-head latent attention
+    kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=12,
+    # windows and chunks
+    sliding_window=WINDOW, attention_chunk_size=WINDOW,
+    # partial rotary given as a width (GPT-J, CodeGen)
+    rotary_dim=8,
+    # vision towers and other sub-models
+    num_layers=2, depth=2, embed_dim=64, num_heads=4, out_hidden_size=64, projection_dim=64,
+)
+
+#: model_type -> config keys over the generic tiny ones (the families whose defaults do not build,
+#: or build a sub-model far too large).
+def _mrope(theta: float, sections: list[int], **more: Any) -> dict[str, Any]:
+    """An M-RoPE block whose sections (in frequencies) fit the tiny head (the backbones' rotary
+    modules default to sections for a head dim of 128)."""
+    return {"rope_parameters": {"rope_type": "default", "rope_theta": theta, "mrope_section": sections, **more}}
+
+
+OVERRIDES: dict[str, dict[str, Any]] = {
+    "gemma4_text": dict(head_dim=16, vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=16,
+                        per_layer_config={"1": {"head_dim": 32}}),  # its full layer's head dim differs
+    "gemma3n_text": dict(num_hidden_layers=4, layer_types=["sliding_attention", "full_attention"] * 2,
+                         num_kv_shared_layers=2, activation_sparsity_pattern=[0.0] * 4, vocab_size_per_layer_input=VOCAB,
+                         hidden_size_per_layer_input=16, laurel_rank=8, altup_num_inputs=2),
+    "zaya": dict(num_experts_per_tok=1),  # "ZAYA currently supports num_experts_per_tok=1 only"
+    "qwen2_vl_text": _mrope(1e6, [2, 3, 3]),
+    "qwen2_5_vl_text": _mrope(1e6, [2, 3, 3]),
+    "glm4v_text": _mrope(1e4, [2, 3, 3]),
+    "glm_ocr_text": _mrope(1e4, [2, 3, 3]),
+    "glm4v_moe_text": _mrope(1e4, [1, 1, 2], partial_rotary_factor=0.5),
+}
+
+#: model_type -> why the census cannot build it here (the test skips it, naming the reason).
+_HYBRID_CACHE = "its tiny hybrid model fails in transformers' own mask code (get_mask_sizes on a linear-attention cache)"
+_VALIDATOR = "its config validator refuses the generic tiny sizes (needs a hand-written override)"
+_PER_LAYER = "a per_layer_config keyed by the default depth's layer indices (needs a hand-written override)"
+_TOO_BIG = "the generic tiny config still builds a sub-model of over 16M parameters (needs a hand-written override)"
+UNBUILDABLE: dict[str, str] = {
+    "bamba": _HYBRID_CACHE, "granitemoehybrid": _HYBRID_CACHE, "jamba": _HYBRID_CACHE, "recurrent_gemma": _HYBRID_CACHE,
+    "kolibri1_1": _VALIDATOR, "cosmos3_edge_text": _VALIDATOR, "glm5_next_text": _VALIDATOR, "hy_v4_vl_text": _VALIDATOR,
+    "dots3_note": _PER_LAYER, "gemma4": _TOO_BIG, "dots3_note_text": _TOO_BIG, "blt": _TOO_BIG,
+    "pi05": _TOO_BIG,
+    "gemma3n": "its vision tower needs timm, which is not installed",
+    "cohere_compass_text": "its rotary tables are keyed by layer types the generic tiny config does not keep",
+    "dbrx": "its attention sub-config (attn_config) does not take the generic tiny keys",
+    "dory": "its tiny model does not run: a score shape mismatch in its own attention at the generic sizes",
+    "inkling2_text": "its tiny model does not run at the generic sizes (an embedding index out of range)",
+    "lfm2_moe": "its default config leaves a per-layer list unset at the generic depth",
+    "longcat_flash": "its tiny model does not run at the generic sizes (its MLA head dims)",
+    "qwen4_exp": "its default config has no head sizes to derive from", "qwen4_exp_text": "its default config has no head sizes",
+    "zamba": "its shared transformer blocks do not tie at the generic depth", "zamba2": "its hybrid layout is keyed by the default depth",
+    "chameleon": "its default config has no vocabulary map for the image tokens",
+    "evolla": "no bare model class for its text config", "hunyuan_vl_text": "its default text config leaves a section list unset",
+    "idefics": "its backbone's forward needs image inputs",
+}
+
+
+def _settable(config: Any, key: str) -> bool:
+    """Whether ``key`` is a config field (not a read-only property)."""
+    key = getattr(type(config), "attribute_map", {}).get(key, key)  # a standard name for the family's own
+    static = inspect.getattr_static(type(config), key, None)
+    if isinstance(static, property) and static.fset is None:
+        return False
+    try:
+        return hasattr(config, key)
+    except Exception:  # a per-layer attribute that refuses a global read (Gemma 4's head_dim)
+        return False
+
+
+def _tiny_keys(config: Any, model_type: str | None) -> dict[str, Any]:
+    """The tiny keys of one config (not its sub-configs)."""
+    keys = {k: v for k, v in TINY.items() if _settable(config, k)}
+    types = getattr(config, "layer_types", None) if _settable(config, "layer_types") else None
+    if isinstance(types, (list, tuple)) and types:
+        kinds = list(dict.fromkeys(types))  # one layer of each kind, in the order they first appear
+        if len(kinds) > 1:
+            keys["layer_types"] = kinds
+            keys["num_hidden_layers"] = len(kinds)
+        elif "num_hidden_layers" in keys:
+            keys["layer_types"] = kinds * keys["num_hidden_layers"]
+    block = getattr(config, "rope_parameters", None) if "hidden_size" in keys else None
+    if isinstance(block, dict) and isinstance(block.get("mrope_section"), (list, tuple)):
+        # M-RoPE: its sections (in frequencies) shrunk to the tiny head's rotated half
+        factor = block.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0)) or 1.0
+        head_dim = keys.get("head_dim") or keys["hidden_size"] // keys.get("num_attention_heads", 4)
+        total, sections = int(head_dim * factor) // 2, list(block["mrope_section"])
+        shrunk = [max(1, x * total // sum(sections)) for x in sections]
+        shrunk[-1] += total - sum(shrunk)
+        keys["rope_parameters"] = {**block, "mrope_section": shrunk}
+    if "kv_lora_rank" in keys:  # MLA: every query head has its key head; head dims from the MLA keys
+        keys["num_key_value_heads"] = keys.get("num_attention_heads", 4)
+        keys.pop("head_dim", None)
+    if model_type is not None:
+        keys.update(OVERRIDES.get(model_type, {}))
+    return keys
+
+
+def tiny_config(model_type: str) -> Any:
+    """The family's config with the tiny keys in it and in each sub-config."""
+    from transformers import AutoConfig, PretrainedConfig
+
+    base = AutoConfig.for_model(model_type)
+    kwargs = _tiny_keys(base, model_type)
+    for name in getattr(base, "sub_configs", {}) or {}:
+        sub = getattr(base, name, None)
+        if isinstance(sub, PretrainedConfig):  # the sub-config's defaults, with the tiny keys
+            kwargs[name] = {**_tiny_keys(sub, None), **OVERRIDES.get(f"{model_type}.{name}", {})}
+    return AutoConfig.for_model(model_type, **kwargs)
+
+
+@dataclass(frozen=True)
+class Case:
+    """One census entry: a model type and where it came from."""
+
+    model_type: str
+    source: str  # "causal-lm", or "backbone of <image-text-to-text type>"
+
+    def __str__(self) -> str:
+        return self.model_type
+
+
+def cases() -> list[Case]:
+    """Every causal-LM model type, then the text backbones of the image-text-to-text models that are
+    not causal-LM types themselves (each once)."""
+    from transformers import AutoConfig
+    from transformers.models.auto import modeling_auto
+
+    causal = list(modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+    found = [Case(t, "causal-lm") for t in causal]
+    seen = set(causal)
+    for wrapper in modeling_auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES:
+        try:
+            text = _text_config(AutoConfig.for_model(wrapper))
+        except Exception:  # a wrapper without a readable text config: nothing to census
+            continue
+        backbone = getattr(text, "model_type", None)
+        if isinstance(backbone, str) and backbone not in seen and backbone in modeling_auto.MODEL_MAPPING_NAMES:
+            seen.add(backbone)
+            found.append(Case(backbone, f"backbone of {wrapper}"))
+    return found
+
+
+def _text_config(config: Any) -> Any:
+    getter = getattr(config, "get_text_config", None)
+    if getter is None:
+        return config
+    try:
+        return getter(decoder=True)
+    except Exception:
+        return getattr(config, "text_config", None)
+
+
+def model_class(case: Case) -> Any:
+    """The Auto class the census builds with: the causal LM, or for a backbone its bare model."""
+    from transformers.models.auto import modeling_auto
+
+    return (modeling_auto.AutoModelForCausalLM if case.source == "causal-lm" else modeling_auto.AutoModel)
+
+
+def rotates(case: Case) -> bool:
+    """Whether the family's modeling module rotates (its source names ``rotary``), read before
+    building it: the families without RoPE are not built."""
+    import transformers
+    from transformers.models.auto import modeling_auto
+
+    names = (modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES if case.source == "causal-lm"
+             else modeling_auto.MODEL_MAPPING_NAMES)[case.model_type]
+    name = names[0] if isinstance(names, (list, tuple)) else names
+    try:
+        cls = getattr(transformers, name)
+    except Exception:  # a class the installed transformers cannot import (a missing extra): built to find out
+        return True
+    return "rotary" in inspect.getsource(sys.modules[cls.__module__]).lower()
+
+
+def build(case: Case) -> torch.nn.Module:
+    """The family's tiny model, every weight moved off its init value (norm weights not 1, sinks
+    not 0), in eval mode.
+
+    Raises:
+        ValueError: the tiny model would have more than :data:`LIMIT` parameters (it needs an override).
+    """
+    config = tiny_config(case.model_type)
+    auto = model_class(case)
+    with torch.device("meta"):
+        shell = auto.from_config(config)
+    size = sum(p.numel() for p in shell.parameters())
+    if size > LIMIT:
+        raise ValueError(f"{case.model_type}: the tiny config still makes {size:,} parameters; add an override "
+                         "to tests/hf_census_configs.py")
+    torch.manual_seed(0)
+    model = auto.from_config(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    return model
+
+
+def uses_rope(model: torch.nn.Module) -> bool:
+    """Whether the model rotates: a rotary module in it, or its modeling module's source rotating."""
+    if any("rotary" in type(m).__name__.lower() and "vision" not in type(m).__name__.lower() for m in model.modules()):
+        return True
+    source = inspect.getsource(sys.modules[type(model).__module__])
+    return "rotary" in source.lower()
+
+
+def untouched_copy(model: torch.nn.Module) -> torch.nn.Module:
+    return copy.deepcopy(model)
+
+
+__all__ = ["Case", "LIMIT", "OVERRIDES", "TINY", "UNBUILDABLE", "VOCAB", "WINDOW", "build", "cases", "model_class", "rotates",
+           "tiny_config", "untouched_copy", "uses_rope"]
