@@ -316,3 +316,16 @@ def test_resume_with_jobs_evaluates_a_run_trained_but_not_evaluated(serial, tmp_
     results = json.loads((out / "results.json").read_text())
     assert results["status"] == "done", {m: e["status"] for m, e in results["methods"].items()}
     assert numbers(out) == numbers(serial)
+
+
+def test_executor_ray_without_ray_is_refused_before_the_study_folder_is_made(tmp_path, monkeypatch, capsys):
+    """Refused before anything is written, so the same command runs once ray is installed (issue 48,
+    item 21: the folder left behind then refused it as another study's)."""
+    monkeypatch.setitem(sys.modules, "ray", None)  # (import ray fails, find_spec finds nothing: as if not installed)
+    out = tmp_path / "run"
+    assert cli.main(["study", *ARGS, "--executor", "ray", "--out", str(out)]) == 2
+    assert "pip install 'posenc[ray]'" in capsys.readouterr().err
+    assert not out.exists()
+    with pytest.raises(UsageError, match="ray package"):
+        run_experiment(_cfg(), out, progress=False, execution=Execution(executor="ray"))
+    assert not out.exists()

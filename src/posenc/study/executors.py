@@ -19,6 +19,7 @@ every worker; what they sent is in results.json, their training states are on di
 from __future__ import annotations
 
 import copy
+import importlib.util
 import multiprocessing
 import os
 import queue
@@ -38,6 +39,7 @@ from .progress import Progress
 from .worker import Key, Message, Setup, Task, key_of, local_worker, ray_task
 
 EXECUTORS = ("local", "ray")
+RAY_MISSING = "executor ray needs the ray package: pip install 'posenc[ray]'"
 
 @dataclass(frozen=True)
 class Execution:
@@ -56,8 +58,8 @@ class Execution:
 
     def check(self) -> None:
         """Raises:
-            UsageError: ``jobs`` or ``threads`` below 1, an unknown ``executor``, or an ``address``
-                without Ray.
+            UsageError: ``jobs`` or ``threads`` below 1, an unknown ``executor``, an ``address``
+                without Ray, or executor ``ray`` where the ray package is not installed.
         """
         if self.jobs < 1:
             raise UsageError(f"jobs must be >= 1, got {self.jobs}")
@@ -67,6 +69,8 @@ class Execution:
             raise UsageError(f"executor must be one of {', '.join(EXECUTORS)}, got {self.executor!r}")
         if self.address is not None and self.executor != "ray":
             raise UsageError("ray_address needs executor ray (--executor ray)")
+        if self.executor == "ray" and importlib.util.find_spec("ray") is None:  # (before the study's folder is made)
+            raise UsageError(RAY_MISSING)
 
 
 def chain(run: Run) -> list[Run]:
@@ -172,7 +176,7 @@ class RayPool:
         try:
             import ray
         except ImportError:
-            raise UsageError("executor ray needs the ray package: pip install 'posenc[ray]'") from None
+            raise UsageError(RAY_MISSING) from None
         self.ray = ray
         self.owned = not ray.is_initialized()
         if self.owned:
