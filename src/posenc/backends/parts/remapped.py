@@ -32,9 +32,10 @@ cache's workspace (one slot per layer: the layer's call number in the
 forward, :meth:`~posenc.call.memo.ForwardMemo.next_call`), so a step rotates only its new keys.
 The kept rows are used only when they are still the cache's rows: the same first key position, the
 same number of rows or fewer before this call's queries, and the same per-row sums of the raw keys
-on every 16th kept row and the last 16 (a strided read of a sixteenth of the keys, shared by the regions, which catches another
-cache in the same slot or reordered beams; a cache cropped and refilled is caught by its rows
-before the queries); anything else rotates every key again. A left-padded batch
+on every :data:`PROBE`-th kept row and the last 16 (one strided read, shared by the regions). Another
+cache in the same slot differs almost everywhere; reordered beams differ in every row after they
+part, so in the last 16; a cache cropped and refilled is caught by its rows before the queries.
+Anything else rotates every key again. A left-padded batch
 (``starts``, a decode step of a padded cache) runs row by row, each row at its own positions
 counted from its first real token, as the row alone; its padding queries get 0.
 """
@@ -62,7 +63,7 @@ from .windows import Extras
 # each piece holds (L, P) scores.
 BLOCK = 1024
 EAGER_BLOCK = 256
-PROBE = 16  # kept keys: every PROBE-th row's sum is checked against the cache on each call
+PROBE = 64  # kept keys: every PROBE-th row's sum is checked against the cache on each call
 
 # A piece: (region, first key, end key (indices into the region's keys), kind, first row, end row (of
 # the block)); only rows first..end-1 of the block see the piece's keys. Its kind says how it runs:
