@@ -329,3 +329,24 @@ def test_executor_ray_without_ray_is_refused_before_the_study_folder_is_made(tmp
     with pytest.raises(UsageError, match="ray package"):
         run_experiment(_cfg(), out, progress=False, execution=Execution(executor="ray"))
     assert not out.exists()
+
+
+def test_merge_refuses_a_part_without_its_checkpoints_or_at_other_threads(shards, tmp_path):
+    """A part whose checkpoints were deleted, and parts run at different --threads, are refused before
+    anything is written (issue 48, item 22: both were merged without a word)."""
+    one, two, three = shards
+    gone = _copy(two, tmp_path / "gone")
+    deleted = sorted((gone / "checkpoints").glob("*.safetensors"))
+    assert deleted
+    deleted[0].unlink()
+    with pytest.raises(UsageError, match=f"checkpoint .*{deleted[0].name} is missing"):
+        merge([one, gone, three], tmp_path / "a")
+
+    def threads(r):
+        r["versions"]["torch_threads"] = 2
+
+    other = _copy(two, tmp_path / "threads", threads)
+    with pytest.raises(UsageError, match=r"different threads \(--threads\): 1 vs 2"):
+        merge([one, other, three], tmp_path / "b")
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+    merge([one, two, three], tmp_path / "c", progress=False)  # (the parts as they ran: merged)

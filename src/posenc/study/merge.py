@@ -3,8 +3,9 @@ studies of one config that ran different runs) joined into one study folder.
 
 Checked first, before anything is written: every folder holds a finished-writing study (no live
 process holds its lock) of the same config (every option, the rows and seeds too), the same model
-(``hf_config``'s sha256) and the same data (the corpus' sha256), and each run (a row at a seed) is
-finished in at most one of them; ``out`` is a new or empty folder (a study already there is never
+(``hf_config``'s sha256), the same data (the corpus' sha256), run at the same threads and device
+(a run's numbers depend on them), and each run (a row at a seed) is finished in at most one of
+them, with its checkpoint where its record says it was trained; ``out`` is a new or empty folder (a study already there is never
 overwritten). Then every run's record is taken from the folder that has it furthest along (done or
 diverged, else trained, else a training state on disk), with its checkpoint (and its config file)
 and its window scores (training state: its state file), and the across-seed means, tables and
@@ -42,7 +43,8 @@ def _config(results: dict) -> dict:
 
 def _check_same(first: Path, a: dict, other: Path, b: dict) -> None:
     """Raises:
-        UsageError: ``a`` and ``b`` differ in config (each option named with both values), model or corpus.
+        UsageError: ``a`` and ``b`` differ in config (each option named with both values), model, corpus,
+            threads or device.
     """
     ca, cb = _config(a), _config(b)
     diff = [f"{k}: {ca.get(k)!r} in {first} vs {cb.get(k)!r} in {other}" for k in sorted(set(ca) | set(cb))
@@ -56,6 +58,12 @@ def _check_same(first: Path, a: dict, other: Path, b: dict) -> None:
     sa, sb = a.get("corpus", {}).get("sha256"), b.get("corpus", {}).get("sha256")
     if sa != sb:
         raise UsageError(f"merge: {first} and {other} were trained on different data (corpus sha256 {sa} vs {sb})")
+    va, vb = a.get("versions") or {}, b.get("versions") or {}
+    for key, what in (("torch_threads", "threads (--threads)"), ("device", "device")):
+        if key in va and key in vb and va[key] != vb[key]:
+            raise UsageError(f"merge: {first} and {other} ran at different {what}: {va[key]!r} vs {vb[key]!r}; a "
+                             "run's numbers depend on them, so the parts are not one study's: run the parts again "
+                             "with the same --threads and --device")
 
 
 def _load(folders: list[Path], out: Path) -> list[dict]:
@@ -119,7 +127,7 @@ def merge(folders: list[Path], out: Path, progress: bool = True) -> dict:
 
     Raises:
         UsageError: the folders cannot be merged (:func:`_load`), a run is finished in two of
-            them, or ``out`` already holds files.
+            them, a trained run's checkpoint is missing, or ``out`` already holds files.
     """
     ui = Progress(progress)
     loaded = _load(folders, out)
@@ -142,6 +150,16 @@ def merge(folders: list[Path], out: Path, progress: bool = True) -> dict:
             if rank > best:
                 best, where = rank, i
         chosen.append((run, where if best else None))
+    for run, at in chosen:  # a record without its checkpoint would be merged as finished, its model gone
+        record = None if at is None else Book(loaded[at], Paths(folders[at]), distributed.Context(torch.device("cpu")),
+                                              cfg).run_of(run)
+        if record is None or run.settings is None or record.get("status") not in ("trained", "done"):
+            continue
+        ckpt = Paths(folders[at]).checkpoint(run.row.stem, run.stored_seed)
+        if not ckpt.is_file():
+            raise UsageError(f"merge: {folders[at]} records {run.label} as {record['status']} but its checkpoint {ckpt} "
+                             "is missing; restore it, or run that part again with --resume (it trains the run again) "
+                             "before merging")
     rundir = RunDir.claim(out, "study")
     try:
         results = {
