@@ -151,9 +151,10 @@ def merge(folders: list[Path], out: Path, progress: bool = True) -> dict:
                 best, where = rank, i
         chosen.append((run, where if best else None))
     for run, at in chosen:  # a record without its checkpoint would be merged as finished, its model gone
-        record = None if at is None else Book(loaded[at], Paths(folders[at]), distributed.Context(torch.device("cpu")),
-                                              cfg).run_of(run)
-        if record is None or run.settings is None or record.get("status") not in ("trained", "done"):
+        if at is None or run.settings is None:
+            continue
+        record = Book(loaded[at], Paths(folders[at]), distributed.Context(torch.device("cpu")), cfg).run_of(run)
+        if record is None or record.get("status") not in ("trained", "done"):
             continue
         ckpt = Paths(folders[at]).checkpoint(run.row.stem, run.stored_seed)
         if not ckpt.is_file():
