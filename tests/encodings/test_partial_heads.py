@@ -153,3 +153,24 @@ def test_methods_that_cannot_act_on_some_heads_are_refused() -> None:
     q = torch.randn(1, 4, 3, D)
     with pytest.raises(UsageError, match=r"rotation changes the head width \(8 -> 16\)"):
         pope.rotate(q, q, torch.arange(3), torch.arange(3))
+
+
+def test_forget_gates_on_some_heads_read_the_whole_input() -> None:
+    """FoX on 2 of 4 heads: its gate reads the layer's whole input (input_dim = H x D), its log gates
+    sit on the chosen heads and are 0 (no decay) on the others; a model trains through them."""
+    enc = posenc.build("fox", num_heads=4, head_dim=D, position_heads=2, position_heads_at="last")
+    x = torch.randn(2, 5, 4 * D)
+    gates = enc.log_gates(x)  # (B, H, T)
+    assert gates.shape == (2, 4, 5) and (gates[:, :2] == 0).all()
+    torch.testing.assert_close(gates[:, 2:], enc.inner.log_gates(x))
+    assert (gates[:, 2:] < 0).all()
+    model = posenc.LM(posenc.LMConfig(encoding="fox", dim=4 * D, depth=1, num_heads=4, vocab_size=64,
+                                      encoding_options={"position_heads": 2}))
+    model(torch.randint(0, 64, (1, 9))).square().mean().backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in model.blocks[0].attn.encoding.parameters())
+
+
+@pytest.mark.parametrize("name,why", [("inkling", "its curves are not per head alone"), ("selective", "its selection is shared by the heads")])
+def test_data_dependent_methods_without_a_per_head_form_are_refused(name: str, why: str) -> None:
+    with pytest.raises(UsageError, match=rf"^position_heads: {name} cannot act on a subset of heads \({why}\)$"):
+        posenc.build(name, num_heads=4, head_dim=D, position_heads=2)
