@@ -12,6 +12,7 @@ import posenc
 from agreement import check_backends
 from posenc.encodings.xdrope import XDRoPE
 from posenc.errors import UsageError
+from posenc.hf.rope import xdrope_from_hf
 from posenc.model.cache import LayerCache
 
 transformers = pytest.importorskip("transformers")
@@ -146,3 +147,27 @@ def test_bad_positions() -> None:
         enc.rotate(q, q, torch.zeros(3, 5, dtype=torch.long), torch.zeros(3, 5, dtype=torch.long))
     with pytest.raises(UsageError, match=r"must be >= 0"):
         enc.rotate(q, q, torch.full((4, 5), -1), torch.zeros(4, 5, dtype=torch.long))
+
+
+@pytest.mark.parametrize("form", ["object", "config.json"])
+def test_xdrope_from_hf_reads_a_hunyuan_vl_config(form: str) -> None:
+    """The published form (``rope_scaling`` with ``"type": "xdrope"``, ``xdrope_section`` and Hunyuan's
+    alpha beside its unread keys), as a dict and through transformers' config class: the rotation of
+    HunYuanVLRotaryEmbedding built from the same config."""
+    raw = {"model_type": "hunyuan_vl_text", "hidden_size": 64, "num_attention_heads": 2, "head_dim": 32,
+           "rope_scaling": {"type": "xdrope", "alpha": 100.0, "xdrope_section": [2, 6, 4, 4], "rope_theta": 5e5, **HUNYUAN_KEYS}}
+    config = HunYuanVLTextConfig(num_hidden_layers=1, intermediate_size=32, vocab_size=64,
+                                 **{k: (dict(v) if isinstance(v, dict) else v) for k, v in raw.items() if k != "model_type"})
+    enc = xdrope_from_hf(config if form == "object" else {"text_config": raw})
+    assert enc.xdrope_section == [2, 6, 4, 4] and enc.base == 5e5 and enc.scaling.rope_type == "ntk_alpha"
+    torch.manual_seed(4)
+    positions = torch.randint(0, 30, (4, 1, 8))
+    q, k = torch.randn(2, 1, 2, 8, 32).unbind(0)
+    (want_q, want_k), _ = hf_rotation(config, q, k, positions)
+    got_q, got_k = enc.rotate(q, k, positions, positions)
+    torch.testing.assert_close(got_q, want_q, rtol=0, atol=1e-5)
+    torch.testing.assert_close(got_k, want_k, rtol=0, atol=1e-5)
+    with pytest.raises(UsageError, match=r"^xdrope_from_hf: xdrope_section \[2, 6, 4, 4\] and mrope_section \[4, 4, 4, 4\] differ"):
+        xdrope_from_hf({**raw, "rope_scaling": {**raw["rope_scaling"], "mrope_section": [4, 4, 4, 4]}})
+    with pytest.raises(UsageError, match=r"^xdrope_from_hf: rope_type 'yarn' is not supported"):
+        xdrope_from_hf({**raw, "rope_scaling": {"type": "yarn", "factor": 2.0}})

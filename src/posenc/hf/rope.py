@@ -1,6 +1,7 @@
 """The RoPE of a whole Hugging Face config: heads, head dim, ``rope_theta`` and the scaling block,
 each key resolved as ``transformers`` 5.x resolves it, and the :class:`~posenc.encodings.rope.RoPE`
-built from them, and the M-RoPE of a Qwen2-VL / Qwen3-VL config (:func:`mrope_from_hf`). Reads config
+built from them, the M-RoPE of a Qwen2-VL / Qwen3-VL config (:func:`mrope_from_hf`) and the XD-RoPE
+of a Hunyuan-VL config (:func:`xdrope_from_hf`). Reads config
 objects and ``config.json`` dicts only; needs no ``transformers``.
 """
 
@@ -16,6 +17,7 @@ from typing import Any
 from ..encodings.mrope import MRoPE
 from ..encodings.rope import RoPE
 from ..encodings.rope_scaling import MAX_BASE, ROPE_TYPES
+from ..encodings.xdrope import XDRoPE
 from ..errors import UsageError
 
 
@@ -235,4 +237,58 @@ def mrope_from_hf(config: object, **options: Any) -> MRoPE:
                  mrope_interleaved=qwen3 or interleaved, **options)
 
 
-__all__ = ["DEFAULT_THETA", "HFRope", "mrope_from_hf", "options_from_hf", "resolve_hf", "rope_from_hf"]
+def xdrope_from_hf(config: object, **options: Any) -> XDRoPE:
+    """An :class:`XDRoPE` from a ``transformers`` Hunyuan-VL config (the whole config or its
+    ``text_config``, object or ``config.json`` dict): heads, head dim (``head_dim``, else
+    ``attention_head_dim``, else hidden_size / heads), ``rope_theta`` (the block's, else the top
+    level's, else 10000), the section (``xdrope_section`` or its new name ``mrope_section``; equal if
+    both) and Hunyuan's NTK-alpha (``alpha`` in a block of type ``xdrope`` or ``dynamic``), from
+    ``rope_parameters`` (or ``rope_scaling``), as transformers' ``HunYuanVLRotaryEmbedding`` reads them.
+    The keys Hunyuan's blocks carry beside ``alpha`` (``factor``, ``beta_fast``, ...) are not read, as
+    there. ``options`` go to :class:`XDRoPE` (``causal``, ``cache_length``).
+
+    Raises:
+        UsageError: a block that is not a dict, another ``rope_type`` (``default``, ``xdrope`` or
+            ``dynamic`` with ``alpha``), two sections that differ, or a missing or bad size.
+    """
+    def get(cfg: object, key: str) -> Any:
+        return cfg.get(key) if isinstance(cfg, Mapping) else getattr(cfg, key, None)
+
+    text = get(config, "text_config") or config
+    block = get(text, "rope_parameters") or get(text, "rope_scaling") or {}
+    if not isinstance(block, Mapping):
+        raise UsageError(f"xdrope_from_hf: rope_parameters must be a JSON object (a dict of RoPE keys), got {block!r}")
+    legacy, section = block.get("xdrope_section"), block.get("mrope_section")
+    if legacy is not None and section is not None and list(legacy) != list(section):
+        raise UsageError(f"xdrope_from_hf: xdrope_section {list(legacy)} and mrope_section {list(section)} differ; give one")
+    section = section if section is not None else legacy
+    rope_type = block.get("rope_type", block.get("type", "default"))
+    alpha = block.get("alpha")
+    if rope_type in ("xdrope", "dynamic") and alpha:
+        scaling: dict[str, Any] | None = {"rope_type": "ntk_alpha", "alpha": alpha}
+    elif rope_type in ("default", "xdrope"):
+        scaling = None
+    else:
+        raise UsageError(f"xdrope_from_hf: rope_type {rope_type!r} is not supported ('default', or 'xdrope' / 'dynamic' "
+                         "with Hunyuan's alpha)")
+    if get(text, "num_attention_heads") is None:
+        raise UsageError("xdrope_from_hf: the config has no num_attention_heads")
+    heads = _hf_int("num_attention_heads", get(text, "num_attention_heads"), "xdrope_from_hf")
+    given = get(text, "head_dim") if get(text, "head_dim") is not None else get(text, "attention_head_dim")
+    if given is not None:
+        head_dim = _hf_int("head_dim", given, "xdrope_from_hf")
+    else:
+        hidden = _hf_int("hidden_size", get(text, "hidden_size"), "xdrope_from_hf")
+        if hidden % heads:
+            raise UsageError(f"xdrope_from_hf: hidden_size ({hidden}) must be a multiple of num_attention_heads ({heads}) "
+                             "when the config gives no head_dim")
+        head_dim = hidden // heads
+    base = block.get("rope_theta", get(text, "rope_theta"))
+    base = 10000.0 if base is None else base
+    if isinstance(base, bool) or not isinstance(base, numbers.Real) or not math.isfinite(base) or not float(base) > 1:
+        raise UsageError(f"xdrope_from_hf: rope_theta must be a number > 1, got {base!r}")
+    return XDRoPE(heads, head_dim, base=float(base), xdrope_section=None if section is None else list(section),
+                  scaling=scaling, **options)
+
+
+__all__ = ["DEFAULT_THETA", "HFRope", "mrope_from_hf", "options_from_hf", "resolve_hf", "rope_from_hf", "xdrope_from_hf"]
