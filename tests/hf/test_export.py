@@ -129,7 +129,7 @@ def exported_difference(model, path) -> float:
     ("llama", "[rope chunk=8]", "chunk=8"),
     ("llama", "[rope temp=0.5/4]", "temp"),
     ("llama", "3x[rope] 1x[rope window=4]", "layer 3"),
-    ("mistral", "[rope window=4]", "window=8"),  # its own window is 8
+    ("mistral", "[rope window=4] [rope]", "layer 0 attends with window=4"),  # windowed and full layers: its config has one kind
     ("cohere2", "[rope]", "window=8"),  # drops the family's windows
     ("smollm3", "[rope]", "nope"),  # rotates the family's NoPE layer
     ("llama4_text", "[rope chunk=8]", "nope"),
@@ -156,6 +156,14 @@ def test_export_keeps_the_family_layer_pattern(model_type, scaling, tmp_path):
     the NoPE layers' 'nope', issue 48 item 2)."""
     model = ph.use(family_model(model_type), "rope", scaling=scaling)
     assert exported_difference(model, tmp_path / "out") < 1e-5
+
+
+def test_export_writes_a_window_the_family_config_can_say(tmp_path):
+    """Mistral with posenc's window of 4 where its config says 8: one window on every layer, which
+    its config's sliding_window says (exported as 8 before: 0.43 in the logits, issue 48 item 1)."""
+    model = ph.use(family_model("mistral"), "[rope window=4]")
+    assert exported_difference(model, tmp_path / "out") < 1e-5
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["sliding_window"] == 4
 
 
 def test_export_checks_the_block_against_the_family_config_class(tmp_path):

@@ -128,6 +128,23 @@ def _check_pattern(config: Any, family: Family | None, plans: list[LayerPlan | N
                              "attention in the family's config, and refuses rather than write another model")
 
 
+def _window_written(config: Any, values: dict[str, Any], block: dict[str, Any] | None, rotary_dim: int,
+                    family: Family | None, plans: list[LayerPlan | None], refused: UsageError) -> Any:
+    """The plain config with the one window posenc's windowed layers share written to the family's
+    window key (Mistral with a window of 4 where its config says 8), when the layers that config
+    then describes are posenc's; else ``refused`` is raised."""
+    windows = {p.window for p in plans if p is not None and p.window is not None}
+    key = family.window_key if family is not None else "sliding_window"
+    if len(windows) != 1 or values.get(key) is None:
+        raise refused
+    plain = _plain_config(config, {**values, key: windows.pop()}, block, rotary_dim)
+    try:
+        _check_pattern(plain, family, plans)
+    except UsageError:
+        raise refused from None
+    return plain
+
+
 def _allowed_rope_types(config_class: Any, values: dict[str, Any], rotary_dim: int) -> list[str]:
     """The rope types of :data:`EXPRESSIBLE` that ``config_class`` keeps as given (Phi-3 takes only
     ``default`` and ``longrope``, and turns ``yarn`` into ``longrope``)."""
@@ -255,7 +272,10 @@ def export(model: nn.Module, path: str | os.PathLike[str]) -> Path:
         values.pop(key, None)
     plain_config = _plain_config(config, values, block, rotary_dim)
     if plans:
-        _check_pattern(plain_config, family, plans)
+        try:
+            _check_pattern(plain_config, family, plans)
+        except UsageError as refused:
+            plain_config = _window_written(config, values, block, rotary_dim, family, plans, refused)
     state = {k: v for k, v in model.state_dict().items()
              if "posenc_encodings." not in k and ".rotary_emb." not in k and not k.endswith(MARKER)}
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
