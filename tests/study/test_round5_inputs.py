@@ -132,3 +132,26 @@ def test_extend_names_a_checkpoint_that_does_not_exist(tmp_path, capsys) -> None
                      "--steps", "0", "--length", "128", "--no-progress"])
     err = capsys.readouterr().err.strip()
     assert code == 2 and "does not exist" in err and "train-length" not in err, err
+
+
+def _longrope_block(**kw) -> dict:
+    return {"rope_type": "longrope", "short_factor": [1.0] * 4, "long_factor": [1.5, 2.0, 2.5, 3.0],
+            "original_max_position_embeddings": 32, "factor": 2.0, **kw}
+
+
+@pytest.mark.parametrize("block, words", [
+    (_longrope_block(rope_type="yarn"), "rope_type is 'yarn'.*--scaling yarn"),
+    ({"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 32}, "rope_type is 'yarn'"),
+    (_longrope_block(original_max_position_embeddings=10**9), "original_max_position_embeddings \\(1000000000\\)"),
+    (_longrope_block(original_max_position_embeddings=16), "original_max_position_embeddings \\(16\\) must be the train length \\(32\\)"),
+    ([1.0, 2.0], "a block is a JSON object"),
+])
+def test_a_given_longrope_block_is_checked_against_the_run(block, words) -> None:
+    """``--longrope-block``: another type's block, or one whose original length is not the run's train
+    length, is refused (issue 48, item 23: a yarn block ran under --scaling longrope; an original length
+    of 1e9 never scaled anything)."""
+    from posenc.study.extend_config import ExtendConfig
+
+    with pytest.raises(UsageError, match=words):
+        ExtendConfig(scaling="longrope", length=64, steps=0, train_length=32, longrope=block)
+    ExtendConfig(scaling="longrope", length=64, steps=0, train_length=32, longrope=_longrope_block())

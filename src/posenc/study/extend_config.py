@@ -160,6 +160,8 @@ class ExtendConfig:
             raise UsageError(f"task must be 'lm' or 'recall', got {self.task!r}")
         if self.longrope is not None and self.scaling != "longrope":
             raise UsageError(f"longrope (a given block) applies to scaling longrope, not {self.scaling!r}")
+        if self.longrope is not None:
+            self._check_longrope(self.longrope)
         if self.search is not None and (self.scaling != "longrope" or self.longrope is not None):
             raise UsageError("search applies to scaling longrope without a given block")
         if self.search is not None and (self.search.target_length, self.search.train_length) != (self.length, self.train_length):
@@ -190,6 +192,27 @@ class ExtendConfig:
         if any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in lengths):
             raise UsageError(f"eval_lengths must be integers >= 1, got {lengths!r}")
         object.__setattr__(self, "eval_lengths", sorted(set(lengths)))
+
+    def _check_longrope(self, block: object) -> None:
+        """A given longrope block fits this run: a ``longrope`` block (not another type's), whose
+        ``original_max_position_embeddings`` (where the long factors start) is the train length.
+
+        Raises:
+            UsageError: not a JSON object, another rope_type, or another original length.
+        """
+        if not isinstance(block, dict):
+            raise UsageError(f"longrope: a block is a JSON object, got {type(block).__name__}")
+        kind = block.get("rope_type", block.get("type"))
+        if kind != "longrope":
+            raise UsageError(f"longrope: the block's rope_type is {kind!r}; --scaling longrope takes a longrope block "
+                             "(rope_type 'longrope', short_factor, long_factor, original_max_position_embeddings)"
+                             + (f"; for a {kind} block use --scaling {kind}" if kind in KINDS else ""))
+        original = block.get("original_max_position_embeddings")
+        if original is not None and (isinstance(original, bool) or not isinstance(original, (int, float))
+                                     or original != self.train_length):
+            raise UsageError(f"longrope: the block's original_max_position_embeddings ({original!r}) must be the train "
+                             f"length ({self.train_length}): the long factors apply past it, so a longer one never "
+                             "scales the fine-tuning length and a shorter one rescales positions the model was trained at")
 
     @property
     def factor(self) -> float:
