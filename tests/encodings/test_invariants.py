@@ -171,7 +171,7 @@ ROPE_SCALINGS = {
                "original_max_position_embeddings": L_ORIGINAL},
     "proportional": {"rope_type": "proportional", "partial_rotary_factor": 0.5},
     "ntk_alpha": {"rope_type": "ntk_alpha", "alpha": 50.0},
-    "resonance": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": L_ORIGINAL, "resonance": True},
+    "resonance": {"rope_type": "resonance"},
     "dynamic": {"rope_type": "dynamic", "factor": 3.0, "original_max_position_embeddings": L_ORIGINAL},
     "longrope": {"rope_type": "longrope", "short_factor": [1.0, 1.5, 2.0, 3.0], "long_factor": [1.2, 2.0, 4.0, 6.0],
                  "original_max_position_embeddings": L_ORIGINAL, "factor": 4.0},

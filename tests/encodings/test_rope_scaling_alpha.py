@@ -224,3 +224,19 @@ def test_posenc_extend_runs_under_the_new_scalings(kind: str, tmp_path) -> None:
     extended = load_checkpoint(tmp_path / "ext" / "model.safetensors")
     enc = next(iter(extended.attentions())).encoding
     assert torch.equal(enc.inv_freq, posenc.build("rope", num_heads=2, head_dim=8, scaling=block).inv_freq)
+
+
+@pytest.mark.parametrize("block", [{"rope_type": "ntk_alpha", "alpha": 50.0},
+                                   {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "resonance": True}])
+def test_scores_depend_on_i_minus_j_only(block: dict) -> None:
+    """Static frequency schedules: RoPE's relative property holds (scores unchanged by a shift)."""
+    enc = posenc.build("rope", num_heads=H, head_dim=D, scaling=block)
+    q, k = torch.randn(2, 1, H, 6, D, dtype=torch.float64).unbind(0)
+    pos = torch.tensor([0, 2, 3, 7, 11, 40])
+
+    def scores(p: torch.Tensor) -> torch.Tensor:
+        qr, kr = enc.rotate(q, k, p, p)
+        return qr @ kr.transpose(-1, -2)
+
+    torch.testing.assert_close(scores(pos + 1000), scores(pos), rtol=0, atol=1e-4)
+    assert (scores(pos[[0, 1, 2, 3, 5, 4]]) - scores(pos)).abs().max() > 1e-2  # and they do depend on it
