@@ -240,3 +240,17 @@ def test_scores_depend_on_i_minus_j_only(block: dict) -> None:
 
     torch.testing.assert_close(scores(pos + 1000), scores(pos), rtol=0, atol=1e-4)
     assert (scores(pos[[0, 1, 2, 3, 5, 4]]) - scores(pos)).abs().max() > 1e-2  # and they do depend on it
+
+
+def test_export_refuses_the_scalings_transformers_cannot_express() -> None:
+    """posenc.hf.export writes transformers' rope_parameters: ntk_alpha and a resonance rounding
+    have none (a yarn block's resonance key would be dropped there, silently unrounded)."""
+    from posenc.hf.export import rope_parameters
+
+    plain = rope_parameters(posenc.build("rope", num_heads=H, head_dim=D, scaling={"rope_type": "linear", "factor": 2.0}), D)
+    assert plain["rope_type"] == "linear"
+    for block, what in (({"rope_type": "ntk_alpha", "alpha": 4.0}, "has no transformers rope_type"),
+                        ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "resonance": True},
+                         "rounds its wavelengths")):
+        with pytest.raises(UsageError, match=what):
+            rope_parameters(posenc.build("rope", num_heads=H, head_dim=D, scaling=block), D)

@@ -79,6 +79,9 @@ def rope_parameters(encoding: nn.Module, head_dim: int, layout: str = "half", ro
     if cfg.rope_type not in EXPRESSIBLE:
         raise UsageError(f"model: its RoPE scaling {cfg.rope_type!r} has no transformers rope_type (transformers has "
                          f"{', '.join(EXPRESSIBLE)}); export refuses it")
+    if cfg.rounds_wavelengths:  # transformers would drop the key and rotate without the rounding
+        raise UsageError(f"model: its RoPE scaling {cfg.rope_type!r} rounds its wavelengths (resonance), which transformers "
+                         "cannot express; export refuses it")
     block = {k: v for k, v in cfg.to_dict().items() if k not in ("partial_rotary_factor", "max_position_embeddings")}
     block["rope_theta"] = float(encoding.base)
     if cfg.rope_type == "dynamic":  # transformers reads the training length from max_position_embeddings
