@@ -308,10 +308,8 @@ def _written(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, ma
     return torch.matmul(p, v.to(acc)), lse
 
 
-def _fold(o: torch.Tensor | None, lse: torch.Tensor | None, o2: torch.Tensor, l2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _fold(o: torch.Tensor, lse: torch.Tensor, o2: torch.Tensor, l2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Two disjoint parts of the same softmax rows as one: (out, lse), rows with no key 0 and -inf."""
-    if o is None or lse is None:
-        return o2, l2
     new = torch.logaddexp(lse, l2)
     ref = torch.where(torch.isneginf(new), 0.0, new)
     return o * torch.exp(lse - ref)[..., None] + o2 * torch.exp(l2 - ref)[..., None], new
@@ -327,8 +325,8 @@ class _Remapped(torch.autograd.Function):
         acc = accumulation_dtype(qs[0].dtype)
         outs, lses = [], []
         for a, e, pieces in plan["blocks"]:
-            o = qs[0].new_zeros(b, h, e - a, v.shape[-1], dtype=acc)  # (B, H, L, Dv)
-            lse = qs[0].new_full((b, h, e - a), -math.inf, dtype=acc)  # (B, H, L): a row with no key keeps 0, -inf
+            o: torch.Tensor | None = None  # (B, H, L, Dv)
+            lse: torch.Tensor | None = None  # (B, H, L)
             for piece in pieces:
                 r, c0, c1, kind, ra, rb = piece
                 qb, kb = qs[r][:, :, a + ra:a + rb], ks[r][:, :, c0:c1]
@@ -340,7 +338,17 @@ class _Remapped(torch.autograd.Function):
                     po, pl = po.flip(2), pl.flip(-1)
                 else:
                     po, pl = kernel_forward(qb, kb, vb, kind == "causal", scale)
-                o[:, :, ra:rb], lse[:, :, ra:rb] = _fold(o[:, :, ra:rb], lse[:, :, ra:rb], po.to(acc), pl.to(acc))
+                po, pl = po.to(acc), pl.to(acc)
+                if o is None and ra == 0 and rb == e - a:  # the first piece of every row: taken as it is
+                    o, lse = po, pl
+                    continue
+                if o is None or lse is None:  # a row with no key keeps 0, -inf
+                    o = qs[0].new_zeros(b, h, e - a, v.shape[-1], dtype=acc)
+                    lse = qs[0].new_full((b, h, e - a), -math.inf, dtype=acc)
+                o[:, :, ra:rb], lse[:, :, ra:rb] = _fold(o[:, :, ra:rb], lse[:, :, ra:rb], po, pl)
+            if o is None or lse is None:  # no key in any region (not for a causal row that sees itself)
+                o = qs[0].new_zeros(b, h, e - a, v.shape[-1], dtype=acc)
+                lse = qs[0].new_full((b, h, e - a), -math.inf, dtype=acc)
             outs.append(o)
             lses.append(lse)
         out, lse = torch.cat(outs, 2), torch.cat(lses, 2)  # (B, H, Tq, Dv), (B, H, Tq)
