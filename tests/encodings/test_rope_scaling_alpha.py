@@ -254,3 +254,31 @@ def test_export_refuses_the_scalings_transformers_cannot_express() -> None:
                          "rounds its wavelengths")):
         with pytest.raises(UsageError, match=what):
             rope_parameters(posenc.build("rope", num_heads=H, head_dim=D, scaling=block), D)
+
+
+def test_a_hunyuan_model_under_use_with_ntk_alpha_equals_itself() -> None:
+    """Live: transformers' HunYuan dense model (its checkpoint's "dynamic" block with alpha) under
+    ``posenc.hf.use(model, "rope", scaling={"rope_type": "ntk_alpha", "alpha": a})`` equals the
+    untouched model for its own alpha, and differs for another."""
+    from transformers.models.hunyuan_v1_dense.configuration_hunyuan_v1_dense import HunYuanDenseV1Config
+    from transformers.models.hunyuan_v1_dense.modeling_hunyuan_v1_dense import HunYuanDenseV1ForCausalLM
+
+    from posenc import hf
+
+    transformers.logging.set_verbosity_error()
+    d = dict(hidden_size=64, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+             num_hidden_layers=2, vocab_size=64, max_position_embeddings=256,
+             rope_scaling={"type": "dynamic", "alpha": 1000.0, "rope_theta": 10000.0, **{"factor": 1.0, "beta_fast": 32,
+                                                                                         "beta_slow": 1, "mscale": 1.0}})
+    torch.manual_seed(0)
+    original = HunYuanDenseV1ForCausalLM(HunYuanDenseV1Config(**copy.deepcopy(d))).eval()
+    ids = torch.randint(0, 64, (2, 40))
+    with torch.no_grad():
+        want = original(ids).logits
+    for alpha, same in ((1000.0, True), (10.0, False)):
+        model = HunYuanDenseV1ForCausalLM(HunYuanDenseV1Config(**copy.deepcopy(d))).eval()
+        model.load_state_dict(original.state_dict())
+        hf.use(model, "rope", scaling={"rope_type": "ntk_alpha", "alpha": alpha})
+        with torch.no_grad():
+            got = model(ids).logits
+        assert ((got - want).abs().max().item() < 1e-5) == same, alpha  # seen: 1.8e-7 for its own alpha
