@@ -104,9 +104,9 @@ def test_two_caches_decoding_in_turn_keep_their_own_rotated_keys() -> None:
     with torch.no_grad():
         got: list[list[torch.Tensor]] = [[], []]
         for i, x in enumerate((a, b)):
-            got[i].append(model(x[:, :30], past_key_values=caches[i], use_cache=True).logits[:, -1])
+            got[i].append(model(x[:, :30], cache=caches[i], use_cache=True).logits[:, -1])
         for t in range(30, 40):
             for i, x in enumerate((a, b)):
-                got[i].append(model(x[:, t:t + 1], past_key_values=caches[i], use_cache=True).logits[:, -1])
+                got[i].append(model(x[:, t:t + 1], cache=caches[i], use_cache=True).logits[:, -1])
     for i, x in enumerate((a, b)):
         assert err(torch.stack(got[i][:-1], 1), logits(model, x, use_cache=False)[:, 29:-1]) < 1e-4, i

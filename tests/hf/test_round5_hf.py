@@ -150,10 +150,10 @@ def test_llama4_chunked_decoding_without_position_ids_equals_the_full_pass(encod
     prompt = 9  # past the chunk of 8
     with torch.no_grad():
         full = model(seq, use_cache=False).logits[:, prompt:]
-        cache = model(seq[:, :prompt], use_cache=True).past_key_values
+        cache = model(seq[:, :prompt], use_cache=True).cache
         steps = [model(seq[:, t: t + 1], cache=cache, use_cache=True).logits for t in range(prompt, 20)]
         assert float((torch.cat(steps, 1) - full).abs().max()) < 1e-5
-        cache = model(seq[:, :prompt], use_cache=True).past_key_values
+        cache = model(seq[:, :prompt], use_cache=True).cache
         together = model(seq[:, prompt:], cache=cache, use_cache=True).logits
         assert float((together - full).abs().max()) < 1e-5
 

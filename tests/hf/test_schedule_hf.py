@@ -225,9 +225,9 @@ def test_hf_attention_modules_equal_posenc_with_the_schedule(family):
         for i in seen.calls:
             seen.calls[i].clear()
         cache = tf.DynamicCache(config=config)
-        model(tokens[:, :4], past_key_values=cache, use_cache=True)
+        model(tokens[:, :4], cache=cache, use_cache=True)
         for t in range(4, 20):
-            model(tokens[:, t : t + 1], past_key_values=cache, use_cache=True)
+            model(tokens[:, t : t + 1], cache=cache, use_cache=True)
         for i, layer in enumerate(schedule.layers):
             steps = seen.calls[i]
             prefix = steps[0][0]
