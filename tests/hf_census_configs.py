@@ -11,14 +11,15 @@ kind. :data:`OVERRIDES` holds the few families whose defaults do not build that 
 ``transformers`` is built the generic way and lands in the census by itself.
 
 A family uses RoPE when its built model holds a rotary module (a module whose class name says
-"Rotary") or its modeling module rotates (its source names ``rotary``); the others are not part of
-the census.
+"Rotary", not a vision tower's) or its modeling module calls a rotation function; the others are
+not part of the census (a family whose modeling source never names ``rotary`` is not even built).
 """
 
 from __future__ import annotations
 
 import copy
 import inspect
+import re
 import sys
 from dataclasses import dataclass
 from typing import Any
@@ -57,9 +58,18 @@ def _mrope(theta: float, sections: list[int], **more: Any) -> dict[str, Any]:
 OVERRIDES: dict[str, dict[str, Any]] = {
     "gemma4_text": dict(head_dim=16, vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=16,
                         per_layer_config={"1": {"head_dim": 32}}),  # its full layer's head dim differs
+    "gemma4.text_config": dict(head_dim=16, vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=16,
+                               per_layer_config={"1": {"head_dim": 32}}),
     "gemma3n_text": dict(num_hidden_layers=4, layer_types=["sliding_attention", "full_attention"] * 2,
                          num_kv_shared_layers=2, activation_sparsity_pattern=[0.0] * 4, vocab_size_per_layer_input=VOCAB,
                          hidden_size_per_layer_input=16, laurel_rank=8, altup_num_inputs=2),
+    "bamba": dict(attn_layer_indices=[1]),  # one mamba and one attention layer
+    "granitemoehybrid": dict(layer_types=["mamba", "attention"]),
+    "jamba": dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1),
+    "recurrent_gemma": dict(block_types=["recurrent", "attention"], head_dim=16),
+    "lfm2_moe": dict(layer_types=["conv", "full_attention"], num_dense_layers=1),
+    "longcat_flash": dict(qk_head_dim=24, head_dim=8),  # MLA: qk_nope_head_dim + qk_rope_head_dim
+    "kolibri1_1": dict(index_num_heads=2, index_layers=[1], kv_source_layers=[0, 1], mlp_only_layers=[0]),
     "zaya": dict(num_experts_per_tok=1),  # "ZAYA currently supports num_experts_per_tok=1 only"
     "qwen2_vl_text": _mrope(1e6, [2, 3, 3]),
     "qwen2_5_vl_text": _mrope(1e6, [2, 3, 3]),
@@ -69,22 +79,22 @@ OVERRIDES: dict[str, dict[str, Any]] = {
 }
 
 #: model_type -> why the census cannot build it here (the test skips it, naming the reason).
-_HYBRID_CACHE = "its tiny hybrid model fails in transformers' own mask code (get_mask_sizes on a linear-attention cache)"
 _VALIDATOR = "its config validator refuses the generic tiny sizes (needs a hand-written override)"
 _PER_LAYER = "a per_layer_config keyed by the default depth's layer indices (needs a hand-written override)"
 _TOO_BIG = "the generic tiny config still builds a sub-model of over 16M parameters (needs a hand-written override)"
 UNBUILDABLE: dict[str, str] = {
-    "bamba": _HYBRID_CACHE, "granitemoehybrid": _HYBRID_CACHE, "jamba": _HYBRID_CACHE, "recurrent_gemma": _HYBRID_CACHE,
-    "kolibri1_1": _VALIDATOR, "cosmos3_edge_text": _VALIDATOR, "glm5_next_text": _VALIDATOR, "hy_v4_vl_text": _VALIDATOR,
-    "dots3_note": _PER_LAYER, "gemma4": _TOO_BIG, "dots3_note_text": _TOO_BIG, "blt": _TOO_BIG,
-    "pi05": _TOO_BIG,
+    "cosmos3_edge_text": _VALIDATOR, "glm5_next_text": _VALIDATOR, "hy_v4_vl_text": _VALIDATOR,
+    "dots3_note": _PER_LAYER, "dots3_note_text": _TOO_BIG, "blt": _TOO_BIG,
+    "pi05": _TOO_BIG, "pi0": _TOO_BIG,
+    "musicgen": "a composite config whose decoder sub-config does not take the generic tiny keys",
+    "musicgen_melody": "a composite config whose decoder sub-config does not take the generic tiny keys",
     "gemma3n": "its vision tower needs timm, which is not installed",
+    "gemma4_assistant": "its default config does not validate (hidden_size_per_layer_input must be 0)",
+    "gemma4_unified_assistant": "a draft model: its forward needs the target model's shared KV states",
     "cohere_compass_text": "its rotary tables are keyed by layer types the generic tiny config does not keep",
     "dbrx": "its attention sub-config (attn_config) does not take the generic tiny keys",
     "dory": "its tiny model does not run: a score shape mismatch in its own attention at the generic sizes",
     "inkling2_text": "its tiny model does not run at the generic sizes (an embedding index out of range)",
-    "lfm2_moe": "its default config leaves a per-layer list unset at the generic depth",
-    "longcat_flash": "its tiny model does not run at the generic sizes (its MLA head dims)",
     "qwen4_exp": "its default config has no head sizes to derive from", "qwen4_exp_text": "its default config has no head sizes",
     "zamba": "its shared transformer blocks do not tie at the generic depth", "zamba2": "its hybrid layout is keyed by the default depth",
     "chameleon": "its default config has no vocabulary map for the image tokens",
@@ -196,8 +206,8 @@ def model_class(case: Case) -> Any:
 
 
 def rotates(case: Case) -> bool:
-    """Whether the family's modeling module rotates (its source names ``rotary``), read before
-    building it: the families without RoPE are not built."""
+    """Whether the family may rotate, read before building it: its modeling module's source names
+    ``rotary``, or it wraps sub-models (a text model of another family). The others are not built."""
     import transformers
     from transformers.models.auto import modeling_auto
 
@@ -208,7 +218,13 @@ def rotates(case: Case) -> bool:
         cls = getattr(transformers, name)
     except Exception:  # a class the installed transformers cannot import (a missing extra): built to find out
         return True
-    return "rotary" in inspect.getsource(sys.modules[cls.__module__]).lower()
+    if "rotary" in inspect.getsource(sys.modules[cls.__module__]).lower():
+        return True
+    # A wrapper whose text model is another family's (Fuyu's Persimmon, GOT-OCR 2's Qwen2): built to find out
+    try:
+        return bool(getattr(transformers.AutoConfig.for_model(case.model_type), "sub_configs", None))
+    except Exception:  # a default config that does not validate: built (with the tiny keys) to find out
+        return True
 
 
 def build(case: Case) -> torch.nn.Module:
@@ -235,11 +251,13 @@ def build(case: Case) -> torch.nn.Module:
 
 
 def uses_rope(model: torch.nn.Module) -> bool:
-    """Whether the model rotates: a rotary module in it, or its modeling module's source rotating."""
+    """Whether the model rotates: a rotary module in it (not a vision tower's), or its modeling
+    module calling a rotation function (GPT-J, CodeGen, RoFormer compute their tables inline; Jamba
+    defines LLaMA's apply_rotary_pos_emb and never calls it)."""
     if any("rotary" in type(m).__name__.lower() and "vision" not in type(m).__name__.lower() for m in model.modules()):
         return True
     source = inspect.getsource(sys.modules[type(model).__module__])
-    return "rotary" in source.lower()
+    return re.search(r"(?<!def )\bapply_rotary\w*\(", source) is not None
 
 
 def untouched_copy(model: torch.nn.Module) -> torch.nn.Module:

@@ -158,7 +158,9 @@ def _record(model: nn.Module, config: Any, attentions: list[nn.Module | None],
     for i, attention in present:
         param = next(attention.parameters(), None)
         device = param.device if param is not None else torch.device("cpu")
-        dtype = param.dtype if param is not None and param.is_floating_point() else torch.float32
+        # the layer input's dtype: a floating weight's (a quantized model's norms and embeddings)
+        dtype = next((p.dtype for p in (*attention.parameters(), *model.parameters()) if p.is_floating_point()),
+                     torch.float32)
         x = torch.randn(1, _TOKENS, width, generator=torch.Generator().manual_seed(i)).to(device, dtype)
         pos = torch.arange(_TOKENS, device=device)[None]
         held = getattr(attention, "config", None) or getattr(model, "config")
