@@ -187,7 +187,8 @@ def test_sharing_across_layers_is_derived_from_the_parameters() -> None:
         enc = posenc.build(name, num_heads=4, head_dim=8)
         learned = any(True for _ in enc.parameters())
         assert enc.shares_across_layers == (not learned or type(enc).shares_parameters), name
-    assert [name for name in posenc.available() if type(posenc.build(name, num_heads=4, head_dim=8)).shares_parameters] == ["learned", "t5", "kerple"]
+    tied = [name for name in posenc.available() if type(posenc.build(name, num_heads=4, head_dim=8)).shares_parameters]
+    assert tied == ["learned", "t5", "kerple", "dpb"]  # dpb: one MLP for all layers, as x-transformers' DynamicPositionBias
     model = option_lm("t5")
     assert model.blocks[0].attn.encoding is model.blocks[1].attn.encoding
 
