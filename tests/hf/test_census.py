@@ -19,6 +19,7 @@ census (counts and each family's outcome).
 
 from __future__ import annotations
 
+import inspect
 import re
 import sys
 import time
@@ -70,6 +71,8 @@ def _greedy(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> to
         return model.generate(ids, attention_mask=mask, max_new_tokens=STEPS, do_sample=False)[:, ids.shape[1]:]
     table = model.get_input_embeddings().weight
     position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
+    # transformers' cache keyword (``cache`` since 5.24; ``past_key_values`` before, deprecated until 5.40)
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     with torch.no_grad():
         out = model(ids, attention_mask=mask, position_ids=position_ids, use_cache=True)
         tokens = []
@@ -78,8 +81,8 @@ def _greedy(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> to
             tokens.append(token)
             mask = torch.cat((mask, torch.ones_like(token)), dim=1)
             position_ids = position_ids[:, -1:] + 1
-            out = model(token, attention_mask=mask, position_ids=position_ids, past_key_values=out.past_key_values,
-                        use_cache=True)
+            held = out.cache if name == "cache" else out.past_key_values
+            out = model(token, attention_mask=mask, position_ids=position_ids, use_cache=True, **{name: held})
     return torch.cat(tokens, dim=1)
 
 
