@@ -239,8 +239,8 @@ def test_existing_run_needs_resume_and_the_same_config(tmp_path, capsys):
     assert final["methods"]["alibi"] == after["methods"]["alibi"]
 
 
-MODERN = {"xpos", "xpos+blockwise", "kerple", "sandwich", "fire", "cope", "deberta", "fox", "rope", "rope+random", "rope+drop",
-          "alibi", "nope"}
+MODERN = {"xpos", "xpos+blockwise", "kerple", "sandwich", "fire", "cope", "deberta", "fox", "pope", "inkling", "dpb", "rope",
+          "rope+random", "rope+drop", "alibi", "nope"}
 
 
 def test_presets_are_valid_and_default_matches_design():

@@ -24,8 +24,8 @@ from .rows import NATIVE, ROPE_VARIANTS, SCALINGS, SEARCHED, Row, expand, parse
 # The classic line of methods, and the rows that only evaluate a trained RoPE model differently.
 CLASSIC = ["nope", "sinusoidal", "learned", "shaw", "transformer_xl", "t5", "rope", "alibi"]
 ROPE_SCALINGS = [f"rope+{s}" for s in SCALINGS]
-MODERN = ["xpos", "xpos+blockwise", "kerple", "sandwich", "fire", "cope", "deberta", "fox", "rope", "rope+random", "rope+drop",
-          "alibi", "nope"]
+MODERN = ["xpos", "xpos+blockwise", "kerple", "sandwich", "fire", "cope", "deberta", "fox", "pope", "inkling", "dpb",
+          "rope", "rope+random", "rope+drop", "alibi", "nope"]
 # The recall task asks the classic line and RoPE's scalings, and the two training protocols whose papers
 # claim longer reach (DroPE, randomized positions).
 RECALL = [*CLASSIC, *ROPE_SCALINGS, "rope+random", "rope+drop"]
