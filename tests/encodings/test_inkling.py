@@ -227,14 +227,60 @@ def test_gradients_reach_every_learned_parameter(clip):
         assert p.grad is not None and p.grad.abs().max() > 0, name
 
 
-def test_a_training_pass_at_4096_tokens_writes_no_quadratic_tensor():
+@pytest.mark.parametrize(("tq", "tk", "block"), [(12, 12, 4), (7, 12, 3), (1, 12, 4), (20, 20, 256), (300, 300, 64)])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_the_curved_backend_equals_eager(tq, tk, block, dtype):
+    """Far keys on the kernel and the band written out, against eager's formula: outputs and the
+    gradients of q, k, v and the curves, a full pass, a chunk after a cache, a decode step, blocks
+    whose band starts inside the keys and before them."""
+    from posenc.backends import curved, eager
+    from posenc.backends.parts.base import ScoreSpec
+
+    enc = posenc.build("inkling", num_heads=2, head_dim=8, distances=R, rank=K)
+    g = torch.Generator().manual_seed(tq + tk)
+    q, k, v = (torch.randn(2, 2, n, 8, generator=g, dtype=dtype).requires_grad_() for n in (tq, tk, tk))
+    c = torch.randn(2, 2, tq, R, generator=g, dtype=dtype).requires_grad_()
+    kp = torch.arange(3, 3 + tk)
+    spec = ScoreSpec(encoding=enc, q_positions=kp[tk - tq :], k_positions=kp, causal=True, scale=8 ** -0.5, curves=c)
+    assert curved.supports(spec, q)
+    got, want = curved.attend(q, k, v, spec, block), eager.attend(q, k, v, spec)
+    tol = 1e-12 if dtype == torch.float64 else 2e-5
+    torch.testing.assert_close(got, want, rtol=0, atol=tol)  # largest seen: 3e-15 (float64)
+    w = torch.randn_like(got)
+    for a, b in zip(torch.autograd.grad((got * w).sum(), [q, k, v, c]), torch.autograd.grad((want * w).sum(), [q, k, v, c])):
+        torch.testing.assert_close(a, b, rtol=0, atol=tol)  # largest seen: 7e-15 (float64)
+
+
+def test_auto_picks_curved_and_eager_takes_what_it_cannot():
+    enc = posenc.build("inkling", num_heads=H, head_dim=D, distances=R, rank=K)
+    attn = posenc.Attention(DIM, H, enc)
+    x = torch.randn(2, 12, DIM)
+    attn(x)
+    assert attn.last_backend == "curved"
+    cache = posenc.model.cache.LayerCache()
+    attn(x[:, :8], cache=cache)
+    attn(x[:, 8:9], cache=cache)  # a decode step
+    assert attn.last_backend == "curved"
+    attn(x.bfloat16().float(), positions=torch.arange(12) * 2)  # positions that skip values
+    assert attn.last_backend == "eager"
+    padded = posenc.model.cache.LayerCache(padding=[3, 0])
+    attn(x[:, :8], cache=padded)  # left padding in the cache
+    assert attn.last_backend == "eager"
+
+
+@pytest.mark.parametrize("backend", ["curved", "eager"])
+def test_a_training_pass_at_4096_tokens_writes_no_quadratic_tensor(backend):
     n = 4096
     enc = posenc.build("inkling", num_heads=2, head_dim=8, distances=64, rank=4)
-    attn = posenc.Attention(16, 2, enc)
+    attn = posenc.Attention(16, 2, enc, backend=backend)
     x = torch.randn(1, n, 16, requires_grad=True)
     with MaxTensor() as seen:
         attn(x).sum().backward()
-    assert seen.largest < 2 * n * n // 4, seen.largest  # one block of queries against every key at most, not (H, N, N)
+    assert attn.last_backend == backend
+    # one block of queries against every key at most (eager), or against its band (curved): not (H, N, N)
+    assert seen.largest < 2 * n * n // 4, seen.largest
+    if backend == "curved":
+        assert seen.largest <= 2 * n * 256, seen.largest  # the band: 256 queries x (256 + 63) keys x 2 heads, or (H, N, D)
     assert enc.bank.grad is not None
 
 

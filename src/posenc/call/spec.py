@@ -56,7 +56,7 @@ class ScoreSpec:
     # Per-query bias curves over backward distance (B, H, Tq, R) of the queries, in query order
     # (:class:`Curves`, the Inkling bias): query i and key j gain curves[i, p_i - p_j] for
     # 0 <= p_i - p_j < R. None: no curves. Like the gates, they make ``has_query_terms`` true, so
-    # only backends that read them (``eager``) run such a call.
+    # only backends that read them (``curved``, ``eager``) run such a call.
     curves: torch.Tensor | None = field(default=None, repr=False)
     # Selective attention (:class:`Selects`): each key's sum of the selection S over the queries of
     # earlier calls (B, Tk), kept by the KV cache; None: no earlier queries (a full pass, the first
