@@ -51,7 +51,8 @@ AXES = ("position", "width", "height", "image")
 
 def feature_axes(head_dim: int, section: Sequence[int]) -> torch.Tensor:
     """The axis of each of the D features, (D,) LongTensor: blocks of ``2 s_i`` features, axis i."""
-    return torch.repeat_interleave(torch.arange(len(section)), torch.tensor([2 * s for s in section]))  # (D,)
+    counts = torch.tensor([2 * s for s in section], device="cpu")  # an index, made on the CPU even under a meta device
+    return torch.repeat_interleave(torch.arange(len(section), device="cpu"), counts, output_size=head_dim)  # (D,)
 
 
 class XDRoPE(PositionalEncoding):
