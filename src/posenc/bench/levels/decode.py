@@ -37,12 +37,17 @@ def build_posenc(job: Job, batch: int, device: torch.device, dtype: torch.dtype)
     )
     model = posenc.LM(config).to(device=device, dtype=dtype).eval()
     n, heads, head_dim = job.length, job.heads, job.dim // job.heads
+    token = torch.randint(0, job.vocab, (batch, 1), device=device)  # (B, 1)
+    probe = model.new_cache(batch, capacity=1)
+    with torch.inference_mode():
+        model(token, cache=probe)  # the width of the keys the cache holds (PoPE's are 2D wide)
+    assert probe.layers[0].k is not None
+    key_dim = probe.layers[0].k.shape[-1]
     cache = model.new_cache(batch, capacity=n + 1)
     with torch.inference_mode():
         for layer in cache.layers:  # random keys and values: what a step costs does not depend on them
-            k = torch.randn(batch, heads, n, head_dim, device=device, dtype=dtype)  # (B, H, N, D)
-            layer.append(k, torch.randn_like(k))
-    token = torch.randint(0, job.vocab, (batch, 1), device=device)  # (B, 1)
+            k = torch.randn(batch, heads, n, key_dim, device=device, dtype=dtype)  # (B, H, N, key_dim)
+            layer.append(k, torch.randn(batch, heads, n, head_dim, device=device, dtype=dtype))
 
     def step() -> None:
         with torch.inference_mode():
