@@ -201,7 +201,8 @@ class StudyConfig:
     finetune_length: int | None = _plain(None, "fine-tuning length of +ft rows (default: twice train_length)")
     recall_sequences: int = _plain(64, "recall task: evaluation sequences per length and distance")
     hf_config: str | None = _plain(
-        None, "a transformers config.json (model_type llama, mistral, qwen2 or qwen3): every row trains "
+        None, "a transformers config.json whose model_type is one of posenc.hf's causal families (posenc.hf.SUPPORTED: llama, "
+        "mistral, qwen2, gemma3_text, ...): every row trains "
         "AutoModelForCausalLM.from_config(FILE) from random weights with posenc.hf.use(model, METHOD) (the row hf: "
         "the model's own attention, untouched); the sizes come from the file, so leave out dim, depth and num_heads; "
         "vocab_size must be >= 256 (bytes; 256 when the file has none); see docs/hf.md", metavar="FILE")

@@ -3,7 +3,7 @@
 A backend computes ``softmax(q k^T * scale + bias + query_terms + mask) v + value_terms`` for
 q (B, H, Tq, D), k and v (B, H, Tk, D), and returns (B, H, Tq, D). The spec says which score
 terms the encoding contributes; backends ask it, never the encoding's name. ``ScoreSpec`` is
-defined with the rest of a call's geometry in :mod:`posenc.call.geometry`.
+defined in :mod:`posenc.call.spec` and made by a call's :class:`~posenc.call.geometry.Geometry`.
 """
 
 from __future__ import annotations

@@ -147,8 +147,8 @@ def denormal_penalty(n: int = 1 << 15, repeats: int = 15) -> float:
     """How many times slower the calling thread multiplies float32 numbers when an operand or the
     product is denormal than when neither is: the fastest of ``repeats`` products of n numbers each
     (2^15 numbers: torch's grain for one thread, so the calling thread is the one timed; well under
-    a millisecond in all). About 2 on a CPU that handles denormals in hardware (AMD EPYC,
-    family 26, measured); a microcode path per denormal operation makes it many times that."""
+    a millisecond in all). Near 1 where the CPU handles denormals in hardware; many times that
+    where each denormal operation takes a microcode path (measured figures: docs/results.md)."""
     half, tiny, small = torch.full((n,), 0.5), torch.full((n,), 1e-39), torch.full((n,), 1e-20)  # 1e-39: denormal
     out = torch.empty(n)
 
