@@ -20,10 +20,10 @@ from pathlib import Path
 
 import torch
 
+from posenc.extend import extend as ex
 from posenc.files import write_json
 from posenc.model.checkpoint import load_checkpoint
 from posenc.study import distributed
-from posenc.study import extend as ex
 from posenc.study.config import StudyConfig
 from posenc.study.data import load_corpus
 from posenc.study.evaluation import evaluate

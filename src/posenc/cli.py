@@ -20,7 +20,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "study": ("posenc.study.cli", "train short, test long: train every method, evaluate at many lengths"),
     "report": ("posenc.study.report", "turn a study's output directory into one self-contained HTML page"),
     "bench": ("posenc.bench.cli", "speed and memory of every method, as ratios to NoPE (optionally vs x-transformers)"),
-    "extend": ("posenc.study.extend_cli", "fine-tune a trained RoPE model under a scaling (PI, NTK, YaRN, Llama 3, LongRoPE, "
+    "extend": ("posenc.extend.extend_cli", "fine-tune a trained RoPE model under a scaling (PI, NTK, YaRN, Llama 3, LongRoPE, "
                                       "DroPE) at a longer length; before/after table by length"),
     "sample": ("posenc.study.sample", "continue a text prompt with a study's checkpoint (byte-level), streaming the output"),
 }

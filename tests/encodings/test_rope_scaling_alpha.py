@@ -168,7 +168,7 @@ def test_resonance_leaves_p_ropes_still_pairs_still_and_refuses_a_zero_wavelengt
 def test_the_blocks_posenc_extend_and_hf_use_write() -> None:
     """``posenc extend --scaling ntk_alpha|resonance|resonance_yarn`` takes its block from
     scaling_block; ``posenc.hf.use(model, "rope", scaling=...)`` passes a block to RoPE as is."""
-    from posenc.study.extend_config import KINDS
+    from posenc.extend.extend_config import KINDS
 
     assert {"ntk_alpha", "resonance", "resonance_yarn"} <= set(KINDS)
     assert scaling_block("ntk_alpha", 4.0, 64, 10000.0, D) == {"rope_type": "ntk_alpha", "alpha": 4.0}

@@ -176,7 +176,7 @@ def test_extend_of_the_gguf_file_uses_its_own_tokens(smollm2, tmp_path, monkeypa
     """The command line on the real file (its load replaced by the session's model, the same load):
     the data in SmolLM2's tokens, YaRN zero-shot (no step: a fine-tune's optimizer state of a 135M
     model costs more time than this file has), the result saved with the tokenizer."""
-    from posenc.study import extend_hf
+    from posenc.extend import extend_hf
 
     model, tokenizer = smollm2[:2]
     assert extend_hf.train_length_of(ph.smollm2_gguf()) == 8192  # read from the file's metadata

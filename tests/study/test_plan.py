@@ -8,8 +8,9 @@ import json
 import pytest
 
 from posenc import cli
+from posenc.errors import UsageError
 from posenc.study import StudyConfig
-from posenc.study.plan import check
+from posenc.study.plan import check, parse_shard
 from study_cli import one_error, study
 
 
@@ -63,3 +64,10 @@ def test_recall_refuses_options_it_would_ignore(tmp_path, capsys, extra, message
     assert cli.main(argv) == 2
     assert one_error(capsys) == message
     assert not out.exists()
+
+
+@pytest.mark.parametrize("text", ["²/3", "1/³", "１/2", "/2", "1/", "0/2", "3/2", "a/b"])
+def test_a_shard_that_is_not_two_ascii_integers_is_a_usage_error(text: str) -> None:
+    with pytest.raises(UsageError, match="shard"):
+        parse_shard(text)
+    assert parse_shard("2/3") == (2, 3)

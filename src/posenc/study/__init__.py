@@ -37,13 +37,9 @@ The modules, in the order a run meets them:
     studied.py     the model a study trains: posenc's LM or hf_models' StudyModel
     train.py       the training loop (it reads only its TrainSettings), optimizer and schedule,
                    clean stop on Ctrl-C, RNG state
-    variants.py    evaluation variants: RoPE scalings, blockwise attention
+    variants.py    evaluation variants: RoPE scalings, blockwise attention; a model rebuilt under
+                   a scaling (``scaled``, which ``posenc extend`` uses too)
     longrope_search.py  LongRoPE's evolutionary search of per-frequency factors (+longrope_searched)
-    extend.py      ``posenc extend``: a checkpoint fine-tuned under a scaling at a longer length
-                   (its settings in extend_config.py, its command line in extend_cli.py, a
-                   transformers model's side in extend_hf.py)
-    pose.py        PoSE's position ids (Zhu et al. 2024): short windows whose ids skip over a
-                   target length (``posenc extend --pose``)
     evaluation.py  windows and scoring at one length (perplexity, or recall accuracy)
     metrics.py     a run's typed score at one length (LMScore, RecallScore), as results.json writes it
     recall.py      the associative-recall task: sequences, batches, evaluation sets

@@ -34,7 +34,6 @@ from . import bootstrap, distributed, fairness, recall, variants
 from .book import Book, record_of
 from .data import Corpus, train_batch
 from .evaluation import cannot_run, evaluate, evaluate_recall
-from .extend import scaled
 from .longrope_search import SearchSettings, search
 from .metrics import LMScore, RecallScore, Score
 from .plan import Plan, Run
@@ -109,7 +108,7 @@ class Stages:
             weights = {k: v.detach().clone() for k, v in base.state_dict().items()}
             start: StudiedModel
             if run.row.variant == SEARCHED:  # under the factors searched for the fine-tuning length
-                start = scaled(as_kind(base, LM), self.searched(run, base, self.plan.cfg.ft_length))
+                start = variants.scaled(as_kind(base, LM), self.searched(run, base, self.plan.cfg.ft_length))
             else:
                 start = models.build(run.row)
                 start.load_state_dict(weights)

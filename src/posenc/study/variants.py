@@ -48,7 +48,8 @@ from torch import nn
 
 from ..encodings.base import PositionalEncoding
 from ..encodings.rope import RoPE
-from ..model.lm import LM
+from ..errors import UsageError
+from ..model.lm import LM, LMConfig
 from .rows import SEARCHED, Row
 
 # Scalings ``posenc extend`` takes beyond the study's rows (rows.SCALINGS, whose presets they would
@@ -144,4 +145,35 @@ def applied(model: nn.Module, row: Row, length: int, train_length: int, searched
                 setattr(enc, what, old)
 
 
-__all__ = ["EXTRA_SCALINGS", "applied", "encodings", "scaling_block"]
+# -- a model rebuilt under another scaling (the study's searched rows, and posenc extend) ----------
+
+
+def rebuilt(model: LM, **config: Any) -> LM:
+    """A new :class:`LM` with ``model``'s config changed by ``config`` and a copy of its weights."""
+    out = LM(LMConfig(**{**model.config.to_dict(), **config}))
+    out.load_state_dict({k: v.detach().clone() for k, v in model.state_dict().items()})
+    return out
+
+
+def one_encoding(model: LM, option: str, why: str) -> None:
+    """Refuses a checkpoint with a layer schedule (extend rebuilds one encoding for every layer).
+
+    Raises:
+        UsageError: naming ``option`` and the schedule, with ``why``.
+    """
+    if getattr(model.config, "schedule", None):
+        raise UsageError(f"{option}: posenc extend {why}; this checkpoint has a layer schedule ({model.config.schedule}), "
+                         "whose layers would each need their own")
+
+
+def scaled(model: LM, block: dict[str, Any]) -> LM:
+    """A new :class:`LM` with ``model``'s weights and its RoPE under ``block`` (recorded in its config).
+
+    Raises:
+        UsageError: a checkpoint with a layer schedule (one scaling for every layer is all extend writes).
+    """
+    one_encoding(model, "checkpoint", "scales one RoPE shared by every layer")
+    return rebuilt(model, encoding_options={**model.config.encoding_options, "scaling": block})
+
+
+__all__ = ["EXTRA_SCALINGS", "applied", "encodings", "one_encoding", "rebuilt", "scaled", "scaling_block"]

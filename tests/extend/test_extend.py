@@ -9,8 +9,8 @@ import torch
 
 from posenc.cli import main
 from posenc.errors import UsageError
+from posenc.extend import extend as ex
 from posenc.model.checkpoint import load_checkpoint
-from posenc.study import extend as ex
 from posenc.study.config import StudyConfig
 from posenc.study.longrope_search import SearchSettings
 from posenc.study.run import run_experiment
@@ -63,7 +63,7 @@ def test_extend_resumes_from_its_training_state(study, tmp_path):
         if step == 5:
             raise KeyboardInterrupt
 
-    import posenc.study.extend as module
+    import posenc.extend.extend as module
 
     original = module.train
     module.train = lambda *a, **k: original(*a, **{**k, "on_step": stop})

@@ -14,8 +14,8 @@ import posenc
 from models import tiny_rope_checkpoint
 from posenc.cli import main
 from posenc.errors import UsageError
-from posenc.study import extend as ex
-from posenc.study.extend_config import parse_remap
+from posenc.extend import extend as ex
+from posenc.extend.extend_config import parse_remap
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

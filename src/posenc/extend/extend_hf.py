@@ -1,4 +1,4 @@
-"""``posenc extend`` for a transformers causal LM with RoPE (:func:`posenc.study.extend.extend`).
+"""``posenc extend`` for a transformers causal LM with RoPE (:func:`posenc.extend.extend.extend`).
 
 The checkpoint is a folder ``save_pretrained`` wrote (``config.json`` and the weights; a plain
 transformers model, or one saved after ``posenc.hf.use(model, "rope")``; one saved after ``use`` with
@@ -48,11 +48,11 @@ from ..encodings.rope import RoPE
 from ..errors import UsageError
 from ..hf.checkpoints import load_pretrained, read_config
 from ..hf.families import text_config
-from .data import Corpus, tokenized
+from ..study.data import Corpus, tokenized
+from ..study.hf_models import StudyModel, StudyModelConfig
+from ..study.studied import StudiedModel
+from ..study.variants import encodings
 from .extend_config import ExtendConfig
-from .hf_models import StudyModel, StudyModelConfig
-from .studied import StudiedModel
-from .variants import encodings
 
 FOLDER = "model"
 
@@ -89,7 +89,7 @@ def train_length_of(path: str | Path) -> int | None:
 
 
 class HFModels:
-    """:class:`posenc.study.extend.Models` for a transformers model (see the module docstring)."""
+    """:class:`posenc.extend.extend.Models` for a transformers model (see the module docstring)."""
 
     def __init__(self, model: PreTrainedModel, source: str, tokenizer: Any = None) -> None:
         self.model = model  # (never changed: every scaled or trained model is a copy)

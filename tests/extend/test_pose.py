@@ -1,7 +1,7 @@
 """PoSE (Zhu et al., ICLR 2024, arXiv 2309.10400, §3.2): the position ids against the paper's
 definition, and ``posenc extend --pose``: its batches, its record, and an exact resume.
 
-The definition checked here, written out independently of posenc.study.pose: a window of N tokens is
+The definition checked here, written out independently of posenc.extend.pose: a window of N tokens is
 cut into K non-empty chunks; chunk i, starting at st_i in the window, has ids u_i + st_i ..
 u_i + st_i + l_i - 1; u_0 = 0 and u_i ~ U({u_(i-1), .., L - N}).
 """
@@ -18,10 +18,10 @@ import torch
 from models import tiny_rope_checkpoint
 from posenc.cli import main
 from posenc.errors import UsageError
+from posenc.extend import extend as ex
+from posenc.extend.pose import pose_layout, pose_position_ids, pose_position_ids_batch, positions_of, step_positions
 from posenc.model.checkpoint import load_checkpoint
-from posenc.study import extend as ex
 from posenc.study.plan import FINETUNE_STREAM
-from posenc.study.pose import pose_layout, pose_position_ids, pose_position_ids_batch, positions_of, step_positions
 
 
 def _gen(seed: int = 0) -> torch.Generator:
@@ -152,7 +152,7 @@ def test_bad_inputs_name_the_parameter(args, name):
 
 def interrupted(args: list[str], at: int = 3) -> int:
     """``posenc extend`` with these arguments, interrupted (Ctrl-C) when training reaches step ``at``."""
-    import posenc.study.extend as module
+    import posenc.extend.extend as module
 
     def stop(label, step):
         if step == at:
@@ -244,7 +244,7 @@ def _hf_weights(out):
 def test_a_transformers_model_trains_with_pose_and_resumes_exactly(tiny, tmp_path):
     # posenc.hf reads ids that increase and skip as one document: the PoSE ids reach the model as position_ids.
     transformers = pytest.importorskip("transformers")
-    from posenc.study.extend_hf import HFModels
+    from posenc.extend.extend_hf import HFModels
 
     torch.manual_seed(0)
     config = transformers.LlamaConfig(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
@@ -292,7 +292,7 @@ def test_a_transformers_model_trains_with_pose_and_resumes_exactly(tiny, tmp_pat
 def test_a_pose_window_shorter_than_the_train_length() -> None:
     """--pose-window N trains on windows of N tokens whose ids still skip over the target length."""
     from posenc.errors import UsageError
-    from posenc.study.extend_config import ExtendConfig
+    from posenc.extend.extend_config import ExtendConfig
 
     cfg = ExtendConfig(scaling="yarn", length=256, steps=2, train_length=64, pose=True, pose_window=16)
     assert cfg.settings().length == 16

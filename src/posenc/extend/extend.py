@@ -4,15 +4,15 @@ The job of the papers on context extension, on the user's own checkpoint and dat
 Chen et al. 2023), ``ntk`` (bloc97 2023), ``yarn`` with its attention factor (Peng et al. 2023),
 ``llama3`` (Meta's Llama 3.1 rule), ``ntk_alpha`` (Hunyuan's NTK-alpha, alpha = s), ``resonance``
 (Wang et al. 2024: integer wavelengths) and ``resonance_yarn`` (YaRN, then rounded), ``longrope`` (Ding et al. 2024: the factors given as a block,
-or found first by LongRoPE's search, :mod:`.longrope_search`, scored on the last windows of the
+or found first by LongRoPE's search, :mod:`posenc.study.longrope_search`, scored on the last windows of the
 training split so that the table's validation bytes stay unseen), and ``drope`` (Gelberg et al. 2025:
 the positions dropped, then the model recalibrated without them).
 
-A scaling's block is the one the study's ``+ft`` rows use (:func:`.variants.scaling_block`): the
+A scaling's block is the one the study's ``+ft`` rows use (:func:`posenc.study.variants.scaling_block`): the
 factor ``s = length / train_length`` for the fine-tune and for every evaluation length. The
-fine-tune is the study's: its training loop (:func:`.train.train`), its batches (random windows, a
+fine-tune is the study's: its training loop (:func:`posenc.study.train.train`), its batches (random windows, a
 pure function of the data seed and the step, packed documents with ``pack_documents``), and for a
-scaling its ``+ft`` settings (:func:`.plan.settings_of`): ``steps`` at ``length`` with a tenth of
+scaling its ``+ft`` settings (:func:`posenc.study.plan.settings_of`): ``steps`` at ``length`` with a tenth of
 them of warmup to ``lr``, then ``lr`` held; the data seed ``seed + FINETUNE_STREAM``. DroPE's
 recalibration takes DroPE's schedule (a 3% warmup, then cosine decay to ``min_lr_ratio``, no
 weight decay).
@@ -60,17 +60,17 @@ from ..errors import UsageError
 from ..files import MARKER, RunDir, write_json, write_text
 from ..model.checkpoint import load_checkpoint, save_checkpoint
 from ..model.lm import LM, LMConfig
-from . import distributed, recall
-from .data import Corpus, load_corpus, train_batch
-from .evaluation import evaluate, evaluate_recall
+from ..study import distributed, recall
+from ..study.data import Corpus, load_corpus, train_batch
+from ..study.evaluation import evaluate, evaluate_recall
+from ..study.longrope_search import search
+from ..study.progress import Progress
+from ..study.rows import SCALINGS
+from ..study.studied import StudiedModel
+from ..study.train import StateError, TrainSettings, train
+from ..study.variants import EXTRA_SCALINGS, one_encoding, rebuilt, scaled, scaling_block
 from .extend_config import KINDS, ExtendConfig, remap_label
-from .longrope_search import search
 from .pose import step_positions
-from .progress import Progress
-from .rows import SCALINGS
-from .studied import StudiedModel
-from .train import StateError, TrainSettings, train
-from .variants import EXTRA_SCALINGS, scaling_block
 
 FORMAT = "posenc-extend-1"
 
@@ -120,34 +120,6 @@ def _rope_of(model: LM) -> RoPE:
     return ropes[0]
 
 
-def _rebuilt(model: LM, **config: Any) -> LM:
-    """A new :class:`LM` with ``model``'s config changed by ``config`` and a copy of its weights."""
-    out = LM(LMConfig(**{**model.config.to_dict(), **config}))
-    out.load_state_dict({k: v.detach().clone() for k, v in model.state_dict().items()})
-    return out
-
-
-def _one_encoding(model: LM, option: str, why: str) -> None:
-    """Refuses a checkpoint with a layer schedule (extend rebuilds one encoding for every layer).
-
-    Raises:
-        UsageError: naming ``option`` and the schedule, with ``why``.
-    """
-    if getattr(model.config, "schedule", None):
-        raise UsageError(f"{option}: posenc extend {why}; this checkpoint has a layer schedule ({model.config.schedule}), "
-                         "whose layers would each need their own")
-
-
-def scaled(model: LM, block: dict[str, Any]) -> LM:
-    """A new :class:`LM` with ``model``'s weights and its RoPE under ``block`` (recorded in its config).
-
-    Raises:
-        UsageError: a checkpoint with a layer schedule (one scaling for every layer is all extend writes).
-    """
-    _one_encoding(model, "checkpoint", "scales one RoPE shared by every layer")
-    return _rebuilt(model, encoding_options={**model.config.encoding_options, "scaling": block})
-
-
 def remapped(model: LM, remap: dict[str, Any]) -> LM:
     """A new :class:`LM` with ``model``'s weights and its RoPE (base, layout, rotary dim, scaling)
     under the training-free position remap ``remap`` (``{"name", "options"}``, :func:`.extend_config.parse_remap`).
@@ -155,17 +127,17 @@ def remapped(model: LM, remap: dict[str, Any]) -> LM:
     Raises:
         UsageError: a checkpoint with a layer schedule.
     """
-    _one_encoding(model, "remap", "remaps one RoPE shared by every layer")
+    one_encoding(model, "remap", "remaps one RoPE shared by every layer")
     rope = _rope_of(model)
     own: dict[str, Any] = {"base": rope.base, "layout": rope.layout, "rotary_dim": rope.rotary_dim}
     if rope.scaling.rope_type != "default":
         own["scaling"] = model.config.encoding_options.get("scaling")
-    return _rebuilt(model, encoding=remap["name"], encoding_options={**model.config.encoding_options, **own, **remap["options"]})
+    return rebuilt(model, encoding=remap["name"], encoding_options={**model.config.encoding_options, **own, **remap["options"]})
 
 
 def dropped(model: LM) -> LM:
     """A copy of ``model`` with its positions dropped (DroPE, before the recalibration)."""
-    out = _rebuilt(model)
+    out = rebuilt(model)
     out.drop_positions()
     return out
 
@@ -338,7 +310,7 @@ def _owned(path: Path) -> bool:
 
 class Models(Protocol):
     """A kind of model :func:`extend` extends: :class:`PosencModels`, or a transformers model
-    (:class:`posenc.study.extend_hf.HFModels`)."""
+    (:class:`posenc.extend.extend_hf.HFModels`)."""
 
     @property
     def base(self) -> StudiedModel: ...

@@ -11,10 +11,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import UsageError
-from .data import DEFAULT_VALID_BYTES
-from .longrope_search import SearchSettings
-from .plan import FINETUNE_STREAM
-from .train import TrainSettings
+from ..study.data import DEFAULT_VALID_BYTES
+from ..study.longrope_search import SearchSettings
+from ..study.plan import FINETUNE_STREAM
+from ..study.train import TrainSettings
 
 KINDS = ("linear", "ntk", "yarn", "llama3", "longrope", "ntk_alpha", "resonance", "resonance_yarn", "drope")
 
@@ -95,7 +95,7 @@ class ExtendConfig:
         warmup: warmup steps (default: a tenth of the steps, at least 1).
         longrope: a given ``longrope`` block (``scaling="longrope"``); None: LongRoPE's search finds
             the factors (``search`` its settings, target ``length``), or with ``search=None`` the
-            study's default rule (:func:`.variants.scaling_block`).
+            study's default rule (:func:`posenc.study.variants.scaling_block`).
         task: "lm" (perplexity of ``data``) or "recall" (the study's associative recall).
         eval_lengths: the lengths of the before/after table.
         pose: PoSE (Zhu et al. 2024, :mod:`.pose`): the fine-tune trains on windows of
@@ -226,7 +226,7 @@ class ExtendConfig:
                                       checkpoint_every=self.checkpoint_every, data_seed=self.seed + FINETUNE_STREAM,
                                       min_lr_ratio=self.min_lr_ratio, weight_decay=self.weight_decay)
         if self.scaling == "drope":
-            from .train import RECALIBRATION_WARMUP
+            from ..study.train import RECALIBRATION_WARMUP
 
             warmup = self.warmup if self.warmup is not None else max(1, round(RECALIBRATION_WARMUP * self.steps))
             return TrainSettings(lr=self.lr, warmup=warmup, drop_at=0, **common)

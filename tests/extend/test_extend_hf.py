@@ -13,7 +13,7 @@ transformers = pytest.importorskip("transformers")
 import posenc.hf as ph  # noqa: E402
 from posenc.cli import main  # noqa: E402
 from posenc.errors import UsageError  # noqa: E402
-from posenc.study import extend as ex  # noqa: E402
+from posenc.extend import extend as ex  # noqa: E402
 from posenc.study.data import load_corpus  # noqa: E402
 from posenc.study.hf_evaluation import evaluate  # noqa: E402
 

@@ -13,9 +13,9 @@ from pathlib import Path
 import torch
 
 from ..errors import UsageError
+from ..study.longrope_search import SearchSettings
 from .extend import extend, is_transformers, study_defaults
 from .extend_config import KINDS, ExtendConfig
-from .longrope_search import SearchSettings
 
 
 def add_extend_arguments(p: argparse.ArgumentParser) -> None:

@@ -1,5 +1,5 @@
-"""Bad inputs of the study and extend command lines that raised raw exceptions (issue 48, items 14
-and 20): each is now one UsageError naming the option."""
+"""Bad inputs of the extend command line that raised raw exceptions (issue 48, items 14 and 20): each
+is now one UsageError naming the option."""
 
 from __future__ import annotations
 
@@ -7,15 +7,7 @@ import pytest
 import torch
 
 from posenc.errors import UsageError
-from posenc.study.extend_cli import check_run_options
-from posenc.study.plan import parse_shard
-
-
-@pytest.mark.parametrize("text", ["²/3", "1/³", "１/2", "/2", "1/", "0/2", "3/2", "a/b"])
-def test_a_shard_that_is_not_two_ascii_integers_is_a_usage_error(text: str) -> None:
-    with pytest.raises(UsageError, match="shard"):
-        parse_shard(text)
-    assert parse_shard("2/3") == (2, 3)
+from posenc.extend.extend_cli import check_run_options
 
 
 @pytest.mark.parametrize("device, threads, word", [("banana", None, "device"), ("cpu", 0, "threads"), ("cpu", -2, "threads")])
@@ -34,7 +26,7 @@ def test_extend_refuses_cuda_without_a_gpu() -> None:
 def test_extend_refuses_a_schedule_checkpoint_naming_its_schedule() -> None:
     """Not a message about encoding_options, which the user never gave (issue 48, item 17)."""
     import posenc
-    from posenc.study import extend as ex
+    from posenc.extend import extend as ex
 
     lm = posenc.LM(posenc.LMConfig(schedule="2x[rope window=8] 2x[rope]", dim=16, depth=4, num_heads=2))
     with pytest.raises(UsageError, match="schedule") as caught:
@@ -150,7 +142,7 @@ def test_a_given_longrope_block_is_checked_against_the_run(block, words) -> None
     """``--longrope-block``: another type's block, or one whose original length is not the run's train
     length, is refused (issue 48, item 23: a yarn block ran under --scaling longrope; an original length
     of 1e9 never scaled anything)."""
-    from posenc.study.extend_config import ExtendConfig
+    from posenc.extend.extend_config import ExtendConfig
 
     with pytest.raises(UsageError, match=words):
         ExtendConfig(scaling="longrope", length=64, steps=0, train_length=32, longrope=block)
