@@ -29,7 +29,7 @@ from posenc.study.data import load_corpus
 from posenc.study.evaluation import evaluate
 from posenc.study.longrope_search import SearchSettings, search
 from posenc.study.run import run_experiment
-from posenc.study.variants import scaling_block
+from posenc.study.variants import scaled, scaling_block
 
 
 def main() -> None:
@@ -61,7 +61,7 @@ def main() -> None:
               "longrope_default_rule": scaling_block("longrope", 8, 64, enc.base, enc.rotary_dim)}
     validation = {}
     for name, block in blocks.items():
-        with_block = ex.scaled(model, block)
+        with_block = scaled(model, block)
         validation[name] = round(evaluate(with_block, corpus.valid, 512, None, ctx)["perplexity"], 4)
     ext = ex.ExtendConfig(**{**ex.study_defaults(ckpt, 256), "scaling": "yarn", "steps": 20, "eval_lengths": [256]})
     target = out / "extend-yarn"

@@ -3,7 +3,7 @@
     PYTHONPATH=src python benchmarks/flush_worker.py --out benchmarks/results/flush-worker [--rounds 5]
 
 The bias methods' CPU kernel loops go to one worker thread that flushes denormals where the
-caller's thread pays for them (``posenc.backends.parts.regions.denormal_penalty`` at or above
+caller's thread pays for them (``posenc.backends.parts.denormals.denormal_penalty`` at or above
 ``PENALTY``), and stay in the caller's thread elsewhere. This times both placements on this
 machine, whatever the probe says: per method and length (B 1, H 8, D 32, float32, causal, q, k, v
 token-major seen through a transpose as transformers hands them over), each method's step and
@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 import posenc
-from posenc.backends.parts import regions
+from posenc.backends.parts import denormals
 from posenc.bench.machine import cpu_model
 
 H, D = 8, 32
@@ -36,9 +36,9 @@ H, D = 8, 32
 def child(args: argparse.Namespace) -> int:
     """One placement's times, printed as JSON: {"N method": [seconds per step kept]}."""
     torch.set_num_threads(args.threads)
-    regions.FLUSHED.needed = args.child == "worker"
+    denormals.FLUSHED.needed = args.child == "worker"
     torch.manual_seed(0)
-    out: dict[str, float] = {"penalty": regions.denormal_penalty()}
+    out: dict[str, float] = {"penalty": denormals.denormal_penalty()}
     for n in args.lengths:
         q, k, v = (torch.randn(1, n, H, D).transpose(1, 2).requires_grad_() for _ in range(3))  # (1, H, n, D), token-major
         for method in [None, *args.methods]:
@@ -96,7 +96,7 @@ def main() -> int:
              f"CPU: {cpu_model()}; torch {torch.__version__}, {args.threads} thread(s); B 1, H {H}, D {D}, float32, causal, "
              f"token-major q, k, v; {args.rounds} rounds of one fresh process per placement (order alternated), the fastest of "
              f"{args.steps} steps each; median (min-max) over rounds.",
-             f"denormal_penalty() here: {penalty:.2f} (the worker is used at {regions.PENALTY:.0f} and above)",
+             f"denormal_penalty() here: {penalty:.2f} (the worker is used at {denormals.PENALTY:.0f} and above)",
              f"Command: `{command}`", "",
              "| N | method | worker (ms) | caller (ms) | caller / worker | worker / NoPE | caller / NoPE |", "|---|---|---|---|---|---|---|"]
     for row in rows:

@@ -20,8 +20,9 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
+
+from hf_step import add_model_arguments, parsed, rotated, timed_step, warmed  # (benchmarks/, this script's folder)
 
 METHODS = ["hf", "rope", "alibi", "t5"]
 
@@ -55,12 +56,7 @@ class Runner:
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
 
     def step(self) -> float:
-        start = time.perf_counter()
-        loss = self.model(self.ids, labels=self.ids, use_cache=False).loss
-        self.opt.zero_grad(set_to_none=True)
-        loss.backward()
-        self.opt.step()
-        return time.perf_counter() - start
+        return timed_step(self.model, self.ids, self.opt)
 
 
 def main() -> None:
@@ -69,18 +65,9 @@ def main() -> None:
     parser.add_argument("--families", nargs="+", default=None, help="model_types (default: every tested family)")
     parser.add_argument("--methods", nargs="+", default=METHODS)
     parser.add_argument("--length", type=int, default=1024)
-    parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--kv-heads", type=int, default=4)
-    parser.add_argument("--rounds", type=int, default=5)
+    add_model_arguments(parser, rounds=5)
     parser.add_argument("--steps", type=int, default=3, help="steps timed per method and round (the fastest kept)")
-    parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--threads", type=int, default=2)
-    args = parser.parse_args()
-    if "hf" not in args.methods:
-        raise SystemExit("--methods must include hf (the untouched model, the reference of every ratio)")
+    args = parsed(parser, "hf", "the untouched model, the reference of every ratio")
     import torch
     import transformers
 
@@ -88,18 +75,13 @@ def main() -> None:
     from posenc.bench.machine import cpu_model
     from posenc.files import write_json, write_text
 
-    torch.set_num_threads(args.threads)
     families = args.families or list(TESTED)
     records: dict[str, dict[str, list[float]]] = {}
     for family in families:
-        runners = {m: Runner(family, m, args) for m in args.methods}
-        for runner in runners.values():
-            for _ in range(args.warmup):
-                runner.step()
+        runners = warmed({m: Runner(family, m, args) for m in args.methods}, args.warmup)
         records[family] = {m: [] for m in args.methods}
         for r in range(args.rounds):
-            order = args.methods[r % len(args.methods):] + args.methods[: r % len(args.methods)]
-            for method in order:
+            for method in rotated(args.methods, r):
                 records[family][method].append(min(runners[method].step() for _ in range(args.steps)))
         ref = records[family]["hf"]
         print(f"{family}: " + ", ".join(f"{m} {statistics.median([t / b for t, b in zip(records[family][m], ref)]):.2f}x"

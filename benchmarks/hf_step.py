@@ -28,6 +28,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 METHODS = ["hf-rope", "rope", "alibi", "t5", "nope"]
 MODES = ["train", "decode"]
@@ -69,12 +70,7 @@ class Runner:
         import torch
 
         if self.mode == "train":
-            start = time.perf_counter()
-            loss = self.model(self.ids, labels=self.ids, use_cache=False).loss
-            self.opt.zero_grad(set_to_none=True)
-            loss.backward()
-            self.opt.step()
-            return time.perf_counter() - start
+            return timed_step(self.model, self.ids, self.opt)
         with torch.no_grad():  # prefill untimed, then per token
             out = self.model(self.ids, use_cache=True)
             cache, token = out.cache, out.logits[:, -1:].argmax(-1)
@@ -85,36 +81,68 @@ class Runner:
             return (time.perf_counter() - start) / self.args.tokens
 
 
+def add_model_arguments(parser: argparse.ArgumentParser, rounds: int) -> None:
+    """The options this script shares with hf_families.py: the model's sizes, the timed rounds, the
+    warmup steps and the threads."""
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--kv-heads", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=rounds)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--threads", type=int, default=2)
+
+
+def timed_step(model: Any, ids: Any, opt: Any) -> float:
+    """Seconds of one training step of ``model`` on ``ids`` (B, T), its own next-token loss."""
+    start = time.perf_counter()
+    loss = model(ids, labels=ids, use_cache=False).loss
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    opt.step()
+    return time.perf_counter() - start
+
+
+def parsed(parser: argparse.ArgumentParser, reference: str, why: str) -> argparse.Namespace:
+    """The options, ``--methods`` holding ``reference`` (``why`` says what it is), torch's threads set."""
+    args = parser.parse_args()
+    if reference not in args.methods:
+        raise SystemExit(f"--methods must include {reference} ({why})")
+    import torch
+
+    torch.set_num_threads(args.threads)
+    return args
+
+
+def warmed(runners: dict[str, Any], steps: int) -> dict[str, Any]:
+    """``runners`` after ``steps`` untimed steps each."""
+    for runner in runners.values():
+        for _ in range(steps):
+            runner.step()
+    return runners
+
+
+def rotated(methods: list[str], r: int) -> list[str]:
+    """The methods in round ``r``'s order: each starts a round in turn, so none always runs first."""
+    k = r % len(methods)
+    return methods[k:] + methods[:k]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/hf"))
     parser.add_argument("--methods", nargs="+", default=METHODS)
     parser.add_argument("--modes", nargs="+", default=MODES, choices=MODES)
     parser.add_argument("--length", type=int, default=1024, help="train: tokens per row; decode: cache length")
-    parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--kv-heads", type=int, default=4)
-    parser.add_argument("--rounds", type=int, default=15)
-    parser.add_argument("--warmup", type=int, default=1)
+    add_model_arguments(parser, rounds=15)
     parser.add_argument("--tokens", type=int, default=16, help="decode: timed tokens per step")
-    parser.add_argument("--threads", type=int, default=2)
-    args = parser.parse_args()
-    if "hf-rope" not in args.methods:
-        raise SystemExit("--methods must include hf-rope (the reference of every ratio)")
-    import torch
-
-    torch.set_num_threads(args.threads)
+    args = parsed(parser, "hf-rope", "the reference of every ratio")
     records: dict[str, dict[str, list[float]]] = {mode: {m: [] for m in args.methods} for mode in args.modes}
     for mode in args.modes:
-        runners = {m: Runner(m, mode, args) for m in args.methods}
-        for runner in runners.values():
-            for _ in range(args.warmup):
-                runner.step()
+        runners = warmed({m: Runner(m, mode, args) for m in args.methods}, args.warmup)
         for r in range(args.rounds):
-            order = args.methods[r % len(args.methods):] + args.methods[: r % len(args.methods)]
-            for method in order:
+            for method in rotated(args.methods, r):
                 records[mode][method].append(runners[method].step())
             print(f"round {r + 1}/{args.rounds} {mode}: " + ", ".join(
                 f"{m} {records[mode][m][-1] * 1e3:.1f} ms" for m in args.methods), file=sys.stderr)

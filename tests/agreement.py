@@ -84,7 +84,7 @@ def check_backends(enc: nn.Module, causal: bool, shapes=None, expect: tuple[str,
 
 class MaxTensor(TorchDispatchMode):
     """Records the largest tensor (elements) any op returns. A dispatch mode sees this thread only;
-    the kernel loops stay in it while one is active (posenc.backends.parts.regions.flushed)."""
+    the kernel loops stay in it while one is active (posenc.backends.parts.denormals.flushed)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -102,18 +102,18 @@ def largest_tensor(method: str, n: int = 1024, **options) -> tuple[int, str]:
     """The largest tensor of a forward + backward of one posenc.Attention layer at length n (auto
     backend, B=1, H=4, D=16), and the backend that ran."""
     import posenc
-    from posenc.backends.parts import regions
+    from posenc.backends.parts import denormals
 
     enc = posenc.build(method, num_heads=H, head_dim=D, **options)
     layer = posenc.Attention(H * D, H, enc)
     x = torch.randn(1, n, H * D, requires_grad=True)
-    was = regions.FLUSHED.available
-    regions.FLUSHED.available = False  # the kernel loops run here, where the mode sees them
+    was = denormals.FLUSHED.available
+    denormals.FLUSHED.available = False  # the kernel loops run here, where the mode sees them
     try:
         with MaxTensor() as seen:
             layer(x).sum().backward()
     finally:
-        regions.FLUSHED.available = was
+        denormals.FLUSHED.available = was
     return seen.largest, layer.last_backend
 
 

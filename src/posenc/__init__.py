@@ -16,8 +16,8 @@ from .encodings.axial_rope import patch_positions
 from .encodings.mrope import continue_positions, vision_text_positions
 from .errors import UsageError
 from .functional import attend
-from .hf.rope import mrope_from_hf, rope_from_hf
-from .hf.schedule import schedule_from_hf
+from .hf.rope_config import mrope_from_hf, rope_from_hf
+from .hf.schedule_config import schedule_from_hf
 from .model.attention import Attention
 from .model.checkpoint import load_checkpoint, save_checkpoint
 from .model.lm import LM, LMConfig

@@ -31,6 +31,20 @@ def check_positive(name: str, value: int) -> int:
     return value
 
 
+def check_window_chunk(window: object, chunk: object, where: str = "") -> None:
+    """A layer's local attention: ``window`` and ``chunk`` each None or a positive integer, not both.
+
+    Raises:
+        UsageError: ``window`` or ``chunk`` is not None or an int >= 1 (a bool is not), naming it.
+        UsageError: both are given.
+    """
+    for name, value in (("window", window), ("chunk", chunk)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise UsageError(f"{where}{name} must be a positive integer (>= 1) or None, got {value!r}")
+    if window is not None and chunk is not None:
+        raise UsageError(f"{where}give window or chunk, not both (got window={window}, chunk={chunk})")
+
+
 def check_int(name: str, value: object, low: int, high: int, why: str = "") -> int:
     """``value`` if it is an integer in [low, high], else a UsageError naming ``name`` and the range.
 

@@ -31,11 +31,12 @@ from . import backends
 from .backends.parts import remapped, windows
 from .backends.parts.windows import Extras
 from .call.axes import as_taken, check_takes_axes
-from .call.geometry import Geometry, Run
+from .call.geometry import Geometry, Segments
+from .call.inputs import check_curves, check_gates, check_qkv
 from .call.memo import ForwardMemo
 from .call.spec import ScoreSpec
 from .encodings.base import PositionalEncoding, content_scale
-from .encodings.protocol import Curves, Gates, Remaps, Rotates, Selects, ValueTerms, offers, require
+from .encodings.protocol import Remaps, Rotates, Selects, offers, require
 from .encodings.query_scale import QueryScale, scaled_queries
 from .errors import UsageError
 
@@ -129,10 +130,10 @@ def attend(
             sizes, or a forced backend that cannot run the call.
     """
     encoding = _encoding_of(encoding, q, causal)
-    b, h, hkv, tq, tk, d = _check(q, k, v, encoding)
+    b, h, hkv, tq, tk, d = check_qkv(q, k, v, encoding)
     q, k, v = _dtypes(q, k, v)
-    _check_gates(log_gates, encoding, b, h, tk)
-    _check_curves(query_curves, encoding, b, h, tq)
+    check_gates(log_gates, encoding, b, h, tk)
+    check_curves(query_curves, encoding, b, h, tq)
     if getattr(encoding, "causal", causal) != causal:
         raise UsageError(f"encoding was built with causal={encoding.causal}; attend got causal={causal}")
     backends.check_name(backend)
@@ -392,7 +393,7 @@ def _split(x: torch.Tensor, cut: Cut) -> tuple[torch.Tensor, list[torch.Tensor] 
     return x, [pieces[j] for j in at]
 
 
-def _tiled_stack(seg: Run, i: int, q, k, v, gates, curves=None) -> Stacks:
+def _tiled_stack(seg: Segments, i: int, q, k, v, gates, curves=None) -> Stacks:
     """Run ``i``'s stacks as views of one row's (1, H, T, ...) q, k, v, gates and curves, each given as
     (row, the runs' pieces or None) (see :func:`_stacked_runs`)."""
     n, lq = seg.q_index.shape
@@ -418,7 +419,7 @@ def _tiled(x: tuple[torch.Tensor, list[torch.Tensor] | None], i: int, first: int
     return row.squeeze(0).unflatten(1, (n, length)).transpose(0, 1)
 
 
-def _gathered_stack(seg: Run, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gates: torch.Tensor | None,
+def _gathered_stack(seg: Segments, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gates: torch.Tensor | None,
                     curves: torch.Tensor | None = None) -> Stacks:
     """A run's stacks gathered from token-major (B*T, H, ...) q, k, v, gates and curves (a slice, a view, when
     the run tiles a contiguous range: no gather and no scatter back)."""
@@ -430,74 +431,6 @@ def _gathered_stack(seg: Run, i: int, q: torch.Tensor, k: torch.Tensor, v: torch
     cs = None if curves is None else curves[qi].view(n, lq, curves.shape[1], -1).transpose(1, 2)  # (n, H, Lq, R)
     return (q[qi].view(n, lq, q.shape[1], -1).transpose(1, 2), k[ki].view(n, lk, k.shape[1], -1).transpose(1, 2),
             v[ki].view(n, lk, v.shape[1], -1).transpose(1, 2), gs, cs)
-
-
-def _check_curves(curves, encoding, b: int, h: int, tq: int) -> None:
-    """Curves only for an encoding with the Curves hook, as a float (B, H, Tq, R) tensor."""
-    curved = encoding is not None and offers(encoding, Curves)
-    if curves is None:
-        if curved:
-            raise UsageError(f"encoding {type(encoding).__name__} has bias curves: pass query_curves=encoding.query_curves(x, positions) "
-                             "(batch, heads, queries, distances)")
-        return
-    if not curved:
-        raise UsageError(f"query_curves: encoding {type(encoding).__name__} has no bias curves (the Curves hook); leave query_curves None")
-    if not isinstance(curves, torch.Tensor) or not curves.is_floating_point() or curves.dim() != 4 or tuple(curves.shape[:3]) != (b, h, tq) \
-            or curves.shape[-1] < 1:
-        raise UsageError(f"query_curves must be a float tensor of shape (batch, heads, queries, distances) = {(b, h, tq, 'R >= 1')}, "
-                         f"got {getattr(curves, 'shape', type(curves).__name__)}")
-
-
-def _check_gates(log_gates, encoding, b: int, h: int, tk: int) -> None:
-    """Gates only for an encoding with the Gates hook, and every gate a finite log forget gate <= 0
-    (one host read; not checked while compiling). A gate of -inf is refused too: the backends sum
-    the gates, and -inf - (-inf) would be NaN."""
-    gated = encoding is not None and offers(encoding, Gates)
-    if log_gates is None:
-        if gated:
-            raise UsageError(f"encoding {type(encoding).__name__} has forget gates: pass log_gates=encoding.log_gates(x) (batch, heads, keys)")
-        return
-    if not gated:
-        name = "None (NoPE)" if encoding is None else type(encoding).__name__
-        raise UsageError(f"log_gates: encoding {name} has no forget gates (the Gates hook); gates would change its "
-                         "scores, so leave log_gates None (for NoPE with gates computed elsewhere, pass a fox encoding: "
-                         "attend reads only the gates given)")
-    if not isinstance(log_gates, torch.Tensor) or not log_gates.is_floating_point() or tuple(log_gates.shape) != (b, h, tk):
-        raise UsageError(f"log_gates must be a float tensor of shape (batch, heads, keys) = {(b, h, tk)}, "
-                         f"got {getattr(log_gates, 'shape', type(log_gates).__name__)}")
-    if log_gates.numel() and not torch.compiler.is_compiling():
-        g = log_gates.detach()
-        top = float(torch.where(g.isfinite(), g, math.inf).max())
-        if top > 0:
-            bad = ("NaN" if bool(g.isnan().any()) else "-inf" if bool(g.isneginf().any()) else
-                   "+inf" if bool(g.isposinf().any()) else f"up to {top:g}")
-            raise UsageError(f"log_gates are log forget gates, each finite and <= 0 (log sigmoid), got {bad}")
-
-
-def _check(q, k, v, encoding):
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(x, torch.Tensor) or x.dim() != 4:
-            raise UsageError(f"{name} must be a 4-D tensor (batch, heads, length, head_dim), got {getattr(x, 'shape', type(x).__name__)}")
-    b, h, tq, d = q.shape
-    _, hkv, tk, dk = k.shape
-    if k.shape[0] != b or v.shape[0] != b:
-        raise UsageError(f"q, k and v must have the same batch size, got {b}, {k.shape[0]}, {v.shape[0]}")
-    if dk != d:
-        raise UsageError(f"k must have q's head_dim ({d}), got {dk}")
-    if tuple(v.shape[1:3]) != (hkv, tk):
-        raise UsageError(f"v must have k's heads and length {(hkv, tk)}, got {tuple(v.shape[1:3])}")
-    if hkv < 1 or h % hkv:
-        raise UsageError(f"the query heads ({h}) must be a multiple of the key/value heads ({hkv})")
-    if encoding is not None:
-        if getattr(encoding, "num_heads", h) != h or getattr(encoding, "head_dim", d) != d:
-            raise UsageError(
-                f"encoding was built for num_heads={encoding.num_heads}, head_dim={encoding.head_dim}; "
-                f"q has {h} heads of head_dim {d}"
-            )
-        if offers(encoding, ValueTerms) and v.shape[-1] != d:
-            raise UsageError(f"v must have q's head_dim ({d}) with {type(encoding).__name__}: its relative value "
-                             f"vectors, added to the output, have that width; got {v.shape[-1]}")
-    return b, h, hkv, tq, tk, d
 
 
 __all__ = ["attend", "run", "run_geometry"]

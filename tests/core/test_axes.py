@@ -16,7 +16,7 @@ import posenc
 from models import tiny_lm
 from posenc.encodings.axial_rope import patch_positions
 from posenc.encodings.mrope import continue_positions, vision_text_positions
-from posenc.hf.rope import mrope_from_hf
+from posenc.hf.rope_config import mrope_from_hf
 from posenc.model.cache import LayerCache
 
 transformers = pytest.importorskip("transformers")

@@ -23,7 +23,7 @@ BREAKS = {
     "pope": 0,            # its rotation: elementwise, on the positions
     "inkling": 0, "selective": 0,  # eager: the curves / the selection sums are tensor ops on the call's q, k and x
     "deberta": 0,         # T=64 is below the disentangled path's MIN_PAIRS: eager (a long call: its rows read once, the band + far loop)
-    "shaw": 5,            # terms: the band + far kernel loop (regions.flushed, opaque)
+    "shaw": 5,            # terms: the band + far kernel loop (denormals.flushed, opaque)
     "transformer_xl": 8,  # distance: per-distance keys through as_strided views
     "alibi": 4,           # blocked: the plan (a bound on |q.k|, the slopes) and the kernel loop, one opaque call
     "t5": 4,              # blocked, as ALiBi

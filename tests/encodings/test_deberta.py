@@ -413,7 +413,7 @@ def test_no_quadratic_tensor_in_the_fast_backend(monkeypatch):
     (B, H, N, N) scores when eager runs one block."""
     from agreement import MaxTensor
     from posenc.backends import eager
-    from posenc.backends.parts import regions
+    from posenc.backends.parts import denormals
     from posenc.backends.parts.base import ScoreSpec
 
     def largest_tensor(length, causal):
@@ -426,7 +426,7 @@ def test_no_quadratic_tensor_in_the_fast_backend(monkeypatch):
         return seen.largest
 
     n = 1024
-    monkeypatch.setattr(regions.FLUSHED, "available", False)  # the kernel loops run here, where the mode sees them
+    monkeypatch.setattr(denormals.FLUSHED, "available", False)  # the kernel loops run here, where the mode sees them
     for causal in (True, False):
         largest = {length: largest_tensor(length, causal) for length in (n, 2 * n)}
         # Linear in N (band blocks, the (B, H, N, R) products), far below one head's (N, N).

@@ -15,7 +15,7 @@ import posenc.hf
 from posenc.encodings.mrope import MRoPE, continue_positions, mrope_axes, vision_text_positions
 from posenc.encodings.rope import RoPE
 from posenc.errors import UsageError
-from posenc.hf.rope import mrope_from_hf
+from posenc.hf.rope_config import mrope_from_hf
 
 transformers = pytest.importorskip("transformers")
 
@@ -292,7 +292,7 @@ def test_bad_positions() -> None:
 
 def test_mrope_from_hf_reads_the_published_qwen2_vl_form() -> None:
     """Before: rope_type 'mrope' refused; without rope_theta the base was 10000, not 1e6."""
-    from posenc.hf.rope import DEFAULT_THETA, mrope_from_hf
+    from posenc.hf.rope_config import DEFAULT_THETA, mrope_from_hf
 
     transformers.logging.set_verbosity_error()
     hf = transformers.Qwen2VLConfig(**raw())

@@ -15,7 +15,7 @@ import torch
 import posenc
 from posenc import cli
 from posenc.errors import UsageError
-from posenc.hf.rope import resolve_hf
+from posenc.hf.rope_config import resolve_hf
 
 transformers = pytest.importorskip("transformers")
 

@@ -12,7 +12,7 @@ import posenc
 from agreement import check_backends
 from posenc.encodings.xdrope import XDRoPE
 from posenc.errors import UsageError
-from posenc.hf.rope import xdrope_from_hf
+from posenc.hf.rope_config import xdrope_from_hf
 from posenc.model.cache import LayerCache
 
 transformers = pytest.importorskip("transformers")

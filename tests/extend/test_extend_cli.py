@@ -26,11 +26,11 @@ def test_extend_refuses_cuda_without_a_gpu() -> None:
 def test_extend_refuses_a_schedule_checkpoint_naming_its_schedule() -> None:
     """Not a message about encoding_options, which the user never gave (issue 48, item 17)."""
     import posenc
-    from posenc.extend import extend as ex
+    from posenc.study.variants import scaled
 
     lm = posenc.LM(posenc.LMConfig(schedule="2x[rope window=8] 2x[rope]", dim=16, depth=4, num_heads=2))
     with pytest.raises(UsageError, match="schedule") as caught:
-        ex.scaled(lm, {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 16})
+        scaled(lm, {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 16})
     assert "encoding_options" not in str(caught.value)
 
 

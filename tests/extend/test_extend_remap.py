@@ -15,6 +15,7 @@ from models import tiny_rope_checkpoint
 from posenc.cli import main
 from posenc.errors import UsageError
 from posenc.extend import extend as ex
+from posenc.extend.checkpoint_kinds import remapped
 from posenc.extend.extend_config import parse_remap
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -61,7 +62,7 @@ def test_remap_columns_of_a_posenc_checkpoint(tiny, tmp_path, capsys):
     _check(tmp_path / "out", record)
     assert "selfextend group=4 window=8 zero-shot" in capsys.readouterr().err
     # the remapped model is the checkpoint's RoPE under the remap
-    model = ex.remapped(posenc.load_checkpoint(root / "rope.safetensors"), parse_remap(REMAPS[1]))
+    model = remapped(posenc.load_checkpoint(root / "rope.safetensors"), parse_remap(REMAPS[1]))
     assert model.config.encoding == "selfextend" and model.config.encoding_options["group"] == 4
     # a run without remaps keeps its settings as before (no remaps key)
     assert main(_args(root / "rope.safetensors", text, tmp_path / "plain")) == 0

@@ -244,7 +244,7 @@ def _hf_weights(out):
 def test_a_transformers_model_trains_with_pose_and_resumes_exactly(tiny, tmp_path):
     # posenc.hf reads ids that increase and skip as one document: the PoSE ids reach the model as position_ids.
     transformers = pytest.importorskip("transformers")
-    from posenc.extend.extend_hf import HFModels
+    from posenc.extend.extend_hf import HFCheckpoint
 
     torch.manual_seed(0)
     config = transformers.LlamaConfig(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
@@ -254,7 +254,7 @@ def test_a_transformers_model_trains_with_pose_and_resumes_exactly(tiny, tmp_pat
     transformers.LlamaForCausalLM(config).save_pretrained(folder)
 
     # the trained model's forward with PoSE ids is transformers' own YaRN model fed them as position_ids
-    models = HFModels.of(folder)
+    models = HFCheckpoint.of(folder)
     block = ex.scaling_block("yarn", 4.0, 16, models.rope.base, models.rope.rotary_dim)
     study = models.trainable(block)
     own = transformers.LlamaForCausalLM(transformers.LlamaConfig(

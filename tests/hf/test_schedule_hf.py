@@ -270,7 +270,7 @@ def test_modernbert_local_and_global_layers_equal_posenc():
 
 
 def test_numeric_texts_in_hf_configs_are_refused() -> None:
-    from posenc.hf.rope import mrope_from_hf
+    from posenc.hf.rope_config import mrope_from_hf
 
     with raises("mrope_from_hf: rope_theta must be a number > 1, got '1e6'"):
         mrope_from_hf(raw(rope_theta="1e6"))

@@ -20,10 +20,10 @@ import torch
 from posenc import cli
 from posenc.errors import UsageError
 from posenc.study import StudyConfig, run_experiment
-from posenc.study.builders import models_for
 from posenc.study.distributed import Context
 from posenc.study.executors import Execution
 from posenc.study.merge import merge
+from posenc.study.models import models_for
 from posenc.study.plan import groups, parse_shard, plan, shard
 from posenc.study.results import Paths
 

@@ -11,9 +11,9 @@ import torch
 import posenc
 from posenc.study import StudyConfig, rows, run_experiment
 from posenc.study import train as train_mod
-from posenc.study.builders import lm_config
 from posenc.study.config import RANDOM_SPAN
 from posenc.study.evaluation import eval_positions
+from posenc.study.models import lm_config
 
 
 def test_drope_recalibration_restarts_the_schedule():

@@ -20,9 +20,9 @@ from posenc import cli
 from posenc.encodings.rope import RoPE
 from posenc.errors import UsageError
 from posenc.study import rows, variants
-from posenc.study.builders import lm_config
 from posenc.study.cli import config_from_args, run_study
 from posenc.study.config import COMPANIONS, PRESETS, SCHEDULES, StudyConfig
+from posenc.study.models import lm_config
 from posenc.study.plan import check
 
 LOCAL_GLOBAL = "3x[rope:base=1e4 window=32] 1x[rope:base=1e6]"

@@ -11,7 +11,7 @@ and ``bias_tails``, see :class:`~posenc.encodings.protocol.BiasTails`) splits ev
   keeps the causal skip. Heads are grouped by slope (:func:`head_groups`): a steep head weighs
   nothing beyond a short window, and its whole attention is then a written-out band (below) of
   that window; the gentle ones take the far calls. The kernel loops run in a thread that flushes
-  denormals (:func:`~posenc.backends.parts.regions.flushed`): ALiBi's far keys put many probabilities in
+  denormals (:func:`~posenc.backends.parts.denormals.flushed`): ALiBi's far keys put many probabilities in
   float32's denormal range, where many x86 CPUs multiply on a slow microcode path, so the kernel's
   backward would spend most of an ALiBi training step on values too small to change the result
   (``benchmarks/attention_table.sh``, ALiBi's train step at N=4096, times it);
@@ -65,19 +65,18 @@ from ..errors import UsageError
 from . import sdpa
 from .parts import band, explicit, padding, single, tails
 from .parts.base import ScoreSpec, accumulation_dtype
+from .parts.denormals import flushed, opaque_to_compile
 from .parts.regions import (
     FLASH_OPS,
     Merge,
     Region,
     apply,
     call_order,
-    flushed,
     fold_heads,
     kernel_backward,
     kernel_forward,
     keys_of,
     kv_heads,
-    opaque_to_compile,
     region_backward,
     repeated_heads,
     rows_of,
@@ -141,7 +140,7 @@ def _tailed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec, 
 
 class _TailedBias(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rel: torch.Tensor, plan: tails.Plan) -> torch.Tensor:
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rel: torch.Tensor, plan: tails.TailPlan) -> torch.Tensor:
         keep = ctx.needs_input_grad[3]  # a learned table (T5): its far constants' gradient needs each far call's output
         out, lse, far = flushed(_forward, q, k, v, rel, plan, keep, when=_sloped(plan))
         ctx.plan = plan
@@ -158,7 +157,7 @@ class _TailedBias(torch.autograd.Function):
 
 
 def _forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rel: torch.Tensor, plan: tails.Plan, keep: bool = False,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rel: torch.Tensor, plan: tails.TailPlan, keep: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
     """Output (B, H, Tq, Dv), its log-sum-exp (B, H, Tq) and, with ``keep``, each far call's
     (output, log-sum-exp); otherwise each far output is freed once merged."""
@@ -187,7 +186,7 @@ def _forward(
 
 
 def _backward(
-    plan: tails.Plan, far: list[tuple[torch.Tensor, torch.Tensor]] | None, need_rel: bool, dout: torch.Tensor, q: torch.Tensor,
+    plan: tails.TailPlan, far: list[tuple[torch.Tensor, torch.Tensor]] | None, need_rel: bool, dout: torch.Tensor, q: torch.Tensor,
     k: torch.Tensor, v: torch.Tensor, rel: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     dout = rows_ready(dout)
@@ -222,7 +221,7 @@ def _backward(
     return dq, dk, dv, (None if drel is None else drel.to(rel.dtype))
 
 
-def _sloped(plan: tails.Plan) -> bool:
+def _sloped(plan: tails.TailPlan) -> bool:
     """A tail that falls with distance (ALiBi): far keys' probabilities reach float32's denormals,
     so the kernel loops run with them flushed; a constant tail (T5) runs them in the caller's thread."""
     return any(s is not None for s in plan.slopes)
@@ -239,7 +238,7 @@ def _cut(region: Region, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> t
     return rows_of(q, region), keys_of(k, region), keys_of(v, region)
 
 
-def _band_bias(plan: tails.Plan, rel: torch.Tensor, group: band.BandGroup) -> tuple[torch.Tensor, torch.Tensor]:
+def _band_bias(plan: tails.TailPlan, rel: torch.Tensor, group: band.BandGroup) -> tuple[torch.Tensor, torch.Tensor]:
     """The band block's bias and rel index, built once per forward for each block geometry."""
     offset = (plan.k_start + group.k0) - (plan.q_start + group.t0)  # r of the block's top-left pair
     key = (group.rows, group.length, offset, group.heads.start, group.heads.stop, group.past, group.top, plan.r_lo, rel.dtype)
@@ -250,13 +249,13 @@ def _band_bias(plan: tails.Plan, rel: torch.Tensor, group: band.BandGroup) -> tu
 
 
 def _band_backward(
-    plan: tails.Plan, rel: torch.Tensor, drel: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    plan: tails.TailPlan, rel: torch.Tensor, drel: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor, dsum: torch.Tensor, grads: _Grads,
 ) -> None:
     """The band's gradients: the kernel's backward for a fixed bias, the explicit formula (with the
     bias gradient summed per relative position) for a learned one, in smaller groups."""
     groups = plan.bands if drel is None else [part for g in plan.bands for part in band.split(g, band.EXPLICIT_GROUP)]
-    ws = explicit.Workspace(0, accumulation_dtype(q.dtype), q.device)  # the learned band's buffers, reused by every group
+    ws = explicit.BackwardBuffers(0, accumulation_dtype(q.dtype), q.device)  # the learned band's buffers, reused by every group
     for group in groups:
         bias, index = _band_bias(plan, rel, group)
         hs = group.heads
@@ -275,7 +274,7 @@ def _band_backward(
 
 
 def _learned_band(
-    ws: explicit.Workspace, scale: float, bias: torch.Tensor, index: torch.Tensor, qc: torch.Tensor, doc: torch.Tensor,
+    ws: explicit.BackwardBuffers, scale: float, bias: torch.Tensor, index: torch.Tensor, qc: torch.Tensor, doc: torch.Tensor,
     kc: torch.Tensor, vc: torch.Tensor, lc: torch.Tensor, dc: torch.Tensor, drel: torch.Tensor, hs: slice,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One band group's (dq, dk, dv) blocks for a learned bias, dS = P (dP - D) written out and summed
@@ -301,7 +300,7 @@ def _learned_band(
     return gq, gk, gv
 
 
-def _taken(ws: explicit.Workspace, name: str, x: torch.Tensor) -> torch.Tensor:
+def _taken(ws: explicit.BackwardBuffers, name: str, x: torch.Tensor) -> torch.Tensor:
     """x itself when contiguous, else its copy in ``ws``'s buffer ``name``."""
     return x if x.is_contiguous() else ws.take(name, tuple(x.shape), x.dtype).copy_(x)
 

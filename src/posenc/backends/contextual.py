@@ -48,7 +48,8 @@ from ..encodings.protocol import ContextualPositions, offers, require
 from . import eager
 from .parts import band, padding
 from .parts.base import ScoreSpec, accumulation_dtype
-from .parts.regions import Merge, Region, apply, flushed, kernel_forward, keys_of, lower, region_backward, rows_of, up
+from .parts.denormals import flushed
+from .parts.regions import Merge, Region, apply, kernel_forward, keys_of, lower, region_backward, rows_of, up
 
 BLOCK = 64  # queries per band block
 GROUP_ELEMENTS = 1 << 21  # band temporaries per step: at most this many (B x H x blocks x rows x keys)

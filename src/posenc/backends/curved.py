@@ -29,7 +29,8 @@ import torch
 from ..call.spec import curve_bias
 from ..encodings.protocol import Biases, QueryTerms, ValueTerms, offers
 from .parts.base import ScoreSpec
-from .parts.regions import Merge, Region, apply, flushed, kernel_forward, opaque_to_compile, region_backward, up, use_kernel
+from .parts.denormals import flushed, opaque_to_compile
+from .parts.regions import Merge, Region, apply, kernel_forward, region_backward, up, use_kernel
 
 BLOCK = 256  # queries per block: the band is BLOCK + R - 1 keys wide
 DTYPES = (torch.float32, torch.float64)

@@ -44,19 +44,8 @@ import torch.nn.functional as F
 from ..encodings.protocol import Biases, QueryTerms, ValueTerms, offers
 from .parts import padding
 from .parts.base import ScoreSpec
-from .parts.regions import (
-    Merge,
-    Region,
-    apply,
-    flushed,
-    kernel_forward,
-    keys_of,
-    lower,
-    opaque_to_compile,
-    region_backward,
-    rows_of,
-    use_kernel,
-)
+from .parts.denormals import flushed, opaque_to_compile
+from .parts.regions import Merge, Region, apply, kernel_forward, keys_of, lower, region_backward, rows_of, use_kernel
 from .parts.tails import ZERO_LOGIT, spread
 
 BLOCK = 128  # queries per block (the reference of c is the block's middle query)

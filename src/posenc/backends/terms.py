@@ -41,20 +41,8 @@ from ..encodings.protocol import ClippedTables, DisentangledTables, DistanceKeys
 from . import eager
 from .parts import disentangled, distance, padding, single
 from .parts.base import ScoreSpec
-from .parts.regions import (
-    FLASH_OPS,
-    Merge,
-    Region,
-    apply,
-    call_order,
-    flushed,
-    kernel_forward,
-    keys_of,
-    lower,
-    region_backward,
-    rows_of,
-    upper,
-)
+from .parts.denormals import flushed
+from .parts.regions import FLASH_OPS, Merge, Region, apply, call_order, kernel_forward, keys_of, lower, region_backward, rows_of, upper
 
 SHAW_CHUNK = 32  # queries per band chunk (at least the band width)
 FAST_DTYPES = (torch.float32, torch.float64)

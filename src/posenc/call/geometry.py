@@ -10,7 +10,7 @@ Two levels:
   packed rows, an optional ``key_padding_mask`` (B, Tk) for padded rows, and ``causal``. When every
   row has the same positions, no documents and no padding, the geometry is *uniform*: one backend
   call runs the whole batch. Otherwise it is split into *segments* -- one per (row, document), the
-  padding left out -- and segments with identical positions are stacked into one :class:`Run`, so
+  padding left out -- and segments with identical positions are stacked into one :class:`Segments`, so
   a packed row of eight documents of 512 tokens runs as a batch of eight 512-token calls: the cost
   grows with the sum of the squared document lengths, never with Tq x Tk, and no (N, N) mask exists.
 - Each backend call it plans is a :class:`~posenc.call.spec.ScoreSpec` (:mod:`posenc.call.spec`),
@@ -89,7 +89,7 @@ def _check_run(values: list[int], past: int | None = None, name: str = "position
 
 
 @dataclass(frozen=True)
-class Run:
+class Segments:
     """Segments of identical positions, stacked: n segments of Lq queries and Lk keys.
 
     ``q_index`` (n, Lq) and ``k_index`` (n, Lk) index the flattened (B * Tq) queries and (B * Tk)
@@ -136,7 +136,7 @@ class Geometry:
     q_positions: torch.Tensor
     k_positions: torch.Tensor
     consecutive: bool = True
-    runs: tuple[Run, ...] | None = None
+    runs: tuple[Segments, ...] | None = None
 
     @property
     def uniform(self) -> bool:
@@ -157,7 +157,7 @@ class Geometry:
             curves=curves,
         )
 
-    def run_spec(self, run: Run, encoding: PositionalEncoding, scale: float, memo: ForwardMemo,
+    def run_spec(self, run: Segments, encoding: PositionalEncoding, scale: float, memo: ForwardMemo,
                  log_gates: torch.Tensor | None = None, curves: torch.Tensor | None = None) -> ScoreSpec:
         """The backend call of one stacked run of a segmented geometry (``log_gates`` (n, H, Lk): the
         run's keys' gates; ``curves`` (n, H, Lq, R): the run's queries' curves)."""
@@ -407,7 +407,7 @@ class Geometry:
             k_index = torch.tensor([[b * tk + j for j in range(k0, a1)] for b, _, a1, k0 in members], device=device)
             q_first = _tiled([b * tq + a0 - shift for b, a0, _, _ in members], len(q_pos))
             k_first = _tiled([b * tk + k0 for b, _, _, k0 in members], len(k_pos))
-            runs.append(Run(q_index, k_index, torch.tensor(q_pos, device=device), torch.tensor(k_pos, device=device), consecutive,
+            runs.append(Segments(q_index, k_index, torch.tensor(q_pos, device=device), torch.tensor(k_pos, device=device), consecutive,
                             q_pos == k_pos[len(k_pos) - len(q_pos) :], q_pos[0], k_pos[0], q_first, k_first))
         q_rows = torch.tensor(qv_rows, device=device).clamp(min=0)  # (B, Tq): for embed (padding reads 0)
         k_rows = torch.tensor(kv_rows, device=device).clamp(min=0)
@@ -431,4 +431,4 @@ def _documents(positions: list[int] | None, docs: list | None, start: int, end: 
     return out
 
 
-__all__ = ["Geometry", "Run", "check_positions"]
+__all__ = ["Geometry", "Segments", "check_positions"]

@@ -59,7 +59,7 @@ from torch import nn
 
 from ..errors import UsageError, check_positive
 from .base import PositionalEncoding
-from .mrope import axis_positions, select_axes
+from .mrope import axis_positions, rotate_by_axes, select_axes
 from .rope import LAYOUTS, RotaryTable, apply_rotation
 from .rope_scaling import default_frequencies
 
@@ -199,8 +199,7 @@ class RoPEMixed(PositionalEncoding):
         self, q: torch.Tensor, k: torch.Tensor, q_positions: torch.Tensor, k_positions: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """q (B, H, Tq, D), k (B, H, Tk, D) at positions (T,), (T, 2) or (B, T, 2) -> the same shapes."""
-        (cq, sq), (ck, sk) = self.cos_sin(q_positions, q, "q"), self.cos_sin(k_positions, k, "k")
-        return apply_rotation(q, cq, sq, self.layout), apply_rotation(k, ck, sk, self.layout)
+        return rotate_by_axes(self, q, k, q_positions, k_positions)
 
     def extra_repr(self) -> str:
         kv = "" if self.num_kv_heads == self.num_heads else f", num_kv_heads={self.num_kv_heads}"

@@ -50,6 +50,7 @@ Shape legend: B batch, H heads, T length, D head dim, F = D/2 frequencies, A axe
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 
@@ -147,6 +148,25 @@ def default_section(half: int, interleaved: bool) -> list[int]:
     return [t, h, half - t - h]
 
 
+class AxisTables(Protocol):
+    """An encoding whose frequencies each follow one axis of the positions (M-RoPE, axial RoPE):
+    ``cos_sin(positions, x, label)`` gives float32 cos and sin (B', 1 or H, T, F) and ``layout``
+    pairs the features."""
+
+    layout: str
+
+    def cos_sin(self, positions: torch.Tensor, x: torch.Tensor, label: str = "q") -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+def rotate_by_axes(
+    encoding: AxisTables, q: torch.Tensor, k: torch.Tensor, q_positions: torch.Tensor, k_positions: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q (B, H, Tq, D) and k (B, H, Tk, D) rotated by ``encoding``'s tables at their positions -> the
+    same shapes (RoPE's rotation, Su et al. 2021 eq. 34, one angle per frequency from its axis)."""
+    (cq, sq), (ck, sk) = encoding.cos_sin(q_positions, q, "q"), encoding.cos_sin(k_positions, k, "k")
+    return apply_rotation(q, cq, sq, encoding.layout), apply_rotation(k, ck, sk, encoding.layout)
+
+
 class MRoPE(PositionalEncoding):
     """M-RoPE: RoPE whose frequencies are split over three position axes (temporal, height, width).
 
@@ -233,8 +253,7 @@ class MRoPE(PositionalEncoding):
         self, q: torch.Tensor, k: torch.Tensor, q_positions: torch.Tensor, k_positions: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """q (B, H, Tq, D), k (B, H, Tk, D) at positions (T,), (3, T) or (3, B, T) -> the same shapes."""
-        (cq, sq), (ck, sk) = self.cos_sin(q_positions, q, "q"), self.cos_sin(k_positions, k, "k")
-        return apply_rotation(q, cq, sq, self.layout), apply_rotation(k, ck, sk, self.layout)
+        return rotate_by_axes(self, q, k, q_positions, k_positions)
 
     def extra_repr(self) -> str:
         return (f"{super().extra_repr()}, base={self.base}, mrope_section={self.mrope_section}, "
@@ -291,4 +310,4 @@ def continue_positions(positions: torch.Tensor, length: int) -> torch.Tensor:
     return ids.expand(3, *ids.shape)
 
 
-__all__ = ["MRoPE", "axis_positions", "continue_positions", "mrope_axes", "select_axes", "vision_text_positions"]
+__all__ = ["AxisTables", "rotate_by_axes", "MRoPE", "axis_positions", "continue_positions", "mrope_axes", "select_axes", "vision_text_positions"]

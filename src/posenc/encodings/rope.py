@@ -12,7 +12,7 @@ permutation of q/k features:
 GPT-NeoX), spreading the whole frequency range over them. ``scaling`` takes the ``rope_scaling`` /
 ``rope_parameters`` block of a Hugging Face config (linear, ntk, dynamic, yarn, llama3, longrope,
 proportional, ntk_alpha, resonance): see :mod:`.rope_scaling` for the schedules, and note that p-RoPE (``proportional``)
-is not partial rotary. :func:`posenc.hf.rope.rope_from_hf` builds the encoding from a whole config.
+is not partial rotary. :func:`posenc.hf.rope_config.rope_from_hf` builds the encoding from a whole config.
 
 Precision: the cos/sin tables are built in float32 from float64 angles of integer positions
 whatever the input dtype, so every position up to 2^24 gets its own exact angle even for bfloat16
@@ -37,11 +37,11 @@ import torch
 
 from ..errors import UsageError, check_positive
 from .base import PositionalEncoding
+from .rope_frequencies import inverse_frequencies
 from .rope_scaling import (
     MAX_BASE,
     RopeScaling,
     check_table,
-    inverse_frequencies,
     parse_scaling,
     rotary_dim_of,
 )

@@ -1,6 +1,6 @@
 """RoPE scaling for long context: the frequency schedules that stretch a RoPE model past its
 training length, as the block of a Hugging Face ``config.json`` spells them (the reader of a whole
-config is :mod:`posenc.hf.rope`).
+config is :mod:`posenc.hf.rope_config`).
 
 Every method changes only the inverse frequencies ``theta_k`` (k = 0 .. r/2 - 1 over the ``r``
 rotated features) and, for two of them, multiplies the rotated q and k by an *attention factor*
@@ -51,7 +51,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -201,7 +201,7 @@ class RopeScaling:
             raise UsageError(f"rope scaling: partial_rotary_factor must be in (0, 1], got {p!r}")
         if (self.beta_fast or 32.0) <= (self.beta_slow or 1.0):
             raise UsageError(f"rope scaling: beta_fast ({self.beta_fast or 32.0:g}) must be greater than beta_slow ({self.beta_slow or 1.0:g})")
-        if self.rope_type == "llama3" and _need(self, "high_freq_factor") <= _need(self, "low_freq_factor"):
+        if self.rope_type == "llama3" and need(self, "high_freq_factor") <= need(self, "low_freq_factor"):
             raise UsageError(
                 f"rope scaling: high_freq_factor ({self.high_freq_factor:g}) must be greater than low_freq_factor ({self.low_freq_factor:g})"
             )
@@ -300,10 +300,10 @@ def parse_scaling(scaling: Mapping[str, Any] | RopeScaling | None) -> RopeScalin
     return RopeScaling(rope_type=names.pop() if names else "default", **block)
 
 
-# ---- one schedule per type: (inv_freq float64, attention_factor) --------------------------------
+# ---- what the rules read (the rules, one per type: posenc.encodings.rope_frequencies) ------------
 
 
-def _need(cfg: RopeScaling, key: str) -> float:
+def need(cfg: RopeScaling, key: str) -> float:
     """A number the block's ``rope_type`` requires (``TYPE_KEYS``, checked when the block was made).
 
     Raises:
@@ -315,137 +315,10 @@ def _need(cfg: RopeScaling, key: str) -> float:
     return float(value)
 
 
-def _original(cfg: RopeScaling) -> int:
-    """L, the training length the block names (see :attr:`RopeScaling.original_length`).
-
-    Raises:
-        UsageError: the block names none.
-    """
-    length = cfg.original_length
-    if length is None:
-        raise UsageError(f"rope scaling: rope_type {cfg.rope_type!r} needs original_max_position_embeddings")
-    return length
-
-
 def default_frequencies(base: float, dim: int) -> torch.Tensor:
     """theta_k = base^(-2k/dim), k = 0 .. dim/2 - 1: (dim/2,) float64, on the CPU (also inside a
     ``torch.device("meta")`` block: the schedule is checked, and moved where the positions are)."""
     return base ** -(torch.arange(0, dim, 2, dtype=torch.float64, device="cpu") / dim)
-
-
-def _default(cfg: RopeScaling, base: float, dim: int, length: int | None) -> tuple[torch.Tensor, float]:
-    return default_frequencies(base, dim), 1.0
-
-
-def _linear(cfg: RopeScaling, base: float, dim: int, length: int | None) -> tuple[torch.Tensor, float]:
-    return default_frequencies(base, dim) / _need(cfg, "factor"), 1.0
-
-
-def _ntk(cfg: RopeScaling, base: float, dim: int, length: int | None) -> tuple[torch.Tensor, float]:
-    return default_frequencies(base * _need(cfg, "factor") ** (dim / (dim - 2)), dim), 1.0
-
-
-def _dynamic(cfg: RopeScaling, base: float, dim: int, length: int | None) -> tuple[torch.Tensor, float]:
-    original = _original(cfg)
-    current = max(length or original, original)
-    # s l/L - (s - 1), written so that it is exactly 1 at l = L (the difference cancels for large s).
-    grown = 1.0 + _need(cfg, "factor") * (current - original) / original
-    return default_frequencies(base * grown ** (dim / (dim - 2)), dim), 1.0
-
-
-def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
-    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
-
-
-def _yarn(cfg: RopeScaling, base: float, dim: int, length: int | None) -> tuple[torch.Tensor, float]:
-    s, original = cfg.scale, _need(cfg, "original_max_position_embeddings")
-    if cfg.attention_factor is not None:
-        attention = cfg.attention_factor
-    elif cfg.mscale and cfg.mscale_all_dim:  # both given and non-zero, as HF tests them
-        attention = _yarn_mscale(s, cfg.mscale) / _yarn_mscale(s, cfg.mscale_all_dim)
-    else:
-        attention = _yarn_mscale(s)
-
-    def pair_turning(rotations: float) -> float:
-        # The (fractional) pair index whose wavelength fits `rotations` turns into the original length.
-        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
-
-    low, high = pair_turning(cfg.beta_fast or 32.0), pair_turning(cfg.beta_slow or 1.0)
-    if cfg.truncate is None or cfg.truncate:
-        low, high = math.floor(low), math.ceil(high)
-    low, high = max(low, 0), min(high, dim - 1)  # HF clamps to dim - 1 (not dim/2 - 1); kept for equality
-    if low == high:
-        high += 0.001  # a step instead of a ramp
-    ramp = ((torch.arange(dim // 2, dtype=torch.float64, device="cpu") - low) / (high - low)).clamp(0, 1)  # 0: keep, 1: interpolate
-    theta = default_frequencies(base, dim)
-    return theta * (1 - ramp) + (theta / s) * ramp, attention
-
-
-def _llama3(cfg: RopeScaling, base: float, dim: int, length: int | None) -> tuple[torch.Tensor, float]:
-    theta = default_frequencies(base, dim)
-    original, s = _need(cfg, "original_max_position_embeddings"), _need(cfg, "factor")
-    low, high = _need(cfg, "low_freq_factor"), _need(cfg, "high_freq_factor")
-    wavelength = 2 * math.pi / theta
-    # 0 at wavelength L/low_freq_factor (fully interpolated), 1 at L/high_freq_factor (kept).
-    smooth = (original / wavelength - low) / (high - low)
-    blended = (1 - smooth) * theta / s + smooth * theta
-    out = torch.where(wavelength > original / low, theta / s, blended)
-    return torch.where(wavelength < original / high, theta, out), 1.0
-
-
-def _longrope(cfg: RopeScaling, base: float, dim: int, length: int | None) -> tuple[torch.Tensor, float]:
-    original = _need(cfg, "original_max_position_embeddings")
-    factors = cfg.long_factor if length is not None and length > original else cfg.short_factor
-    if cfg.attention_factor is not None:
-        attention = cfg.attention_factor
-    else:
-        s = cfg.scale
-        attention = 1.0 if s <= 1 else math.sqrt(1 + math.log(s) / math.log(original))
-    return default_frequencies(base, dim) / torch.tensor(factors, dtype=torch.float64, device="cpu"), attention
-
-
-def _proportional(cfg: RopeScaling, base: float, dim: int, length: int | None) -> tuple[torch.Tensor, float]:
-    kept = int((cfg.partial_rotary_factor or 1.0) * dim // 2)  # HF's rounding of p * dim / 2
-    theta = default_frequencies(base, dim)
-    theta[kept:] = 0.0  # the lowest frequencies: not rotated at all
-    return theta / (cfg.factor or 1.0), 1.0
-
-
-def _ntk_alpha(cfg: RopeScaling, base: float, dim: int, length: int | None) -> tuple[torch.Tensor, float]:
-    return default_frequencies(base * _need(cfg, "alpha") ** (dim / (dim - 2)), dim), 1.0
-
-
-def resonant(theta: torch.Tensor) -> torch.Tensor:
-    """Resonance RoPE's rounding (Wang et al. 2024, eq. 5): ``2 pi / round(2 pi / theta)`` for every
-    frequency above 0 (float64 in and out); frequency 0 (a pair p-RoPE leaves still) stays 0.
-
-    Raises:
-        UsageError: a wavelength that rounds to 0 (a frequency above 4 pi: a factor below 1 on a
-            fast pair), which would give an infinite frequency.
-    """
-    moving = theta > 0
-    wavelength = torch.where(moving, 2 * math.pi / theta.where(moving, torch.ones_like(theta)), torch.zeros_like(theta))
-    rounded = torch.round(wavelength)  # (r/2,)
-    if bool((moving & (rounded < 1)).any()):
-        raise UsageError(f"rope scaling: resonance rounds a wavelength of {float(wavelength[moving].min()):.3g} positions "
-                         "to 0; every rotated pair needs a wavelength of at least 0.5 positions (a factor >= 1 keeps it)")
-    return torch.where(moving, 2 * math.pi / rounded.where(moving, torch.ones_like(rounded)), theta)
-
-
-SCHEDULES: dict[str, Callable[[RopeScaling, float, int, int | None], tuple[torch.Tensor, float]]] = {
-    "default": _default, "linear": _linear, "ntk": _ntk, "dynamic": _dynamic, "yarn": _yarn,
-    "llama3": _llama3, "longrope": _longrope, "proportional": _proportional, "ntk_alpha": _ntk_alpha,
-    "resonance": _default,  # (the rounding below)
-}
-
-
-def inverse_frequencies(cfg: RopeScaling, base: float, dim: int, length: int | None = None) -> tuple[torch.Tensor, float]:
-    """(theta (dim/2,) float32, attention_factor) of ``cfg`` for ``dim`` rotated features at the
-    current ``length`` (None: the original length; only ``dynamic`` and ``longrope`` read it)."""
-    theta, attention = SCHEDULES[cfg.rope_type](cfg, float(base), dim, length)
-    if cfg.rounds_wavelengths:
-        theta = resonant(theta)  # after the type's own transform (Resonance YaRN: after YaRN's)
-    return theta.to(torch.float32), float(attention)
 
 
 def rotary_dim_of(cfg: RopeScaling, head_dim: int, rotary_dim: int | None) -> int:
@@ -479,5 +352,5 @@ def check_table(cfg: RopeScaling, base: float, dim: int, theta: torch.Tensor, at
 
 __all__ = [
     "FACTOR_RANGE", "HUNYUAN_IGNORED", "MAX_BASE", "ROPE_TYPES", "RopeScaling", "check_table", "default_frequencies",
-    "inverse_frequencies", "parse_scaling", "resonant", "rotary_dim_of",
+    "need", "parse_scaling", "rotary_dim_of",
 ]

@@ -44,7 +44,8 @@ from ..errors import UsageError, check_positive
 from .base import PositionalEncoding
 from .mrope import axis_positions
 from .rope import RotaryTable
-from .rope_scaling import RopeScaling, check_table, inverse_frequencies, parse_scaling
+from .rope_frequencies import inverse_frequencies
+from .rope_scaling import RopeScaling, check_table, parse_scaling
 
 AXES = ("position", "width", "height", "image")
 

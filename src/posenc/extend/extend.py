@@ -51,15 +51,14 @@ import re
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable, Protocol, cast
+from typing import Any, Callable
 
 import torch
 
 from ..encodings.rope import RoPE
 from ..errors import UsageError
 from ..files import MARKER, RunDir, write_json, write_text
-from ..model.checkpoint import load_checkpoint, save_checkpoint
-from ..model.lm import LM, LMConfig
+from ..model.checkpoint import load_checkpoint
 from ..study import distributed, recall
 from ..study.data import Corpus, load_corpus, train_batch
 from ..study.evaluation import evaluate, evaluate_recall
@@ -68,7 +67,8 @@ from ..study.progress import Progress
 from ..study.rows import SCALINGS
 from ..study.studied import StudiedModel
 from ..study.train import StateError, TrainSettings, train
-from ..study.variants import EXTRA_SCALINGS, one_encoding, rebuilt, scaled, scaling_block
+from ..study.variants import EXTRA_SCALINGS, scaling_block
+from .checkpoint_kinds import Checkpoint, PosencCheckpoint, is_transformers
 from .extend_config import KINDS, ExtendConfig, remap_label
 from .pose import step_positions
 
@@ -106,93 +106,6 @@ def study_defaults(checkpoint: Path, length: int | None, pose: bool = False) -> 
         "recall_sequences": int(cfg.get("recall_sequences", 64)), "eval_lengths": list(cfg["eval_lengths"]),
         "length": target,
     }
-
-
-# -- the model under the scaling -------------------------------------------------------------------
-
-
-def _rope_of(model: LM) -> RoPE:
-    encs = {id(a.encoding): a.encoding for a in model.attentions()}
-    ropes = [e for e in encs.values() if isinstance(e, RoPE)]
-    if not ropes or len(ropes) != len(encs):
-        raise UsageError("checkpoint: posenc extend needs a RoPE model (every attention layer RoPE); this one has "
-                         f"{sorted({type(e).__name__ for e in encs.values()})}")
-    return ropes[0]
-
-
-def remapped(model: LM, remap: dict[str, Any]) -> LM:
-    """A new :class:`LM` with ``model``'s weights and its RoPE (base, layout, rotary dim, scaling)
-    under the training-free position remap ``remap`` (``{"name", "options"}``, :func:`.extend_config.parse_remap`).
-
-    Raises:
-        UsageError: a checkpoint with a layer schedule.
-    """
-    one_encoding(model, "remap", "remaps one RoPE shared by every layer")
-    rope = _rope_of(model)
-    own: dict[str, Any] = {"base": rope.base, "layout": rope.layout, "rotary_dim": rope.rotary_dim}
-    if rope.scaling.rope_type != "default":
-        own["scaling"] = model.config.encoding_options.get("scaling")
-    return rebuilt(model, encoding=remap["name"], encoding_options={**model.config.encoding_options, **own, **remap["options"]})
-
-
-def dropped(model: LM) -> LM:
-    """A copy of ``model`` with its positions dropped (DroPE, before the recalibration)."""
-    out = rebuilt(model)
-    out.drop_positions()
-    return out
-
-
-class PosencModels:
-    """What :func:`extend` does to a posenc checkpoint's model: score it, scale it, drop its
-    positions, train and save the result (:mod:`.extend_hf` has the same for a transformers model)."""
-
-    weights = "model.safetensors"
-
-    def __init__(self, base: LM) -> None:
-        self.base = base
-        self.rope = _rope_of(base)
-        if self.rope.scaling.rope_type != "default":
-            raise UsageError(f"checkpoint: its RoPE already has a {self.rope.scaling.rope_type!r} scaling; extend a "
-                             "model trained without one")
-
-    @property
-    def device(self) -> torch.device:
-        return next(self.base.parameters()).device
-
-    def check(self, cfg: ExtendConfig) -> None:
-        """Nothing to refuse beyond the config's own checks."""
-
-    def scaled(self, block: dict[str, Any] | None) -> LM:
-        """The base model under ``block`` (None: its positions dropped)."""
-        return scaled(self.base, block) if block is not None else dropped(self.base)
-
-    def remapped(self, remap: dict[str, Any]) -> LM:
-        """The base model under a position remap of its own RoPE (a zero-shot column)."""
-        return remapped(self.base, remap)
-
-    def trainable(self, block: dict[str, Any] | None) -> LM:
-        """The model the fine-tune starts from: scaled, or (DroPE) the base, dropped at step 0."""
-        if block is not None:
-            return scaled(self.base, block)
-        fresh = LM(LMConfig(**self.base.config.to_dict()))
-        fresh.load_state_dict(self.base.state_dict())
-        return fresh
-
-    def searchable(self) -> LM:
-        """The model LongRoPE's search scores (it sets each individual's factors, then restores them)."""
-        return self.base
-
-    def save(self, model: StudiedModel, out: Path) -> dict[str, Any]:
-        save_checkpoint(cast(LM, model), out / self.weights)
-        return {"weights": self.weights, "format": "posenc"}
-
-    def load(self, out: Path, saved: dict[str, Any]) -> StudiedModel | None:
-        path = out / saved.get("weights", self.weights)
-        return load_checkpoint(path, self.device) if path.exists() else None
-
-    def corpus(self, corpus: Corpus) -> Corpus:
-        """The data as it is: a posenc model's tokens are bytes."""
-        return corpus
 
 
 # -- scores ----------------------------------------------------------------------------------------
@@ -308,37 +221,6 @@ def _owned(path: Path) -> bool:
         return False
 
 
-class Models(Protocol):
-    """A kind of model :func:`extend` extends: :class:`PosencModels`, or a transformers model
-    (:class:`posenc.extend.extend_hf.HFModels`)."""
-
-    @property
-    def base(self) -> StudiedModel: ...
-    @property
-    def rope(self) -> RoPE: ...
-    @property
-    def device(self) -> torch.device: ...
-    def check(self, cfg: ExtendConfig) -> None: ...
-    def scaled(self, block: dict[str, Any] | None) -> StudiedModel: ...
-    def remapped(self, remap: dict[str, Any]) -> StudiedModel: ...
-    def trainable(self, block: dict[str, Any] | None) -> StudiedModel: ...
-    def searchable(self) -> torch.nn.Module: ...
-    def save(self, model: StudiedModel, out: Path) -> dict[str, Any]: ...
-    def load(self, out: Path, saved: dict[str, Any]) -> StudiedModel | None: ...
-    def corpus(self, corpus: Corpus) -> Corpus: ...  # the data in the model's tokens
-
-
-def is_transformers(checkpoint: Any) -> bool:
-    """A transformers model: a ``PreTrainedModel``, a folder ``save_pretrained`` wrote (config.json),
-    a GGUF file or a folder holding one."""
-    if isinstance(checkpoint, (str, Path)):
-        p = Path(checkpoint)
-        if p.is_file():
-            return p.suffix.lower() == ".gguf"
-        return p.is_dir() and ((p / "config.json").is_file() or any(p.glob("*.gguf")))
-    return isinstance(checkpoint, torch.nn.Module) and hasattr(checkpoint, "config") and hasattr(checkpoint, "save_pretrained")
-
-
 def extend(checkpoint: str | Path | torch.nn.Module, out: str | Path, cfg: ExtendConfig, *, resume: bool = False,
            progress: bool = True, device: str = "cpu") -> dict:
     """Extend ``checkpoint`` as ``cfg`` says, into the directory ``out`` (see the module docstring
@@ -356,16 +238,16 @@ def extend(checkpoint: str | Path | torch.nn.Module, out: str | Path, cfg: Exten
     """
     out = Path(out)
     ui = Progress(progress)
-    models: Models
+    models: Checkpoint
     if is_transformers(checkpoint):
-        from .extend_hf import HFModels  # (imports transformers)
+        from .extend_hf import HFCheckpoint  # (imports transformers)
 
-        models = HFModels.of(checkpoint, device)
+        models = HFCheckpoint.of(checkpoint, device)
         source = models.source
     else:
         if not isinstance(checkpoint, (str, Path)):
             raise UsageError(f"checkpoint: a posenc checkpoint file or a transformers model, got {type(checkpoint).__name__}")
-        models = PosencModels(load_checkpoint(Path(checkpoint), device))
+        models = PosencCheckpoint(load_checkpoint(Path(checkpoint), device))
         source = str(checkpoint)
     if isinstance(checkpoint, (str, Path)) and out.resolve() in Path(checkpoint).resolve().parents:
         raise UsageError(f"out: {out} holds the checkpoint being extended ({checkpoint}), e.g. its study's folder; "
@@ -424,7 +306,7 @@ def _start(out: Path, source: str, settings: dict, resume: bool, fresh: bool) ->
     return {"format": FORMAT, "checkpoint": source, "settings": settings, "status": "running", "scores": {}}
 
 
-def _block(models: Models, cfg: ExtendConfig, record: dict, out: Path, data: _Data, ui: Progress,
+def _block(models: Checkpoint, cfg: ExtendConfig, record: dict, out: Path, data: _Data, ui: Progress,
            resume: bool) -> dict[str, Any] | None:
     """The scaling block (None: DroPE), searched first for a searched LongRoPE."""
     enc = models.rope
@@ -452,7 +334,7 @@ def _block(models: Models, cfg: ExtendConfig, record: dict, out: Path, data: _Da
     return scaling_block(cfg.scaling, cfg.factor, cfg.train_length, enc.base, enc.rotary_dim)
 
 
-def _run(models: Models, out: Path, cfg: ExtendConfig, data: _Data, record: dict, ui: Progress, resume: bool) -> dict:
+def _run(models: Checkpoint, out: Path, cfg: ExtendConfig, data: _Data, record: dict, ui: Progress, resume: bool) -> dict:
     path = out / "extend.json"
     started = time.perf_counter()
     block = _block(models, cfg, record, out, data, ui, resume)
@@ -512,5 +394,4 @@ def _run(models: Models, out: Path, cfg: ExtendConfig, data: _Data, record: dict
     return record
 
 
-__all__ = ["ExtendConfig", "KINDS", "dropped", "extend", "is_transformers", "pose_recipe", "remap_column", "remapped", "scaled",
-           "study_defaults", "table_rows"]
+__all__ = ["ExtendConfig", "KINDS", "extend", "pose_recipe", "remap_column", "study_defaults", "table_rows"]

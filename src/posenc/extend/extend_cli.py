@@ -14,7 +14,8 @@ import torch
 
 from ..errors import UsageError
 from ..study.longrope_search import SearchSettings
-from .extend import extend, is_transformers, study_defaults
+from .checkpoint_kinds import is_transformers
+from .extend import extend, study_defaults
 from .extend_config import KINDS, ExtendConfig
 
 

@@ -88,8 +88,8 @@ def train_length_of(path: str | Path) -> int | None:
     return int(n) if isinstance(n, int) and n > 0 else None
 
 
-class HFModels:
-    """:class:`posenc.extend.extend.Models` for a transformers model (see the module docstring)."""
+class HFCheckpoint:
+    """:class:`posenc.extend.checkpoint_kinds.Checkpoint` for a transformers model (see the module docstring)."""
 
     def __init__(self, model: PreTrainedModel, source: str, tokenizer: Any = None) -> None:
         self.model = model  # (never changed: every scaled or trained model is a copy)
@@ -134,7 +134,7 @@ class HFModels:
         self.base: StudiedModel = StudyModel(self.model, self.record)
 
     @classmethod
-    def of(cls, checkpoint: str | Path | nn.Module, device: str = "cpu") -> HFModels:
+    def of(cls, checkpoint: str | Path | nn.Module, device: str = "cpu") -> HFCheckpoint:
         if isinstance(checkpoint, PreTrainedModel):
             name = f"{type(checkpoint).__name__} (in memory, config sha256 " \
                    f"{hashlib.sha256(checkpoint.config.to_json_string().encode()).hexdigest()[:16]})"
@@ -220,4 +220,4 @@ class HFModels:
         return StudyModel(model, self._wrapped(model, None).config)
 
 
-__all__ = ["FOLDER", "HFModels", "load", "train_length_of"]
+__all__ = ["FOLDER", "HFCheckpoint", "load", "train_length_of"]

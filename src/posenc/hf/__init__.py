@@ -9,8 +9,8 @@
 - :func:`export`: an extended model as a plain transformers checkpoint (``rope_parameters``, no posenc keys).
 - :func:`deberta_from_hf`: one layer of a DeBERTa-v2/v3 encoder as a posenc attention module with
   the same weights and relative table.
-- The config readers need no ``transformers``: :mod:`posenc.hf.rope` (``rope_from_hf``),
-  :mod:`posenc.hf.schedule` (``schedule_from_hf``) and :mod:`posenc.hf.families` (the family table).
+- The config readers need no ``transformers``: :mod:`posenc.hf.rope_config` (``rope_from_hf``),
+  :mod:`posenc.hf.schedule_config` (``schedule_from_hf``) and :mod:`posenc.hf.families` (the family table).
 
 This face is lazy: ``import posenc.hf`` imports nothing of ``transformers``; the first use of one of
 the names below imports it, and raises ImportError with the install line when it is missing.

@@ -3,7 +3,7 @@
 One adapter for the decoder families, driven by their rows in :data:`posenc.hf.families.FAMILIES`
 (what differs between families is data there; the code is the same for all of them). Three
 modules: :mod:`posenc.hf.attention` (what ``transformers`` calls inside the model),
-:mod:`posenc.hf.plan` (each layer's plan, from the family row and what :func:`use` is given), and
+:mod:`posenc.hf.layers` (each layer's plan, from the family row and what :func:`use` is given), and
 this one (:func:`use`, the hooks it installs, saving and loading). How it plugs in:
 
 - An attention function and a mask function are registered under one name, ``"posenc"``, with
@@ -60,9 +60,7 @@ from ..model.schedule import Schedule
 from .attention import (
     NAME,
     Encodings,
-    ForwardState,
     LayerPlan,
-    RotaryStandIn,
     drop_input,
     held_encoding,
     installed_encodings,
@@ -73,7 +71,8 @@ from .attention import (
 )
 from .fallback import check_structure
 from .families import FAMILIES, family_of, qk_head_dim, text_config
-from .plan import attention_of, decoder_stack, layer_plans
+from .forward_state import ForwardState, RotaryStandIn
+from .layers import attention_of, decoder_stack, layer_plans
 from .saving import MARKER, mark, recorded_options
 
 _Model = TypeVar("_Model", bound=PreTrainedModel)

@@ -38,9 +38,10 @@ from torch import nn
 
 from ..encodings.rope import RoPE
 from ..errors import UsageError
-from .attention import Encodings, LayerPlan, RotaryStandIn, held_encoding
+from .attention import Encodings, LayerPlan, held_encoding
 from .families import Family, family_of, qk_head_dim, text_config
-from .plan import _family_schedule, attention_of, decoder_stack
+from .forward_state import RotaryStandIn
+from .layers import _family_schedule, attention_of, decoder_stack
 from .saving import MARKER
 
 # transformers' rope types (transformers.modeling_rope_utils.ROPE_INIT_FUNCTIONS, 5.24) posenc can write.

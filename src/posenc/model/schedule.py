@@ -49,7 +49,7 @@ from ..encodings.protocol import Embeds, offers
 from ..encodings.query_scale import KINDS as SCALE_KINDS
 from ..encodings.query_scale import QueryScale, parse_query_scale, query_scale_from_dict
 from ..encodings.query_scale import to_dict as scale_to_dict
-from ..errors import UsageError
+from ..errors import UsageError, check_window_chunk
 
 LAYER_KEYS = ("window", "chunk", "sinks", *SCALE_KINDS)
 _GROUP = re.compile(r"\s*(?:(\d+)\s*x\s*)?\[([^\[\]]*)\]\s*")
@@ -91,12 +91,7 @@ class Layer:
         if offers(cls, Embeds):
             raise UsageError(f"schedule: {self.encoding!r} is an absolute method (it adds to the token embeddings); "
                              "a layer takes an attention-level encoding; use LMConfig(encoding=...) for it")
-        for name in ("window", "chunk"):
-            value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise UsageError(f"schedule: {name} must be a positive integer (>= 1), got {value!r}")
-        if self.window is not None and self.chunk is not None:
-            raise UsageError(f"schedule: a layer takes window or chunk, not both (window={self.window}, chunk={self.chunk})")
+        check_window_chunk(self.window, self.chunk, "schedule: ")
         if not isinstance(self.sinks, bool):
             raise UsageError(f"schedule: sinks must be true or false, got {self.sinks!r}")
         object.__setattr__(self, "query_scale", query_scale_from_dict(self.query_scale))

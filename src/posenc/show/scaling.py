@@ -100,7 +100,7 @@ class ScalingSource:
 def scaling_from_text(text: str, head_dim: int | None = None) -> ScalingSource:
     """``--scaling``'s value: JSON text (starting with ``{``) or the path of a JSON file. A bare
     block is used as it is; a whole model config (any of ``CONFIG_KEYS`` at its top level) is read by
-    :func:`posenc.hf.rope.resolve_hf`, exactly as ``rope_from_hf`` reads it: its
+    :func:`posenc.hf.rope_config.resolve_hf`, exactly as ``rope_from_hf`` reads it: its
     head dim (``head_dim``, or ``hidden_size / num_attention_heads``; ``head_dim`` fills in when the
     config has neither), ``rope_theta``, ``partial_rotary_factor`` and the block that
     ``transformers`` would read. UsageError otherwise.
@@ -113,7 +113,7 @@ def scaling_from_text(text: str, head_dim: int | None = None) -> ScalingSource:
     from pathlib import Path
 
     from ..errors import UsageError
-    from ..hf.rope import resolve_hf
+    from ..hf.rope_config import resolve_hf
 
     example = '\'{"rope_type": "yarn", "factor": 4, "original_max_position_embeddings": 2048}\''
     if text.lstrip().startswith("{"):

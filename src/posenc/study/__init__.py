@@ -22,7 +22,7 @@ The modules, in the order a run meets them:
     cli.py         the command line, derived from StudyConfig's fields
     run.py         run_experiment: check the study, claim the directory, load the data, plan the
                    runs, then the pipeline; each room below entered once before training starts
-    builders.py    how each row's model is made, checked, saved and loaded: posenc's LM, or
+    models.py      how each row's model is made, checked, saved and loaded: posenc's LM, or
                    (hf_config) a transformers architecture through hf_models.py
     hf_models.py   (hf_config) the rows on a transformers architecture, through posenc.hf.use;
                    imported only then, so transformers stays optional
@@ -30,7 +30,7 @@ The modules, in the order a run meets them:
     plan.py        the study's runs (a row at a seed: paths, TrainSettings)
     pipeline.py    the stages of a run: its model (trained, fine-tuned or loaded), its scores at
                    each length, its record in results.json
-    book.py        results.json as the stages fill it (Book, its one writer), and a row's record
+    results_writer.py  results.json as the stages fill it (ResultsWriter, its one writer), and a row's record
     executors.py   (jobs > 1, executor ray) the runs in worker processes or Ray tasks, the main
                    process keeping results.json and the one progress display
     worker.py      a worker's side: the stages of the study, its records and log lines as messages

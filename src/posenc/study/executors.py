@@ -1,6 +1,6 @@
 """Several runs of a study at a time: local worker processes (``jobs``) or Ray tasks.
 
-The main process keeps the plan and results.json (:class:`.book.Book`, the one writer of it).
+The main process keeps the plan and results.json (:class:`.results_writer.ResultsWriter`, the one writer of it).
 It hands out the runs in plan order, a run evaluated or fine-tuned from another only once that
 base has finished, applies each record a worker sends back, and shows the one progress display
 (the workers' log lines pass through it). A worker (:mod:`.worker`) makes the stages of a serial
@@ -31,11 +31,11 @@ import torch
 
 from ..errors import UsageError
 from . import seeds
-from .book import Book
 from .config import StudyConfig
 from .data import Corpus
 from .plan import Run
 from .progress import Progress
+from .results_writer import ResultsWriter
 from .worker import Key, Message, Setup, Task, key_of, local_worker, ray_task
 
 EXECUTORS = ("local", "ray")
@@ -231,26 +231,26 @@ def cores() -> int:
 
 
 def executor(execution: Execution, cfg: StudyConfig, out: Path, corpus: Corpus | None, progress: bool
-             ) -> Callable[[Book, Sequence[Run], Progress], None]:
+             ) -> Callable[[ResultsWriter, Sequence[Run], Progress], None]:
     """What :func:`.pipeline.run_all` calls to run the runs not yet finished with ``execution``."""
     setup = Setup(cfg, str(out), corpus, execution.threads or torch.get_num_threads(), progress)
 
-    def execute(book: Book, runs: Sequence[Run], ui: Progress) -> None:
+    def execute(writer: ResultsWriter, runs: Sequence[Run], ui: Progress) -> None:
         if not runs:
             return
         pool: Pool = RayPool(setup, execution.address) if execution.executor == "ray" else LocalPool(setup, min(execution.jobs, len(runs)))
         slots = execution.jobs if execution.jobs > 1 or execution.executor == "local" else len(runs)
         try:
-            schedule(pool, book, runs, slots, ui)
+            schedule(pool, writer, runs, slots, ui)
         finally:
             pool.close()
 
     return execute
 
 
-def schedule(pool: Pool, book: Book, runs: Sequence[Run], slots: int, ui: Progress) -> None:
+def schedule(pool: Pool, writer: ResultsWriter, runs: Sequence[Run], slots: int, ui: Progress) -> None:
     """Run ``runs`` on ``pool``, up to ``slots`` at a time, each once its base has finished; every
-    record into ``book`` (results.json) as it arrives, the workers' lines on ``ui``.
+    record into ``writer`` (results.json) as it arrives, the workers' lines on ``ui``.
 
     Raises:
         UsageError: a worker's run raised one (its message; the other workers are stopped).
@@ -261,17 +261,17 @@ def schedule(pool: Pool, book: Book, runs: Sequence[Run], slots: int, ui: Progre
     waiting, running = list(runs), set()
 
     def ready(run: Run) -> bool:
-        return run.base is None or (key_of(run.base) not in running and book.finished(run.base))
+        return run.base is None or (key_of(run.base) not in running and writer.finished(run.base))
 
     def snapshot(run: Run) -> dict:
-        methods = book.results["methods"]
+        methods = writer.results["methods"]
         return {r.row.name: copy.deepcopy(methods[r.row.name]) for r in chain(run) if r.row.name in methods}
 
     def handle(message: Message, records_only: bool = False) -> None:
         kind = message[0]
         if kind == "record":
-            book.set(by_key[message[1]], message[2])
-            book.save()
+            writer.set(by_key[message[1]], message[2])
+            writer.save()
         elif records_only:
             return
         elif kind == "log":
@@ -282,8 +282,8 @@ def schedule(pool: Pool, book: Book, runs: Sequence[Run], slots: int, ui: Progre
             run = by_key[message[1]]
             running.discard(message[1])
             for base in chain(run)[1:]:  # (a base's record that came again: its seeds' mean again)
-                seeds.aggregate(book.results["methods"][base.row.name], base.row.stem, book.paths, book.cfg.task == "recall")
-            book.aggregate(run)
+                seeds.aggregate(writer.results["methods"][base.row.name], base.row.stem, writer.paths, writer.cfg.task == "recall")
+            writer.aggregate(run)
             ui.method_done()
         elif kind == "failed":
             label = by_key[message[1]].label

@@ -90,7 +90,7 @@ class Architecture:
 
 
 def _config_path(cfg: StudyConfig) -> str:
-    """``cfg.hf_config``, which a study of a transformers model has (posenc.study.builders.models_for)."""
+    """``cfg.hf_config``, which a study of a transformers model has (posenc.study.models.models_for)."""
     if cfg.hf_config is None:
         raise UsageError("hf_config: a study of a transformers model needs the path of its config.json")
     return cfg.hf_config
@@ -204,7 +204,7 @@ class StudyModel(nn.Module):
 
 
 class HFModels:
-    """The study's :class:`~posenc.study.builders.Models` for a transformers architecture."""
+    """The study's :class:`~posenc.study.models.Models` for a transformers architecture."""
 
     def __init__(self, cfg: StudyConfig, architecture: Architecture | None = None) -> None:
         self.cfg = cfg
@@ -213,7 +213,7 @@ class HFModels:
     def _options(self, row: rows.Row) -> dict:
         options = rows.fair_options(row, self.cfg.train_length)
         cls = get_class(row.method)
-        if not cls.extrapolates and "max_positions" in options_of(cls):  # as posenc.study.builders.lm_config
+        if not cls.extrapolates and "max_positions" in options_of(cls):  # as posenc.study.models.lm_config
             options.setdefault("max_positions", self.cfg.train_length)
         return options
 

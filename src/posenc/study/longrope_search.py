@@ -56,7 +56,8 @@ import torch
 from torch import nn
 
 from ..encodings.rope import RoPE, RotaryTable
-from ..encodings.rope_scaling import default_frequencies, inverse_frequencies, parse_scaling
+from ..encodings.rope_frequencies import inverse_frequencies
+from ..encodings.rope_scaling import default_frequencies, parse_scaling
 from ..errors import UsageError
 from ..files import write_json
 from ..model.lm import LM

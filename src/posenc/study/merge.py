@@ -25,12 +25,12 @@ import torch
 from ..errors import UsageError
 from ..files import RunDir, lock_holder, write_json
 from . import distributed, seeds
-from .book import Book
-from .builders import models_for
 from .config import StudyConfig
+from .models import models_for
 from .plan import Run, plan
 from .progress import Progress
 from .results import _ADDED, SCHEMA, Paths, load_results, write_outputs
+from .results_writer import ResultsWriter
 from .rows import parse
 
 _RANK = {"done": 3, "diverged": 3, "trained": 2}  # how far along a run's record is
@@ -140,8 +140,8 @@ def merge(folders: list[Path], out: Path, progress: bool = True) -> dict:
     for run in whole.runs:
         best, where = 0, 0
         for i, results in enumerate(loaded):
-            book = Book(results, Paths(folders[i]), distributed.Context(torch.device("cpu")), cfg)
-            record = book.run_of(run)
+            writer = ResultsWriter(results, Paths(folders[i]), distributed.Context(torch.device("cpu")), cfg)
+            record = writer.run_of(run)
             rank = _RANK.get(record.get("status", ""), 1) if record is not None else (
                 1 if Paths(folders[i]).state(run.row.stem, run.stored_seed).is_file() else 0)
             if rank == 3 and best == 3:
@@ -153,7 +153,7 @@ def merge(folders: list[Path], out: Path, progress: bool = True) -> dict:
     for run, at in chosen:  # a record without its checkpoint would be merged as finished, its model gone
         if at is None or run.settings is None:
             continue
-        record = Book(loaded[at], Paths(folders[at]), distributed.Context(torch.device("cpu")), cfg).run_of(run)
+        record = ResultsWriter(loaded[at], Paths(folders[at]), distributed.Context(torch.device("cpu")), cfg).run_of(run)
         if record is None or record.get("status") not in ("trained", "done"):
             continue
         ckpt = Paths(folders[at]).checkpoint(run.row.stem, run.stored_seed)
@@ -173,20 +173,20 @@ def merge(folders: list[Path], out: Path, progress: bool = True) -> dict:
         results["versions"] = loaded[0].get("versions", {})
         results["merged_from"] = [{"folder": str(f), "shard": r.get("shard"), "wall_s": r.get("wall_s"),
                                    "versions": r.get("versions")} for f, r in zip(folders, loaded)]
-        book = Book(results, Paths(out), distributed.Context(torch.device("cpu")), cfg)
+        writer = ResultsWriter(results, Paths(out), distributed.Context(torch.device("cpu")), cfg)
         missing = []
         for run, at in chosen:
-            source = None if at is None else Book(loaded[at], Paths(folders[at]),
+            source = None if at is None else ResultsWriter(loaded[at], Paths(folders[at]),
                                                   distributed.Context(torch.device("cpu")), cfg).run_of(run)
             if at is not None:
                 _take(run, source, Paths(folders[at]), Paths(out))
             if source is None:
                 missing.append(run.label)
                 continue
-            book.set(run, {k: v for k, v in source.items() if k not in ("row", "seeds", "across_seeds")})
+            writer.set(run, {k: v for k, v in source.items() if k not in ("row", "seeds", "across_seeds")})
         for name, entry in results["methods"].items():
             seeds.aggregate(entry, parse(name).stem, Paths(out), cfg.task == "recall")
-        done = all(book.finished(run) for run, _ in chosen)
+        done = all(writer.finished(run) for run, _ in chosen)
         results["status"] = "done" if done else "partial"
         results["wall_s"] = round(sum(r.get("wall_s") or 0.0 for r in loaded), 1)
         write_json(Paths(out).results, results)

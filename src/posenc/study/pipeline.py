@@ -2,14 +2,14 @@
 
 - **model**: the run's model, in memory, from its checkpoint, or made by the *train* stage; an
   evaluated row (``+yarn``, ``+blockwise``, ...) takes its base run's model.
-- **train**: a trained row's initial model (the seed's, :meth:`.builders.Models.initial`) or a
+- **train**: a trained row's initial model (the seed's, :meth:`.models.Models.initial`) or a
   fine-tuned row's start (its base's trained weights, ``+ft``), its batches, then the training loop
   (:func:`.train.train`) with the run's :class:`~.train.TrainSettings`; checkpointed.
 - **score**: every evaluation length not yet in results.json, under the row's variant
   (:mod:`.variants`); each length's record gets its 95% bootstrap interval (:mod:`.bootstrap`),
   its per-window numbers are saved beside results.json, and a model with position parameters is
   checked for parameters it uses there but never trained (:mod:`.fairness`).
-- **write**: the run's record into results.json (:class:`.book.Book`) after each step, so that an
+- **write**: the run's record into results.json (:class:`.results_writer.ResultsWriter`) after each step, so that an
   interrupted study continues exactly where it stopped, and the seeds' aggregate (:mod:`.seeds`).
 
 A run whose training diverges (:class:`.train.Diverged`), or a model with non-finite parameters, is
@@ -31,7 +31,6 @@ from ..errors import UsageError, as_kind
 from ..files import write_json
 from ..model.lm import LM
 from . import bootstrap, distributed, fairness, recall, variants
-from .book import Book, record_of
 from .data import Corpus, train_batch
 from .evaluation import cannot_run, evaluate, evaluate_recall
 from .longrope_search import SearchSettings, search
@@ -39,6 +38,7 @@ from .metrics import LMScore, RecallScore, Score
 from .plan import Plan, Run
 from .progress import Progress
 from .results import write_outputs
+from .results_writer import ResultsWriter, record_of
 from .rows import SEARCHED
 from .studied import StudiedModel
 from .train import Diverged, StateError, StepCallback, TrainSettings, train
@@ -51,7 +51,7 @@ class Stages:
 
     plan: Plan
     corpus: Corpus | None
-    book: Book
+    writer: ResultsWriter
     ctx: distributed.Context
     ui: Progress
     on_step: StepCallback | None
@@ -72,7 +72,7 @@ class Stages:
             return self.model(run.parent)
         if self._last is not None and self._last[0] is run:
             return self._last[1]
-        record = self.book.run_of(run)
+        record = self.writer.run_of(run)
         if record is not None and record.get("status") == "diverged":
             return None
         model = None
@@ -128,14 +128,14 @@ class Stages:
             return None
         if run.row.kind == "finetune":
             record = replace(record, base=run.row.base)
-        self.book.set(run, {
+        self.writer.set(run, {
             "status": "trained", "seed": run.seed, "model": models.record(model),
             "parameters": sum(p.numel() for p in model.parameters()),
-            "checkpoint": str(run.checkpoint.relative_to(self.book.paths.root)), "train": record.to_json(), "eval": [],
+            "checkpoint": str(run.checkpoint.relative_to(self.writer.paths.root)), "train": record.to_json(), "eval": [],
         })
         if self.ctx.main:
             models.save(model, run.checkpoint)
-            self.book.save()
+            self.writer.save()
             run.state.unlink(missing_ok=True)  # the final checkpoint replaces it
         self.ui.log(f"[{run.label}] trained {record.steps} steps in {record.time_s:.1f}s "
                     f"({record.tokens_per_s:,.0f} tok/s), final loss {record.final_loss:.3f}")
@@ -194,10 +194,10 @@ class Stages:
 
     def diverged(self, run: Run, train: dict) -> None:
         """Record ``run`` as diverged (no model, no evaluation)."""
-        self.book.set(run, {"status": "diverged", "seed": run.seed, "model": self.plan.models.planned(run.row),
+        self.writer.set(run, {"status": "diverged", "seed": run.seed, "model": self.plan.models.planned(run.row),
                             "checkpoint": None, "train": train, "eval": []})
         self.ui.warn(f"[{run.label}] diverged: {train['reason']}; recorded as diverged, going on with the other rows")
-        self.book.save()
+        self.writer.save()
 
     # -- the stages of one run ----------------------------------------------------------------------
 
@@ -209,19 +209,19 @@ class Stages:
             self.diverged(run, {"reason": f"non-finite parameters ({', '.join(bad[:3])})"})
             model = None
         if model is None:
-            record = self.book.run_of(run)
+            record = self.writer.run_of(run)
             if record is None or record.get("status") != "diverged":
                 self.diverged(run, {"base": run.row.base, "reason": f"its base row {run.row.base} diverged"})
-            self.book.aggregate(run)
+            self.writer.aggregate(run)
             return
         if self.ctx.main:  # a kill right after the final checkpoint can leave the last state behind
             run.state.unlink(missing_ok=True)
-        record = self.book.run_of(run)
+        record = self.writer.run_of(run)
         if run.settings is None and (record is None or record.get("status") == "pending"):
-            base = self.book.run_of(run.parent)
+            base = self.writer.run_of(run.parent)
             if base is None:  # (its model is the base run's, which recorded it)
                 raise UsageError(f"[{run.label}] its base run {run.parent.label} has no record in results.json")
-            record = self.book.set(run, {
+            record = self.writer.set(run, {
                 "status": "trained", "seed": run.seed, "model": base["model"], "parameters": base["parameters"],
                 "checkpoint": base["checkpoint"], "train": {}, "eval": [],
             })
@@ -229,7 +229,7 @@ class Stages:
             raise UsageError(f"[{run.label}] has a model but no record in results.json")
         self.score(run, model, record)
         record["status"] = "done"
-        self.book.aggregate(run)
+        self.writer.aggregate(run)
 
     # -- score ------------------------------------------------------------------------------------
 
@@ -256,7 +256,7 @@ class Stages:
             record["eval"].sort(key=lambda e: e["length"])
             self.ui.log(f"[{run.label}] L={length}: " + score.log_line())
             self.ui.advance(bar)
-            self.book.save()
+            self.writer.save()
         self.ui.close(bar)
 
     def probe(self, length: int) -> torch.Tensor:
@@ -291,12 +291,12 @@ class Stages:
         finally:
             done()
         if self.ctx.main:
-            write_json(self.book.paths.window_scores(run.row.stem, run.seed, length),
+            write_json(self.writer.paths.window_scores(run.row.stem, run.seed, length),
                        {"row": run.row.name, "seed": run.seed, "length": length, **windows})
         return score
 
 
-Execute = Callable[[Book, Sequence[Run], Progress], None]  # runs the given runs, filling the book (see .executors)
+Execute = Callable[[ResultsWriter, Sequence[Run], Progress], None]  # runs the given runs, filling the writer (see .executors)
 
 
 def run_all(study: Plan, corpus: Corpus | None, results: dict, ctx: distributed.Context, ui: Progress,
@@ -308,8 +308,8 @@ def run_all(study: Plan, corpus: Corpus | None, results: dict, ctx: distributed.
     the runs not yet finished (in plan order), several at a time (:mod:`.executors`); None: one
     after another in this process."""
     cfg, paths = study.cfg, study.paths
-    book = Book(results, paths, ctx, cfg)
-    stages = Stages(study, corpus, book, ctx, ui, on_step)
+    writer = ResultsWriter(results, paths, ctx, cfg)
+    stages = Stages(study, corpus, writer, ctx, ui, on_step)
     what = (f"{cfg.steps} steps of {cfg.batch_size} x {cfg.train_length} bytes" if corpus is not None else
             f"{cfg.steps} steps of {cfg.batch_size} recall sequences of {cfg.train_length}")
     ui.log(f"posenc study: {len(cfg.rows)} row(s) x {cfg.seeds} seed(s), task {cfg.task}, train length "
@@ -326,8 +326,8 @@ def run_all(study: Plan, corpus: Corpus | None, results: dict, ctx: distributed.
     try:
         todo = []
         for run in study.runs:
-            if book.finished(run):
-                ui.log(f"[{run.label}] {(book.run_of(run) or {}).get('status')} already, skipped")
+            if writer.finished(run):
+                ui.log(f"[{run.label}] {(writer.run_of(run) or {}).get('status')} already, skipped")
                 ui.method_done()
             else:
                 todo.append(run)
@@ -336,12 +336,12 @@ def run_all(study: Plan, corpus: Corpus | None, results: dict, ctx: distributed.
                 stages.run(run)
                 ui.method_done()
         else:
-            execute(book, todo, ui)
+            execute(writer, todo, ui)
     finally:
         ui.finish()
     count = results["config"].get("seeds", 1)  # (every row of the study: a resumed study's saved rows too)
     if results.get("shard"):  # (a part of a study: its own runs)
-        status = [book.run_of(run) for run in study.runs]
+        status = [writer.run_of(run) for run in study.runs]
     else:
         status = [record_of(results, name, i) for name in results["config"]["methods"] for i in range(count)]
     results["status"] = "done" if all(s is not None and s.get("status") in ("done", "diverged") for s in status) \

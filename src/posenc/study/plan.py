@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import UsageError
-from .builders import Models, checked_models
 from .config import StudyConfig
+from .models import Models, checked_models
 from .results import Paths
 from .rows import Row
 from .train import TrainSettings
@@ -72,7 +72,7 @@ class Plan:
 def check(cfg: StudyConfig, also: Sequence[Row] = ()) -> StudyConfig:
     """The plan's checks of the study of ``cfg``'s rows and ``also`` (a resumed study's saved rows):
     every option that only some rows read has such a row (:meth:`.config.StudyConfig.check_applies`),
-    every row builds and takes its variant (:func:`.builders.checked_models`); returns ``cfg``.
+    every row builds and takes its variant (:func:`.models.checked_models`); returns ``cfg``.
 
     Raises:
         UsageError: naming the row or option (an ``hf_config`` file: the file) that cannot be used.

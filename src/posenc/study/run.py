@@ -19,10 +19,10 @@ from ..errors import UsageError
 from ..files import MARKER, RunDir, WriteError, write_json
 from ..version import __version__
 from . import distributed, recall
-from .builders import checked_models
 from .config import StudyConfig
 from .data import Corpus, load_corpus
 from .executors import Execution, executor
+from .models import checked_models
 from .pipeline import run_all
 from .plan import Plan, plan
 from .plan import shard as part_of
@@ -59,7 +59,7 @@ def prepare(cfg: StudyConfig, out: Path, resume: bool, ctx: distributed.Context,
             ) -> tuple[Plan, Corpus | None, dict, RunDir | None]:
     """Check the study, claim ``out``, load the data and plan the runs: every user error surfaces
     here, before training. In order: the options against the rows (a resumed study's saved rows
-    count too), every row's model (:func:`.builders.checked_models`), the task's data, the saved
+    count too), every row's model (:func:`.models.checked_models`), the task's data, the saved
     study (a resume), then the runs (:func:`.plan.plan`). Returns the plan, the corpus (None for
     the recall task: its sequences are generated), the results to fill, and on the main process the
     claimed (locked) directory. ``part``: ``(K, N)``, the K-th of N parts of the runs

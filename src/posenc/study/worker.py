@@ -3,7 +3,7 @@
 It makes the stages of a serial study (:class:`.pipeline.Stages`) over the main process's plan (the
 same config), runs the tasks it is given, writes each run's own files (checkpoint, training state,
 window scores), and sends the rest as messages: the run's record after each step
-(:class:`WorkerBook`), its log lines (:class:`WorkerProgress`), then ``done`` or ``failed``. The
+(:class:`WorkerResultsWriter`), its log lines (:class:`WorkerProgress`), then ``done`` or ``failed``. The
 main process applies them, the one writer of results.json.
 """
 
@@ -24,14 +24,14 @@ import torch
 
 from ..errors import UsageError
 from . import distributed
-from .book import Book
-from .builders import models_for
 from .config import StudyConfig
 from .data import Corpus
+from .models import models_for
 from .pipeline import Stages
 from .plan import Run, plan
 from .progress import Progress
 from .results import Paths
+from .results_writer import ResultsWriter
 
 Key = tuple[str, int]  # a run: its row's name and its seed's index
 Message = tuple  # ("log" | "warn", text), ("record", key, record), ("done", key), ("failed", key, kind, text)
@@ -62,7 +62,7 @@ def key_of(run: Run) -> Key:
     return run.row.name, run.index
 
 
-class WorkerBook(Book):
+class WorkerResultsWriter(ResultsWriter):
     """A worker's view of results.json: the entries its task brought; each save sends the task's
     run's record (set now, or brought and added to) and any other record this task set (a base's,
     trained again when its checkpoint was missing) to the main process instead of writing the file."""
@@ -108,22 +108,22 @@ def make_stages(setup: Setup, emit: Emit) -> Stages:
     paths = Paths(Path(setup.out))
     study = plan(cfg, models_for(cfg), paths, 1)
     ctx = distributed.Context(torch.device(cfg.device))
-    book = WorkerBook(paths, ctx, cfg, {key_of(r): r for r in study.runs}, emit)
-    return Stages(study, setup.corpus, book, ctx, WorkerProgress(setup.progress, emit), None)
+    writer = WorkerResultsWriter(paths, ctx, cfg, {key_of(r): r for r in study.runs}, emit)
+    return Stages(study, setup.corpus, writer, ctx, WorkerProgress(setup.progress, emit), None)
 
 
 def run_task(stages: Stages, task: Task, emit: Emit) -> bool:
     """Run ``task`` through ``stages``, sending its records, then ``done`` (True) or ``failed`` (False)."""
-    book = stages.book
-    assert isinstance(book, WorkerBook)
-    book.emit = emit
+    writer = stages.writer
+    assert isinstance(writer, WorkerResultsWriter)
+    writer.emit = emit
     assert isinstance(stages.ui, WorkerProgress)
     stages.ui.emit = emit
-    run = book.runs[task.key]
-    book.results["methods"] = copy.deepcopy(task.methods)
+    run = writer.runs[task.key]
+    writer.results["methods"] = copy.deepcopy(task.methods)
     # The task's own run is sent after every save, whichever stage changed its record: a resumed
     # run trained but not evaluated has its evaluations added to the record it brought, not set anew
-    book.touched = {task.key: run}
+    writer.touched = {task.key: run}
     try:
         stages.run(run)
     except KeyboardInterrupt:
@@ -192,5 +192,5 @@ def ray_task(setup: Setup, task: Task) -> list[Message]:
     return sent
 
 
-__all__ = ["Emit", "Key", "Message", "Setup", "Task", "WorkerBook", "WorkerProgress", "key_of", "local_worker", "make_stages",
+__all__ = ["Emit", "Key", "Message", "Setup", "Task", "WorkerResultsWriter", "WorkerProgress", "key_of", "local_worker", "make_stages",
            "ray_task", "run_task"]

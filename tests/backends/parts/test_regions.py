@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from posenc.backends.parts import regions
+from posenc.backends.parts import denormals, regions
 from posenc.backends.parts.regions import Merge, Region, lower, upper
 
 
@@ -97,23 +97,23 @@ def _flushes() -> bool:
 
 
 def test_flushed_runs_in_a_thread_that_flushes_and_leaves_the_caller_alone(monkeypatch):
-    monkeypatch.setattr(regions.FLUSHED, "needed", True)  # as on a CPU that pays for denormals
+    monkeypatch.setattr(denormals.FLUSHED, "needed", True)  # as on a CPU that pays for denormals
     before = _flushes()
-    inside = regions.flushed(_flushes)
+    inside = denormals.flushed(_flushes)
     assert _flushes() == before  # the caller's mode is untouched
-    assert inside == regions.FLUSHED.available
-    assert regions.flushed(lambda: torch.is_grad_enabled()) is False  # no graph inside the loops
+    assert inside == denormals.FLUSHED.available
+    assert denormals.flushed(lambda: torch.is_grad_enabled()) is False  # no graph inside the loops
     with torch.inference_mode():
-        assert regions.flushed(torch.is_inference_mode_enabled)
+        assert denormals.flushed(torch.is_inference_mode_enabled)
     # Nested use runs inline (no deadlock on the one worker).
-    assert regions.flushed(lambda: regions.flushed(lambda: 7)) == 7
+    assert denormals.flushed(lambda: denormals.flushed(lambda: 7)) == 7
 
 
 def test_watched_work_stays_in_the_callers_thread(monkeypatch):
     """Profilers and dispatch modes are thread-local: under one, the loops run where they see them."""
     import threading
 
-    monkeypatch.setattr(regions.FLUSHED, "needed", True)
+    monkeypatch.setattr(denormals.FLUSHED, "needed", True)
 
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -123,8 +123,8 @@ def test_watched_work_stays_in_the_callers_thread(monkeypatch):
 
     here = threading.current_thread()
     with Seen():
-        assert regions.flushed(threading.current_thread) is here
-    assert regions.flushed(threading.current_thread) is not here or not regions.FLUSHED.available
+        assert denormals.flushed(threading.current_thread) is here
+    assert denormals.flushed(threading.current_thread) is not here or not denormals.FLUSHED.available
 
 
 def test_a_thread_without_the_penalty_keeps_the_loops(monkeypatch):
@@ -132,11 +132,11 @@ def test_a_thread_without_the_penalty_keeps_the_loops(monkeypatch):
     loops run in the caller's thread, without grad, in its denormal mode."""
     import threading
 
-    monkeypatch.setattr(regions.FLUSHED, "needed", False)
+    monkeypatch.setattr(denormals.FLUSHED, "needed", False)
     here = threading.current_thread()
-    assert regions.flushed(threading.current_thread) is here
-    assert regions.flushed(lambda: torch.is_grad_enabled()) is False
-    assert regions.flushed(_flushes) == _flushes()
+    assert denormals.flushed(threading.current_thread) is here
+    assert denormals.flushed(lambda: torch.is_grad_enabled()) is False
+    assert denormals.flushed(_flushes) == _flushes()
 
 
 def test_denormal_penalty_is_gone_where_the_thread_flushes():
@@ -146,10 +146,10 @@ def test_denormal_penalty_is_gone_where_the_thread_flushes():
         pytest.skip("this CPU has no flush-to-zero mode")
     try:
         assert _flushes()
-        assert regions.denormal_penalty() < regions.PENALTY
+        assert denormals.denormal_penalty() < denormals.PENALTY
     finally:
         torch.set_flush_denormal(False)
-    assert regions.denormal_penalty(n=1024, repeats=2) > 0
+    assert denormals.denormal_penalty(n=1024, repeats=2) > 0
 
 
 def test_flushed_when_false_runs_here_without_grad():
@@ -158,9 +158,9 @@ def test_flushed_when_false_runs_here_without_grad():
     import threading
 
     here = threading.current_thread()
-    assert regions.flushed(threading.current_thread, when=False) is here
-    assert regions.flushed(lambda: torch.is_grad_enabled(), when=False) is False
-    assert regions.flushed(_flushes, when=False) == _flushes()
+    assert denormals.flushed(threading.current_thread, when=False) is here
+    assert denormals.flushed(lambda: torch.is_grad_enabled(), when=False) is False
+    assert denormals.flushed(_flushes, when=False) == _flushes()
 
 
 @pytest.mark.parametrize("method, window, flush", [("rope", 16, False), ("nope", 16, False), ("alibi", 16, True),
@@ -171,7 +171,7 @@ def test_kernel_loops_flush_only_where_a_term_falls_with_distance(method, window
     import posenc
 
     asked = []
-    real = regions.flushed
+    real = denormals.flushed
 
     def spy(fn, *args, when=True):
         asked.append(when)

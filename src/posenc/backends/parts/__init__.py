@@ -2,7 +2,8 @@
 
 - ``base``: masks, ``accumulation_dtype``, ``needs_grad``; re-exports ``ScoreSpec``;
 - ``regions``: kernel regions, the CPU flash kernel or its formula, the log-sum-exp merge, the
-  region backward, the denormal-flushing worker thread;
+  region backward;
+- ``denormals``: the denormal-flushing worker thread the kernel loops run on, and ``opaque_to_compile``;
 - ``band``: the band near the diagonal, batched blocks on overlapping windows of k and v;
 - ``tails``: ``blocked``'s plan for a bias with affine tails;
 - ``explicit``: ``blocked``'s path for biases without affine tails;

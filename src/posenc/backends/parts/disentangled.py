@@ -52,8 +52,9 @@ import torch
 
 from ...encodings.protocol import DisentangledTables, require
 from .base import ScoreSpec
+from .denormals import flushed
 from .disentangled_band import FLUSH, WIDTH_MULTIPLE, Band, BandGeometry
-from .regions import Merge, Region, apply, call_order, flushed, kernel_forward, keys_of, lower, region_backward, rows_of, upper
+from .regions import Merge, Region, apply, call_order, kernel_forward, keys_of, lower, region_backward, rows_of, upper
 
 MIN_PAIRS = 1 << 16  # calls with fewer (query, key) pairs run eager: fixed costs dominate
 
@@ -81,7 +82,7 @@ def ends(spec: ScoreSpec, r_lo: int, r_hi: int) -> tuple[torch.Tensor, list[int]
 # The full pass (and several cached queries): band + far regions
 
 
-class Plan:
+class BandRows:
     """One call's band: its table rows over the call's distances r_lo..r_hi (``rows`` (n,) and
     ``listed``), where the far past (r <= e_p, row ``listed[0]``) and far future (r >= s_f, row
     ``listed[-1]``) begin, and the band ``first <= r <= top`` that :func:`attention` writes out, of
@@ -99,13 +100,13 @@ class Plan:
         self.first = self.top - self.width + 1
 
 
-def plan(spec: ScoreSpec, tq: int, tk: int) -> Plan:
-    """The call's :class:`Plan`, made once per forward (``spec.memo``: integers only, no parameters)."""
+def plan(spec: ScoreSpec, tq: int, tk: int) -> BandRows:
+    """The call's :class:`BandRows`, made once per forward (``spec.memo``: integers only, no parameters)."""
     key = (tq, tk, spec.offset, spec.causal)
-    return spec.memo.table(spec.encoding, "disentangled_plan", key, lambda: Plan(spec, tq, tk))
+    return spec.memo.table(spec.encoding, "disentangled_plan", key, lambda: BandRows(spec, tq, tk))
 
 
-def rows_on(spec: ScoreSpec, p: Plan, device: torch.device) -> torch.Tensor:
+def rows_on(spec: ScoreSpec, p: BandRows, device: torch.device) -> torch.Tensor:
     """The plan's ``rows`` on ``device``, copied once per forward."""
     key = (p.r_lo, p.r_hi, spec.offset, spec.causal, device)
     return spec.memo.table(spec.encoding, "disentangled_rows", key, lambda: p.rows.to(device))
@@ -122,7 +123,7 @@ def _clamped_sum(n: int, c: int, m: int) -> int:
 
 def worthwhile(spec: ScoreSpec, tq: int, tk: int) -> bool:
     """Whether the band + far path should run this call: its cost model says it is cheaper than the
-    eager formula. Decided from the shapes and the rows the encoding declares (:class:`Plan`, made
+    eager formula. Decided from the shapes and the rows the encoding declares (:class:`BandRows`, made
     on the host: choosing reads nothing from the inputs' device), never from its name.
 
     Cost per (batch, head), in units of one (query, band distance) cell of the position terms
@@ -243,4 +244,4 @@ def _merge_backward(
     return d_ob, d_lse_b, dqs, dk, dv, d_consts, None, None
 
 
-__all__ = ["Plan", "attention", "ends", "plan", "tables", "worthwhile"]
+__all__ = ["BandRows", "attention", "ends", "plan", "tables", "worthwhile"]

@@ -33,13 +33,13 @@ from typing import Any
 
 import torch
 
-from .regions import flushed
+from .denormals import flushed
 
 BLOCK = 64  # queries per band block
 WIDTH_MULTIPLE = 16  # band widths are rounded up to this
 SKEW_CHUNK = 16  # band distances per chunk of the p2c product (divides WIDTH_MULTIPLE)
 GROUP_ELEMENTS = 1 << 20  # band temporaries per group: at most this many (blocks x rows x keys) of one head
-# The kernel loops run in the caller's thread (regions.flushed(when=False)): no position term falls
+# The kernel loops run in the caller's thread (denormals.flushed(when=False)): no position term falls
 # with distance (the far keys share one table row), so nothing makes the probabilities denormal
 # that plain attention's would not, and the hand-off to the flushing worker costs about a third of a
 # training step at N = 4096 on a CPU.

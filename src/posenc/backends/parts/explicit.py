@@ -37,7 +37,8 @@ import torch
 
 from ...encodings.protocol import Biases, DistanceBias, offers, require
 from .base import ScoreSpec, accumulation_dtype, needs_grad
-from .regions import apply, flushed, fold_heads, heads_first, kernel_forward, new_output, unfold_heads, up
+from .denormals import flushed
+from .regions import apply, fold_heads, heads_first, kernel_forward, new_output, unfold_heads, up
 
 BLOCK = 64  # query rows per block: temporaries are (B, H, BLOCK, keys)
 
@@ -81,7 +82,7 @@ class _Geometry:
 # The explicit backward of one block, shared by both paths
 
 
-class Workspace:
+class BackwardBuffers:
     """Buffers that every block of one backward reuses. On CPU a fresh (B, H, C, keys) tensor per
     operation can cost more than the operation itself (new pages to fault in, cold caches); views
     of one buffer stay warm."""
@@ -112,7 +113,7 @@ def _add_product(target: torch.Tensor, a: torch.Tensor, b: torch.Tensor, alpha: 
 
 
 def _block_grads(
-    ws: Workspace, p: torch.Tensor, dout_c: torch.Tensor, total_c: torch.Tensor, q_c: torch.Tensor,
+    ws: BackwardBuffers, p: torch.Tensor, dout_c: torch.Tensor, total_c: torch.Tensor, q_c: torch.Tensor,
     k_c: torch.Tensor, v_c: torch.Tensor, scale: float, dk: torch.Tensor, dv: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """p: probabilities (B, H, C, L), in workspace memory; k_c, v_c, dk, dv have Hkv heads. Adds
@@ -128,7 +129,7 @@ def _block_grads(
     return ds, dq_c
 
 
-def _scores(ws: Workspace, q_c: torch.Tensor, k_c: torch.Tensor, scale: float, bias: torch.Tensor, lse_c: torch.Tensor) -> torch.Tensor:
+def _scores(ws: BackwardBuffers, q_c: torch.Tensor, k_c: torch.Tensor, scale: float, bias: torch.Tensor, lse_c: torch.Tensor) -> torch.Tensor:
     """exp(q k^T * scale + bias - lse): the block's probabilities (B, H, C, L), in workspace memory."""
     q_g = fold_heads(q_c, k_c.shape[1])  # (B, Hkv, g C, D)
     s = torch.matmul(q_g, k_c.transpose(-1, -2), out=ws.take("s", (*q_g.shape[:-1], k_c.shape[-2])))
@@ -209,7 +210,7 @@ def _relative_backward(
     dtable = torch.zeros_like(table) if need_table else None
     b, h = q.shape[:2]
     heads = table.shape[0]
-    ws = Workspace(b * h * min(g.block, g.tq) * (g.tk + min(g.block, g.tq)), acc, q.device)
+    ws = BackwardBuffers(b * h * min(g.block, g.tq) * (g.tk + min(g.block, g.tq)), acc, q.device)
     for a0, a1, keys in g.blocks():
         c = a1 - a0
         q_c, dout_c = up(q[:, :, a0:a1].flip(-2)), up(dout[:, :, a0:a1].flip(-2))  # reversed rows
@@ -268,7 +269,7 @@ class _Generic(torch.autograd.Function):
         acc = accumulation_dtype(q.dtype)
         dq, dk, dv = (torch.zeros(x.shape, dtype=acc, device=x.device) for x in (q, k, v))
         dparams = [torch.zeros_like(p) for p in params]
-        ws = Workspace(q.shape[0] * q.shape[1] * min(g.block, g.tq) * g.tk, acc, q.device)
+        ws = BackwardBuffers(q.shape[0] * q.shape[1] * min(g.block, g.tq) * g.tk, acc, q.device)
         for a0, a1, keys in g.blocks():
             # The bias with autograd here; the kernel-like loop in the flushing thread.
             with torch.enable_grad():
@@ -295,7 +296,7 @@ def _generic_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: Sc
 
 
 def _generic_block(
-    ws: Workspace, g: _Geometry, bias: torch.Tensor, dout: torch.Tensor, total: torch.Tensor,
+    ws: BackwardBuffers, g: _Geometry, bias: torch.Tensor, dout: torch.Tensor, total: torch.Tensor,
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lse: torch.Tensor,
     a0: int, a1: int, keys: int, dk: torch.Tensor, dv: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:

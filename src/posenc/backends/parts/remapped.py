@@ -54,7 +54,8 @@ from ...encodings.protocol import RemapRegion, Remaps, require
 from ...encodings.query_scale import scaled_queries
 from ...errors import UsageError
 from .base import accumulation_dtype
-from .regions import apply, grouped_sum, kernel_backward, kernel_forward, opaque_to_compile, repeated_heads, use_kernel
+from .denormals import opaque_to_compile
+from .regions import apply, grouped_sum, kernel_backward, kernel_forward, repeated_heads, use_kernel
 from .windows import Extras
 
 # Queries per block. On the kernel, 1,024: the CPU flash kernel runs a call of 768 queries or more in

@@ -35,20 +35,8 @@ import torch
 
 from . import band
 from .base import ScoreSpec
-from .regions import (
-    FLASH_OPS,
-    Merge,
-    Region,
-    apply,
-    call_order,
-    flushed,
-    kernel_backward,
-    kernel_forward,
-    keys_of,
-    region_backward,
-    rows_of,
-    upper,
-)
+from .denormals import flushed
+from .regions import FLASH_OPS, Merge, Region, apply, call_order, kernel_backward, kernel_forward, keys_of, region_backward, rows_of, upper
 
 
 def _applies(spec: ScoreSpec, q: torch.Tensor, window: int) -> bool:

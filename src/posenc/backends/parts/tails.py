@@ -39,7 +39,7 @@ def spread(q: torch.Tensor, k: torch.Tensor, scale: float) -> float:
 
 
 # ---------------------------------------------------------------------------------------------
-# Plan: which kernel calls and which band blocks cover every (query, key) pair exactly once
+# TailPlan: which kernel calls and which band blocks cover every (query, key) pair exactly once
 
 
 @dataclass
@@ -59,7 +59,7 @@ class FarCall:
 
 
 @dataclass
-class Plan:
+class TailPlan:
     far: list[FarCall]
     bands: list[band.BandGroup]
     q_start: int  # absolute position of query 0 and of key 0
@@ -112,7 +112,7 @@ def head_groups(
     return groups
 
 
-def grouped(plan: Plan, h: int, hkv: int) -> bool:
+def grouped(plan: TailPlan, h: int, hkv: int) -> bool:
     """The calls of the plan can take the grouped keys and values as they are: every far call and
     band block takes whole groups of query heads (those that share a key/value head, h / hkv of
     them: :func:`~posenc.backends.parts.regions.kv_heads_of`), and every far call at least
@@ -130,7 +130,7 @@ def grouped(plan: Plan, h: int, hkv: int) -> bool:
 
 
 def make_plan(spec: ScoreSpec, tq: int, tk: int, dtype: torch.dtype = torch.float32, block: int | None = None,
-              spread: float | None = None) -> Plan:
+              spread: float | None = None) -> TailPlan:
     tails = require(spec.encoding, RelativeBias).bias_tails()
     slopes = (tails.past_slope, tails.future_slope)
     past = tails.past
@@ -156,13 +156,13 @@ def make_plan(spec: ScoreSpec, tq: int, tk: int, dtype: torch.dtype = torch.floa
     bands += band.plan_band(tq, tk, qs, ks, past, 0 if spec.causal else future - 1, rows)
     reach = max([past, *(g.past for g in bands)])
     width = rows if bands else 1
-    return Plan(
+    return TailPlan(
         far, bands, qs, ks, spec.scale, spec.causal, past, future, slopes,
         r_lo=-(reach + width), r_hi=future + width, cache=spec.memo.table(spec.encoding, "band_bias", (), dict),
     )
 
 
-def far_terms(plan: Plan, rel: torch.Tensor, call: FarCall) -> tuple[torch.Tensor | None, torch.Tensor, int]:
+def far_terms(plan: TailPlan, rel: torch.Tensor, call: FarCall) -> tuple[torch.Tensor | None, torch.Tensor, int]:
     """A far call's per-key term s (j - ref) (h, L), original key order (None for a constant tail),
     its per-query constant (h, C), original row order, and the rel index of its intercept f(r0)."""
     slope = plan.slopes[call.side]

@@ -57,7 +57,7 @@ import torch.nn.functional as F
 from ...call.spec import ScoreSpec
 from ...encodings.protocol import Biases, QueryTerms, ValueTerms, require
 from ...encodings.query_scale import QueryScale, check_query_scale
-from ...errors import UsageError
+from ...errors import UsageError, check_window_chunk
 from . import sliding
 from .base import accumulation_dtype
 from .regions import repeated_heads
@@ -84,12 +84,7 @@ class Extras:
     softcap: float | None = None
 
     def __post_init__(self) -> None:
-        for name in ("window", "chunk"):
-            value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise UsageError(f"{name} must be a positive integer (>= 1) or None, got {value!r}")
-        if self.window is not None and self.chunk is not None:
-            raise UsageError(f"give window or chunk, not both (got window={self.window}, chunk={self.chunk})")
+        check_window_chunk(self.window, self.chunk)
         if self.sinks is not None and (not isinstance(self.sinks, torch.Tensor) or self.sinks.dim() != 1 or not self.sinks.is_floating_point()):
             raise UsageError(f"sinks must be a 1-D float tensor (one logit per query head), got {getattr(self.sinks, 'shape', self.sinks)!r}")
         if self.softcap is not None and (isinstance(self.softcap, bool) or not isinstance(self.softcap, (int, float))

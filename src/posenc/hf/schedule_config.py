@@ -44,7 +44,7 @@ from ..encodings.query_scale import LogFloorScale, Temperature
 from ..errors import UsageError
 from ..model.schedule import Layer, Schedule
 from .families import BY_MODEL_TYPE, family_of, getter, text_config
-from .rope import options_from_hf
+from .rope_config import options_from_hf
 
 LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
 

@@ -27,7 +27,7 @@ from ..errors import UsageError
 from ..model.schedule import Layer, Schedule
 from .attention import LayerPlan
 from .families import Family, qk_head_dim
-from .schedule import schedule_from_hf
+from .schedule_config import schedule_from_hf
 
 # -- the plan: family, sizes, schedule -----------------------------------------------------------
 
@@ -101,7 +101,7 @@ def _family_schedule(config: Any, family: Family | None, depth: int) -> Schedule
     where ``layer_types`` says sliding or, without them, everywhere when ``sliding_window`` is set."""
     if family is not None:
         return schedule_from_hf(config)
-    from .rope import options_from_hf
+    from .rope_config import options_from_hf
 
     found = options_from_hf(config)
     options: dict[str, Any] = {"base": float(found["base"])}

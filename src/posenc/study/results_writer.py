@@ -1,4 +1,4 @@
-"""results.json as a study's stages fill it: :class:`Book`, its one writer, and what a record is.
+"""results.json as a study's stages fill it: :class:`ResultsWriter`, its one writer, and what a record is.
 
 Per row an entry, the run of its first seed, with the runs of later seeds in ``entry["seeds"]``
 (:mod:`.seeds`, the one reader of where a seed's record lives); a run not started yet where a later
@@ -14,8 +14,8 @@ from typing import Any
 from ..files import write_json
 from ..model.schedule import Schedule
 from . import distributed, seeds
-from .builders import lm_config, lm_sizes
 from .config import StudyConfig
+from .models import lm_config, lm_sizes
 from .plan import Run
 from .results import Paths, write_outputs
 from .rows import Row, fair_options, fair_schedule
@@ -37,7 +37,7 @@ def record_of(results: dict, row: str, index: int) -> dict | None:
     return None if record is None or record.get("status") == "pending" else record
 
 
-class Book:
+class ResultsWriter:
     """results.json as the stages fill it: per row an entry, the run of its first seed, with the
     runs of later seeds in ``entry["seeds"]`` (:mod:`.seeds`)."""
 
@@ -112,4 +112,4 @@ def row_record(row: Row, cfg: StudyConfig) -> dict:
     return out
 
 
-__all__ = ["Book", "pending", "record_of", "row_record"]
+__all__ = ["ResultsWriter", "pending", "record_of", "row_record"]
