@@ -132,7 +132,7 @@ def test_rope_row_equals_hf_row_at_initialisation(llama) -> None:
     hf, rope, alibi = (models.initial(parse_row(name), 3) for name in ("hf", "rope", "alibi"))
     for other in (rope, alibi):  # every row of a seed starts from the same transformer weights
         a, b = hf.state_dict(), other.state_dict()
-        b = {k: v for k, v in b.items() if not k.endswith(".posenc_marker")}  # posenc.hf's marker (posenc.hf.saving)
+        b = {k: v for k, v in b.items() if not k.endswith(".posenc_marker")}  # posenc.hf's marker (posenc.hf.adapter.MARKER)
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert not torch.equal(models.initial(parse_row("hf"), 4).model.lm_head.weight, hf.model.lm_head.weight)  # the seed matters
     ids = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(1))

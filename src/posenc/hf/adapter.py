@@ -51,7 +51,7 @@ import transformers
 from torch import nn
 from transformers import PreTrainedModel
 
-from ..encodings import build
+from ..encodings import build, get_class, options_of
 from ..encodings.base import PositionalEncoding
 from ..encodings.protocol import Curves, Embeds, Gates, offers
 from ..encodings.rope import RoPE
@@ -73,7 +73,60 @@ from .fallback import check_structure
 from .families import FAMILIES, family_of, qk_head_dim, text_config
 from .forward_state import ForwardState, RotaryStandIn
 from .layers import attention_of, decoder_stack, layer_plans
-from .saving import MARKER, mark, recorded_options
+
+# -- what a checkpoint saved after use() carries, so that it loads right or not at all -------------
+#
+# What a checkpoint saved after :func:`posenc.hf.use` carries so that it loads right, or not at all.
+#
+# - **A plain load fails.** ``use`` records ``attn_implementation = "posenc"`` in the config, and
+#   ``save_pretrained`` writes it to ``config.json``; ``transformers`` reads that key when it loads
+#   the config. ``AutoModelForCausalLM.from_pretrained(path)`` then stops: in a process where
+#   posenc's attention is not registered, transformers refuses the unknown ``attn_implementation``
+#   while building the model (ValueError naming "posenc"); where it is registered (posenc.hf was
+#   used), the model builds and its first forward is a UsageError saying to load it with
+#   :func:`posenc.hf.from_pretrained`. A model that silently runs its own RoPE in place of the
+#   trained encoding (ALiBi, NoPE, ... have no weights to warn about) cannot come out of it. Asking
+#   for the model's own attention explicitly (``from_pretrained(path, attn_implementation="sdpa")``)
+#   still builds it with its own RoPE, but not without a word: ``use`` puts a marker buffer
+#   (:data:`MARKER`, ``<decoder stack>.posenc_marker``, one int64) on the decoder stack, saved with
+#   the weights, which a plain class does not have, so transformers' load report lists
+#   ``model.posenc_marker`` as UNEXPECTED (a warning naming posenc) for every encoding, parameter-free
+#   ones (ALiBi, NoPE, Sandwich, ...) included. :func:`posenc.hf.export` leaves it out.
+# - **The encoding comes back whole.** :func:`recorded_options` adds to the recorded options what
+#   ``use`` derived from the model's config rather than recorded (the key/value head count of an
+#   encoding with per-key-head parameters, RoPE-Mixed's), so :func:`posenc.hf.from_pretrained`
+#   rebuilds the encoding that was saved.
+
+#: The name of the marker buffer :func:`posenc.hf.use` puts on the decoder stack (see the module docstring).
+MARKER = "posenc_marker"
+
+
+def mark(config: Any) -> None:
+    """Record posenc's attention in ``config`` (written to config.json by ``save_pretrained``;
+    read back by transformers as the model's ``attn_implementation``)."""
+    config.attn_implementation = NAME
+
+
+def recorded_options(config: Any, record: dict[str, Any]) -> dict[str, Any]:
+    """The options to rebuild the encoding of ``record`` (a ``config.posenc``) with: the recorded
+    ones, plus ``num_kv_heads`` from the config's ``num_key_value_heads`` (else its query heads)
+    for a method that takes it and a record without it.
+
+    Raises:
+        UsageError: the recorded options are not a dict, or the config's head counts are not
+            positive integers.
+    """
+    options = record.get("options") or {}
+    if not isinstance(options, dict):
+        raise UsageError(f"config.posenc: options must be a dict, got {options!r}")
+    options = dict(options)
+    if "num_kv_heads" in options_of(get_class(record["encoding"])) and "num_kv_heads" not in options:
+        heads = getattr(config, "num_key_value_heads", None) or getattr(config, "num_attention_heads", None)
+        if isinstance(heads, bool) or not isinstance(heads, int) or heads < 1:
+            raise UsageError(f"config: num_key_value_heads must be a positive integer, got {heads!r}")
+        options["num_kv_heads"] = heads
+    return options
+
 
 _Model = TypeVar("_Model", bound=PreTrainedModel)
 
@@ -128,7 +181,7 @@ def _finish_hook(state: ForwardState) -> Callable[[nn.Module, tuple[Any, ...], A
 
 def _marker_kept(stack: nn.Module, state_dict: dict[str, Any], prefix: str, *_: Any) -> None:
     """A load_state_dict pre-hook on the decoder stack: a state dict saved before the marker buffer
-    (posenc.hf.saving; a study's checkpoint of an earlier run) loads, strict, keeping the marker."""
+    (see MARKER; a study's checkpoint of an earlier run) loads, strict, keeping the marker."""
     key = prefix + MARKER
     if key not in state_dict and isinstance(getattr(stack, MARKER, None), torch.Tensor):
         state_dict[key] = getattr(stack, MARKER)
@@ -216,7 +269,7 @@ def use(model: _Model, encoding: str | nn.Module | Schedule, **options: Any) -> 
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
     stack.posenc_encodings = Encodings(modules).to(device=device, dtype=dtype)
-    # Saved with the weights: a plain transformers load reports it as unexpected (posenc.hf.saving).
+    # Saved with the weights: a plain transformers load reports it as unexpected (see MARKER).
     stack.register_buffer(MARKER, torch.ones((), dtype=torch.int64, device=device), persistent=True)
     # The model's own RoPE, verified equal to posenc's (use(model, "rope")), whose rotation does not
     # depend on the length: the model rotates q and k itself, so the cache keeps rotated keys and a
@@ -283,7 +336,7 @@ def from_pretrained(model_class: Any, path: str | os.PathLike[str], *, encoding:
     if encoding is None and record.get("unrecorded"):
         raise UsageError(f"encoding: the saved encoding's options {record['unrecorded']} are not in the config; "
                          "pass encoding=<the same posenc encoding> to rebuild it")
-    register()  # the saved config names attn_implementation="posenc" (posenc.hf.saving)
+    register()  # the saved config names attn_implementation="posenc" (see MARKER)
     mapping = getattr(model_class, "_model_mapping", None)
     if mapping is not None:  # an Auto class: its concrete class for this config
         model_class = mapping[type(config)]
@@ -292,7 +345,7 @@ def from_pretrained(model_class: Any, path: str | os.PathLike[str], *, encoding:
         model_class.post_init(self)
         use(self, encoding if encoding is not None else recorded_encoding(self.config, record))
 
-    # A checkpoint saved before the marker buffer (posenc.hf.saving) loads without a missing-key report.
+    # A checkpoint saved before the marker buffer (see MARKER) loads without a missing-key report.
     ignored = {*(model_class._keys_to_ignore_on_load_missing or ()), rf"(^|\.){MARKER}$"}
     loading: Any = type(model_class.__name__, (model_class,), {"post_init": post_init,
                                                                "_keys_to_ignore_on_load_missing": ignored})
@@ -322,5 +375,5 @@ def recorded_encoding(config: Any, record: dict[str, Any]) -> nn.Module | str | 
                  **recorded_options(inner, record))
 
 
-__all__ = ["LayerPlan", "RotaryStandIn", "NAME", "SUPPORTED", "from_pretrained", "padding_mask", "posenc_attention",
-           "recorded_encoding", "register", "use"]
+__all__ = ["LayerPlan", "MARKER", "RotaryStandIn", "NAME", "SUPPORTED", "from_pretrained", "padding_mask", "posenc_attention",
+           "mark", "recorded_encoding", "recorded_options", "register", "use"]

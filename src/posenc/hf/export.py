@@ -38,11 +38,11 @@ from torch import nn
 
 from ..encodings.rope import RoPE
 from ..errors import UsageError
+from .adapter import MARKER
 from .attention import Encodings, LayerPlan, held_encoding
 from .families import Family, family_of, qk_head_dim, text_config
 from .forward_state import RotaryStandIn
-from .layers import _family_schedule, attention_of, decoder_stack
-from .saving import MARKER
+from .layers import attention_of, decoder_stack, family_schedule
 
 # transformers' rope types (transformers.modeling_rope_utils.ROPE_INIT_FUNCTIONS, 5.24) posenc can write.
 EXPRESSIBLE = ("default", "linear", "dynamic", "yarn", "longrope", "llama3")
@@ -116,7 +116,7 @@ def _check_pattern(config: Any, family: Family | None, plans: list[LayerPlan | N
     Raises:
         UsageError: a layer differs (naming it and both sides).
     """
-    own = _family_schedule(text_config(config), family, len(plans))
+    own = family_schedule(text_config(config), family, len(plans))
     for i, (plan, layer) in enumerate(zip(plans, own.layers)):
         if plan is None:
             continue
@@ -242,7 +242,7 @@ def export(model: nn.Module, path: str | os.PathLike[str]) -> Path:
         rotary_dim = 2 * int(inv.numel()) if isinstance(inv, torch.Tensor) else head_dim
         layout = family.layout if family is not None else "half"
         plans = _plans(model)
-        own = _family_schedule(text_config(config), family, len(plans))
+        own = family_schedule(text_config(config), family, len(plans))
         # The family's own NoPE layers stay NoPE (checked by _check_pattern); every other layer's
         # encoding must be the one RoPE that transformers expresses.
         rotating = [p.encoding for p, layer in zip(plans, own.layers) if p is not None and layer.encoding != "nope"]

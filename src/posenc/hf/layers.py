@@ -95,7 +95,7 @@ def _rotary_buffer(rotary: nn.Module, kind: str | None) -> tuple[torch.Tensor, f
     return inv.detach(), float(1.0 if factor is None else factor)
 
 
-def _family_schedule(config: Any, family: Family | None, depth: int) -> Schedule:
+def family_schedule(config: Any, family: Family | None, depth: int) -> Schedule:
     """The model's own schedule: its table row read by :func:`posenc.schedule_from_hf`, or for a
     model outside the table the LLaMA pattern: RoPE from the config on every layer, windowed
     where ``layer_types`` says sliding or, without them, everywhere when ``sliding_window`` is set."""
@@ -229,7 +229,7 @@ def layer_plans(model: Any, config: Any, family: Family | None, attentions: list
     depth = len(attentions)
     sizes = _sizes(model, config, family, rotary)
     causal = family.causal if family is not None else True
-    own = _family_schedule(config, family, depth)
+    own = family_schedule(config, family, depth)
     if family is None:  # the generic fallback: each layer run alone against the schedule read (posenc.hf.fallback)
         from .fallback import probe
 

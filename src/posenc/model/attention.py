@@ -135,7 +135,7 @@ class Attention(nn.Module):
         scale = content_scale(self.encoding, d)  # 1/sqrt(D) unless the encoding says otherwise
         if cache is None:
             if geometry is None:
-                mask = None if attention_mask is None else _padding_mask(attention_mask)
+                mask = None if attention_mask is None else key_padding_mask_of(attention_mask)
                 geometry = Geometry.of(b, t, t, x.device, positions=positions, causal=self.causal,
                                        document_ids=document_ids, key_padding_mask=mask, encoding=self.encoding)
             curves = self._curves(x, geometry)  # (B, H, T, R): the Inkling bias of each query, from x
@@ -216,7 +216,7 @@ class Attention(nn.Module):
         return run(q, k, v, spec, self.backend, rotate=False, extras=self.extras)
 
 
-def _padding_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+def key_padding_mask_of(attention_mask: torch.Tensor) -> torch.Tensor:
     """HF's (B, T) attention mask (1 = real token) as a bool key padding mask."""
     if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2:
         raise UsageError(f"attention_mask must be a (batch, length) tensor of 0/1 or bool, got {getattr(attention_mask, 'shape', attention_mask)}")
@@ -227,4 +227,4 @@ def _padding_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     return attention_mask == 1
 
 
-__all__ = ["Attention", "check_positions"]
+__all__ = ["Attention", "check_positions", "key_padding_mask_of"]

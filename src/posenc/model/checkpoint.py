@@ -26,7 +26,7 @@ from .lm import LM, LMConfig
 FORMAT = "posenc-checkpoint/1"
 
 
-def _unique(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+def unique_tensors(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """The tensors of a state dict stored once: (kept name -> tensor, alias -> kept name).
 
     Tied weights (the output head and the token embedding) and T5's one table for every layer are
@@ -61,7 +61,7 @@ def save_checkpoint(model: LM, path: str | Path) -> None:
                          f"got {str(path)!r}")
     _check_replaceable(path.with_suffix(".json"))
     config = model.config.to_dict()
-    kept, alias = _unique(model.state_dict())
+    kept, alias = unique_tensors(model.state_dict())
     # One metadata entry: safetensors keeps metadata in a hash map whose order changes from one
     # save to the next, and the same weights must give the same bytes (and sha256).
     header = json.dumps({"format": FORMAT, "lm_config": config}, sort_keys=True, allow_nan=False)
@@ -89,7 +89,7 @@ def _check_replaceable(meta_path: Path) -> None:
                          "(choose another NAME.safetensors, or move the file)")
 
 
-def _header(data: bytes) -> dict:
+def safetensors_header(data: bytes) -> dict:
     """The json header of a safetensors file: 8 bytes of little-endian length, then the json."""
     n = int.from_bytes(data[:8], "little")
     return json.loads(data[8 : 8 + n])
@@ -138,7 +138,7 @@ def load_checkpoint(path: str | Path, device: str | torch.device = "cpu") -> LM:
         raise UsageError(f"path: {path} does not match the sha256 in {path.with_suffix('.json').name}: "
                          "the weights were changed or replaced")
     try:
-        header = _header(data)
+        header = safetensors_header(data)
         trained = json.loads(header.get("__metadata__", {}).get("posenc", "{}")).get("lm_config")
         tensors = load(data)
     except (SafetensorError, ValueError, UnicodeDecodeError, AttributeError) as err:
@@ -153,7 +153,7 @@ def load_checkpoint(path: str | Path, device: str | torch.device = "cpu") -> LM:
         model = LM(LMConfig(**trained))
     except (TypeError, ValueError) as err:
         raise UsageError(f"path: {path} holds a config this posenc cannot build ({err})") from None
-    kept, alias = _unique(model.state_dict())
+    kept, alias = unique_tensors(model.state_dict())
     expected = {k: list(v.shape) for k, v in kept.items()}
     found = {k: list(v.shape) for k, v in tensors.items()}
     if expected != found:

@@ -30,7 +30,7 @@ from ..encodings import PositionalEncoding, available, build, get_class, options
 from ..encodings.base import position_axes_of
 from ..encodings.protocol import Embeds, offers
 from ..errors import UsageError, check_positive
-from .attention import Attention, _padding_mask
+from .attention import Attention, key_padding_mask_of
 from .cache import Cache, check_padding
 from .schedule import Layer, Schedule
 
@@ -365,7 +365,7 @@ class LM(nn.Module):
         if cache is not None:  # the queries continue the cache; each layer's cache gives the key positions
             return Geometry.step(b, t, cache.length, device, positions=positions, encoding=self.position_encoding,
                                  next_positions=cache.next_positions())
-        mask = None if attention_mask is None else _padding_mask(attention_mask)
+        mask = None if attention_mask is None else key_padding_mask_of(attention_mask)
         if positions is None and self.training and self.config.random_positions is not None:
             positions = self._random_positions(b, t, device, document_ids, mask)
         return Geometry.of(b, t, t, device, positions=positions, causal=self.config.causal, document_ids=document_ids,

@@ -48,8 +48,8 @@ The modules, in the order a run meets them:
     seeds.py       several seeds: the runs, their mean, interval and spread
     progress.py    bars or log lines
     results.py     the output directory's layout, results.json, CSV, markdown, figure
-    compare.py     two runs side by side (``posenc report RUN_A RUN_B``)
-    separation.py  which rows differ beyond both noises (the windows' intervals and the seeds' spread)
+    compare.py     which rows differ: two runs side by side (``posenc report RUN_A RUN_B``), and the
+                   rows of one study apart beyond both noises (the windows' intervals, the seeds' spread)
     sample.py      ``posenc sample``: a study's checkpoint continuing a text prompt
     report.py      ``posenc report``: a study as one self-contained HTML page, or two side by side
     figures.py     the study's figures (one fixed colour per method, shades for its variants)

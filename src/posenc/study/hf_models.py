@@ -54,7 +54,7 @@ from ..encodings.rope import RoPE
 from ..errors import UsageError, as_kind
 from ..files import write_bytes, write_json
 from ..hf.adapter import SUPPORTED, use
-from ..model.checkpoint import _header, _unique
+from ..model.checkpoint import safetensors_header, unique_tensors
 from ..model.lm import LM
 from ..version import __version__
 from . import rows, variants
@@ -304,7 +304,7 @@ class HFModels:
 
         model = as_kind(model, StudyModel)
         path = Path(path)
-        kept, alias = _unique(model.state_dict())
+        kept, alias = unique_tensors(model.state_dict())
         meta = {"format": FORMAT, "hf_config_sha256": self.arch.sha256, "model": model.config.to_dict()}
         header = json.dumps(meta, sort_keys=True, allow_nan=False)
         data = save({k: v.detach().contiguous().cpu() for k, v in kept.items()}, metadata={"posenc": header})
@@ -326,7 +326,7 @@ class HFModels:
         try:
             meta = json.loads(path.with_suffix(".json").read_text(encoding="utf-8"))
             data = path.read_bytes()
-            inside = json.loads(_header(data).get("__metadata__", {}).get("posenc", "{}"))
+            inside = json.loads(safetensors_header(data).get("__metadata__", {}).get("posenc", "{}"))
         except (OSError, ValueError, UnicodeDecodeError, AttributeError) as err:
             raise UsageError(f"path: {path} or its json cannot be read ({err})") from None
         if not isinstance(meta, dict) or meta.get("format") != FORMAT or not isinstance(meta.get("weights"), dict):

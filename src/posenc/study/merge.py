@@ -29,7 +29,7 @@ from .config import StudyConfig
 from .models import models_for
 from .plan import Run, plan
 from .progress import Progress
-from .results import _ADDED, SCHEMA, Paths, load_results, write_outputs
+from .results import ADDED_FIELDS, SCHEMA, Paths, load_results, write_outputs
 from .results_writer import ResultsWriter
 from .rows import parse
 
@@ -38,7 +38,7 @@ _RANK = {"done": 3, "diverged": 3, "trained": 2}  # how far along a run's record
 
 def _config(results: dict) -> dict:
     """A saved config with the fields older studies did not record at their defaults."""
-    return {**_ADDED, **results["config"]}
+    return {**ADDED_FIELDS, **results["config"]}
 
 
 def _check_same(first: Path, a: dict, other: Path, b: dict) -> None:

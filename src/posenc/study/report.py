@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 from ..errors import UsageError
 from ..files import check_writable, write_text
-from . import compare, separation
+from . import compare
 from .results import load_results, markdown_table, metric_of, run_status, shown, shown_train
 
 if TYPE_CHECKING:
@@ -221,7 +221,7 @@ def _train_table(results: dict) -> str:
 
 
 def _separations(results: dict, h: str, against: list[str] | None = None) -> list[str]:
-    """The rows separated from each other (:mod:`posenc.study.separation`) at the training length and
+    """The rows separated from each other (:mod:`posenc.study.compare`) at the training length and
     the longest length, as matrices, and row by row against each of ``against``."""
     lengths = sorted({r["length"] for e in results["methods"].values() for r in shown(e)})
     if not lengths:
@@ -234,12 +234,12 @@ def _separations(results: dict, h: str, against: list[str] | None = None) -> lis
              "rule needs a second seed.</p>"]
     train_len = results["config"]["train_length"]
     for n in dict.fromkeys([train_len, lengths[-1]]):
-        m = separation.matrix(results, n)
+        m = compare.matrix(results, n)
         names = list(m)
         rows = [[a, *("-" if a == b else m[a][b] for b in names)] for a in names]
         parts += [f"<p>At length {n}{' (train)' if n == train_len else ''}:</p>", _table(["row \\ column", *names], rows)]
     for other in against or []:
-        marks = separation.versus(results, other)
+        marks = compare.versus(results, other)
         head = ["method", *(f"{n} (train)" if n == train_len else str(n) for n in lengths)]
         rows = [[m, *(by.get(n, "n/a") for n in lengths)] for m, by in marks.items() if m != other]
         parts += [f"<p>Each row against {html.escape(other)}:</p>", _table(head, rows)]
@@ -320,11 +320,11 @@ def render(results: dict, title: str, status: str | None = None, against: list[s
 
 def render_markdown(results: dict, against: list[str] | None = None) -> str:
     """The study's table in markdown (mean over seeds [95% interval] (the seeds' min-max), training
-    seconds), then, per row of ``against``, every row's mark against it (:mod:`.separation`)."""
+    seconds), then, per row of ``against``, every row's mark against it (:mod:`.compare`)."""
     parts = [markdown_table(results, intervals=True)]
     for other in against or []:
-        parts += [f"Against {other} (below/above: every seed and the 95% intervals apart; see posenc.study.separation):",
-                  separation.markdown_versus(results, other)]
+        parts += [f"Against {other} (below/above: every seed and the 95% intervals apart; see posenc.study.compare):",
+                  compare.markdown_versus(results, other)]
     return "\n\n".join(parts) + "\n"
 
 
@@ -409,7 +409,7 @@ def run_report(args: argparse.Namespace) -> int:
                              "(redirect the output to a file instead)")
         results = _load(run_dir, "run_dir")
         for row in against:
-            separation.check_row(results, row)
+            compare.check_row(results, row)
         print(render_markdown(results, against), end="")
         return 0
     if other is not None and against:
@@ -423,7 +423,7 @@ def run_report(args: argparse.Namespace) -> int:
     check_writable(out, "out")  # before any rendering
     results = _load(run_dir, "run_dir")
     for row in against:
-        separation.check_row(results, row)
+        compare.check_row(results, row)
     if other is None:
         page = render(results, f"posenc study: {run_dir.name}", run_status(results, run_dir), against)
     else:

@@ -105,7 +105,7 @@ def load_results(out: str | Path) -> dict | None:
 
 
 # Fields a study from before they existed did not record: their value then was the default.
-_ADDED = {"task": "lm", "drop_positions_after": None, "random_positions": None, "finetune_steps": 0,
+ADDED_FIELDS = {"task": "lm", "drop_positions_after": None, "random_positions": None, "finetune_steps": 0,
           "finetune_length": None, "recall_sequences": 64}
 
 
@@ -127,7 +127,7 @@ def check_resumable(saved: dict, comparable: dict, fingerprint: dict, hf: dict |
                else "posenc's own model (no hf_config)")
         raise UsageError(f"resume: {out} was trained on {was}, this run asks for {now}; use the original "
                          "config file or another out")
-    old = {**_ADDED, **{k: v for k, v in saved["config"].items() if k not in ("methods", "seeds", "hf_config")}}
+    old = {**ADDED_FIELDS, **{k: v for k, v in saved["config"].items() if k not in ("methods", "seeds", "hf_config")}}
     diff = [f"{k}: {old.get(k)!r} -> {comparable.get(k)!r}" for k in sorted(set(old) | set(comparable))
             if old.get(k) != comparable.get(k)]
     if diff:

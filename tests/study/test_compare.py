@@ -1,4 +1,4 @@
-"""Differences that hold across seeds (posenc.study.separation): a row is marked below or above
+"""Differences that hold across seeds (posenc.study.compare): a row is marked below or above
 another only where both the windows' 95% intervals and the seeds' ranges are apart."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 
 from posenc import cli
 from posenc.errors import UsageError
-from posenc.study import separation
+from posenc.study import compare
 
 
 def fig(value, low, high, seed_min=None, seed_max=None) -> dict:
@@ -37,7 +37,7 @@ def fig(value, low, high, seed_min=None, seed_max=None) -> dict:
     ],
 )
 def test_mark_needs_both_the_intervals_and_the_seeds_apart(a, b, want) -> None:
-    assert separation.mark(a, b) == want
+    assert compare.mark(a, b) == want
 
 
 def lm_row(length: int, ppl: float, low: float, high: float, smin: float, smax: float) -> dict:
@@ -57,14 +57,14 @@ def synthetic() -> dict:
 
 def test_versus_and_matrix_on_a_study() -> None:
     res = synthetic()
-    assert separation.versus(res, "b") == {"a": {64: "below", 128: "overlaps"}, "b": {64: "overlaps", 128: "overlaps"},
+    assert compare.versus(res, "b") == {"a": {64: "below", 128: "overlaps"}, "b": {64: "overlaps", 128: "overlaps"},
                                            "c": {64: "one seed", 128: "n/a"}}
-    m = separation.matrix(res, 64)
+    m = compare.matrix(res, 64)
     assert m["a"] == {"b": "below", "c": "one seed"} and m["b"]["a"] == "above"
-    text = separation.markdown_versus(res, "b")
+    text = compare.markdown_versus(res, "b")
     assert text.splitlines()[0] == "| method | 64* | 128 |" and "| a | below | overlaps |" in text
     with pytest.raises(UsageError, match="versus: 'd' is not a row"):
-        separation.versus(res, "d")
+        compare.versus(res, "d")
 
 
 def test_recall_marks_compare_the_far_accuracy() -> None:
@@ -76,7 +76,7 @@ def test_recall_marks_compare_the_far_accuracy() -> None:
         "x": {"eval": [], "across_seeds": {"eval": [row(1.0, 1.0, 1.0, 1.0, 1.0)]}},
         "y": {"eval": [], "across_seeds": {"eval": [row(0.4, 0.3, 0.5, 0.35, 0.45)]}},
     }}
-    assert separation.versus(res, "y")["x"] == {128: "above"}
+    assert compare.versus(res, "y")["x"] == {128: "above"}
 
 
 @pytest.fixture(scope="module")
