@@ -131,7 +131,7 @@ def test_attend_takes_the_gates_and_refuses_to_run_without_them():
     logits = q @ k.transpose(-1, -2) / math.sqrt(D) + c[..., :, None] - c[..., None, :]
     logits = logits.masked_fill(torch.ones(9, 9, dtype=torch.bool).triu(1), float("-inf"))
     torch.testing.assert_close(out, torch.softmax(logits, -1) @ v, rtol=1e-12, atol=1e-12)
-    # Gates are refused by a method without them (tests/core/test_errors.py); fox with gates from
+    # Gates are refused by a method without them (tests/test_errors.py); fox with gates from
     # elsewhere is NoPE plus those gates: attend reads only the gates given.
     other = posenc.build("fox", num_heads=H, head_dim=D).double()
     torch.testing.assert_close(posenc.attend(q, k, v, other, log_gates=gates), out, rtol=1e-12, atol=1e-12)

@@ -245,7 +245,7 @@ def family_table() -> str:
         if not family.causal:
             continue
         rows.append(f"| {family.name} | {', '.join(f'`{t}`' for t in family.model_types)} | {family.needs} | "
-                    f"{CHECKS if tested else 'the schedule only (tests/hf/test_schedule_hf.py)'} |")
+                    f"{CHECKS if tested else 'the schedule only (tests/hf/test_schedule_config.py)'} |")
     return "\n".join(rows)
 
 

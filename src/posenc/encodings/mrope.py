@@ -174,7 +174,7 @@ class MRoPE(PositionalEncoding):
     (contiguous sections) and Qwen3-VL's (``mrope_interleaved=True``) followed by its
     ``apply_rotary_pos_emb``, which use ``layout="half"`` (tests/encodings/test_mrope.py; through
     ``posenc.attend`` and ``posenc.Attention`` with Qwen2-VL's ``get_rope_index`` ids,
-    tests/core/test_axes.py). Only the default frequencies (no long-context scaling).
+    tests/call/test_axes.py). Only the default frequencies (no long-context scaling).
 
     Positions: (T,) text ids, (3, T) or (3, B, T) ids (temporal, height, width) per token, in
     ``rotate`` and as ``positions`` of ``posenc.attend`` / ``posenc.Attention`` / ``posenc.LM``

@@ -41,7 +41,7 @@ How one call runs (shape legend: B batch, H heads, Tq queries, Tk keys, D head d
   is made unless a block is the whole call.
 
 The result equals the eager formula with the explicit (Tq, Tk) mask, outputs and gradients
-(tests/core/test_local.py checks it in float64 for every encoding).
+(tests/backends/parts/test_windows.py checks it in float64 for every encoding).
 """
 
 from __future__ import annotations

@@ -56,7 +56,7 @@ IN_ATTENTION = [m for m in available() if any(offers(build(m, num_heads=H, head_
 assert {"alibi", "t5", "shaw", "transformer_xl", "rope", "kerple", "fire", "cope", "xpos", "deberta"} <= set(IN_ATTENTION), IN_ATTENTION
 assert not {"nope", "sinusoidal", "learned", "fox"} & set(IN_ATTENTION), IN_ATTENTION
 # Methods that read one position per token (``position_axes`` 1): the layer's messages about
-# positions are theirs (the multi-axis ones have their own, tests/core/test_axes.py).
+# positions are theirs (the multi-axis ones have their own, tests/call/test_axes.py).
 ONE_AXIS = [m for m in available() if get_class(m).position_axes == 1]
 assert {"alibi", "t5", "shaw", "transformer_xl", "rope", "learned"} <= set(ONE_AXIS), ONE_AXIS
 assert not {"mrope", "axial_rope", "rope_mixed"} & set(ONE_AXIS), ONE_AXIS
