@@ -10,11 +10,13 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..encodings import available, get_class
+from ..encodings.protocol import Remaps, offers
 from ..errors import UsageError
 from ..study.data import DEFAULT_VALID_BYTES
 from ..study.longrope_search import SearchSettings
 from ..study.plan import FINETUNE_STREAM
-from ..study.train import TrainSettings
+from ..study.train import RECALIBRATION_WARMUP, TrainSettings
 
 KINDS = ("linear", "ntk", "yarn", "llama3", "longrope", "ntk_alpha", "resonance", "resonance_yarn", "drope")
 
@@ -24,9 +26,6 @@ _ROPE_OPTIONS = ("num_heads", "head_dim", "causal", "base", "layout", "rotary_di
 
 def remap_names() -> list[str]:
     """The training-free position remaps of RoPE (``posenc.available()`` offering ``Remaps``)."""
-    from ..encodings import available, get_class
-    from ..encodings.protocol import Remaps, offers
-
     return [n for n in available() if offers(get_class(n), Remaps)]
 
 
@@ -40,8 +39,6 @@ def parse_remap(spec: str | dict[str, Any]) -> dict[str, Any]:
             (base, layout, rotary_dim, scaling, cache_length: a remap keeps the model's own), or a
             value the method rejects.
     """
-    from ..encodings import get_class
-
     if isinstance(spec, str):
         name, _, rest = spec.strip().partition(":")
         options: dict[str, Any] = {}
@@ -226,8 +223,6 @@ class ExtendConfig:
                                       checkpoint_every=self.checkpoint_every, data_seed=self.seed + FINETUNE_STREAM,
                                       min_lr_ratio=self.min_lr_ratio, weight_decay=self.weight_decay)
         if self.scaling == "drope":
-            from ..study.train import RECALIBRATION_WARMUP
-
             warmup = self.warmup if self.warmup is not None else max(1, round(RECALIBRATION_WARMUP * self.steps))
             return TrainSettings(lr=self.lr, warmup=warmup, drop_at=0, **common)
         warmup = self.warmup if self.warmup is not None else max(1, self.steps // 10)

@@ -22,11 +22,12 @@ from torch import nn
 from ..encodings import build, get_class, options_of
 from ..encodings.base import PositionalEncoding
 from ..encodings.protocol import Curves, Embeds, Gates, Remaps, Selects, offers
-from ..encodings.rope import RoPE
+from ..encodings.rope import RoPE, apply_rotation
 from ..errors import UsageError
 from ..model.schedule import Layer, Schedule
 from .attention import LayerPlan
 from .families import Family, qk_head_dim
+from .rope_config import options_from_hf
 from .schedule_config import schedule_from_hf
 
 # -- the plan: family, sizes, schedule -----------------------------------------------------------
@@ -101,8 +102,6 @@ def family_schedule(config: Any, family: Family | None, depth: int) -> Schedule:
     where ``layer_types`` says sliding or, without them, everywhere when ``sliding_window`` is set."""
     if family is not None:
         return schedule_from_hf(config)
-    from .rope_config import options_from_hf
-
     found = options_from_hf(config)
     options: dict[str, Any] = {"base": float(found["base"])}
     scaling = {k: v for k, v in found["scaling"].items() if k != "rope_theta"}
@@ -148,8 +147,6 @@ def _check_rotation(model: Any, rotary: nn.Module, r: int, layout: str) -> None:
 
 def _rotate_with(layout: str, x: torch.Tensor, inv: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """x (1, 1, T, r) rotated at ``positions`` by frequencies ``inv`` (r/2,) in ``layout``."""
-    from ..encodings.rope import apply_rotation
-
     angles = positions[:, None].float() * inv[None]
     return apply_rotation(x, angles.cos(), angles.sin(), layout)
 

@@ -40,6 +40,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from ..encodings import build
 from ..encodings.query_scale import LogFloorScale, Temperature
 from ..errors import UsageError
 from ..model.schedule import Layer, Schedule
@@ -82,8 +83,6 @@ def _rope(get, block_name: str, block, family: str, layout: str) -> dict:
     if layout != "half":
         options["layout"] = layout
     # Build it once here: an unknown scaling key or a bad value is a UsageError naming it now.
-    from ..encodings import build
-
     build("rope", num_heads=int(found["num_heads"]), head_dim=int(found["head_dim"]), **options)
     return options
 

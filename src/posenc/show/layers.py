@@ -14,6 +14,7 @@ import torch
 from matplotlib.figure import Figure
 
 from ..backends.parts.windows import Extras, visible
+from ..errors import UsageError
 from ..model.schedule import Schedule
 
 
@@ -24,8 +25,6 @@ def seen(schedule: Schedule, length: int, query: int, causal: bool = True) -> to
         UsageError: ``query`` is not in [0, ``length``).
     """
     if not 0 <= query < length:
-        from ..errors import UsageError
-
         raise UsageError(f"query must be in [0, length={length}), got {query}")
     positions = torch.arange(length)
     rows = [visible(positions[query : query + 1], positions, Extras(layer.window, layer.chunk), causal)[0]

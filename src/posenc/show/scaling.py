@@ -17,6 +17,7 @@ from matplotlib.figure import Figure
 from ..encodings.rope import RoPE
 from ..encodings.rope_scaling import RopeScaling, parse_scaling
 from ..errors import UsageError
+from ..hf.rope_config import resolve_hf
 
 
 def _wavelengths(inv_freq: torch.Tensor) -> list[float]:
@@ -112,8 +113,6 @@ def scaling_from_text(text: str, head_dim: int | None = None) -> ScalingSource:
     import json
     from pathlib import Path
 
-    from ..errors import UsageError
-    from ..hf.rope_config import resolve_hf
 
     example = '\'{"rope_type": "yarn", "factor": 4, "original_max_position_embeddings": 2048}\''
     if text.lstrip().startswith("{"):

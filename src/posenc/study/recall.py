@@ -46,6 +46,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..errors import UsageError
 from .train import IGNORE
 
 FILLER = tuple(range(32, 64))  # 32 filler bytes (space .. '?')
@@ -79,8 +80,6 @@ class Recall:
             UsageError: a sequence of ``length`` inputs has too few pair slots for the task's queries
                 and distractors (naming the least length that fits).
         """
-        from ..errors import UsageError
-
         slots = (length + 1 - 2 * self.queries) // 2
         if slots < self.queries + self.distractors:
             raise UsageError(f"recall: a length of {length} holds {max(slots, 0)} pair slots besides its "
