@@ -54,6 +54,29 @@ def test_a_dynamic_block_without_the_training_length_reads_the_configs() -> None
     assert err(logits(model, ids), logits(theirs, ids)) < 1e-4
 
 
+@pytest.mark.parametrize("kind", ["yarn", "longrope"])
+def test_llama4s_norm_after_the_rotation_cancels_the_attention_factor(kind: str) -> None:
+    """Llama 4 normalises q and k (weightless RMS) after its rotation, which cancels a YaRN or LongRoPE
+    attention factor; posenc rotates after that norm, so it drops the factor (it applied it: 0.03).
+    What remains is the norm's eps acting on the scaled vectors (rms_norm_eps 1e-5)."""
+    ref = untouched("llama4_text")
+    assert ref.config.use_qk_norm
+    half = ref.config.head_dim // 2
+    block = ({"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 16} if kind == "yarn" else
+             {"rope_type": "longrope", "factor": 2.0, "original_max_position_embeddings": 16, "short_factor": [1.0] * half,
+              "long_factor": [2.0] * half})
+    model = phf.use(copy.deepcopy(ref), "rope", scaling=block)
+    theirs = scaled_copy(ref, {**block, "rope_theta": ref.config.rope_parameters["rope_theta"]})
+    ids = tokens(1, 40)
+    assert err(logits(model, ids), logits(theirs, ids)) < 1e-4
+    unnormed = copy.deepcopy(ref.config)
+    unnormed.use_qk_norm = False  # without the norm the factor stays (the 128-expert model)
+    plain = transformers.AutoModelForCausalLM.from_config(unnormed).eval()
+    plain.load_state_dict(ref.state_dict(), strict=False)
+    model = phf.use(copy.deepcopy(plain), "rope", scaling=block)
+    assert err(logits(model, ids), logits(scaled_copy(plain, {**block, "rope_theta": ref.config.rope_parameters["rope_theta"]}), ids)) < 1e-5
+
+
 @pytest.mark.parametrize("model_type, refused", [("deepseek_v3", None), ("qwen3_moe", None), ("gpt_neox", None), ("mistral", "window"),
                                                  ("gpt_oss", "window"), ("llama4_text", "chunk")])
 def test_fox_runs_where_the_hidden_size_differs_and_is_refused_where_it_cannot_run(model_type: str, refused: str | None) -> None:

@@ -77,6 +77,9 @@ class Family:
     no_attention: tuple[str, ...] = ()
     qk_head_dim: tuple[str, ...] = ("head_dim",)
     causal: bool = True
+    # A config key that, when true, puts a weightless q/k norm after the rotation (Llama 4's use_qk_norm): the
+    # norm cancels a scaling's attention factor, so posenc (which rotates after the model's norm) drops it.
+    qk_norm_after_rotation: str | None = None
     needs: str = ""  # what the family needed beyond the LLaMA pattern, for docs/hf.md
 
 
@@ -124,7 +127,7 @@ FAMILIES: tuple[Family, ...] = (
     Family("GLM-4-MoE", ("glm4_moe",), needs="partial rotary (first half)"),
     Family("gpt-oss", ("gpt_oss",), typed_layers=True, sinks="sinks", needs="attention sinks (module.sinks); YaRN; alternating windows"),
     Family("Llama 4", ("llama4_text", "llama4"), typed_layers=True, layout="interleaved", nope="no_rope_layers",
-           chunk_key="attention_chunk_size", temperature=True,
+           chunk_key="attention_chunk_size", temperature=True, qk_norm_after_rotation="use_qk_norm",
            needs="NoPE layers with the query temperature (posenc's, at each document's positions); chunked attention on RoPE layers; complex pairs"),
     Family("ModernBERT", ("modernbert",), typed_layers=True, rope_blocks="per_type", window_key="local_attention", causal=False,
            needs="an encoder; a RoPE block per layer type; local windows"),

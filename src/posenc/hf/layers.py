@@ -261,7 +261,7 @@ def layer_plans(model: Any, config: Any, family: Family | None, attentions: list
         elif offers(cls, Remaps) or encoding == "rope":
             # The model's own RoPE under other options, or a remap of it: each RoPE layer keeps its base (and
             # its scaling, unless one is given), the family's NoPE layers stay NoPE.
-            layers = [Layer(encoding, _own_rope_options(cls, o.options, options, config), o.window, o.chunk, o.sinks,
+            layers = [Layer(encoding, _own_rope_options(cls, o.options, options, config, family), o.window, o.chunk, o.sinks,
                             o.query_scale) if o.encoding == "rope" else o for o in own.layers]
             for layer in {layer.sharing_key: layer for layer in layers}.values():
                 _build(layer.encoding, dict(layer.options), sizes, causal)  # the registry's own errors, first
@@ -316,11 +316,14 @@ def layer_plans(model: Any, config: Any, family: Family | None, attentions: list
     return plans, nn.ModuleList(modules), record
 
 
-def _own_rope_options(cls: type, own: dict[str, Any], options: dict[str, Any], config: Any) -> dict[str, Any]:
+def _own_rope_options(cls: type, own: dict[str, Any], options: dict[str, Any], config: Any,
+                      family: Family | None = None) -> dict[str, Any]:
     """A RoPE layer's options for ``use(model, "rope" or a remap, **options)``: the layer's own (base,
     scaling) under the user's. A given base, or a scaling block naming its own ``rope_theta``, replaces
     the layer's base; a ``dynamic`` block without the training length takes the config's
-    ``max_position_embeddings``, as transformers does."""
+    ``max_position_embeddings``, as transformers does; in a family whose weightless q/k norm follows
+    the rotation (``Family.qk_norm_after_rotation``), a YaRN or LongRoPE block's attention factor is 1,
+    since the model's norm cancels it (posenc rotates after that norm)."""
     accepted = set(options_of(cls))
     merged = {k: v for k, v in own.items() if k in accepted}
     block = options.get("scaling")
@@ -332,6 +335,10 @@ def _own_rope_options(cls: type, own: dict[str, Any], options: dict[str, Any], c
         length = getattr(config, "max_position_embeddings", None)
         if isinstance(length, int):
             merged["scaling"] = {**block, "original_max_position_embeddings": length}
+    scaling = merged.get("scaling")
+    if (family is not None and family.qk_norm_after_rotation and getattr(config, family.qk_norm_after_rotation, False)
+            and isinstance(scaling, dict) and scaling.get("rope_type", scaling.get("type")) in ("yarn", "longrope")):
+        merged["scaling"] = {**scaling, "attention_factor": 1.0}
     return merged
 
 
