@@ -245,7 +245,7 @@ def test_scores_depend_on_i_minus_j_only(block: dict) -> None:
 def test_export_refuses_the_scalings_transformers_cannot_express() -> None:
     """posenc.hf.export writes transformers' rope_parameters: ntk_alpha and a resonance rounding
     have none (a yarn block's resonance key would be dropped there, silently unrounded)."""
-    from posenc.hf.export import rope_parameters
+    from posenc.hf.exporting import rope_parameters
 
     plain = rope_parameters(posenc.build("rope", num_heads=H, head_dim=D, scaling={"rope_type": "linear", "factor": 2.0}), D)
     assert plain["rope_type"] == "linear"

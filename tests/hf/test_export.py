@@ -198,3 +198,21 @@ def test_a_dynamic_export_warns_that_it_is_for_transformers_only(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         ph.export(ph.use(rope_llama(), "rope", scaling=BLOCKS["yarn"]), tmp_path / "yarn")
+
+
+def test_every_public_name_stays_itself_after_its_module_is_imported() -> None:
+    """A public name of posenc.hf is never shadowed by a submodule of the same name: in a fresh
+    interpreter, importing every module of the package first (as a user's `from posenc.hf.<module>
+    import ...` does) leaves each public name the function or class it names (posenc.hf.export was
+    then a module, not callable)."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import importlib, pkgutil, types, posenc.hf as ph\n"
+            "for info in pkgutil.iter_modules(ph.__path__):\n"
+            "    importlib.import_module('posenc.hf.' + info.name)\n"
+            "bad = [n for n in ph.__all__ if isinstance(getattr(ph, n), types.ModuleType)]\n"
+            "assert not bad, bad\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=os.environ.copy())
+    assert done.returncode == 0, done.stderr[-2000:]

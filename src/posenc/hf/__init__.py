@@ -27,12 +27,12 @@ if TYPE_CHECKING:
     from .adapter import NAME, SUPPORTED, RotaryStandIn, from_pretrained, register, use
     from .checkpoints import load_pretrained, smollm2_gguf
     from .deberta import deberta_from_hf
-    from .export import export
+    from .exporting import export
     from .importers import alibi_from_bloom, t5_attention, t5_from_hf, t5_to_hf
 
 # public name -> the module of this package that defines it; each needs transformers
 _HOME = {"NAME": "adapter", "SUPPORTED": "adapter", "RotaryStandIn": "adapter", "from_pretrained": "adapter",
-         "register": "adapter", "use": "adapter", "deberta_from_hf": "deberta", "export": "export",
+         "register": "adapter", "use": "adapter", "deberta_from_hf": "deberta", "export": "exporting",
          "alibi_from_bloom": "importers", "t5_attention": "importers", "t5_from_hf": "importers", "t5_to_hf": "importers",
          "load_pretrained": "checkpoints", "smollm2_gguf": "checkpoints"}
 
@@ -48,7 +48,7 @@ def __getattr__(name: str) -> Any:
     except ImportError as error:  # an optional extra
         raise ImportError("posenc.hf needs Hugging Face transformers >= 5: pip install 'posenc[hf]'") from error
     value = getattr(importlib.import_module(f"{__name__}.{_HOME[name]}"), name)
-    globals()[name] = value  # later lookups skip this function (and `export` names the function, not its module)
+    globals()[name] = value  # later lookups skip this function
     return value
 
 
