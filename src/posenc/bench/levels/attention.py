@@ -23,7 +23,7 @@ from .base import Level, Workload, schedule_of
 
 def build(job: Job, device: torch.device, dtype: torch.dtype) -> Workload:
     import posenc
-    from posenc.encodings.protocol import Gates, offers
+    from posenc.encodings.protocol import Curves, Gates, offers
 
     dim, heads, b, n = job.dim, job.heads, job.batch, job.length
     schedule = schedule_of(job.method, 1)  # a one-layer schedule: that layer's encoding and attention kind
@@ -41,6 +41,9 @@ def build(job: Job, device: torch.device, dtype: torch.dtype) -> Workload:
     if offers(encoding, Gates):  # FoX's gates read the layer input (dim wide): here its q part
         gates = encoding.log_gates
         setattr(encoding, "log_gates", lambda x: gates(x[..., :dim]))  # an instance attribute over the method
+    if offers(encoding, Curves):  # the Inkling curves read the layer input (dim wide) too: its q part
+        curves = encoding.query_curves
+        setattr(encoding, "query_curves", lambda x, positions: curves(x[..., :dim], positions))
     attn = attn.to(device=device, dtype=dtype)
     train = job.mode == "train"
     attn.train(train)
