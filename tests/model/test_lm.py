@@ -47,7 +47,7 @@ def option_lm(method: str, causal: bool = True, backend: str = "auto", std: floa
 #: property, not a reference), posenc show's maps re-derived by hand, NoPE against PyTorch's SDPA.
 TESTS = Path(__file__).resolve().parents[1]
 REFERENCE_TESTS = [p for p in sorted((TESTS / "encodings").glob("test_*.py")) if p.name != "test_invariants.py"]
-REFERENCE_TESTS += [TESTS / "show" / "test_scores.py", TESTS / "core" / "test_functional.py"]
+REFERENCE_TESTS += [TESTS / "show" / "test_scores.py", TESTS / "functional" / "test_functional.py"]
 
 
 def methods_exercised(path: Path, names: set[str]) -> set[str]:
