@@ -89,9 +89,12 @@ class PoPE(PositionalEncoding):
         return self.base ** (-c / self.head_dim)  # (D,)
 
     def delta(self) -> torch.Tensor:
-        """The phase bias in use, clamped to [-2 pi, 0] (as the references clamp it; the gradient
-        stops outside that range, as theirs does): (H, D)."""
-        return self.phase_bias.clamp(MIN_BIAS, 0.0)
+        """The phase bias in use, clamped to [-2 pi, 0] as the references clamp it: (H, D). The
+        gradient passes inside the closed range, its ends included, and stops outside it, on every
+        torch (torch 2.15's clamp stops it at the ends too, which would freeze the zero init)."""
+        b = self.phase_bias
+        inside = (b >= MIN_BIAS) & (b <= 0.0)
+        return torch.where(inside, b, b.detach().clamp(MIN_BIAS, 0.0))
 
     def rotate(
         self, q: torch.Tensor, k: torch.Tensor, q_positions: torch.Tensor, k_positions: torch.Tensor
