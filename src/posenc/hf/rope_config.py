@@ -176,6 +176,25 @@ DEFAULT_THETA = {"qwen2_vl": 1e6, "qwen2_vl_text": 1e6, "qwen2_5_vl": 1e6, "qwen
                  "qwen3_vl": 5e5, "qwen3_vl_text": 5e5}
 
 
+def _get(cfg: object, key: str) -> Any:
+    """``key`` of a config object or of its dict form (None when absent)."""
+    return cfg.get(key) if isinstance(cfg, Mapping) else getattr(cfg, key, None)
+
+
+def _text_rope_block(config: Any, caller: str) -> tuple[Any, Mapping]:
+    """(the text config: ``text_config`` or the config itself, its RoPE block: ``rope_parameters`` or
+    ``rope_scaling``, {} when none).
+
+    Raises:
+        UsageError: the block is not a dict (naming ``caller``).
+    """
+    text = _get(config, "text_config") or config
+    block = _get(text, "rope_parameters") or _get(text, "rope_scaling") or {}
+    if not isinstance(block, Mapping):
+        raise UsageError(f"{caller}: rope_parameters must be a JSON object (a dict of RoPE keys), got {block!r}")
+    return text, block
+
+
 def mrope_from_hf(config: object, **options: Any) -> MRoPE:
     """An :class:`MRoPE` from a ``transformers`` Qwen2-VL / Qwen2.5-VL / Qwen3-VL config (the whole
     config or its ``text_config``, object or ``config.json`` dict): heads, head dim, ``rope_theta``,
@@ -194,35 +213,29 @@ def mrope_from_hf(config: object, **options: Any) -> MRoPE:
             size (a numeric text such as ``"4"`` included), a ``rope_theta`` that is not a number
             (``"1e6"`` included) or is missing for an unknown ``model_type``, or a bad section.
     """
-    def get(cfg: object, key: str) -> Any:
-        return cfg.get(key) if isinstance(cfg, Mapping) else getattr(cfg, key, None)
-
-    text = get(config, "text_config") or config
-    block = get(text, "rope_parameters") or get(text, "rope_scaling") or {}
-    if not isinstance(block, Mapping):
-        raise UsageError(f"mrope_from_hf: rope_parameters must be a JSON object (a dict of RoPE keys), got {block!r}")
+    text, block = _text_rope_block(config, "mrope_from_hf")
     rope_type = block.get("rope_type", block.get("type", "default"))
     if rope_type not in ("default", "mrope"):
         raise UsageError(f"mrope_from_hf: rope_type {rope_type!r} is not supported (default frequencies only: "
                          "'default', or 'mrope' as Qwen2-VL's config.json writes it)")
-    model_type = str(get(text, "model_type") or get(config, "model_type") or "")
+    model_type = str(_get(text, "model_type") or _get(config, "model_type") or "")
     qwen3 = model_type.startswith("qwen3")
-    if get(text, "num_attention_heads") is None:
+    if _get(text, "num_attention_heads") is None:
         raise UsageError("mrope_from_hf: the config has no num_attention_heads")
-    heads = _hf_int("num_attention_heads", get(text, "num_attention_heads"), "mrope_from_hf")
-    if get(text, "head_dim") is not None:
-        head_dim = _hf_int("head_dim", get(text, "head_dim"), "mrope_from_hf")
+    heads = _hf_int("num_attention_heads", _get(text, "num_attention_heads"), "mrope_from_hf")
+    if _get(text, "head_dim") is not None:
+        head_dim = _hf_int("head_dim", _get(text, "head_dim"), "mrope_from_hf")
     else:
-        hidden = _hf_int("hidden_size", get(text, "hidden_size"), "mrope_from_hf")
+        hidden = _hf_int("hidden_size", _get(text, "hidden_size"), "mrope_from_hf")
         if hidden % heads:
             raise UsageError(f"mrope_from_hf: hidden_size ({hidden}) must be a multiple of num_attention_heads ({heads}) "
                              "when the config gives no head_dim")
         head_dim = hidden // heads
-    base = block.get("rope_theta", get(text, "rope_theta"))
+    base = block.get("rope_theta", _get(text, "rope_theta"))
     if base is None:
-        base = get(config, "rope_theta")
+        base = _get(config, "rope_theta")
     if base is None:
-        default = DEFAULT_THETA.get(model_type) or DEFAULT_THETA.get(str(get(config, "model_type") or ""))
+        default = DEFAULT_THETA.get(model_type) or DEFAULT_THETA.get(str(_get(config, "model_type") or ""))
         if default is None:
             raise UsageError(f"mrope_from_hf: the config gives no rope_theta and model_type {model_type!r} has no known "
                              f"default (known: {sorted(DEFAULT_THETA)}); give rope_theta")
@@ -251,13 +264,7 @@ def xdrope_from_hf(config: object, **options: Any) -> XDRoPE:
         UsageError: a block that is not a dict, another ``rope_type`` (``default``, ``xdrope`` or
             ``dynamic`` with ``alpha``), two sections that differ, or a missing or bad size.
     """
-    def get(cfg: object, key: str) -> Any:
-        return cfg.get(key) if isinstance(cfg, Mapping) else getattr(cfg, key, None)
-
-    text = get(config, "text_config") or config
-    block = get(text, "rope_parameters") or get(text, "rope_scaling") or {}
-    if not isinstance(block, Mapping):
-        raise UsageError(f"xdrope_from_hf: rope_parameters must be a JSON object (a dict of RoPE keys), got {block!r}")
+    text, block = _text_rope_block(config, "xdrope_from_hf")
     legacy, section = block.get("xdrope_section"), block.get("mrope_section")
     if legacy is not None and section is not None and list(legacy) != list(section):
         raise UsageError(f"xdrope_from_hf: xdrope_section {list(legacy)} and mrope_section {list(section)} differ; give one")
@@ -271,19 +278,19 @@ def xdrope_from_hf(config: object, **options: Any) -> XDRoPE:
     else:
         raise UsageError(f"xdrope_from_hf: rope_type {rope_type!r} is not supported ('default', or 'xdrope' / 'dynamic' "
                          "with Hunyuan's alpha)")
-    if get(text, "num_attention_heads") is None:
+    if _get(text, "num_attention_heads") is None:
         raise UsageError("xdrope_from_hf: the config has no num_attention_heads")
-    heads = _hf_int("num_attention_heads", get(text, "num_attention_heads"), "xdrope_from_hf")
-    given = get(text, "head_dim") if get(text, "head_dim") is not None else get(text, "attention_head_dim")
+    heads = _hf_int("num_attention_heads", _get(text, "num_attention_heads"), "xdrope_from_hf")
+    given = _get(text, "head_dim") if _get(text, "head_dim") is not None else _get(text, "attention_head_dim")
     if given is not None:
         head_dim = _hf_int("head_dim", given, "xdrope_from_hf")
     else:
-        hidden = _hf_int("hidden_size", get(text, "hidden_size"), "xdrope_from_hf")
+        hidden = _hf_int("hidden_size", _get(text, "hidden_size"), "xdrope_from_hf")
         if hidden % heads:
             raise UsageError(f"xdrope_from_hf: hidden_size ({hidden}) must be a multiple of num_attention_heads ({heads}) "
                              "when the config gives no head_dim")
         head_dim = hidden // heads
-    base = block.get("rope_theta", get(text, "rope_theta"))
+    base = block.get("rope_theta", _get(text, "rope_theta"))
     base = 10000.0 if base is None else base
     if isinstance(base, bool) or not isinstance(base, numbers.Real) or not math.isfinite(base) or not float(base) > 1:
         raise UsageError(f"xdrope_from_hf: rope_theta must be a number > 1, got {base!r}")
