@@ -152,3 +152,14 @@ def assert_decoding_equals_full(model, backend: str | None = None, length: int =
             assert model.blocks[0].attn.last_backend == backend
         for chunks in CHUNKINGS:
             torch.testing.assert_close(decoded(model, tokens, chunks), full, rtol=0, atol=1e-5)
+
+
+def assert_packed_rows_equal_documents(attn: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``attn(x, document_ids=...)`` on two float64 rows of three documents (7, 2, 6 and 5, 5, 5
+    tokens) equals each document run alone; returns the packed output (B, 15, dim)."""
+    docs = torch.tensor([[0] * 7 + [1] * 2 + [2] * 6, [0] * 5 + [1] * 5 + [2] * 5])
+    got = attn(x, document_ids=docs)
+    for row, spans in ((0, ((0, 7), (7, 9), (9, 15))), (1, ((0, 5), (5, 10), (10, 15)))):
+        for a, c in spans:
+            torch.testing.assert_close(got[row : row + 1, a:c], attn(x[row : row + 1, a:c]), rtol=0, atol=1e-12)
+    return got

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import posenc
-from agreement import assert_decoding_equals_full
+from agreement import assert_decoding_equals_full, assert_packed_rows_equal_documents
 from posenc.errors import UsageError
 
 H, D = 4, 8
@@ -94,12 +94,7 @@ def test_a_packed_row_equals_its_documents_alone():
     attn = posenc.Attention(DIM, H, posenc.build("selective", num_heads=H, head_dim=D)).double()
     with torch.no_grad():
         attn.qkv.weight.mul_(6.0)
-    docs = torch.tensor([[0] * 7 + [1] * 2 + [2] * 6, [0] * 5 + [1] * 5 + [2] * 5])
-    x = torch.randn(2, 15, DIM, dtype=torch.float64)
-    got = attn(x, document_ids=docs)
-    for row, spans in ((0, ((0, 7), (7, 9), (9, 15))), (1, ((0, 5), (5, 10), (10, 15)))):
-        for a, c in spans:
-            torch.testing.assert_close(got[row : row + 1, a:c], attn(x[row : row + 1, a:c]), rtol=0, atol=1e-12)
+    assert_packed_rows_equal_documents(attn, torch.randn(2, 15, DIM, dtype=torch.float64))
 
 
 def test_a_padded_batch_and_a_padded_cache_equal_their_rows_alone():
