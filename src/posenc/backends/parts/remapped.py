@@ -27,15 +27,11 @@ How one call runs:
 
 No (Tq, Tk) tensor is made: a block holds at most L x (P written-out keys) scores.
 
-Decode steps: each region keeps its rotated keys (from the first key on) between calls in the KV
-cache's workspace (one slot per layer: the layer's call number in the
-forward, :meth:`~posenc.call.memo.ForwardMemo.next_call`), so a step rotates only its new keys.
-The kept rows are used only when they are still the cache's rows: the same first key position, the
-same number of rows or fewer before this call's queries, and the same per-row sums of the raw keys
-on every :data:`PROBE`-th kept row and the last 16 (one strided read, shared by the regions). Another
-cache in the same slot differs almost everywhere; reordered beams differ in every row after they
-part, so in the last 16; a cache cropped and refilled is caught by its rows before the queries.
-Anything else rotates every key again. A left-padded batch
+Decode steps: one query with no gradient skips the blocks and the autograd function (:func:`_step`):
+its query is rotated for every region in one call, each region is one rectangle on the kernel, and
+the parts fold in one log-sum-exp. With a KV cache's workspace, each region keeps its rotated keys
+between calls (:mod:`posenc.backends.parts.remap_keys`), so a step rotates only its new keys.
+A left-padded batch
 (``starts``, a decode step of a padded cache) runs row by row, each row at its own positions
 counted from its first real token, as the row alone; its padding queries get 0.
 """
@@ -43,10 +39,9 @@ counted from its first real token, as the row alone; its padding queries get 0.
 from __future__ import annotations
 
 import math
-from typing import Any, cast
+from typing import Any
 
 import torch
-from torch import nn
 
 from ...call.memo import Workspace
 from ...call.spec import ScoreSpec
@@ -56,6 +51,7 @@ from ...errors import UsageError
 from .base import accumulation_dtype
 from .denormals import opaque_to_compile
 from .regions import apply, grouped_sum, kernel_backward, kernel_forward, repeated_heads, use_kernel
+from .remap_keys import Probe, kept_keys
 from .windows import Extras
 
 # Queries per block. On the kernel, 1,024: the CPU flash kernel runs a call of 768 queries or more in
@@ -64,7 +60,6 @@ from .windows import Extras
 # each piece holds (L, P) scores.
 BLOCK = 1024
 EAGER_BLOCK = 256
-PROBE = 64  # kept keys: every PROBE-th row's sum is checked against the cache on each call
 
 # A piece: (region, first key, end key (indices into the region's keys), kind, first row, end row (of
 # the block)); only rows first..end-1 of the block see the piece's keys. Its kind says how it runs:
@@ -141,10 +136,12 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qp: torch.Tensor,
     tq = q.shape[-2]
     if tq == 0 or k.shape[-2] == 0:
         return q.new_zeros(*q.shape[:-1], v.shape[-1])
+    if tq == 1 and not eager and not (torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))):
+        return _step(q, k, v, qp, kp, enc, scale, extras, kept)
     regions = enc.regions(qp, kp)
     bounds = [_bounds(r, qp, kp, extras) for r in regions]
     qs, ks, firsts, spans = [], [], [], []
-    probe = _Probe(k, k.shape[-2] - tq)
+    probe = Probe(k, k.shape[-2] - tq)
     for r, (region, (lo, hi)) in enumerate(zip(regions, bounds)):
         seen = hi > lo  # (Tq,) queries with a key in this region
         if not bool(seen.any()):
@@ -155,7 +152,7 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qp: torch.Tensor,
             qr = scaled_queries(qr, extras.query_scale, qp)
         qs.append(qr)
         if kept is not None and not (torch.is_grad_enabled() and k.requires_grad):
-            ks.append(_kept_keys(enc, k, region.k_at, k1, kp, tq, kept, r, probe)[:, :, k0:])
+            ks.append(kept_keys(enc, k, region.k_at, k1, kp, tq, kept, r, probe)[:, :, k0:])
         else:
             ks.append(enc.rotate_at(k[:, :, k0:k1], region.k_at[k0:k1]))  # (B, Hkv, k1 - k0, D)
         firsts.append(k0)
@@ -168,52 +165,40 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qp: torch.Tensor,
     return apply(_Remapped, plan, scale, firsts, v, sinks, *qs, *ks)
 
 
-class _Probe:
-    """Per-row sums of the raw keys before this call's queries, on every :data:`PROBE` th row (read
-    once per call through a strided view, shared by the regions) and on the last 16 of a prefix."""
-
-    def __init__(self, k: torch.Tensor, before: int):
-        self.k, self.before = k, before
-        self._strided: torch.Tensor | None = None
-
-    def matches(self, sums: torch.Tensor, valid: int) -> bool:
-        """True when the kept ``sums`` (B, Hkv, >= valid) agree with the keys' rows 0..valid-1 at the probes."""
-        if self._strided is None:
-            self._strided = self.k[:, :, :self.before:PROBE].sum(-1)  # (B, Hkv, ceil(before / PROBE))
-        n = -(-valid // PROBE)
-        tail = max(0, valid - 16)
-        return (torch.equal(sums[..., :valid:PROBE], self._strided[..., :n])
-                and torch.equal(sums[..., tail:valid], self.k[:, :, tail:valid].sum(-1)))
-
-
-def _kept_keys(enc: Remaps, k: torch.Tensor, k_at: torch.Tensor, k1: int, kp: torch.Tensor, tq: int,
-               kept: tuple[Workspace, object], region: int, probe: _Probe) -> torch.Tensor:
-    """Keys 0..k1-1 rotated at ``k_at``, (B, Hkv, k1, D): the rows kept from the slot's last call
-    that are still the cache's (see the module docstring), the others rotated now and kept."""
-    workspace, slot = kept
-    b, hkv, tk, d = k.shape
-    entry: dict[str, Any] = workspace.get(("remap-keys", workspace.hold(cast(nn.Module, enc)), slot, region),
-                                          (b, hkv, d, k.dtype, k.device), dict)
-    rows, valid = entry.get("rows"), 0
-    if rows is not None and entry["first"] == int(kp[0]):
-        valid = min(entry["n"], tk - tq, k1)
-        if valid and not probe.matches(entry["sums"], valid):
-            valid = 0
-    if rows is None or rows.shape[2] < k1:
-        grown = k.new_empty(b, hkv, max(k1, 2 * (0 if rows is None else rows.shape[2]), 16), d)  # (B, Hkv, capacity, D)
-        if valid and rows is not None:
-            grown[:, :, :valid] = rows[:, :, :valid]
-        rows = grown
-        sums_kept = k.new_empty(b, hkv, rows.shape[2])
-        if valid:
-            sums_kept[..., :valid] = entry["sums"][..., :valid]
-        entry["sums"] = sums_kept
-    assert rows is not None
-    if valid < k1:
-        rows[:, :, valid:k1] = enc.rotate_at(k[:, :, valid:k1], k_at[valid:k1])
-        entry["sums"][..., valid:k1] = k[:, :, valid:k1].sum(-1)  # (B, Hkv, new rows): what later calls check
-    entry.update(rows=rows, n=k1, first=int(kp[0]))
-    return rows[:, :, :k1]
+def _step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qp: torch.Tensor, kp: torch.Tensor, enc: Remaps,
+          scale: float, extras: Extras | None, kept: tuple[Workspace, object] | None) -> torch.Tensor:
+    """One query with no gradient (a decode step): the same softmax as :func:`_attend`, with the
+    query rotated for every region in one call, one kernel call per region (every key of a region
+    is seen: a rectangle) and the parts folded at once, so that a step adds little host work."""
+    regions = enc.regions(qp, kp)
+    limits = torch.stack([torch.cat(_bounds(r, qp, kp, extras)) for r in regions]).tolist()  # [[lo, hi]] per region
+    active = [(r, lo, hi) for r, (lo, hi) in enumerate(limits) if hi > lo]
+    if not active:
+        return q.new_zeros(*q.shape[:-1], v.shape[-1])
+    n = len(active)
+    qr = enc.rotate_at(q.expand(-1, -1, n, -1), torch.cat([regions[r].q_at for r, _, _ in active]))  # (B, H, n, D)
+    if extras is not None and extras.query_scale is not None:
+        qr = scaled_queries(qr, extras.query_scale, qp.expand(n))
+    probe = Probe(k, k.shape[-2] - 1)
+    outs, lses = [], []
+    for i, (r, lo, hi) in enumerate(active):
+        if kept is not None:
+            keys = kept_keys(enc, k, regions[r].k_at, hi, kp, 1, kept, r, probe)[:, :, lo:hi]
+        else:
+            keys = enc.rotate_at(k[:, :, lo:hi], regions[r].k_at[lo:hi])  # (B, Hkv, hi - lo, D)
+        o, lse = kernel_forward(qr[:, :, i:i + 1], keys, v[:, :, lo:hi], False, scale)
+        outs.append(o)
+        lses.append(lse)
+    acc = accumulation_dtype(q.dtype)
+    parts = torch.stack(lses).to(acc)  # (n, B, H, 1): each region's log-sum-exp
+    total = torch.logsumexp(parts, 0)  # (B, H, 1)
+    sinks = None if extras is None else extras.sinks
+    if sinks is not None:  # one more logit per head with no value
+        if sinks.numel() != q.shape[1]:
+            raise UsageError(f"sinks must hold one logit per query head ({q.shape[1]}), got {sinks.numel()}")
+        total = torch.logaddexp(total, sinks.to(acc).view(1, -1, 1))
+    weights = torch.exp(parts - total)[..., None]  # (n, B, H, 1, 1)
+    return (torch.stack(outs).to(acc) * weights).sum(0).to(q.dtype)  # (B, H, 1, Dv)
 
 
 def _plan(tq: int, spans: list[tuple[torch.Tensor, torch.Tensor]], eager: bool) -> dict[str, Any]:
