@@ -76,6 +76,9 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "glm4v_text": _mrope(1e4, [2, 3, 3]),
     "glm_ocr_text": _mrope(1e4, [2, 3, 3]),
     "glm4v_moe_text": _mrope(1e4, [1, 1, 2], partial_rotary_factor=0.5),
+    # Qwen3-VL's interleaved sections default to a head dim of 128 (24, 20, 20) and its block names none to shrink
+    "qwen3_vl_text": _mrope(5e5, [3, 3, 2]),
+    "qwen3_vl_moe_text": _mrope(5e5, [3, 3, 2]),
 }
 
 #: model_type -> why the census cannot build it here (the test skips it, naming the reason).

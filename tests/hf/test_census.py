@@ -200,7 +200,6 @@ REASONS = {
     "gemma4_text": "different head dims",
     "gemma3n_text": "share keys and values",
     "gemma4_unified_text": "bidirectional",
-    "qwen2_vl_text": "M-RoPE",
     "laguna": "one rotary table per layer type",  # was "no inv_freq buffer"
     "gpt_neox_japanese": "does not call transformers' attention interface",  # was accepted, posenc never ran
 }

@@ -20,6 +20,10 @@ s_w), summing to D/2, says how many frequencies each axis gets:
   width if f % 3 == 2 and f < 3 s_w, temporal otherwise: each axis gets frequencies from the whole
   range.
 
+Partial rotation (GLM-4.1V, ``partial_rotary_factor``): with ``rotary_dim`` r < D only the first r
+features of a head rotate, over F = r/2 frequencies ``theta_f = base^(-2f/r)`` that the sections
+split (summing to r/2); the other D - r features pass through, as in RoPE's partial rotary.
+
 A text token has its three ids equal, p_t = p_h = p_w = p, and is then rotated exactly as 1-D RoPE
 at p; :meth:`MRoPE.rotate` given 1-D positions (T,) does that, so the model, the KV cache and
 generation run it as RoPE. A vision token of a (t, h, w) grid that starts at s has ids
@@ -44,7 +48,8 @@ in float32, cast back once. Under ``torch.compile`` the ids are not read on the 
 break): they index the table as built (``cache_length`` rows, 2048 by default), as RoPE's compiled
 path does.
 
-Shape legend: B batch, H heads, T length, D head dim, F = D/2 frequencies, A axes (3 here).
+Shape legend: B batch, H heads, T length, D head dim, r rotated features (``rotary_dim``, D by
+default), F = r/2 frequencies, A axes (3 here).
 """
 
 from __future__ import annotations
@@ -183,11 +188,17 @@ class MRoPE(PositionalEncoding):
     Args:
         base: theta base (default 10000; transformers' config defaults: Qwen2-VL 1e6, Qwen3-VL 5e5).
         mrope_section: frequencies per axis (temporal, height, width), three non-negative integers
-            summing to head_dim / 2; None: Qwen2-VL's proportions, (16, 24, 24) for head_dim 128, or
-            with ``mrope_interleaved`` Qwen3-VL's, (24, 20, 20).
+            summing to rotary_dim / 2; None: Qwen2-VL's proportions, (16, 24, 24) for 128 rotated
+            features, or with ``mrope_interleaved`` Qwen3-VL's, (24, 20, 20).
         mrope_interleaved: Qwen3-VL's interleaved assignment instead of contiguous sections.
-        layout: "half" (Qwen, feature f pairs with f + D/2) or "interleaved" (2f with 2f + 1).
+        layout: "half" (Qwen, feature f pairs with f + r/2) or "interleaved" (2f with 2f + 1: GLM-4V).
         cache_length: initial rows of the cos/sin table (grows as needed).
+        rotary_dim: r, the rotated features (even, in [2, head_dim]; None: head_dim): the first r of
+            each head rotate, the rest pass through (GLM-4.1V's partial rotary).
+
+    Raises:
+        UsageError: an odd or out-of-range ``rotary_dim``, a section that is not 3 non-negative
+            integers summing to r/2 (or cannot be interleaved over them), a base <= 1, an unknown layout.
     """
 
     name = "mrope"
@@ -207,17 +218,21 @@ class MRoPE(PositionalEncoding):
         mrope_interleaved: bool = False,
         layout: str = "half",
         cache_length: int = 2048,
+        rotary_dim: int | None = None,
     ) -> None:
         super().__init__(num_heads, head_dim, causal)
         if head_dim % 2:
             raise UsageError(f"mrope needs an even head_dim, got {head_dim}")
+        rotary_dim = head_dim if rotary_dim is None else rotary_dim
+        if isinstance(rotary_dim, bool) or not isinstance(rotary_dim, int) or not 2 <= rotary_dim <= head_dim or rotary_dim % 2:
+            raise UsageError(f"rotary_dim must be an even integer in [2, head_dim={head_dim}], got {rotary_dim!r}")
         if isinstance(base, bool) or not isinstance(base, (int, float)) or not base > 1:
             raise UsageError(f"base must be > 1, got {base!r}")
         if layout not in LAYOUTS:
             raise UsageError(f"layout must be one of {LAYOUTS}, got {layout!r}")
         if not isinstance(mrope_interleaved, bool):
             raise UsageError(f"mrope_interleaved must be True or False, got {mrope_interleaved!r}")
-        half = head_dim // 2
+        half, width = rotary_dim // 2, "head_dim" if rotary_dim == head_dim else "rotary_dim"
         section = default_section(half, mrope_interleaved) if mrope_section is None else mrope_section
         if (
             isinstance(section, (str, bytes)) or not isinstance(section, Sequence) or len(section) != 3
@@ -225,22 +240,22 @@ class MRoPE(PositionalEncoding):
         ):
             raise UsageError(f"mrope_section must be 3 non-negative integers {AXES}, got {section!r}")
         if sum(section) != half:
-            raise UsageError(f"mrope_section must sum to head_dim/2 = {half}, got {list(section)} (sum {sum(section)})")
+            raise UsageError(f"mrope_section must sum to {width}/2 = {half}, got {list(section)} (sum {sum(section)})")
         self.mrope_section, self.mrope_interleaved = [int(s) for s in section], mrope_interleaved
         self.axis_of = mrope_axes(half, self.mrope_section, mrope_interleaved)  # (F,)
         if mrope_interleaved:
             counts = torch.bincount(self.axis_of, minlength=3).tolist()
             if counts != self.mrope_section:
                 raise UsageError(
-                    f"mrope_section {self.mrope_section} cannot be interleaved over head_dim/2 = {half} frequencies: "
+                    f"mrope_section {self.mrope_section} cannot be interleaved over {width}/2 = {half} frequencies: "
                     f"height needs 3*{section[1]}-2 < {half} and width 3*{section[2]}-1 < {half} (got {counts} per axis)"
                 )
-        self.base, self.layout = float(base), layout
-        self._table = RotaryTable(default_frequencies(self.base, head_dim).to(torch.float32), check_positive("cache_length", cache_length))
+        self.base, self.layout, self.rotary_dim = float(base), layout, rotary_dim
+        self._table = RotaryTable(default_frequencies(self.base, rotary_dim).to(torch.float32), check_positive("cache_length", cache_length))
 
     @property
     def inv_freq(self) -> torch.Tensor:
-        """float32 (F,) frequencies theta_f = base^(-2f/D)."""
+        """float32 (F,) frequencies theta_f = base^(-2f/r)."""
         return self._table.inv_freq
 
     def cos_sin(self, positions: torch.Tensor, x: torch.Tensor, label: str = "q") -> tuple[torch.Tensor, torch.Tensor]:
@@ -252,12 +267,13 @@ class MRoPE(PositionalEncoding):
     def rotate(
         self, q: torch.Tensor, k: torch.Tensor, q_positions: torch.Tensor, k_positions: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q (B, H, Tq, D), k (B, H, Tk, D) at positions (T,), (3, T) or (3, B, T) -> the same shapes."""
+        """q (B, H, Tq, D), k (B, H, Tk, D) at positions (T,), (3, T) or (3, B, T) -> the same shapes
+        (the first ``rotary_dim`` features rotated)."""
         return rotate_by_axes(self, q, k, q_positions, k_positions)
 
     def extra_repr(self) -> str:
         return (f"{super().extra_repr()}, base={self.base}, mrope_section={self.mrope_section}, "
-                f"mrope_interleaved={self.mrope_interleaved}, layout={self.layout!r}")
+                f"mrope_interleaved={self.mrope_interleaved}, layout={self.layout!r}, rotary_dim={self.rotary_dim}")
 
 
 def vision_text_positions(

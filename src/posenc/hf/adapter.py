@@ -53,6 +53,7 @@ from transformers import PreTrainedModel
 
 from ..encodings import build, get_class, options_of
 from ..encodings.base import PositionalEncoding
+from ..encodings.mrope import MRoPE
 from ..encodings.protocol import Curves, Embeds, Gates, offers
 from ..encodings.rope import RoPE
 from ..errors import UsageError
@@ -161,10 +162,14 @@ def _embed_hook(stack: nn.Module, plan: LayerPlan) -> _PreHook:
 
 def _positions_hook(state: ForwardState) -> Callable[[nn.Module, tuple[Any, ...], dict[str, Any]], None]:
     """A forward pre-hook on the decoder stack: the forward's ``position_ids`` as given (None when
-    the model makes them), for layers that are not passed them."""
+    the model makes them), for layers that are not passed them: (B, T) text positions, or the text
+    row of an M-RoPE backbone's 4-row form (text, temporal, height, width); None for its (3, B, T)
+    ids (posenc.hf.mrope: a 1-D encoding then sees each token at its slot)."""
 
     def hook(stack: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         pos = kwargs.get("position_ids")
+        if isinstance(pos, torch.Tensor) and pos.dim() == 3 and pos.shape[0] == 4:
+            pos = pos[0]
         state.position_ids = pos if isinstance(pos, torch.Tensor) and pos.dim() == 2 else None
 
     return hook
@@ -277,7 +282,7 @@ def use(model: _Model, encoding: str | nn.Module | Schedule, **options: Any) -> 
     stand_in.identity = not (record.get("from_config") and not any(
         isinstance(p.encoding, RoPE) and p.encoding.rotation_depends_on_length for p in plans if p is not None))
     if not stand_in.identity:
-        plans = [None if p is None else replace(p, rotate=not isinstance(p.encoding, RoPE)) for p in plans]
+        plans = [None if p is None else replace(p, rotate=not isinstance(p.encoding, (RoPE, MRoPE))) for p in plans]
     slots = {id(module): i for i, module in enumerate(modules)}  # (each call runs the module held there then)
     plans = [None if p is None else replace(p, slot=slots.get(id(p.encoding))) for p in plans]
     state = stand_in.forward_state

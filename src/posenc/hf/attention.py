@@ -264,8 +264,10 @@ def posenc_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
     if attention_mask is not None and (attention_mask.dim() != 2 or attention_mask.dtype != torch.bool):
         raise UsageError("attention_mask: posenc.hf takes a 2-D padding mask; a prepared 4-D mask is not supported")
     position_ids = kwargs.get("position_ids")
+    if position_ids is not None and position_ids.dim() != 2:
+        position_ids = None  # an M-RoPE backbone's (3, B, T) ids (Glm4vMoe passes them): not text positions
     if position_ids is None:
-        position_ids = forward.position_ids  # families whose layers do not pass them (Llama 4)
+        position_ids = forward.position_ids  # families whose layers do not pass them (Llama 4, M-RoPE backbones)
     if position_ids is None and attention_mask is None:
         position_ids = forward.made_position_ids  # the model's own, made for a forward given none
     tq, tk = query.shape[2], key.shape[2]

@@ -43,6 +43,14 @@ Definitions (r the rotated features of a head, D its q/k head dim):
 - ``qk_head_dim``: the config keys whose sum is D (MLA: ``qk_nope_head_dim + qk_rope_head_dim``);
   by default ``head_dim``, else ``hidden_size // num_attention_heads``.
 - ``causal``: a decoder; ModernBERT is an encoder.
+- ``mrope``: M-RoPE (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, GLM-4V): the decoder stack hands its rotary
+  module (3, B, T) ids (temporal, height, width; image tokens of a grid differ in each) and
+  ``rope_parameters`` splits the frequencies over them (``mrope_section``; Qwen3-VL interleaved,
+  GLM-4V and GLM-OCR interleaved pairs, GLM-4.1V and GLM-4.5V partial rotary). Its layers are not handed those ids (None, or the
+  text row of a 4-row form), so posenc's attention cannot rotate M-RoPE itself, nor know a cached
+  key's ids: under ``"rope"`` the model rotates q and k with its own tables, verified at use()
+  against posenc's :class:`~posenc.encodings.mrope.MRoPE` read from the config on 3-axis ids; other
+  encodings see each token at its text position (docs/hf.md, "M-RoPE backbones").
 
 A family not in :data:`FAMILIES` is read as its config's ``model_type`` says nothing more: the
 adapter checks the model against the LLaMA pattern (see :func:`posenc.hf.use`) and refuses it,
@@ -80,6 +88,7 @@ class Family:
     # A config key that, when true, puts a weightless q/k norm after the rotation (Llama 4's use_qk_norm): the
     # norm cancels a scaling's attention factor, so posenc (which rotates after the model's norm) drops it.
     qk_norm_after_rotation: str | None = None
+    mrope: bool = False
     needs: str = ""  # what the family needed beyond the LLaMA pattern, for docs/hf.md
 
 
@@ -129,6 +138,14 @@ FAMILIES: tuple[Family, ...] = (
     Family("Llama 4", ("llama4_text", "llama4"), typed_layers=True, layout="interleaved", nope="no_rope_layers",
            chunk_key="attention_chunk_size", temperature=True, qk_norm_after_rotation="use_qk_norm",
            needs="NoPE layers with the query temperature (posenc's, at each document's positions); chunked attention on RoPE layers; complex pairs"),
+    Family("Qwen2-VL text", ("qwen2_vl_text", "qwen2_5_vl_text"), mrope=True,
+           needs="M-RoPE (contiguous sections over 3-axis ids), rotated by the model, verified against posenc's mrope"),
+    Family("Qwen3-VL text", ("qwen3_vl_text", "qwen3_vl_moe_text"), window="none", mrope=True,
+           needs="M-RoPE (interleaved sections), rotated by the model, verified against posenc's mrope; router kwargs ignored"),
+    Family("GLM-4V text", ("glm4v_text", "glm_ocr_text"), layout="interleaved", window="none", mrope=True,
+           needs="M-RoPE (contiguous sections), interleaved pairs, partial rotary; rotated by the model, verified against posenc's mrope"),
+    Family("GLM-4V-MoE text", ("glm4v_moe_text",), window="none", mrope=True,
+           needs="M-RoPE (contiguous sections), half pairs, partial rotary; rotated by the model, verified against posenc's mrope"),
     Family("ModernBERT", ("modernbert",), typed_layers=True, rope_blocks="per_type", window_key="local_attention", causal=False,
            needs="an encoder; a RoPE block per layer type; local windows"),
 )

@@ -21,12 +21,14 @@ from torch import nn
 
 from ..encodings import build, get_class, options_of
 from ..encodings.base import PositionalEncoding
+from ..encodings.mrope import MRoPE
 from ..encodings.protocol import Curves, Embeds, Gates, Remaps, Selects, offers
 from ..encodings.rope import RoPE, apply_rotation
 from ..errors import UsageError
 from ..model.schedule import Layer, Schedule
 from .attention import LayerPlan
 from .families import Family, qk_head_dim
+from .mrope import check_axes, refuse_other
 from .rope_config import options_from_hf
 from .schedule_config import schedule_from_hf
 
@@ -197,10 +199,15 @@ def _build(name: str, options: dict[str, Any], sizes: _Sizes, causal: bool) -> P
     return build(name, num_heads=sizes.heads, head_dim=sizes.head_dim, causal=causal, **options, **extra)
 
 
-def _verify_rope(encoding: PositionalEncoding, rotary: nn.Module, kind: str | None, family: Family | None) -> None:
-    """posenc's RoPE read from the config against the model's own tables: the same frequencies
-    and attention factor, or a UsageError naming the difference (never a silently wrong model)."""
-    if not isinstance(encoding, RoPE):
+def _verify_rope(encoding: PositionalEncoding, rotary: nn.Module, kind: str | None, family: Family | None,
+                 model_type: Any = None) -> None:
+    """posenc's RoPE (or M-RoPE) read from the config against the model's own tables: the same
+    frequencies and attention factor (M-RoPE: and the same rotation on 3-axis ids,
+    :func:`posenc.hf.mrope.check_axes`), or a UsageError naming the difference (never a silently
+    wrong model)."""
+    if isinstance(encoding, MRoPE):
+        check_axes(encoding, rotary, model_type)
+    elif not isinstance(encoding, RoPE):
         return
     held_inv, factor = _rotary_buffer(rotary, kind)
     if held_inv.is_meta or encoding.inv_freq.is_meta:  # a model being built by from_pretrained: checked once loaded
@@ -215,8 +222,9 @@ def _verify_rope(encoding: PositionalEncoding, rotary: nn.Module, kind: str | No
     if ours.shape != inv.shape or not torch.allclose(ours, inv, rtol=rtol, atol=1e-9):
         raise UsageError(f"rope: posenc's RoPE read from the {name} config ({ours.numel()} frequencies) differs from the "
                          f"model's rotary module ({inv.numel()}) on layers of type {kind!r}; refusing a wrong model")
-    if abs(encoding.attention_factor - factor) > 1e-6 * max(1.0, abs(factor)):
-        raise UsageError(f"rope: posenc's attention factor {encoding.attention_factor} differs from the {name} model's "
+    ours_factor = encoding.attention_factor if isinstance(encoding, RoPE) else 1.0
+    if abs(ours_factor - factor) > 1e-6 * max(1.0, abs(factor)):
+        raise UsageError(f"rope: posenc's attention factor {ours_factor} differs from the {name} model's "
                          f"{factor} on layers of type {kind!r}")
 
 
@@ -273,6 +281,10 @@ def layer_plans(model: Any, config: Any, family: Family | None, attentions: list
             record["from_config"] = True
     else:
         raise UsageError(f"encoding must be a posenc encoding name, a schedule or an encoding module, got {type(encoding).__name__}")
+    if family is not None and family.mrope:  # what posenc cannot run on an M-RoPE backbone (posenc.hf.mrope)
+        names = {layer.encoding for layer in layers} | ({encoding} if isinstance(encoding, str) else set())
+        refuse_other(getattr(config, "model_type", None), encoding if isinstance(encoding, nn.Module) else None, names,
+                     from_config)
     built: dict[str, PositionalEncoding] = {}
     modules: list[nn.Module] = []
     plans: list[LayerPlan | None] = []
@@ -294,7 +306,7 @@ def layer_plans(model: Any, config: Any, family: Family | None, attentions: list
                 enc = _build(layer.encoding, dict(layer.options), sizes, causal)
                 built[key] = enc
         if from_config:
-            _verify_rope(enc, rotary, kind, family)
+            _verify_rope(enc, rotary, kind, family, getattr(config, "model_type", None))
         if offers(enc, Selects):
             raise UsageError(f"{getattr(enc, 'name', type(enc).__name__)}: posenc.hf does not run selective attention (a "
                              "transformers KV cache keeps no per-key selection sums, so cached decoding would differ from "

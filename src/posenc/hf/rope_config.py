@@ -181,6 +181,11 @@ def _get(cfg: object, key: str) -> Any:
     return cfg.get(key) if isinstance(cfg, Mapping) else getattr(cfg, key, None)
 
 
+#: The M-RoPE model types whose rotation pairs feature 2i with 2i + 1 (GLM-4V, GLM-4.6V and GLM-OCR:
+#: ``rotate_half_llm`` on tables repeated pairwise); the other M-RoPE models pair i with i + r/2.
+INTERLEAVED_PAIRS = ("glm4v", "glm4v_text", "glm46v", "glm_ocr", "glm_ocr_text")
+
+
 def _text_rope_block(config: Any, caller: str) -> tuple[Any, Mapping]:
     """(the text config: ``text_config`` or the config itself, its RoPE block: ``rope_parameters`` or
     ``rope_scaling``, {} when none).
@@ -196,9 +201,10 @@ def _text_rope_block(config: Any, caller: str) -> tuple[Any, Mapping]:
 
 
 def mrope_from_hf(config: object, **options: Any) -> MRoPE:
-    """An :class:`MRoPE` from a ``transformers`` Qwen2-VL / Qwen2.5-VL / Qwen3-VL config (the whole
-    config or its ``text_config``, object or ``config.json`` dict): heads, head dim, ``rope_theta``,
-    ``mrope_section`` and ``mrope_interleaved`` from ``rope_parameters`` (or ``rope_scaling``).
+    """An :class:`MRoPE` from a ``transformers`` Qwen2-VL / Qwen2.5-VL / Qwen3-VL / GLM-4V config (the
+    whole config or its ``text_config``, object or ``config.json`` dict): heads, head dim,
+    ``rope_theta``, ``mrope_section``, ``mrope_interleaved`` and ``partial_rotary_factor`` from
+    ``rope_parameters`` (or ``rope_scaling``; the factor also from the top level).
 
     As Hugging Face's config and rotary classes do: ``"type": "mrope"`` (the published Qwen2-VL
     config.json form) is the default frequencies; ``rope_theta`` is the block's, else the top
@@ -206,7 +212,12 @@ def mrope_from_hf(config: object, **options: Any) -> MRoPE:
     Qwen2.5-VL, 5e5 for Qwen3-VL; another ``model_type`` must give it); a ``model_type`` starting
     with ``qwen3`` always interleaves (Qwen3-VL's class does whatever the flag says), any other
     interleaves only with ``mrope_interleaved``; without ``mrope_section``, (24, 20, 20) for qwen3,
-    (16, 24, 24) otherwise. ``options`` go to :class:`MRoPE` (``causal``, ``cache_length``).
+    (8, 12, 12) for a ``model_type`` starting with ``glm``, (16, 24, 24) otherwise. GLM-4V and
+    GLM-OCR (:data:`INTERLEAVED_PAIRS`) pair features interleaved (``layout="interleaved"``), the
+    others (GLM-4.5V's ``glm4v_moe`` included) half.
+    A ``partial_rotary_factor`` rotates the first ``int(head_dim * factor)`` features (GLM-4.1V), as
+    the rotary module computes it. ``options`` go to :class:`MRoPE` (``causal``, ``cache_length``,
+    ``layout``).
 
     Raises:
         UsageError: a scaled ``rope_type`` (the default frequencies only), a missing or non-integer
@@ -242,10 +253,18 @@ def mrope_from_hf(config: object, **options: Any) -> MRoPE:
         base = default
     if isinstance(base, bool) or not isinstance(base, numbers.Real) or not math.isfinite(base) or not float(base) > 1:
         raise UsageError(f"mrope_from_hf: rope_theta must be a number > 1, got {base!r}")
-    section = block.get("mrope_section") or ([24, 20, 20] if qwen3 else [16, 24, 24])
+    glm = model_type.startswith("glm")
+    section = block.get("mrope_section") or ([24, 20, 20] if qwen3 else [8, 12, 12] if glm else [16, 24, 24])
     interleaved = block.get("mrope_interleaved", False)
     if not isinstance(interleaved, bool):
         raise UsageError(f"mrope_from_hf: mrope_interleaved must be true or false, got {interleaved!r}")
+    factor = block.get("partial_rotary_factor", _get(text, "partial_rotary_factor"))
+    if factor is not None and factor != 1.0:
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0 < factor <= 1:
+            raise UsageError(f"mrope_from_hf: partial_rotary_factor must be a number in (0, 1], got {factor!r}")
+        options.setdefault("rotary_dim", int(head_dim * float(factor)))
+    if model_type in INTERLEAVED_PAIRS or str(_get(config, "model_type") or "") in INTERLEAVED_PAIRS:
+        options.setdefault("layout", "interleaved")
     return MRoPE(heads, head_dim, base=float(base), mrope_section=list(section) if isinstance(section, (list, tuple)) else section,
                  mrope_interleaved=qwen3 or interleaved, **options)
 
@@ -298,4 +317,4 @@ def xdrope_from_hf(config: object, **options: Any) -> XDRoPE:
                   scaling=scaling, **options)
 
 
-__all__ = ["DEFAULT_THETA", "HFRope", "mrope_from_hf", "options_from_hf", "resolve_hf", "rope_from_hf", "xdrope_from_hf"]
+__all__ = ["DEFAULT_THETA", "HFRope", "INTERLEAVED_PAIRS", "mrope_from_hf", "options_from_hf", "resolve_hf", "rope_from_hf", "xdrope_from_hf"]

@@ -26,6 +26,8 @@ Some rows, read here (``transformers`` 5.24):
   scale ``1 + beta ln(1 + floor(pos / original))`` from the block's ``llama_4_scaling_beta``
   (:class:`~posenc.encodings.query_scale.LogFloorScale`), a key taken out of the RoPE block.
 - Qwen3-Next: its ``linear_attention`` layers have no positions (NoPE here).
+- The M-RoPE backbones (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, GLM-4V text): ``mrope`` layers, read by
+  :func:`posenc.mrope_from_hf` (sections, interleaving, GLM's interleaved pairs and partial rotary).
 
 The multimodal wrappers (``gemma3``, ``llama4``) are read through their ``text_config``.
 
@@ -45,7 +47,7 @@ from ..encodings.query_scale import LogFloorScale, Temperature
 from ..errors import UsageError
 from ..model.schedule import Layer, Schedule
 from .families import BY_MODEL_TYPE, family_of, getter, text_config
-from .rope_config import options_from_hf
+from .rope_config import mrope_from_hf, options_from_hf
 
 LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
 
@@ -84,6 +86,19 @@ def _rope(get, block_name: str, block, family: str, layout: str) -> dict:
         options["layout"] = layout
     # Build it once here: an unknown scaling key or a bad value is a UsageError naming it now.
     build("rope", num_heads=int(found["num_heads"]), head_dim=int(found["head_dim"]), **options)
+    return options
+
+
+def _mrope(config: Any, layout: str) -> dict:
+    """The M-RoPE options of an M-RoPE family's config (:func:`posenc.mrope_from_hf`): base,
+    sections, interleaving, the pair layout and the rotated features."""
+    enc = mrope_from_hf(config, layout=layout)
+    options: dict[str, Any] = {"base": enc.base, "mrope_section": list(enc.mrope_section),
+                               "mrope_interleaved": enc.mrope_interleaved}
+    if layout != "half":
+        options["layout"] = layout
+    if enc.rotary_dim != enc.head_dim:
+        options["rotary_dim"] = enc.rotary_dim
     return options
 
 
@@ -144,7 +159,7 @@ def schedule_from_hf(config) -> Schedule:
     def rope_options(kind: str) -> dict:
         key = kind if family.rope_blocks == "per_type" else "all"
         if key not in rope_cache:
-            rope_cache[key] = _rope(get, *block_for(kind), name, family.layout)
+            rope_cache[key] = _mrope(config, family.layout) if family.mrope else _rope(get, *block_for(kind), name, family.layout)
         return dict(rope_cache[key])
 
     window = None
@@ -165,7 +180,7 @@ def schedule_from_hf(config) -> Schedule:
             uses_rope = bool(no_rope[i])
         if family.nope == "full_layers":
             uses_rope = kind == "sliding_attention"
-        layer: dict = {"encoding": "rope" if uses_rope else "nope"}
+        layer: dict = {"encoding": ("mrope" if family.mrope else "rope") if uses_rope else "nope"}
         if uses_rope:
             layer["options"] = rope_options(kind)
         if kind == "sliding_attention":

@@ -1,0 +1,123 @@
+"""posenc.hf on the M-RoPE text backbones (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, GLM-4V): what
+:func:`posenc.hf.use` checks and refuses there (their rows in :data:`posenc.hf.families.FAMILIES`
+say ``mrope=True``).
+
+M-RoPE (Wang et al. 2024, arXiv 2409.12191, §2.1; :mod:`posenc.encodings.mrope`) rotates frequency
+f of a token by ``p_{a(f)} * theta_f``, a(f) one of three position axes (temporal, height, width).
+In these backbones the decoder stack hands its rotary module (3, B, T) ids (a vision token's three
+differ) and its layers get the tables, not the ids (``position_ids`` None, or the text row of the
+4-row packed form, or Glm4vMoe's three rows). The attention function therefore never sees a
+token's 3-axis ids, nor those of the keys in a KV cache, so:
+
+- ``use(model, "rope")``: the model rotates q and k itself with its own tables (the rotary module
+  passes through, the layer's plan says ``rotate=False``), after :func:`check_axes` has verified,
+  on 3-axis ids whose axes all differ, that those tables rotate as posenc's
+  :class:`~posenc.encodings.mrope.MRoPE` read from the config (:func:`posenc.mrope_from_hf`): the
+  same frequencies (within the buffer's dtype), the same axis of each frequency (contiguous or
+  interleaved sections), pair layout, rotated features and no attention factor. The KV cache then
+  holds rotated keys, and the model equals the untouched one on image rows too.
+- another encoding sees each token at its text position (the sequence slot counted from the row's
+  first real token, or the ``position_ids`` given as (B, T), or the text row of the 4-row form): an
+  image token sits at its slot, as if it were a text token (docs/hf.md, "M-RoPE backbones").
+- refused at use() (:func:`refuse_other`): any other rotation (``"rope"`` with options, a remap of
+  it, ``"mrope"`` or another multi-axis rotation, a RoPE module, a schedule's rope layer), which
+  posenc would apply at 1-D text positions, not at the image tokens' 3-axis ids; and absolute
+  encodings, whose embedding needs the position ids the layers are not handed.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..encodings import get_class
+from ..encodings.base import PositionalEncoding
+from ..encodings.mrope import MRoPE, select_axes
+from ..encodings.protocol import Embeds, Remaps, offers
+from ..encodings.rope import RoPE, RotaryTable, apply_rotation
+from ..errors import UsageError
+
+_PROBE_LENGTH = 7
+
+
+def probe_ids(length: int = _PROBE_LENGTH) -> torch.Tensor:
+    """(3, 1, T) ids whose three axes all differ (t = i, h = 2i + 1, w = 3i + 2), so a frequency
+    read from the wrong axis is seen."""
+    i = torch.arange(length)
+    return torch.stack((i, 2 * i + 1, 3 * i + 2))[:, None]  # (3, 1, T)
+
+
+def check_axes(encoding: MRoPE, rotary: nn.Module, model_type: Any) -> None:
+    """The model's rotary module and ``apply_rotary_pos_emb`` against ``encoding`` on
+    :func:`probe_ids`: the rotation of a random head must agree with posenc's (its axes, layout and
+    rotated features, at the frequencies the module holds; the frequencies themselves are compared
+    by the caller, at the buffer's precision). Nothing for a model on the meta device.
+
+    Raises:
+        UsageError: naming the model type: the module has no ``inv_freq`` or modeling module has no
+            ``apply_rotary_pos_emb``, or the rotations differ.
+    """
+    held = getattr(rotary, "inv_freq", None)
+    if not isinstance(held, torch.Tensor):
+        raise UsageError(f"model_type {model_type!r}: its rotary module {type(rotary).__name__} has no inv_freq buffer "
+                         "to check its M-RoPE against the config")
+    if held.is_meta:
+        return
+    apply = getattr(sys.modules.get(type(rotary).__module__), "apply_rotary_pos_emb", None)
+    if apply is None:
+        raise UsageError(f"model_type {model_type!r}: its modeling module has no apply_rotary_pos_emb(q, k, cos, sin) "
+                         "to check its M-RoPE rotation against posenc's")
+    ids = probe_ids()
+    x = torch.randn(1, 1, ids.shape[-1], encoding.head_dim, generator=torch.Generator().manual_seed(0))  # (1, 1, T, D)
+    device = held.device
+    with torch.no_grad():
+        try:
+            cos, sin = rotary(x.to(device), ids.to(device))
+            theirs = apply(x.to(device), x.to(device), cos, sin)[0].float().cpu()
+        except Exception as error:  # their own signature or shapes
+            raise UsageError(f"model_type {model_type!r}: posenc could not run its rotary module on (3, B, T) ids to check "
+                             f"its M-RoPE ({type(error).__name__}: {str(error)[:160]})") from error
+        inv = held.detach().float().cpu()
+        if inv.numel() != encoding.rotary_dim // 2:
+            raise UsageError(f"model_type {model_type!r}: its rotary module turns {2 * inv.numel()} features, and posenc's "
+                             f"mrope read {encoding.rotary_dim} from the config")
+        table = RotaryTable(inv, int(ids.max()) + 1)
+        c, s = select_axes(table, ids, int(ids.max()) + 1, encoding.axis_of)  # (1, 1, T, F)
+        ours = apply_rotation(x, c, s, encoding.layout)
+    tol = 1e-5 * max(1.0, float(x.abs().max()))
+    if theirs.shape != ours.shape or not torch.allclose(theirs, ours, atol=tol, rtol=0):
+        raise UsageError(f"model_type {model_type!r}: its M-RoPE rotates otherwise than posenc's mrope read from the config "
+                         f"(sections {encoding.mrope_section}, interleaved={encoding.mrope_interleaved}, layout "
+                         f"{encoding.layout!r}, {encoding.rotary_dim} rotated features); refusing a wrong model")
+
+
+def refuse_other(model_type: Any, module: nn.Module | None, names: set[str], from_config: bool) -> None:
+    """On an M-RoPE backbone, refuse what posenc cannot run there (see the module docstring):
+    ``module`` the encoding module given to use() (or None), ``names`` the registry names of the
+    encodings asked for (the name given, a schedule's layers).
+
+    Raises:
+        UsageError: naming the model type, the encoding and what posenc lacks.
+    """
+    if from_config:
+        return
+    lacks = ("its layers are not handed the 3-axis (temporal, height, width) ids, nor are a cached key's known, so "
+             "posenc would rotate at 1-D text positions, not at an image token's ids; use(model, 'rope') without "
+             "options runs the model's own M-RoPE, and a non-rotary encoding runs at the text positions")
+    classes: list[tuple[str, Any]] = [(n, get_class(n)) for n in sorted(names)]
+    if module is not None:
+        classes.append((getattr(module, "name", type(module).__name__), type(module)))
+    for name, cls in classes:
+        if isinstance(cls, type) and issubclass(cls, PositionalEncoding):
+            rotary = issubclass(cls, (RoPE, MRoPE)) or offers(cls, Remaps) or int(getattr(cls, "position_axes", 1)) > 1
+            if rotary:
+                raise UsageError(f"model_type {model_type!r} is an M-RoPE backbone, and encoding {name!r} is a rotation: {lacks}")
+            if offers(cls, Embeds):
+                raise UsageError(f"model_type {model_type!r} is an M-RoPE backbone, and encoding {name!r} is absolute: its "
+                                 "embedding needs each token's position ids, which this backbone does not hand its layers")
+
+
+__all__ = ["check_axes", "probe_ids", "refuse_other"]
