@@ -43,6 +43,8 @@ TINY: dict[str, Any] = dict(
     sliding_window=WINDOW, attention_chunk_size=WINDOW,
     # partial rotary given as a width (GPT-J, CodeGen)
     rotary_dim=8,
+    # state-space layers (Mamba-2 in the hybrids): their scan's chunks crossed, and a fast CPU scan
+    mamba_chunk_size=WINDOW, mamba_d_state=16, mamba_n_heads=8,
     # vision towers and other sub-models
     num_layers=2, depth=2, embed_dim=64, num_heads=4, out_hidden_size=64, projection_dim=64,
 )
@@ -64,13 +66,15 @@ OVERRIDES: dict[str, dict[str, Any]] = {
                          num_kv_shared_layers=2, activation_sparsity_pattern=[0.0] * 4, vocab_size_per_layer_input=VOCAB,
                          hidden_size_per_layer_input=16, laurel_rank=8, altup_num_inputs=2),
     "bamba": dict(attn_layer_indices=[1]),  # one mamba and one attention layer
-    "granitemoehybrid": dict(layer_types=["mamba", "attention"]),
+    "granitemoehybrid": dict(layer_types=["mamba", "attention"], position_embedding_type="rope"),  # its default is NoPE
+    "lfm2": dict(layer_types=["conv", "full_attention"]),  # one short-convolution and one attention layer
+    "zamba2": dict(layers_block_type=["linear_attention", "hybrid"], use_mem_rope=True, head_dim=32),  # default NoPE; head 2 x 64 / 4
     "jamba": dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1),
     "recurrent_gemma": dict(block_types=["recurrent", "attention"], head_dim=16),
     "lfm2_moe": dict(layer_types=["conv", "full_attention"], num_dense_layers=1),
     "longcat_flash": dict(qk_head_dim=24, head_dim=8),  # MLA: qk_nope_head_dim + qk_rope_head_dim
     "kolibri1_1": dict(index_num_heads=2, index_layers=[1], kv_source_layers=[0, 1], mlp_only_layers=[0]),
-    "zaya": dict(num_experts_per_tok=1),  # "ZAYA currently supports num_experts_per_tok=1 only"
+    "zaya": dict(num_experts_per_tok=1, layer_types=["hybrid", "hybrid_sliding"]),  # "supports num_experts_per_tok=1 only"
     "qwen2_vl_text": _mrope(1e6, [2, 3, 3]),
     "qwen2_5_vl_text": _mrope(1e6, [2, 3, 3]),
     "glm4v_text": _mrope(1e4, [2, 3, 3]),
@@ -99,7 +103,7 @@ UNBUILDABLE: dict[str, str] = {
     "dory": "its tiny model does not run: a score shape mismatch in its own attention at the generic sizes",
     "inkling2_text": "its tiny model does not run at the generic sizes (an embedding index out of range)",
     "qwen4_exp": "its default config has no head sizes to derive from", "qwen4_exp_text": "its default config has no head sizes",
-    "zamba": "its shared transformer blocks do not tie at the generic depth", "zamba2": "its hybrid layout is keyed by the default depth",
+    "zamba": "its shared transformer blocks do not tie at the generic depth",
     "chameleon": "its default config has no vocabulary map for the image tokens",
     "evolla": "no bare model class for its text config", "hunyuan_vl_text": "its default text config leaves a section list unset",
     "idefics": "its backbone's forward needs image inputs",

@@ -236,6 +236,8 @@ def test_a_model_outside_the_table() -> None:
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "hf.md"
 BEGIN, END = "<!-- families: begin (python tests/hf/test_families.py) -->", "<!-- families: end -->"
 CHECKS = "forward past the window, left padding, packed row, greedy generate (dynamic and static cache); ALiBi invariants"
+HYBRID_CHECKS = ("the census, and tests/hf/test_hybrid_families.py: posenc's attention in the attention layers only, "
+                 "the schedule rotated in the attention, ALiBi's cached decoding, packed rows")
 MROPE_CHECKS = ("the census, and tests/hf/test_mrope_backbones.py: 3-axis image rows, left padding, cached decoding; "
                 "ALiBi, T5, NoPE at text positions")
 
@@ -246,7 +248,9 @@ def family_table() -> str:
         tested = [t for t in family.model_types if t in TESTED]
         if not family.causal:
             continue
-        checks = CHECKS if tested else MROPE_CHECKS if family.mrope else 'the schedule only (tests/hf/test_schedule_config.py)'
+        hybrid = bool(family.no_attention or family.type_names)
+        checks = (CHECKS if tested else MROPE_CHECKS if family.mrope else HYBRID_CHECKS if hybrid
+                  else 'the schedule only (tests/hf/test_schedule_config.py)')
         rows.append(f"| {family.name} | {', '.join(f'`{t}`' for t in family.model_types)} | {family.needs} | {checks} |")
     return "\n".join(rows)
 

@@ -73,7 +73,7 @@ from .attention import (
 from .fallback import check_structure
 from .families import FAMILIES, family_of, qk_head_dim, text_config
 from .forward_state import ForwardState, RotaryStandIn
-from .layers import attention_of, decoder_stack, layer_plans
+from .layers import attention_of, check_shared, decoder_stack, layer_plans, rotary_name
 
 # -- what a checkpoint saved after use() carries, so that it loads right or not at all -------------
 #
@@ -216,17 +216,22 @@ def _planned(model: nn.Module, stack: nn.Module, encoding: str | nn.Module | Sch
     family = family_of(getattr(inner, "model_type", None))
     layers = list(cast(nn.ModuleList, stack.layers))
     attentions = [attention_of(layer) for layer in layers]
+    types = getattr(inner, "layer_types", None)
+    if family is not None and family.no_attention and isinstance(types, (list, tuple)) and len(types) == len(layers):
+        # a hybrid's linear-attention layers never call the attention function (MiniMax's Lightning attention)
+        attentions = [None if kind in family.no_attention else a for a, kind in zip(attentions, types)]
     if not any(a is not None for a in attentions):
         raise UsageError(f"model: no decoder layer of {type(model).__name__} has an attention module with layer_idx "
                          "(posenc.hf looks for self_attn, attention or attn on each layer)")
     if getattr(inner, "use_bidirectional_attention", None):
         raise UsageError("model: use_bidirectional_attention is not supported by posenc.hf (a decoder with causal masks)")
-    current = stack.rotary_emb
+    current = getattr(stack, cast(str, rotary_name(stack)))
     stand_in = current if isinstance(current, RotaryStandIn) else RotaryStandIn(cast(nn.Module, current))
     rotary = stand_in.original
     if family is None:
         check_structure(model, stack, inner, attentions, rotary)
     plans, modules, record = layer_plans(model, inner, family, attentions, rotary, encoding, options)
+    check_shared(layers, attentions, plans)
     return inner, family, layers, attentions, stand_in, plans, modules, record
 
 
@@ -270,7 +275,7 @@ def use(model: _Model, encoding: str | nn.Module | Schedule, **options: Any) -> 
         inner, family, layers, attentions, stand_in, plans, modules, record = _planned(model, stack, encoding, options)
     except UsageError as error:
         raise _naming_the_family(error, model) from error.__cause__
-    stack.rotary_emb = stand_in
+    setattr(stack, cast(str, rotary_name(stack)), stand_in)
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
     stack.posenc_encodings = Encodings(modules).to(device=device, dtype=dtype)

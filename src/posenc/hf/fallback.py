@@ -76,7 +76,7 @@ def _structure(stack: nn.Module, config: Any, attentions: list[nn.Module | None]
     sinks = sorted({n for a in present for n, _ in a.named_parameters(recurse=False) if "sink" in n.lower()})
     if sinks:
         lacks.append(f"its attention has per-head sink logits ({', '.join(sinks)}), which a family row names (Family.sinks)")
-    others = [n for n, m in stack.named_modules() if m is not rotary and _rotary_like(m) and n.split(".")[0] != "rotary_emb"]
+    others = [n for n, m in stack.named_modules() if m is not rotary and _rotary_like(m) and n.split(".")[0] not in ("rotary_emb", "pos_emb")]
     if others:
         lacks.append(f"more rotary modules on its decoder stack than rotary_emb ({', '.join(others[:3])}): per-layer RoPE "
                      "bases, which the fallback's one RoPE block does not describe")

@@ -39,7 +39,12 @@ Definitions (r the rotated features of a head, D its q/k head dim):
   documents alone.
 - ``log_beta``: Ministral 3's query scale, a key of its RoPE block.
 - ``no_attention``: layer types whose layers never call the attention function (Qwen3-Next's Gated
-  DeltaNet layers): they have no positions.
+  DeltaNet layers, Bamba's Mamba-2 layers, LFM2's short convolutions): they have no positions, and
+  posenc leaves them as they are (an attention module they hold, MiniMax's Lightning attention, is
+  not given a plan).
+- ``type_names``: (the family's layer type, posenc's) pairs for layers that are attention layers
+  under another name: Falcon-H1's ``hybrid`` layers run attention and Mamba-2 side by side, ZAYA's
+  ``hybrid_sliding`` ones slide. Their RoPE tables keep the family's name (``hybrid_inv_freq``).
 - ``qk_head_dim``: the config keys whose sum is D (MLA: ``qk_nope_head_dim + qk_rope_head_dim``);
   by default ``head_dim``, else ``hidden_size // num_attention_heads``.
 - ``causal``: a decoder; ModernBERT is an encoder.
@@ -83,6 +88,7 @@ class Family:
     temperature: bool = False
     log_beta: bool = False
     no_attention: tuple[str, ...] = ()
+    type_names: tuple[tuple[str, str], ...] = ()
     qk_head_dim: tuple[str, ...] = ("head_dim",)
     causal: bool = True
     # A config key that, when true, puts a weightless q/k norm after the rotation (Llama 4's use_qk_norm): the
@@ -106,6 +112,24 @@ FAMILIES: tuple[Family, ...] = (
     Family("Qwen3-MoE", ("qwen3_moe",), window=_EVERY, needs="a window on every layer when set"),
     Family("Qwen3-Next", ("qwen3_next",), no_attention=("linear_attention",),
            needs="partial rotary (first quarter); linear-attention layers have no positions"),
+    # Hybrids: attention layers take the encoding, the state-space / linear / convolution layers are left as they are
+    Family("Qwen3.5", ("qwen3_5_text", "qwen3_5", "qwen3_5_moe_text", "qwen3_5_moe"), no_attention=("linear_attention",),
+           needs="partial rotary; Gated DeltaNet layers have no positions; interleaved M-RoPE, 1-D on text positions"),
+    Family("Bamba", ("bamba",), no_attention=("linear_attention",), needs="partial rotary (first half); Mamba-2 layers have no positions"),
+    Family("Falcon-H1", ("falcon_h1",), type_names=(("hybrid", "full_attention"),),
+           needs="attention beside Mamba-2 in every layer (layer type hybrid); the key multiplier before RoPE (nothing to do)"),
+    Family("Granite 4 hybrid", ("granitemoehybrid",), no_attention=("linear_attention",),
+           needs="Mamba-2 layers have no positions; RoPE only with position_embedding_type='rope'"),
+    Family("LFM2", ("lfm2", "lfm2_moe"), no_attention=("conv",), needs="short-convolution layers have no positions"),
+    Family("MiniMax-01", ("minimax",), window=_EVERY, no_attention=("linear_attention",),
+           needs="Lightning-attention layers (their own decay slopes) left as they are; a window on every layer when set"),
+    Family("OLMo hybrid", ("olmo_hybrid",), no_attention=("linear_attention",), needs="Gated DeltaNet layers have no positions"),
+    Family("Zamba2", ("zamba2",), no_attention=("linear_attention",), type_names=(("hybrid", "full_attention"),),
+           needs="Mamba-2 layers have no positions; hybrid layers run tied transformer blocks (their attention input is "
+                 "2 x hidden_size: no forget gates); RoPE only with use_mem_rope=True"),
+    Family("ZAYA", ("zaya",), typed_layers=True, rope_blocks="per_type",
+           type_names=(("hybrid", "full_attention"), ("hybrid_sliding", "sliding_attention")),
+           needs="convolutional (CCA) q/k/v projections, their own padding mask; a RoPE block per layer type (hybrid, hybrid_sliding)"),
     Family("Gemma", ("gemma",), needs="the pattern itself"),
     Family("Gemma 2", ("gemma2",), typed_layers=True, softcap="attn_logit_softcapping",
            needs="logit soft-capping; query_pre_attn_scalar scaling; alternating windows"),
@@ -154,7 +178,7 @@ FAMILIES: tuple[Family, ...] = (
 BY_MODEL_TYPE: dict[str, Family] = {t: f for f in FAMILIES for t in f.model_types}
 
 #: The multimodal wrappers whose text model is read from ``text_config``.
-WRAPPERS = ("gemma3", "llama4")
+WRAPPERS = ("gemma3", "llama4", "qwen3_5", "qwen3_5_moe")
 
 
 def family_of(model_type: Any) -> Family | None:

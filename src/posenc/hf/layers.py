@@ -35,34 +35,82 @@ from .schedule_config import schedule_from_hf
 # -- the plan: family, sizes, schedule -----------------------------------------------------------
 
 
+#: The names a decoder stack's rotary module goes by (LFM2-MoE's is ``pos_emb``).
+ROTARY_NAMES = ("rotary_emb", "pos_emb")
+
+
+def rotary_name(stack: nn.Module) -> str | None:
+    """The attribute of ``stack`` holding its rotary module, or None."""
+    return next((n for n in ROTARY_NAMES if isinstance(getattr(stack, n, None), nn.Module)), None)
+
+
 def decoder_stack(model: nn.Module) -> nn.Module:
-    """The module holding ``layers`` and ``rotary_emb`` (``LlamaModel`` & co.).
+    """The module holding ``layers`` and the rotary module (``rotary_emb``: ``LlamaModel`` & co.).
 
     Raises:
-        UsageError: no such module within three levels (base model prefix, ``model``, ``language_model``).
+        UsageError: no such module within three levels (base model prefix, ``model``, ``language_model``);
+            a stack whose rotary attribute is None (a hybrid whose attention has no RoPE) says so.
     """
     frontier: list[nn.Module] = [model]
+    bare: nn.Module | None = None  # a stack of layers whose rotary attribute is None
     for _ in range(4):
         found: list[nn.Module] = []
         for node in frontier:
-            if isinstance(getattr(node, "layers", None), nn.ModuleList) and isinstance(getattr(node, "rotary_emb", None), nn.Module):
-                return node
+            if isinstance(getattr(node, "layers", None), nn.ModuleList):
+                if rotary_name(node) is not None:
+                    return node
+                if any(hasattr(node, n) for n in ROTARY_NAMES):
+                    bare = node
             for name in (getattr(node, "base_model_prefix", None), "model", "language_model"):
                 child = getattr(node, name, None) if isinstance(name, str) else None
                 if isinstance(child, nn.Module) and child is not node:
                     found.append(child)
         frontier = found
+    if bare is not None:
+        raise UsageError(f"model: the attention of {type(model).__name__} has no RoPE ({type(bare).__name__}'s rotary module "
+                         "is None: NoPE attention, e.g. position_embedding_type=None), and posenc.hf runs only models "
+                         "whose decoder stack computes a rotary embedding once per forward")
     raise UsageError(f"model: {type(model).__name__} has no decoder stack with `layers` and one `rotary_emb` module "
                      "(posenc.hf needs the model's rotary embedding computed once per forward on the decoder stack)")
 
 
 def attention_of(layer: nn.Module) -> nn.Module | None:
-    """A decoder layer's attention module (the one with ``layer_idx``), or None (a linear-attention layer)."""
-    for name in ("self_attn", "attention", "attn"):
-        module = getattr(layer, name, None)
-        if isinstance(module, nn.Module) and hasattr(module, "layer_idx"):
-            return module
+    """A decoder layer's attention module (the one with ``layer_idx``), or None (a linear-attention
+    layer). A hybrid layer's shared transformer block (Zamba2's ``shared_transformer``) is looked in
+    too (see :func:`check_shared`)."""
+    for holder in (layer, getattr(layer, "shared_transformer", None)):
+        for name in ("self_attn", "attention", "attn"):
+            module = getattr(holder, name, None) if isinstance(holder, nn.Module) else None
+            if isinstance(module, nn.Module) and hasattr(module, "layer_idx"):
+                return module
     return None
+
+
+def check_shared(layers: list[nn.Module], attentions: list[nn.Module | None], plans: list[LayerPlan | None]) -> None:
+    """An attention module that serves several layers holds one plan, so those layers must be planned
+    alike; and an encoding that reads the layer input (forget gates, bias curves) is not run in a
+    shared transformer block (Zamba2's: one module per hybrid layer, their weights tied): its
+    attention takes the hidden state and the embeddings side by side (twice hidden_size wide), and
+    each block's ``layer_idx`` is -1, under which the gates of every such layer would be kept.
+
+    Raises:
+        UsageError: two layers of one attention module with different plans (an encoding that learns
+            per layer, or a schedule that differs between them), or gates / curves in a shared block.
+    """
+    held: dict[int, tuple[int, LayerPlan | None]] = {}
+    for i, (layer, attention, plan) in enumerate(zip(layers, attentions, plans)):
+        if attention is None:
+            continue
+        shared = getattr(layer, "shared_transformer", None) is not None
+        if shared and plan is not None and (offers(plan.encoding, Gates) or offers(plan.encoding, Curves)):
+            raise UsageError(f"{getattr(plan.encoding, 'name', type(plan.encoding).__name__)}: layer {i} runs a shared "
+                             "transformer block, whose attention input is not the layer's hidden state and whose gates "
+                             "would be kept under one layer index for every layer it serves; refusing before any forward")
+        first, other = held.setdefault(id(attention), (i, plan))
+        if other != plan:
+            raise UsageError(f"model: layers {first} and {i} share one attention module ({type(attention).__name__}, a "
+                             "shared transformer block), which posenc gives one plan, and they were given different ones "
+                             "(an encoding that learns per layer, or a schedule that differs between them)")
 
 
 def _layer_types(config: Any) -> list[str] | None:

@@ -143,7 +143,8 @@ def schedule_from_hf(config) -> Schedule:
         types = list(get("layer_types") or ["full_attention"] * depth)
     if len(types) != depth:
         raise UsageError(f"schedule_from_hf: layer_types has {len(types)} entries, num_hidden_layers is {depth}")
-    unknown = sorted(set(types) - set(LAYER_TYPES) - set(family.no_attention))
+    named = dict(family.type_names)  # the family's own names of attention layers (Falcon-H1's "hybrid")
+    unknown = sorted(set(types) - set(LAYER_TYPES) - set(family.no_attention) - set(named))
     if unknown:
         raise UsageError(f"schedule_from_hf: layer_types holds {unknown}; known: {list(LAYER_TYPES + family.no_attention)}")
 
@@ -163,7 +164,7 @@ def schedule_from_hf(config) -> Schedule:
         return dict(rope_cache[key])
 
     window = None
-    if "sliding_attention" in types:
+    if "sliding_attention" in [named.get(kind, kind) for kind in types]:
         window = int(_need(get, family.window_key, name))
     no_rope = None
     if family.nope == "no_rope_layers":
@@ -183,6 +184,7 @@ def schedule_from_hf(config) -> Schedule:
         layer: dict = {"encoding": ("mrope" if family.mrope else "rope") if uses_rope else "nope"}
         if uses_rope:
             layer["options"] = rope_options(kind)
+        kind = named.get(kind, kind)
         if kind == "sliding_attention":
             layer["window"] = window
         elif kind == "chunked_attention":
