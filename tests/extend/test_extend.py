@@ -12,6 +12,7 @@ from posenc.errors import UsageError
 from posenc.extend import extend as ex
 from posenc.model.checkpoint import load_checkpoint
 from posenc.study.config import StudyConfig
+from posenc.study.events import StepDone
 from posenc.study.longrope_search import SearchSettings
 from posenc.study.run import run_experiment
 
@@ -58,15 +59,16 @@ def test_extend_resumes_from_its_training_state(study, tmp_path):
                              "steps": 6})
     seen = []
 
-    def stop(label, step):
-        seen.append(step)
-        if step == 5:
-            raise KeyboardInterrupt
+    def stop(event):
+        if isinstance(event, StepDone):
+            seen.append(event.step)
+            if event.step == 5:
+                raise KeyboardInterrupt
 
     import posenc.extend.extend as module
 
     original = module.train
-    module.train = lambda *a, **k: original(*a, **{**k, "on_step": stop})
+    module.train = lambda *a, **k: original(*a, **{**k, "report": stop})
     try:
         with pytest.raises(KeyboardInterrupt):
             ex.extend(out / "checkpoints" / "rope.safetensors", tmp_path / "ext", cfg, progress=False)

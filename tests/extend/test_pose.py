@@ -21,6 +21,7 @@ from posenc.errors import UsageError
 from posenc.extend import extend as ex
 from posenc.extend.pose import pose_layout, pose_position_ids, pose_position_ids_batch, positions_of, step_positions
 from posenc.model.checkpoint import load_checkpoint
+from posenc.study.events import StepDone
 from posenc.study.plan import FINETUNE_STREAM
 
 
@@ -154,12 +155,12 @@ def interrupted(args: list[str], at: int = 3) -> int:
     """``posenc extend`` with these arguments, interrupted (Ctrl-C) when training reaches step ``at``."""
     import posenc.extend.extend as module
 
-    def stop(label, step):
-        if step == at:
+    def stop(event):
+        if isinstance(event, StepDone) and event.step == at:
             raise KeyboardInterrupt
 
     original = module.train
-    module.train = lambda *a, **k: original(*a, **{**k, "on_step": stop})
+    module.train = lambda *a, **k: original(*a, **{**k, "report": stop})
     try:
         return main(args)
     finally:

@@ -369,7 +369,7 @@ def _run(models: Checkpoint, out: Path, cfg: ExtendConfig, data: _Data, record: 
             settings = cfg.settings()
             try:
                 model, trained = train(f"extend {_column(cfg)}", settings, models.trainable(block), data.batches(cfg, settings),
-                                       out / "state.pt", distributed.Context(models.device), ui)
+                                       out / "state.pt", distributed.Context(models.device), report=ui)
             except StateError as err:
                 raise UsageError(f"{err}; delete it and continue with resume to fine-tune from step 0") from None
             record["train"] = trained.to_json()

@@ -46,7 +46,9 @@ The modules, in the order a run meets them:
     bootstrap.py   intervals from resampling the scored windows
     fairness.py    position parameters an evaluation uses but training never updated
     seeds.py       several seeds: the runs, their mean, interval and spread
-    progress.py    bars or log lines
+    events.py      what training, evaluation and the stages report while they run (small records
+                   handed to one callable from the top of the run)
+    progress.py    those events drawn at the top of the run: bars, or log lines with an ETA
     results.py     the output directory's layout, results.json, CSV, markdown, figure
     compare.py     which rows differ: two runs side by side (``posenc report RUN_A RUN_B``), and the
                    rows of one study apart beyond both noises (the windows' intervals, the seeds' spread)

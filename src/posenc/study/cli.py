@@ -25,8 +25,7 @@ from .config import COMPANIONS, LM_ONLY, PAIR_PARTS, PRESET_DESCRIPTIONS, PRESET
 from .executors import EXECUTORS, Execution, cores
 from .plan import parse_shard
 from .results import load_results, markdown_table
-from .run import run_experiment
-from .train import StepCallback
+from .run import StepCallback, run_experiment
 
 _SPECIAL = {"preset"}  # an option of its own: its choices are the presets
 

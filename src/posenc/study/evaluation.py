@@ -8,20 +8,18 @@ method (a learned position table) is not run past its table; its row says why.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
 
 from . import distributed
+from .events import Report, WindowsScored, ignore
 
 # Memory bounds for evaluation batches: tokens per forward, and attention scores per forward
 # (batch x heads x L x L), so long windows are scored a few at a time.
 EVAL_TOKENS = 16384
 EVAL_SCORES = 2**25
-
-# Called after every evaluation batch as on_batch(windows_done, windows_total) (this process's share).
-BatchCallback = Callable[[int, int], None]
 
 
 class _Heads(Protocol):
@@ -103,7 +101,7 @@ def batch_size_for(length: int, num_heads: int) -> int:
 
 @torch.inference_mode()
 def evaluate(model: Scored, valid: torch.Tensor, length: int, stride: int | None, ctx: distributed.Context,
-             on_batch: BatchCallback | None = None) -> dict[str, Any]:
+             report: Report = ignore) -> dict[str, Any]:
     """Mean NLL of the validation targets scored in windows of ``length``; every target once.
 
     Returns loss, perplexity, bits_per_byte, tokens, and ``windows``: per window (in order), the
@@ -114,6 +112,7 @@ def evaluate(model: Scored, valid: torch.Tensor, length: int, stride: int | None
         length: window length (clipped to N).
         stride: distance between window ends; None: ``length`` (non-overlapping).
         ctx: this process's place; windows are dealt round-robin and the sums all-reduced.
+        report: gets a :class:`~.events.WindowsScored` after every batch (this process's windows).
     """
     total = valid.numel() - 1
     length = min(length, total)
@@ -136,8 +135,7 @@ def evaluate(model: Scored, valid: torch.Tensor, length: int, stride: int | None
         at = torch.tensor(index, device=ctx.device)
         sums[0, at] = (token_nll.double() * keep).sum(dim=1)
         sums[1, at] = keep.sum(dim=1).double()
-        if on_batch is not None:
-            on_batch(i + len(chunk), len(mine))
+        report(WindowsScored(i + len(chunk), len(mine)))
     distributed.all_sum(ctx, sums)  # each window was scored by one process
     nll, count = float(sums[0].sum()), int(sums[1].sum())
     loss = nll / count
@@ -152,11 +150,12 @@ def evaluate(model: Scored, valid: torch.Tensor, length: int, stride: int | None
 
 @torch.inference_mode()
 def evaluate_recall(model: Scored, length: int, train_length: int, count: int, ctx: distributed.Context,
-                    on_batch: BatchCallback | None = None) -> dict[str, dict[str, Any]]:
+                    report: Report = ignore) -> dict[str, dict[str, Any]]:
     """Exact-match accuracy of the recall answers at ``length``, per distance class.
 
     Only the answers are scored: the prediction at each query key (the argmax over the whole
-    vocabulary) against the value that followed that key in its pair.
+    vocabulary) against the value that followed that key in its pair. ``report`` gets a
+    :class:`~.events.WindowsScored` after every batch (sequences, this process's share).
 
     Returns:
         {class: {"accuracy", "queries", "distance_min", "distance_max", "windows": {"correct",
@@ -181,8 +180,7 @@ def evaluate_recall(model: Scored, length: int, train_length: int, count: int, c
             guess = logits[rows, at].argmax(dim=-1)  # (B, Q)
             correct[index.to(ctx.device)] = (guess == ids[rows, at + 1]).sum(dim=1).double()
             done += len(index)
-            if on_batch is not None:
-                on_batch(done, total)
+            report(WindowsScored(done, total))
         distributed.all_sum(ctx, correct)
         queries = answers.shape[1]
         out[cls] = {

@@ -33,8 +33,8 @@ from ..errors import UsageError
 from . import seeds
 from .config import StudyConfig
 from .data import Corpus
+from .events import Log, Report, RunDone, Warn
 from .plan import Run
-from .progress import Progress
 from .results_writer import ResultsWriter
 from .worker import Key, Message, Setup, Task, key_of, local_worker, ray_task
 
@@ -231,26 +231,27 @@ def cores() -> int:
 
 
 def executor(execution: Execution, cfg: StudyConfig, out: Path, corpus: Corpus | None, progress: bool
-             ) -> Callable[[ResultsWriter, Sequence[Run], Progress], None]:
+             ) -> Callable[[ResultsWriter, Sequence[Run], Report], None]:
     """What :func:`.pipeline.run_all` calls to run the runs not yet finished with ``execution``."""
     setup = Setup(cfg, str(out), corpus, execution.threads or torch.get_num_threads(), progress)
 
-    def execute(writer: ResultsWriter, runs: Sequence[Run], ui: Progress) -> None:
+    def execute(writer: ResultsWriter, runs: Sequence[Run], report: Report) -> None:
         if not runs:
             return
         pool: Pool = RayPool(setup, execution.address) if execution.executor == "ray" else LocalPool(setup, min(execution.jobs, len(runs)))
         slots = execution.jobs if execution.jobs > 1 or execution.executor == "local" else len(runs)
         try:
-            schedule(pool, writer, runs, slots, ui)
+            schedule(pool, writer, runs, slots, report)
         finally:
             pool.close()
 
     return execute
 
 
-def schedule(pool: Pool, writer: ResultsWriter, runs: Sequence[Run], slots: int, ui: Progress) -> None:
+def schedule(pool: Pool, writer: ResultsWriter, runs: Sequence[Run], slots: int, report: Report) -> None:
     """Run ``runs`` on ``pool``, up to ``slots`` at a time, each once its base has finished; every
-    record into ``writer`` (results.json) as it arrives, the workers' lines on ``ui``.
+    record into ``writer`` (results.json) as it arrives, the workers' lines and finished runs to
+    ``report`` (as :class:`~.events.Log`, :class:`~.events.Warn`, :class:`~.events.RunDone`).
 
     Raises:
         UsageError: a worker's run raised one (its message; the other workers are stopped).
@@ -275,16 +276,16 @@ def schedule(pool: Pool, writer: ResultsWriter, runs: Sequence[Run], slots: int,
         elif records_only:
             return
         elif kind == "log":
-            ui.log(message[1])
+            report(Log(message[1]))
         elif kind == "warn":
-            ui.warn(message[1])
+            report(Warn(message[1]))
         elif kind == "done":
             run = by_key[message[1]]
             running.discard(message[1])
             for base in chain(run)[1:]:  # (a base's record that came again: its seeds' mean again)
                 seeds.aggregate(writer.results["methods"][base.row.name], base.row.stem, writer.paths, writer.cfg.task == "recall")
             writer.aggregate(run)
-            ui.method_done()
+            report(RunDone(run.label))
         elif kind == "failed":
             label = by_key[message[1]].label
             if message[2] == "interrupt":

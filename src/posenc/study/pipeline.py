@@ -33,28 +33,28 @@ from ..model.lm import LM
 from . import bootstrap, distributed, fairness, recall, variants
 from .data import Corpus, train_batch
 from .evaluation import cannot_run, evaluate, evaluate_recall
+from .events import LengthScored, LengthStarted, Log, Report, RunDone, ScoringEnded, ScoringStarted, StudyEnded, StudyStarted, Warn
 from .longrope_search import SearchSettings, search
 from .metrics import LMScore, RecallScore, Score
 from .plan import Plan, Run
-from .progress import Progress
 from .results import write_outputs
 from .results_writer import ResultsWriter, record_of
 from .rows import SEARCHED
 from .studied import StudiedModel
-from .train import Diverged, StateError, StepCallback, TrainSettings, train
+from .train import Diverged, StateError, TrainSettings, train
 
 
 @dataclass
 class Stages:
     """What the stages share: the plan, the data (None: the recall task generates its own), the
-    results being written, and this process's place and output."""
+    results being written, this process's place, and where the run's events go (:mod:`.events`:
+    the top of the run shows them)."""
 
     plan: Plan
     corpus: Corpus | None
     writer: ResultsWriter
     ctx: distributed.Context
-    ui: Progress
-    on_step: StepCallback | None
+    report: Report
     _last: tuple[Run, StudiedModel | None] | None = None  # the last model made (None: diverged): a row's variants reuse it
     _searched: dict[tuple[str, int], dict[str, Any]] = field(default_factory=dict)  # (base run, length) -> its block
 
@@ -84,7 +84,7 @@ class Stages:
                     raise UsageError(f"{err}; delete {run.checkpoint} and continue with resume to train {run.label} "
                                      "again") from None
             else:
-                self.ui.warn(f"[{run.label}] its checkpoint {run.checkpoint} is missing: training it again")
+                self.report(Warn(f"[{run.label}] its checkpoint {run.checkpoint} is missing: training it again"))
         if model is None:
             model = self.train(run, run.settings)
         self._last = (run, model)
@@ -115,8 +115,7 @@ class Stages:
         else:
             start = models.initial(run.row, run.seed)
         try:
-            model, record = train(run.label, settings, start, self.batches(settings), run.state, self.ctx, self.ui,
-                                  self.on_step)
+            model, record = train(run.label, settings, start, self.batches(settings), run.state, self.ctx, self.report)
         except StateError as err:
             raise UsageError(f"{err}; delete it and continue with resume: {run.label} then trains again from step 0, "
                              "other methods keep their results") from None
@@ -137,8 +136,8 @@ class Stages:
             models.save(model, run.checkpoint)
             self.writer.save()
             run.state.unlink(missing_ok=True)  # the final checkpoint replaces it
-        self.ui.log(f"[{run.label}] trained {record.steps} steps in {record.time_s:.1f}s "
-                    f"({record.tokens_per_s:,.0f} tok/s), final loss {record.final_loss:.3f}")
+        self.report(Log(f"[{run.label}] trained {record.steps} steps in {record.time_s:.1f}s "
+                        f"({record.tokens_per_s:,.0f} tok/s), final loss {record.final_loss:.3f}"))
         return model
 
     def searched(self, run: Run, model: StudiedModel, length: int) -> dict[str, Any]:
@@ -167,12 +166,12 @@ class Stages:
                 raise UsageError(f"[{run.label}] +{SEARCHED}: the search at {length} needs {need} training bytes, "
                                  f"the training split has {self.corpus.train.numel()}")
             state = source.state.with_name(f"{source.state.stem}.search-L{length}.json")
-            self.ui.log(f"[{run.label}] LongRoPE's search for L={length}")
+            self.report(Log(f"[{run.label}] LongRoPE's search for L={length}"))
             result = search(model, self.corpus.train[-need:], settings, state=state, resume=state.exists(),
                             progress=False)  # (one summary line below, not one per individual)
-            self.ui.log(f"[{run.label}] searched L={length}: ppl {result.perplexity:.3f} on training windows "
-                        f"(PI {result.baselines['pi']:.3f}, YaRN {result.baselines['yarn']:.3f}), "
-                        f"{result.seconds_per_individual:.2f}s per individual")
+            self.report(Log(f"[{run.label}] searched L={length}: ppl {result.perplexity:.3f} on training windows "
+                            f"(PI {result.baselines['pi']:.3f}, YaRN {result.baselines['yarn']:.3f}), "
+                            f"{result.seconds_per_individual:.2f}s per individual"))
             block = result.block()
         self._searched[key] = block
         return block
@@ -196,7 +195,7 @@ class Stages:
         """Record ``run`` as diverged (no model, no evaluation)."""
         self.writer.set(run, {"status": "diverged", "seed": run.seed, "model": self.plan.models.planned(run.row),
                             "checkpoint": None, "train": train, "eval": []})
-        self.ui.warn(f"[{run.label}] diverged: {train['reason']}; recorded as diverged, going on with the other rows")
+        self.report(Warn(f"[{run.label}] diverged: {train['reason']}; recorded as diverged, going on with the other rows"))
         self.writer.save()
 
     # -- the stages of one run ----------------------------------------------------------------------
@@ -238,26 +237,27 @@ class Stages:
         cfg = self.plan.cfg
         done_lengths = {e["length"] for e in record["eval"]}
         todo = [n for n in cfg.eval_lengths if n not in done_lengths]
-        bar = self.ui.eval_bar(run.label, len(cfg.eval_lengths), len(cfg.eval_lengths) - len(todo))
+        self.report(ScoringStarted(run.label, len(cfg.eval_lengths), len(cfg.eval_lengths) - len(todo)))
         initial = None
-        for length in todo:
-            self.ui.evaluating(bar, length)
-            t0 = time.perf_counter()
-            searched = (lambda n, model=model: self.searched(run, model, n)) if run.row.eval == SEARCHED else None
-            with variants.applied(model, run.row, length, cfg.train_length, searched) as applied:
-                score = self.score_length(model, run, length)
-                if score.ok and fairness.position_parameters(model):
-                    if initial is None:
-                        initial = self.plan.models.initial(run.row.ancestor, run.seed).to(self.ctx.device)
-                    score.untrained = fairness.untrained_used(model, initial, self.probe(length))
-            score.variant = applied
-            score.time_s = round(time.perf_counter() - t0, 3)
-            record["eval"].append(score.to_json())
-            record["eval"].sort(key=lambda e: e["length"])
-            self.ui.log(f"[{run.label}] L={length}: " + score.log_line())
-            self.ui.advance(bar)
-            self.writer.save()
-        self.ui.close(bar)
+        try:
+            for length in todo:
+                t0 = time.perf_counter()
+                searched = (lambda n, model=model: self.searched(run, model, n)) if run.row.eval == SEARCHED else None
+                with variants.applied(model, run.row, length, cfg.train_length, searched) as applied:
+                    self.report(LengthStarted(run.label, length))
+                    score = self.score_length(model, run, length)
+                    if score.ok and fairness.position_parameters(model):
+                        if initial is None:
+                            initial = self.plan.models.initial(run.row.ancestor, run.seed).to(self.ctx.device)
+                        score.untrained = fairness.untrained_used(model, initial, self.probe(length))
+                score.variant = applied
+                score.time_s = round(time.perf_counter() - t0, 3)
+                record["eval"].append(score.to_json())
+                record["eval"].sort(key=lambda e: e["length"])
+                self.report(LengthScored(run.label, length, score.log_line()))
+                self.writer.save()
+        finally:
+            self.report(ScoringEnded(run.label))
 
     def probe(self, length: int) -> torch.Tensor:
         """(1, L + 1) tokens for the untrained-parameter check: the first validation window, or a
@@ -274,71 +274,68 @@ class Stages:
             if self.corpus is None:
                 return RecallScore(length=length, status=reason)
             return LMScore(length=length, status=reason, tokens=self.corpus.valid_tokens)
-        on_batch, done = self.ui.window_bar(run.label, length)
         score: Score
-        try:
-            if self.corpus is None:
-                classes = evaluate_recall(model, length, cfg.train_length, cfg.recall_sequences, self.ctx, on_batch)
-                windows = {cls: d.pop("windows") for cls, d in classes.items()}
-                score = _recall_score(length, classes, windows)
-            else:
-                res = evaluate(model, self.corpus.valid, length, cfg.sliding, self.ctx, on_batch)
-                windows = res.pop("windows")
-                low, high = bootstrap.interval(windows["nll"], windows["count"], bootstrap.exp)
-                score = LMScore(length=length, perplexity=res["perplexity"], ppl_low=low, ppl_high=high,
-                                bits_per_byte=res["bits_per_byte"], loss=res["loss"], tokens=res["tokens"],
-                                windows=len(windows["count"]))
-        finally:
-            done()
+        if self.corpus is None:
+            classes = evaluate_recall(model, length, cfg.train_length, cfg.recall_sequences, self.ctx, self.report)
+            windows = {cls: d.pop("windows") for cls, d in classes.items()}
+            score = _recall_score(length, classes, windows)
+        else:
+            res = evaluate(model, self.corpus.valid, length, cfg.sliding, self.ctx, self.report)
+            windows = res.pop("windows")
+            low, high = bootstrap.interval(windows["nll"], windows["count"], bootstrap.exp)
+            score = LMScore(length=length, perplexity=res["perplexity"], ppl_low=low, ppl_high=high,
+                            bits_per_byte=res["bits_per_byte"], loss=res["loss"], tokens=res["tokens"],
+                            windows=len(windows["count"]))
         if self.ctx.main:
             write_json(self.writer.paths.window_scores(run.row.stem, run.seed, length),
                        {"row": run.row.name, "seed": run.seed, "length": length, **windows})
         return score
 
 
-Execute = Callable[[ResultsWriter, Sequence[Run], Progress], None]  # runs the given runs, filling the writer (see .executors)
+Execute = Callable[[ResultsWriter, Sequence[Run], Report], None]  # runs the given runs, filling the writer (see .executors)
 
 
-def run_all(study: Plan, corpus: Corpus | None, results: dict, ctx: distributed.Context, ui: Progress,
-            on_step: StepCallback | None, started: float, execute: Execute | None = None) -> dict:
+def run_all(study: Plan, corpus: Corpus | None, results: dict, ctx: distributed.Context, report: Report,
+            started: float, execute: Execute | None = None) -> dict:
     """Every run of ``study`` through the stages (:class:`Stages`), skipping the runs a resumed
     study finished, then the study's status and wall time into results.json with its tables and
     figures; returns the results. ``results``: as :func:`.run.prepare` made them (already in
-    results.json); ``started``: when the study began (``time.perf_counter()``); ``execute``: runs
-    the runs not yet finished (in plan order), several at a time (:mod:`.executors`); None: one
-    after another in this process."""
+    results.json); ``report``: where the study's events go (:mod:`.events`); ``started``: when the
+    study began (``time.perf_counter()``); ``execute``: runs the runs not yet finished (in plan
+    order), several at a time (:mod:`.executors`); None: one after another in this process."""
     cfg, paths = study.cfg, study.paths
     writer = ResultsWriter(results, paths, ctx, cfg)
-    stages = Stages(study, corpus, writer, ctx, ui, on_step)
+    stages = Stages(study, corpus, writer, ctx, report)
     what = (f"{cfg.steps} steps of {cfg.batch_size} x {cfg.train_length} bytes" if corpus is not None else
             f"{cfg.steps} steps of {cfg.batch_size} recall sequences of {cfg.train_length}")
-    ui.log(f"posenc study: {len(cfg.rows)} row(s) x {cfg.seeds} seed(s), task {cfg.task}, train length "
-           f"{cfg.train_length}, eval {cfg.eval_lengths}, {what}, out {paths.root}")
+    report(Log(f"posenc study: {len(cfg.rows)} row(s) x {cfg.seeds} seed(s), task {cfg.task}, train length "
+               f"{cfg.train_length}, eval {cfg.eval_lengths}, {what}, out {paths.root}"))
     if results.get("hf"):
         hf = results["hf"]
-        ui.log(f"model: {hf['model_type']} from {hf['path']} (sha256 {hf['sha256'][:12]}), "
-               f"{hf['num_hidden_layers']} layers, hidden {hf['hidden_size']}, {hf['num_attention_heads']} heads "
-               f"({hf['num_key_value_heads']} key/value), vocab {hf['vocab_size']}, random initialisation")
+        report(Log(f"model: {hf['model_type']} from {hf['path']} (sha256 {hf['sha256'][:12]}), "
+                   f"{hf['num_hidden_layers']} layers, hidden {hf['hidden_size']}, {hf['num_attention_heads']} heads "
+                   f"({hf['num_key_value_heads']} key/value), vocab {hf['vocab_size']}, random initialisation"))
     if corpus is not None:
-        ui.log(corpus.summary())
+        report(Log(corpus.summary()))
         for s in corpus.skipped:
-            ui.warn(f"data: skipped {s['file']}: {s['reason']}")
+            report(Warn(f"data: skipped {s['file']}: {s['reason']}"))
+    report(StudyStarted(len(study.runs)))
     try:
         todo = []
         for run in study.runs:
             if writer.finished(run):
-                ui.log(f"[{run.label}] {(writer.run_of(run) or {}).get('status')} already, skipped")
-                ui.method_done()
+                report(Log(f"[{run.label}] {(writer.run_of(run) or {}).get('status')} already, skipped"))
+                report(RunDone(run.label))
             else:
                 todo.append(run)
         if execute is None:
             for run in todo:
                 stages.run(run)
-                ui.method_done()
+                report(RunDone(run.label))
         else:
-            execute(writer, todo, ui)
+            execute(writer, todo, report)
     finally:
-        ui.finish()
+        report(StudyEnded())
     count = results["config"].get("seeds", 1)  # (every row of the study: a resumed study's saved rows too)
     if results.get("shard"):  # (a part of a study: its own runs)
         status = [writer.run_of(run) for run in study.runs]

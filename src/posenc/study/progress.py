@@ -1,6 +1,7 @@
-"""What a study shows while it runs: tqdm bars on a terminal (the study, the method, the windows of
-one evaluation length), plain log lines with an ETA otherwise (a log file, CI), nothing but warnings
-with ``progress=False``.
+"""What a run shows while it works, drawn at the top of the run from the events that training,
+evaluation and the stages report (:mod:`.events`): tqdm bars on a terminal (the study, the method,
+the windows of one evaluation length), plain log lines with an ETA otherwise (a log file, CI),
+nothing but warnings with ``progress=False``.
 
 A stage that will take long (training a method, or scoring one evaluation length) is announced
 with an estimate once its first steps or batches are timed, even with ``progress=False``: a user
@@ -9,11 +10,27 @@ who asked for a million-token evaluation learns within seconds that it takes an 
 
 from __future__ import annotations
 
-import contextlib
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any
+
+from .events import (
+    Event,
+    LengthScored,
+    LengthStarted,
+    Log,
+    RunDone,
+    ScoringEnded,
+    ScoringStarted,
+    StepDone,
+    StudyEnded,
+    StudyStarted,
+    TrainEnded,
+    TrainStarted,
+    Warn,
+    WindowsScored,
+)
 
 LONG_S = 60.0  # a stage projected to take longer than this is announced with an estimate
 LOG_EVERY_S = 30.0  # plain log lines during a long evaluation length: at most this far apart
@@ -30,113 +47,156 @@ def duration(seconds: float) -> str:
 
 
 @dataclass
-class _Scoring:
-    """What :meth:`Progress.window_bar`'s callbacks share while one length is scored."""
+class _Training:
+    """One training loop as it is shown: since when, from which step, its bar."""
 
-    last_log: float  # when the last log line was printed (perf_counter)
+    t0: float  # when the loop began (perf_counter)
+    start: int  # its first step (a resumed run's saved one)
+    every: int  # log a line every this many steps (no bar)
+    bar: Any = None  # a tqdm bar (bars only)
+    announced: bool = False  # the estimate after the first steps was made
+
+
+@dataclass
+class _Length:
+    """One evaluation length as it is shown while its windows are scored."""
+
+    label: str
+    length: int
+    t0: float  # when its scoring began (perf_counter)
+    last_log: float  # when the last log line was printed
     bar: Any = None  # a tqdm bar, once the first batch says there is time for one
     announced: bool = False  # the estimate after the first batch was made
 
 
 class Progress:
-    """Bars on a terminal, log lines otherwise; ``warn`` always prints (on the main process)."""
+    """The events of a run (called as ``progress(event)``, a :data:`.events.Report`) as bars on a
+    terminal, log lines otherwise; a warning always prints (on the main process)."""
 
     def __init__(self, enabled: bool, bars: bool | None = None, main: bool = True) -> None:
         self.enabled = enabled and main
         self.main = main
         self.bars = self.enabled and (sys.stderr.isatty() if bars is None else bars)
-        self.study = None
+        self.study: Any = None  # the study's bar: its runs
+        self._training: _Training | None = None
+        self._scoring: Any = None  # the bar of a run's evaluation lengths
+        self._length: _Length | None = None
 
     def _tqdm(self, **kwargs: Any) -> Any:  # a tqdm bar (tqdm is untyped)
         from tqdm import tqdm
 
         return tqdm(dynamic_ncols=True, **kwargs)
 
-    def study_bar(self, total: int, done: int = 0) -> None:
+    def __call__(self, event: Event) -> None:
+        if isinstance(event, StepDone):
+            self._step(event)
+        elif isinstance(event, WindowsScored):
+            self._windows(event)
+        elif isinstance(event, TrainStarted):
+            self._train_started(event)
+        elif isinstance(event, TrainEnded):
+            self._close_training()
+        elif isinstance(event, ScoringStarted):
+            if self.bars:
+                self._scoring = self._tqdm(total=event.lengths, initial=event.done, desc=f"{event.label} eval",
+                                           unit="length", position=1, leave=False)
+        elif isinstance(event, LengthStarted):
+            self._close_length()
+            now = time.perf_counter()
+            self._length = _Length(event.label, event.length, t0=now, last_log=now)
+            if self._scoring is not None:
+                self._scoring.set_postfix_str(f"L={event.length}")
+        elif isinstance(event, LengthScored):
+            self._close_length()
+            self.log(f"[{event.label}] L={event.length}: {event.summary}")
+            if self._scoring is not None:
+                self._scoring.update(1)
+        elif isinstance(event, ScoringEnded):
+            self._close_length()
+            if self._scoring is not None:
+                self._scoring.close()
+                self._scoring = None
+        elif isinstance(event, RunDone):
+            if self.study is not None:
+                self.study.update(1)
+        elif isinstance(event, StudyStarted):
+            if self.bars:
+                self.study = self._tqdm(total=event.runs, desc="study", unit="method", position=0)
+        elif isinstance(event, StudyEnded):
+            if self.study is not None:
+                self.study.close()
+                self.study = None
+        elif isinstance(event, Log):
+            self.log(event.text)
+        elif isinstance(event, Warn):
+            self.warn(event.text)
+
+    def _train_started(self, event: TrainStarted) -> None:
+        self._close_training()
+        if event.start:
+            self.log(f"[{event.label}] resuming from step {event.start}/{event.steps}")
+        bar = None
         if self.bars:
-            self.study = self._tqdm(total=total, initial=done, desc="study", unit="method", position=0)
+            bar = self._tqdm(total=event.steps, initial=event.start, desc=event.label, unit="step", position=1,
+                             leave=False)
+        self._training = _Training(time.perf_counter(), event.start, max(1, event.steps // 10), bar)
 
-    def method_bar(self, method: str, total: int, start: int) -> Any:
-        self._every = max(1, total // 10)
-        self._t0, self._start, self._announced = time.perf_counter(), start, False
-        if not self.bars:
-            return None
-        return self._tqdm(total=total, initial=start, desc=method, unit="step", position=1, leave=False)
-
-    def step(self, bar: Any, method: str, done: int, total: int, loss: float, tokens_per_s: float) -> None:
-        rate = (done - self._start) / max(time.perf_counter() - self._t0, 1e-9)
+    def _step(self, event: StepDone) -> None:
+        t = self._training
+        if t is None:  # (a step reported without its loop's start: nothing to time it against)
+            return
+        done, total = event.step, event.steps
+        rate = (done - t.start) / max(time.perf_counter() - t.t0, 1e-9)
         eta = (total - done) / max(rate, 1e-9)
-        if not self._announced and done - self._start >= 2:  # the first step pays for warm-up
-            self._announced = True
+        if not t.announced and done - t.start >= 2:  # the first step pays for warm-up
+            t.announced = True
             if eta > LONG_S:
-                self.warn(f"[{method}] training will take about {duration(eta)} more "
+                self.warn(f"[{event.label}] training will take about {duration(eta)} more "
                           f"({total - done} steps at {1 / max(rate, 1e-9):.2f} s/step)")
         if not self.enabled:
             return
-        if bar is not None:
-            bar.update(1)
-            bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens_per_s:,.0f}", refresh=False)
-        elif done % self._every == 0 or done == total:
-            self.log(f"[{method}] step {done}/{total} loss {loss:.3f} {tokens_per_s:,.0f} tok/s eta {duration(eta)}")
+        if t.bar is not None:
+            t.bar.update(1)
+            t.bar.set_postfix(loss=f"{event.loss:.3f}", tok_s=f"{event.tokens_per_s:,.0f}", refresh=False)
+        elif done % t.every == 0 or done == total:
+            self.log(f"[{event.label}] step {done}/{total} loss {event.loss:.3f} {event.tokens_per_s:,.0f} tok/s "
+                     f"eta {duration(eta)}")
 
-    def eval_bar(self, method: str, total: int, done: int) -> Any:
-        if not self.bars:
-            return None
-        return self._tqdm(total=total, initial=done, desc=f"{method} eval", unit="length", position=1, leave=False)
+    def _close_training(self) -> None:
+        if self._training is not None and self._training.bar is not None:
+            self._training.bar.close()
+        self._training = None
 
-    def evaluating(self, bar: Any, length: int) -> None:
-        if bar is not None:
-            bar.set_postfix_str(f"L={length}")
+    def _windows(self, event: WindowsScored) -> None:
+        """A bar or log lines with an ETA for the length being scored, and an estimate after its
+        first batch when it will take long."""
+        state = self._length
+        if state is None:  # (windows scored outside a study's length: nothing to show them against)
+            return
+        done, total = event.done, event.total
+        now = time.perf_counter()
+        eta = (now - state.t0) / done * (total - done)
+        if not state.announced:
+            state.announced = True
+            if eta > LONG_S:
+                self.warn(f"[{state.label}] L={state.length}: scoring {total:,} windows will take about "
+                          f"{duration(eta)} (from the first batch); an interrupt loses only this length")
+            if self.bars:
+                state.bar = self._tqdm(total=total, initial=done, desc=f"L={state.length}", unit="window",
+                                       position=2, leave=False)
+                return
+        if state.bar is not None:
+            state.bar.update(done - state.bar.n)
+        elif self.enabled and done < total and now - state.last_log >= LOG_EVERY_S:
+            state.last_log = now
+            self.log(f"[{state.label}] L={state.length}: {done:,}/{total:,} windows, eta {duration(eta)}")
 
-    def window_bar(self, method: str, length: int) -> tuple[Callable[[int, int], None], Callable[[], None]]:
-        """(on_batch, close) for scoring one length: a bar or log lines with an ETA, and an
-        estimate after the first batch when the length will take long."""
-        t0 = time.perf_counter()
-        state = _Scoring(last_log=t0)
+    def _close_length(self) -> None:
+        if self._length is not None and self._length.bar is not None:
+            self._length.bar.close()
+        self._length = None
 
-        def on_batch(done: int, total: int) -> None:
-            now = time.perf_counter()
-            eta = (now - t0) / done * (total - done)
-            if not state.announced:
-                state.announced = True
-                if eta > LONG_S:
-                    self.warn(f"[{method}] L={length}: scoring {total:,} windows will take about {duration(eta)} "
-                              f"(from the first batch); an interrupt loses only this length")
-                if self.bars:
-                    state.bar = self._tqdm(total=total, initial=done, desc=f"L={length}", unit="window",
-                                              position=2, leave=False)
-                    return
-            if state.bar is not None:
-                state.bar.update(done - state.bar.n)
-            elif self.enabled and done < total and now - state.last_log >= LOG_EVERY_S:
-                state.last_log = now
-                self.log(f"[{method}] L={length}: {done:,}/{total:,} windows, eta {duration(eta)}")
-
-        def close() -> None:
-            if state.bar is not None:
-                state.bar.close()
-
-        return on_batch, close
-
-    def advance(self, bar: Any) -> None:
-        if bar is not None:
-            bar.update(1)
-
-    def close(self, bar: Any) -> None:
-        if bar is not None:
-            bar.close()
-
-    @contextlib.contextmanager
-    def closing(self, bar: Any) -> Iterator[Any]:
-        try:
-            yield bar
-        finally:
-            if bar is not None:
-                bar.close()
-
-    def method_done(self) -> None:
-        if self.study is not None:
-            self.study.update(1)
+    # -- lines ----------------------------------------------------------------------------------------
 
     def _print(self, msg: str) -> None:
         if self.bars:
@@ -155,6 +215,5 @@ class Progress:
         if self.main:
             self._print(msg)
 
-    def finish(self) -> None:
-        if self.study is not None:
-            self.study.close()
+
+__all__ = ["LOG_EVERY_S", "LONG_S", "Progress", "duration"]

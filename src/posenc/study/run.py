@@ -12,6 +12,7 @@ import sys
 import time
 from dataclasses import asdict, replace
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -21,6 +22,7 @@ from ..version import __version__
 from . import distributed, recall
 from .config import StudyConfig
 from .data import Corpus, load_corpus
+from .events import Event, Report, StepDone
 from .executors import Execution, executor
 from .models import checked_models
 from .pipeline import run_all
@@ -29,7 +31,10 @@ from .plan import shard as part_of
 from .progress import Progress
 from .results import SCHEMA, Paths, check_resumable, load_results
 from .rows import expand, parse
-from .train import StepCallback
+
+# Called after every finished training step as on_step(method, step): a hook for callers (and how
+# the tests interrupt a run at an exact step).
+StepCallback = Callable[[str, int], None]
 
 
 def environment(ctx: distributed.Context) -> dict:
@@ -210,16 +215,28 @@ def run_experiment(cfg: StudyConfig, out: str | Path, *, resume: bool = False, p
         if ctx.main:
             write_json(study.paths.results, results)
         ui = Progress(progress, main=ctx.main)
-        ui.study_bar(len(study.runs))
         if rundir is not None and rundir.notice:
             ui.warn(rundir.notice)
         execute = executor(execution, cfg, out, corpus, progress) if execution.parallel else None
-        return run_all(study, corpus, results, ctx, ui, on_step, started, execute)
+        return run_all(study, corpus, results, ctx, _shown(ui, on_step), started, execute)
     except WriteError as err:
         raise WriteError(f"{err}; finished work is in {out}: make room, then continue with resume") from err
     finally:
         if rundir is not None:
             rundir.release()
+
+
+def _shown(ui: Progress, on_step: StepCallback | None) -> Report:
+    """Where the study's events go: ``ui``, and each finished step to ``on_step`` too."""
+    if on_step is None:
+        return ui
+
+    def report(event: Event) -> None:
+        ui(event)
+        if isinstance(event, StepDone):
+            on_step(event.label, event.step)
+
+    return report
 
 
 __all__ = ["environment", "prepare", "run_experiment"]

@@ -15,6 +15,7 @@ before the optimizer applies it; the study records the run as diverged and goes 
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
 import pickle
@@ -25,19 +26,15 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.nn.functional as F
 
 from ..files import atomic_write
 from . import distributed
-from .progress import Progress
+from .events import Report, StepDone, TrainEnded, TrainStarted, ignore
 from .studied import StudiedModel
-
-# Called after every finished training step as on_step(method, step): a progress hook for callers
-# (and how the tests interrupt a run at an exact step).
-StepCallback = Callable[[str, int], None]
 
 IGNORE = -100  # a target that is not scored
 
@@ -249,19 +246,31 @@ def _wrap(model: StudiedModel, ctx: distributed.Context) -> torch.nn.Module:
     return DistributedDataParallel(model, device_ids=ids, **no_sync)
 
 
+@contextlib.contextmanager
+def _loop_reported(report: Report, label: str, steps: int, start: int) -> Iterator[None]:
+    """Within the block, the training loop: reported as started, and as ended however it is left."""
+    report(TrainStarted(label, steps, start))
+    try:
+        yield
+    finally:
+        report(TrainEnded(label))
+
+
 def train(label: str, settings: TrainSettings, model: StudiedModel, batch: Callable[[int], tuple[torch.Tensor | None, ...]],
-          state_path: Path, ctx: distributed.Context, ui: Progress, on_step: StepCallback | None = None
-          ) -> tuple[StudiedModel, TrainRecord]:
+          state_path: Path, ctx: distributed.Context, report: Report = ignore) -> tuple[StudiedModel, TrainRecord]:
     """Train ``model`` (its initial state) as ``settings`` say, continuing from ``state_path`` when
     it exists; returns the model and its training record. Each process computes its share of
     every global batch; targets equal to ``IGNORE`` are not scored (the recall task scores only its
     answers).
 
     Args:
-        label: the run's name in progress lines, and what ``on_step`` is called with.
+        label: the run's name in the events it reports.
         batch: step -> inputs, targets (B, T) each [, document ids (B, T) or None [, positions
             (B, T): the inputs' position ids, e.g. PoSE's (:mod:`.pose`)]]: a pure function of the
             step, so a run continued from a saved state sees the batches an unbroken one would.
+        report: where the loop's events go (:mod:`.events`): :class:`~.events.TrainStarted`, a
+            :class:`~.events.StepDone` after every step (raising in it, e.g. KeyboardInterrupt,
+            stops the run there), and :class:`~.events.TrainEnded` however the loop is left.
 
     Raises:
         StateError: ``state_path`` is damaged or from another model.
@@ -274,7 +283,6 @@ def train(label: str, settings: TrainSettings, model: StudiedModel, batch: Calla
     losses: list[float] = []
     if state_path.exists():
         start, losses, elapsed = restore(state_path, model, opt, sched, ctx.device, drop_at)
-        ui.log(f"[{label}] resuming from step {start}/{steps}")
 
     def save_state(step: int) -> None:
         if ctx.main:
@@ -286,9 +294,8 @@ def train(label: str, settings: TrainSettings, model: StudiedModel, batch: Calla
 
     net = _wrap(model, ctx)
     dropped = drop_at is not None and start > drop_at  # (restore dropped them already)
-    bar = ui.method_bar(label, steps, start)
     model.train()
-    with StopOnSignal(enabled=not ctx.distributed) as stop, ui.closing(bar):
+    with StopOnSignal(enabled=not ctx.distributed) as stop, _loop_reported(report, label, steps, start):
         for step in range(start, steps):
             t0 = time.perf_counter()
             if not dropped and drop_at is not None and step >= drop_at:
@@ -328,9 +335,7 @@ def train(label: str, settings: TrainSettings, model: StudiedModel, batch: Calla
             done = step + 1
             if done % settings.checkpoint_every == 0 and done < steps:
                 save_state(done)
-            ui.step(bar, label, done, steps, losses[-1], settings.tokens_per_step * done / max(elapsed, 1e-9))
-            if on_step is not None:
-                on_step(label, done)
+            report(StepDone(label, done, steps, losses[-1], settings.tokens_per_step * done / max(elapsed, 1e-9)))
             if stop.requested and done < steps:
                 save_state(done)
                 raise KeyboardInterrupt

@@ -87,7 +87,8 @@ class WorkerResultsWriter(ResultsWriter):
 
 
 class WorkerProgress(Progress):
-    """Log lines and warnings sent to the main process, which shows them; no bars."""
+    """A worker's run's events as the lines a serial study shows (:class:`.progress.Progress`
+    without bars), sent to the main process, which shows them."""
 
     def __init__(self, enabled: bool, emit: Emit) -> None:
         super().__init__(enabled, bars=False)
@@ -109,7 +110,7 @@ def make_stages(setup: Setup, emit: Emit) -> Stages:
     study = plan(cfg, models_for(cfg), paths, 1)
     ctx = distributed.Context(torch.device(cfg.device))
     writer = WorkerResultsWriter(paths, ctx, cfg, {key_of(r): r for r in study.runs}, emit)
-    return Stages(study, setup.corpus, writer, ctx, WorkerProgress(setup.progress, emit), None)
+    return Stages(study, setup.corpus, writer, ctx, WorkerProgress(setup.progress, emit))
 
 
 def run_task(stages: Stages, task: Task, emit: Emit) -> bool:
@@ -117,8 +118,8 @@ def run_task(stages: Stages, task: Task, emit: Emit) -> bool:
     writer = stages.writer
     assert isinstance(writer, WorkerResultsWriter)
     writer.emit = emit
-    assert isinstance(stages.ui, WorkerProgress)
-    stages.ui.emit = emit
+    assert isinstance(stages.report, WorkerProgress)
+    stages.report.emit = emit
     run = writer.runs[task.key]
     writer.results["methods"] = copy.deepcopy(task.methods)
     # The task's own run is sent after every save, whichever stage changed its record: a resumed
