@@ -12,6 +12,9 @@ random weights, against the untouched ``transformers`` backbone.
   cached decoding equals the full pass (also left-padded), and a text-only row under ALiBi equals
   the same weights in Qwen2 / Qwen3 (posenc's plain Llama-like path).
 - what posenc cannot run there is refused at use(), naming the model type.
+- the whole image-text-to-text model (Qwen2-VL, GLM-4V) with an image: posenc's attention in its
+  text model only, the vision tower's left as it was; forward, cached generate and a save/load
+  round trip equal the untouched model under "rope".
 """
 
 from __future__ import annotations
@@ -253,3 +256,50 @@ def test_mrope_reads_partial_rotation_and_glm_pairs() -> None:
         MRoPE(2, 16, rotary_dim=7, mrope_section=[1, 1, 1])
     with pytest.raises(UsageError, match="sum to rotary_dim/2 = 4"):
         MRoPE(2, 16, rotary_dim=8, mrope_section=[2, 3, 3])
+
+
+# -- the whole image-text-to-text model: its vision tower keeps its own attention --------------------
+
+
+def _vision_language(model_type: str) -> tuple[torch.nn.Module, torch.Tensor, dict]:
+    """A tiny image-text-to-text model (the census's tiny keys, sections fitting the tiny head, image
+    tokens inside the tiny vocabulary) and a row [text | vision start | image | text] with one
+    4 x 4-patch image (merged to 2 x 2 tokens), with what its forward takes."""
+    config = census.tiny_config(model_type)
+    text = config.text_config
+    text.rope_parameters = {**text.rope_parameters, "mrope_section": [3, 3, 2] if model_type.startswith("qwen3") else [2, 3, 3]}
+    config.image_token_id, config.vision_start_token_id = 5, 6
+    torch.manual_seed(0)
+    model = transformers.AutoModelForImageTextToText.from_config(config).eval()
+    vision = config.vision_config
+    p, merge = vision.patch_size, vision.spatial_merge_size
+    channels = getattr(vision, "in_channels", None) or getattr(vision, "in_chans", 3)
+    pixels = torch.randn(16, channels * vision.temporal_patch_size * p * p, generator=torch.Generator().manual_seed(2))
+    image = 16 // (merge * merge)
+    ids = torch.cat((tokens(1, 3, seed=3) + 7, torch.tensor([[6]]), torch.full((1, image), 5), tokens(1, 5, seed=4) + 7), 1)
+    ids = ids.clamp(max=census.VOCAB - 1)
+    inputs = {"pixel_values": pixels, "image_grid_thw": torch.tensor([[1, 4, 4]]), "mm_token_type_ids": (ids == 5).long()}
+    return model, ids, inputs
+
+
+@pytest.mark.parametrize("model_type", ["qwen2_vl", "glm4v"])
+def test_the_whole_model_runs_an_image(model_type: str, tmp_path) -> None:
+    """use() on the image-text-to-text model: posenc's attention in its text model only (the vision
+    tower's attention is left as it was), so an image forward and cached generation equal the
+    untouched model's under "rope", and run under ALiBi; saved and loaded, the same."""
+    ref, ids, inputs = _vision_language(model_type)
+    model = phf.use(copy.deepcopy(ref), "rope")
+    assert model.config.text_config._attn_implementation == "posenc"
+    assert model.config.vision_config._attn_implementation == ref.config.vision_config._attn_implementation
+    with torch.no_grad():
+        expected = ref(ids, **inputs).logits
+        assert gap(model(ids, **inputs).logits, expected) < TOLERANCE
+        steps = {"max_new_tokens": 3, "do_sample": False}
+        assert torch.equal(model.generate(ids, **inputs, **steps), ref.generate(ids, **inputs, **steps))
+        alibi = phf.use(copy.deepcopy(ref), "alibi")
+        assert gap(alibi(ids, **inputs).logits, expected) > 1e-3  # posenc's attention runs in the text model
+    model.save_pretrained(tmp_path)
+    loaded = phf.from_pretrained(transformers.AutoModelForImageTextToText, tmp_path).eval()
+    assert loaded.config.vision_config._attn_implementation != "posenc"
+    with torch.no_grad():
+        assert gap(loaded(ids, **inputs).logits, expected) < TOLERANCE

@@ -312,10 +312,32 @@ def use(model: _Model, encoding: str | nn.Module | Schedule, **options: Any) -> 
         hook = _embed_hook(stack, LayerPlan(cast(PositionalEncoding, modules[0]), slot=0))
         layers[0].__dict__["_posenc_hook_embed"] = layers[0].register_forward_pre_hook(hook, with_kwargs=True)
     register()
-    model.set_attn_implementation(NAME)
+    model.set_attn_implementation(_attention_choice(model, stack))
     config.posenc = record
     mark(config)
     return model
+
+
+def _attention_choice(model: nn.Module, stack: nn.Module) -> str | dict[str, Any]:
+    """What ``set_attn_implementation`` is given: posenc's attention for the model and its decoder
+    stack; a multimodal model's other sub-models (a vision or audio tower, which posenc does not
+    plan) keep their own, or SDPA where theirs is posenc's (a model loaded with config.json's
+    ``attn_implementation="posenc"``). Without this an image forward of Qwen2-VL & co. reached
+    posenc's attention in the vision tower and failed."""
+    config: Any = model.config
+    text = getattr(stack, "config", None)
+    others = [k for k in getattr(config, "sub_configs", None) or {}
+              if getattr(config, k, None) is not None and getattr(config, k) is not text]
+    if stack is model or text is None or not others:
+        return NAME
+    choice: dict[str, Any] = {"": NAME}
+    for key in getattr(config, "sub_configs"):
+        sub = getattr(config, key, None)
+        if sub is None:
+            continue
+        own = getattr(sub, "_attn_implementation", None)
+        choice[key] = NAME if sub is text else own if own not in (None, NAME) else "sdpa"
+    return choice
 
 
 def _installed(model: nn.Module) -> Encodings | nn.ModuleList:
