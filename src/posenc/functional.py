@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import contextlib
 import math
+from dataclasses import replace
+from typing import cast
 
 import torch
 
@@ -108,7 +110,8 @@ def attend(
         chunk: chunked attention of size C: a query sees the keys of its chunk [cC, (c+1)C) of
             positions, which stay global (Llama 4); None: no chunks. Not with ``window``.
         sinks: (H,) attention-sink logits, one per query head, in every softmax row with no value
-            (gpt-oss); None: no sinks.
+            (gpt-oss), or (B, H, Tq) per-query sink logits, one per softmax row (Inkling-2's
+            ``sink_proj`` of each token's layer input); None: no sinks.
         query_scale: a per-query factor of the positions (:mod:`posenc.encodings.query_scale`: Llama 4's
             temperature, Ministral 3's beta form, Scalable-Softmax), applied after the rotation.
         log_gates: (B, H, Tk) per-key log forget gates (finite, <= 0), the keys' ``encoding.log_gates(x)``
@@ -120,7 +123,8 @@ def attend(
         query_curves: (B, H, Tq, R) per-query bias curves over backward distance, the queries'
             ``encoding.query_curves(x, positions)`` for an encoding with the ``Curves`` hook (the
             Inkling bias): query i and key j gain ``query_curves[..., i, p_i - p_j]`` when
-            0 <= p_i - p_j < R. Required for such an encoding; None otherwise.
+            0 <= p_i - p_j < R. Required for such an encoding; None otherwise. They take a window,
+            chunks, sinks and a soft cap (the blocks of :mod:`posenc.backends.parts.windows`).
 
     Returns:
         (B, H, Tq, D) in q's dtype.
@@ -146,10 +150,10 @@ def attend(
     extras = None
     if window is not None or chunk is not None or sinks is not None or query_scale is not None or softcap is not None:
         extras = Extras(window, chunk, sinks, query_scale, softcap)
+        if sinks is not None and sinks.dim() == 3 and tuple(sinks.shape) != (b, h, tq):
+            raise UsageError(f"per-query sinks must have shape (batch, heads, queries) = {(b, h, tq)}, got {tuple(sinks.shape)}")
         if log_gates is not None and extras.restricts:
             raise UsageError(GATES_ALONE)
-        if query_curves is not None and extras.restricts:
-            raise UsageError(CURVES_ALONE)
         if offers(encoding, Selects) and extras.restricts:
             raise UsageError(SELECTS_ALONE)
     if q.numel() == 0 or tk == 0:  # nothing in, nothing out; a query that sees no key gets 0 (docs/conventions.md)
@@ -233,12 +237,12 @@ def run_geometry(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, encoding: Po
             q, k = rotation.rotate(q, k, as_taken(encoding, q_axes), as_taken(encoding, k_axes))
         rotate = False
     if geometry.uniform:
-        calls = [(q, k, v, geometry.spec(encoding, scale, memo, log_gates, curves))]
+        calls = [(q, k, v, geometry.spec(encoding, scale, memo, log_gates, curves), extras)]
     else:
-        calls, q_cut = _stacked_runs(q, k, v, encoding, geometry, scale, memo, rotate, log_gates, curves)
+        calls, q_cut = _stacked_runs(q, k, v, encoding, geometry, scale, memo, rotate, log_gates, curves, extras)
     outs, name = [], backend
-    for qs, ks, vs, spec in calls:
-        o, name = run(qs, ks, vs, spec, backend, rotate, extras)
+    for qs, ks, vs, spec, more in calls:
+        o, name = run(qs, ks, vs, spec, backend, rotate, more)
         outs.append(o)
     if geometry.uniform:
         return outs[0], name
@@ -278,6 +282,8 @@ def _unseen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec, 
     out = q.new_zeros(*q.shape[:-1], v.shape[-1])  # (B, H, Tq, Dv)
     if not index.numel():
         return out, backend
+    if extras is not None and extras.sinks is not None and extras.sinks.dim() == 3:  # per-query sinks: those queries' rows
+        extras = replace(extras, sinks=extras.sinks[:, :, index])
     o, name = run(q[:, :, index], k, v, spec.part(spec.q_positions[index], spec.k_positions), backend, rotate, extras)
     return out.index_copy(2, index, o), name
 
@@ -289,11 +295,12 @@ def _kernel_ready(x: torch.Tensor) -> torch.Tensor:
 
 
 def _stacked_runs(q, k, v, encoding, geometry: Geometry, scale: float, memo: ForwardMemo, rotate: bool,
-                  log_gates: torch.Tensor | None, curves: torch.Tensor | None = None,
-                  ) -> tuple[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, ScoreSpec]], Cut | None]:
+                  log_gates: torch.Tensor | None, curves: torch.Tensor | None = None, extras: Extras | None = None,
+                  ) -> tuple[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, ScoreSpec, Extras | None]], Cut | None]:
     """Each run of identical segments of a segmented geometry as one stacked backend call: (q, k, v,
-    spec) of n segments, (n, H, Lq, D), (n, Hkv, Lk, D), (n, Hkv, Lk, Dv); per-key log gates travel
-    with their keys, so their sums restart at each segment, and per-query curves with their queries. Also the row's cut at its queries
+    spec, extras) of n segments, (n, H, Lq, D), (n, Hkv, Lk, D), (n, Hkv, Lk, Dv); per-key log gates travel
+    with their keys, so their sums restart at each segment, and per-query curves and per-query sinks
+    (``extras.sinks`` (B, H, Tq), carried as one more column of the curves) with their queries. Also the row's cut at its queries
     (:func:`_row_pieces`) for :func:`_put_back` when the runs are tiled views of one row, else None.
 
     One row whose runs each tile a contiguous range (the equal documents of a packed row) stacks
@@ -304,6 +311,10 @@ def _stacked_runs(q, k, v, encoding, geometry: Geometry, scale: float, memo: For
     b, h, tq, d = q.shape
     tk, hkv = k.shape[2], k.shape[1]
     runs = geometry.runs or ()  # a segmented geometry has its runs
+    sinks = None if extras is None or extras.sinks is None or extras.sinks.dim() != 3 else extras.sinks  # (B, H, Tq)
+    if sinks is not None:  # per-query sinks ride with the queries as the curves' last column
+        column = sinks[..., None]  # (B, H, Tq, 1)
+        curves = column if curves is None else torch.cat((curves, column.to(curves.dtype)), dim=-1)
     rows: tuple
     q_cut: Cut | None = None
     if b == 1 and all(seg.q_first is not None and seg.k_first is not None for seg in runs):
@@ -323,7 +334,10 @@ def _stacked_runs(q, k, v, encoding, geometry: Geometry, scale: float, memo: For
         qs, ks, vs, gs, cs = stack(seg, i, *rows)  # (n, H, Lq, D), (n, Hkv, Lk, D), (n, Hkv, Lk, Dv), (n, H, Lk), (n, H, Lq, R)
         if contiguous:
             qs, ks = qs.contiguous(), ks.contiguous()
-        calls.append((qs, ks, vs, geometry.run_spec(seg, encoding, scale, memo, gs, cs)))
+        more = extras if sinks is None or cs is None else replace(cast(Extras, extras), sinks=cs[..., -1].to(sinks.dtype))
+        if sinks is not None and cs is not None:  # the run's sinks came as the curves' last column
+            cs = cs[..., :-1] if cs.shape[-1] > 1 else None
+        calls.append((qs, ks, vs, geometry.run_spec(seg, encoding, scale, memo, gs, cs), more))
     return calls, q_cut
 
 

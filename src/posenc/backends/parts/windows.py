@@ -15,7 +15,10 @@ Definitions (i the query's position, j a key's; W the window, C the chunk size):
 - **Attention sinks** (Xiao et al. 2024, "StreamingLLM"; gpt-oss, OpenAI 2025 model card): one
   learned logit s_h per head joins each softmax row with no value,
   ``p_ij = exp(z_ij) / (exp(s_h) + sum_j exp(z_ij))``; an output is thus the plain output times
-  ``sigmoid(lse_i - s_h)``.
+  ``sigmoid(lse_i - s_h)``. Per-query sinks (Inkling-2: s_{b,h,i} computed from each token's
+  layer input by ``sink_proj``) are the same term with one logit per row.
+- **Bias curves** (the Inkling bias, ``spec.curves``) travel with their queries: each block's
+  call gets its queries' rows, so a window, chunks or sinks take them as any other query term.
 
 How one call runs (shape legend: B batch, H heads, Tq queries, Tk keys, D head dim; L a block):
 
@@ -55,7 +58,7 @@ import torch
 import torch.nn.functional as F
 
 from ...call.spec import ScoreSpec
-from ...encodings.protocol import Biases, QueryTerms, ValueTerms, require
+from ...encodings.protocol import Biases, ValueTerms, require
 from ...encodings.query_scale import QueryScale, check_query_scale
 from ...errors import UsageError, check_window_chunk
 from . import sliding
@@ -72,7 +75,8 @@ class Extras:
     Args:
         window: sliding window W (see the module docstring), or None.
         chunk: chunk size C, or None (at most one of window and chunk).
-        sinks: (H,) logits, one per query head, or None.
+        sinks: (H,) logits, one per query head, or (B, H, Tq) per-query logits (one per softmax
+            row, in the call's query order), or None.
         query_scale: a per-query factor (:mod:`posenc.encodings.query_scale`), or None.
         softcap: the logit cap (> 0) of the content scores (see the module docstring), or None.
     """
@@ -85,8 +89,10 @@ class Extras:
 
     def __post_init__(self) -> None:
         check_window_chunk(self.window, self.chunk)
-        if self.sinks is not None and (not isinstance(self.sinks, torch.Tensor) or self.sinks.dim() != 1 or not self.sinks.is_floating_point()):
-            raise UsageError(f"sinks must be a 1-D float tensor (one logit per query head), got {getattr(self.sinks, 'shape', self.sinks)!r}")
+        if self.sinks is not None and (not isinstance(self.sinks, torch.Tensor) or self.sinks.dim() not in (1, 3)
+                                       or not self.sinks.is_floating_point()):
+            raise UsageError("sinks must be a float tensor of one logit per query head (H,) or per query (batch, heads, "
+                             f"queries), got {getattr(self.sinks, 'shape', self.sinks)!r}")
         if self.softcap is not None and (isinstance(self.softcap, bool) or not isinstance(self.softcap, (int, float))
                                          or not math.isfinite(self.softcap) or self.softcap <= 0):
             raise UsageError(f"softcap must be a finite number > 0 or None, got {self.softcap!r}")
@@ -163,8 +169,11 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec, e
     (:func:`posenc.backends.attend`), used for the plain blocks.
     """
     tq, h = q.shape[-2], q.shape[1]
-    if extras.sinks is not None and extras.sinks.numel() != h:
-        raise UsageError(f"sinks must hold one logit per query head ({h}), got {extras.sinks.numel()}")
+    sinks = extras.sinks
+    if sinks is not None and sinks.dim() == 1 and sinks.numel() != h:
+        raise UsageError(f"sinks must hold one logit per query head ({h}), got {sinks.numel()}")
+    if sinks is not None and sinks.dim() == 3 and (sinks.shape[1:] != (h, tq) or sinks.shape[0] not in (1, q.shape[0])):
+        raise UsageError(f"per-query sinks must have shape (batch, heads, queries) = {(q.shape[0], h, tq)}, got {tuple(sinks.shape)}")
     if tq == 0:
         return q.new_zeros(*q.shape[:-1], v.shape[-1]), "eager"
     window = extras.window
@@ -177,7 +186,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec, e
     outs, name = [], "eager"
     for q0, q1, k0, k1, plain in plan(qv, kv, extras, spec.causal):
         qp, kp = spec.q_positions[q0:q1], spec.k_positions[k0:k1]
-        sub = spec.part(qp, kp, padded=True, q_start=qv[q0], k_start=kv[k0] if k1 > k0 else 0)
+        rows = None if spec.curves is None else spec.curves[:, :, q0:q1]  # (B, H, L, R): these queries' curves
+        sub = spec.part(qp, kp, padded=True, q_start=qv[q0], k_start=kv[k0] if k1 > k0 else 0, curves=rows)
         qb, kb, vb = q[:, :, q0:q1], k[:, :, k0:k1], v[:, :, k0:k1]
         if plain and not extras.written_out and k1 > k0:
             o, name = call(backend, qb, kb, vb, sub)
@@ -185,7 +195,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec, e
             if group > 1:
                 kb, vb = repeated_heads(kb, vb, h)  # (B, H, L, D)
             allowed = visible(qp, kp, extras, spec.causal)  # (Lq, Lk)
-            o, name = formula(qb, kb, vb, sub, allowed, extras.sinks, extras.softcap)
+            o, name = formula(qb, kb, vb, sub, allowed, sinks if sinks is None or sinks.dim() == 1 else sinks[:, :, q0:q1],
+                              extras.softcap)
         outs.append(o)
     return torch.cat(outs, dim=-2), name
 
@@ -204,7 +215,8 @@ def visible(q_positions: torch.Tensor, k_positions: torch.Tensor, extras: Extras
 def formula(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec, allowed: torch.Tensor,
             sinks: torch.Tensor | None, softcap: float | None = None) -> tuple[torch.Tensor, str]:
     """The attention of one block written out, ``allowed`` (Lq, Lk) as its mask; q, k, v (B, H, L, D)
-    with as many key heads as query heads. (out (B, H, Lq, D), "sdpa" or "eager")."""
+    with as many key heads as query heads; ``sinks`` (H,) or these queries' (B or 1, H, Lq).
+    (out (B, H, Lq, D), "sdpa" or "eager")."""
     hidden = spec.hidden()  # (B, 1, Lq, Lk) left padding, or None
     if spec.plain and sinks is None and softcap is None:
         mask = allowed if hidden is None else allowed & ~hidden
@@ -222,8 +234,9 @@ def formula(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec, 
             mask = mask.masked_fill(hidden, float("-inf"))  # (B, H or 1, Lq, Lk)
         if sinks is not None:
             mask = mask.expand(mask.shape[0], h, lq, kp.numel())
-            sink = sinks.to(q.dtype).view(1, h, 1, 1).expand(mask.shape[0], h, lq, 1)
-            mask = torch.cat((mask, sink), dim=-1)  # (B or 1, H, Lq, Lk + 1)
+            sink = _sink_column(sinks, h, lq).to(q.dtype)  # (B or 1, H, Lq, 1)
+            rows = max(mask.shape[0], sink.shape[0])
+            mask = torch.cat((mask.expand(rows, h, lq, -1), sink.expand(rows, h, lq, 1)), dim=-1)  # (B or 1, H, Lq, Lk + 1)
             k = torch.cat((k, k.new_zeros(b, h, 1, k.shape[-1])), dim=-2)
             v = torch.cat((v, v.new_zeros(b, h, 1, v.shape[-1])), dim=-2)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=spec.scale), "sdpa"
@@ -234,13 +247,13 @@ def formula(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec, 
     if spec.has_bias:
         scores = scores + require(enc, Biases).bias(qp, kp).to(acc)
     if spec.has_query_terms:
-        scores = scores + require(enc, QueryTerms).query_terms(q, k, qp, kp).to(acc)
+        scores = scores + spec.query_terms(q, k, qp).to(acc)  # the encoding's terms and the curves
     scores = scores.masked_fill(~allowed, float("-inf"))
     if hidden is not None:
         scores = scores.masked_fill(hidden, float("-inf"))
     if sinks is not None:  # one more logit per head, with no value
         b, h, lq, _ = scores.shape
-        sink = sinks.to(acc).view(1, h, 1, 1).expand(b, h, lq, 1)
+        sink = _sink_column(sinks, h, lq).to(acc).expand(b, h, lq, 1)
         probs = torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1)[..., :-1].to(q.dtype)
     else:
         probs = torch.softmax(scores, dim=-1).to(q.dtype)
@@ -248,6 +261,11 @@ def formula(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec, 
     if spec.has_value_terms:
         out = out + require(enc, ValueTerms).value_terms(probs, qp, kp).to(out.dtype)
     return out, "eager"
+
+
+def _sink_column(sinks: torch.Tensor, h: int, lq: int) -> torch.Tensor:
+    """The sinks as one more column of logits: (1, H, 1, 1) for (H,) sinks, (B, H, Lq, 1) per query."""
+    return sinks.view(1, h, 1, 1) if sinks.dim() == 1 else sinks[..., None]
 
 
 __all__ = ["Extras", "attend", "bounds", "formula", "plan", "visible"]
