@@ -38,7 +38,7 @@ The modules, in the order a run meets them:
     train.py       the training loop (it reads only its TrainSettings), optimizer and schedule,
                    clean stop on Ctrl-C, RNG state
     variants.py    evaluation variants: RoPE scalings, blockwise attention; a model rebuilt under
-                   a scaling (``scaled``, which ``posenc extend`` uses too)
+                   a scaling (``scaled``, for ``posenc extend``)
     longrope_search.py  LongRoPE's evolutionary search of per-frequency factors (+longrope_searched)
     evaluation.py  windows and scoring at one length (perplexity, or recall accuracy)
     metrics.py     a run's typed score at one length (LMScore, RecallScore), as results.json writes it

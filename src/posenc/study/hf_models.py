@@ -244,18 +244,18 @@ class HFModels:
         except (ValueError, TypeError) as err:
             raise UsageError(f"methods: {name!r}: {err}") from None
 
-    def build(self, row: rows.Row) -> StudyModel:
+    def build(self, row: rows.Row, scaling: dict[str, Any] | None = None) -> StudyModel:
         if row.kind == "eval":
             return self.build(row.parent)
-        if row.kind == "finetune":  # the base row's model under the scaling it is fine-tuned with
+        if row.kind == "finetune":  # the base row's model under the scaling it is fine-tuned with (or ``scaling``)
             model = self.build(row.parent)
             encodings = variants.encodings(model)
             ropes = [enc for enc in encodings if isinstance(enc, RoPE)]
             if not ropes or len(ropes) != len(encodings):  # (check refuses these rows first)
                 raise UsageError(f"methods: {row.name!r}: +ft fine-tunes a RoPE scaling; {row.method} is not RoPE")
             rope = ropes[0]
-            block = variants.scaling_block(row.variant, self.cfg.ft_length / self.cfg.train_length, self.cfg.train_length,
-                                  rope.base, rope.rotary_dim)
+            block = scaling if scaling is not None else variants.scaling_block(
+                row.variant, self.cfg.ft_length / self.cfg.train_length, self.cfg.train_length, rope.base, rope.rotary_dim)
             for enc in ropes:
                 enc.set_scaling(block)
             model.config = replace(model.config, scaling=block)

@@ -40,8 +40,9 @@ class Models(Protocol):
     def check(self, row: Row) -> None:
         """UsageError now, before any file is written, when ``row`` could not be built or evaluated."""
 
-    def build(self, row: Row) -> StudiedModel:
-        """``row``'s model before training (a fine-tuned row: with its scaling), at the current RNG."""
+    def build(self, row: Row, scaling: dict[str, Any] | None = None) -> StudiedModel:
+        """``row``'s model before training, at the current RNG; a fine-tuned row's under its
+        variant's scaling, or under ``scaling`` when given (the block a search found)."""
 
     def initial(self, row: Row, seed: int) -> StudiedModel:
         """A trained row's model at initialization: the same at every call for this seed."""
@@ -74,16 +75,21 @@ def lm_sizes(cfg: StudyConfig) -> tuple[int, int, int]:
     return cfg.dim, cfg.depth, cfg.num_heads
 
 
-def _scaled(options: dict, kind: str, factor: float, cfg: StudyConfig, head_dim: int) -> dict:
-    """A RoPE layer's ``options`` with the scaling block ``kind`` at ``factor`` added, its base and
-    rotated features read from the options and RoPE's declared defaults (nothing is built)."""
-    base, rotary_dim = RoPE.geometry(head_dim, options.get("base"), options.get("rotary_dim"), options.get("scaling"))
-    return {**options, "scaling": scaling_block(kind, factor, cfg.train_length, base, rotary_dim)}
+def _scaled(options: dict, kind: str, factor: float, cfg: StudyConfig, head_dim: int,
+            block: dict[str, Any] | None) -> dict:
+    """A RoPE layer's ``options`` with ``block`` added, or (None) the scaling block ``kind`` at
+    ``factor``, its base and rotated features read from the options and RoPE's declared defaults
+    (nothing is built)."""
+    if block is None:
+        base, rotary_dim = RoPE.geometry(head_dim, options.get("base"), options.get("rotary_dim"), options.get("scaling"))
+        block = scaling_block(kind, factor, cfg.train_length, base, rotary_dim)
+    return {**options, "scaling": block}
 
 
-def lm_config(cfg: StudyConfig, row: Row) -> LMConfig:
+def lm_config(cfg: StudyConfig, row: Row, scaling: dict[str, Any] | None = None) -> LMConfig:
     """The model ``row`` trains (an evaluated row: its base's; a fine-tuned row: the base's with
-    the scaling it is fine-tuned under, see :mod:`.variants`).
+    the scaling it is fine-tuned under, see :mod:`.variants`, or with ``scaling`` when given: the
+    block a search found for a ``+longrope_searched`` row).
 
     Raises:
         UsageError: from :class:`~posenc.model.lm.LMConfig` for sizes or options it refuses.
@@ -95,11 +101,12 @@ def lm_config(cfg: StudyConfig, row: Row) -> LMConfig:
         factor = cfg.ft_length / cfg.train_length
         # (LMConfig keeps a schedule as its json list)
         if isinstance(base.schedule, list):  # the scaling on every RoPE layer, from that layer's own base
-            layers = [{**layer, "options": _scaled(dict(layer.get("options") or {}), row.variant, factor, cfg, base.head_dim)
+            layers = [{**layer, "options": _scaled(dict(layer.get("options") or {}), row.variant, factor, cfg, base.head_dim,
+                                                   scaling)
                        if issubclass(get_class(layer["encoding"]), RoPE) else dict(layer.get("options") or {})}
                       for layer in base.schedule]
             return LMConfig(**{**base.to_dict(), "schedule": layers})
-        options = _scaled(base.encoding_options, row.variant, factor, cfg, base.head_dim)
+        options = _scaled(base.encoding_options, row.variant, factor, cfg, base.head_dim, scaling)
         return LMConfig(**{**base.to_dict(), "encoding_options": options})
     dim, depth, heads = lm_sizes(cfg)
     extra: dict[str, Any] = {}
@@ -146,8 +153,8 @@ class PosencModels:
         except (ValueError, TypeError) as err:
             raise UsageError(f"methods: {row.name!r}: {err}") from None
 
-    def build(self, row: Row) -> LM:
-        return LM(lm_config(self.cfg, row))
+    def build(self, row: Row, scaling: dict[str, Any] | None = None) -> LM:
+        return LM(lm_config(self.cfg, row, scaling))
 
     def initial(self, row: Row, seed: int) -> LM:
         torch.manual_seed(seed)

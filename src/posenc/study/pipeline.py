@@ -27,9 +27,8 @@ from typing import Any, Callable, Sequence
 import torch
 
 from ..encodings.rope import RoPE
-from ..errors import UsageError, as_kind
+from ..errors import UsageError
 from ..files import write_json
-from ..model.lm import LM
 from . import bootstrap, distributed, fairness, recall, variants
 from .data import Corpus, train_batch
 from .evaluation import cannot_run, evaluate, evaluate_recall
@@ -105,13 +104,10 @@ class Stages:
             if base is None:
                 self.diverged(run, {"base": run.row.base, "reason": f"its base row {run.row.base} diverged"})
                 return None
-            weights = {k: v.detach().clone() for k, v in base.state_dict().items()}
-            start: StudiedModel
-            if run.row.variant == SEARCHED:  # under the factors searched for the fine-tuning length
-                start = variants.scaled(as_kind(base, LM), self.searched(run, base, self.plan.cfg.ft_length))
-            else:
-                start = models.build(run.row)
-                start.load_state_dict(weights)
+            # the base's weights under the row's scaling: a searched row's, the factors searched for the fine-tuning length
+            scaling = self.searched(run, base, self.plan.cfg.ft_length) if run.row.variant == SEARCHED else None
+            start = models.build(run.row, scaling)
+            start.load_state_dict({k: v.detach().clone() for k, v in base.state_dict().items()})
         else:
             start = models.initial(run.row, run.seed)
         try:

@@ -145,7 +145,7 @@ def applied(model: nn.Module, row: Row, length: int, train_length: int, searched
                 setattr(enc, what, old)
 
 
-# -- a model rebuilt under another scaling (the study's searched rows, and posenc extend) ----------
+# -- a model rebuilt under another scaling (posenc extend's checkpoints) ------------------------------
 
 
 def rebuilt(model: LM, **config: Any) -> LM:
