@@ -3,7 +3,8 @@ every zero-shot scaling and remap of posenc, plus LongRoPE's searched factors an
 fine-tune, at 8,192, 16,384 and (for the rows that still hold at 16,384) 32,768 tokens.
 
 Not a test: a benchmark, resumable. Every (row, length) cell is one float32 forward, written to
-``results.json`` atomically as soon as it is done; a rerun skips the cells it holds.
+``results.json`` atomically as soon as it is done; a rerun skips the cells it holds with the same
+settings (a new LongRoPE block or PoSE checkpoint is measured again).
 
 The text: the distinct long license texts Debian ships in ``/usr/share/common-licenses`` (GPL-3,
 GPL-2, LGPL-2.1, MPL-1.1, MPL-2.0, GFDL-1.3, Apache-2.0, CC0-1.0, Artistic), concatenated in that
@@ -122,6 +123,11 @@ def measure(model, ids: torch.Tensor) -> dict[str, float]:
         return {"tail": ppl(copy_start - TAIL, copy_start), "copy": ppl(copy_start, length)}
 
 
+def same(held: Any, settings: Any) -> bool:
+    """True when a held cell's settings (read back from JSON) are ``settings``."""
+    return json.dumps(held, sort_keys=True) == json.dumps(settings, sort_keys=True)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="benchmarks/results/extension-smollm2")
@@ -155,15 +161,18 @@ def main() -> int:
             ids = window(tokens, length)
             for row in args.rows:
                 key = f"{row}@{length}"
-                if key in results["cells"]:
-                    continue
                 if row == "pose+yarn":
                     if not args.pose_checkpoint:
                         raise SystemExit("--pose-checkpoint is needed for the pose+yarn row")
-                    model, _ = load_pretrained(Path(args.pose_checkpoint) / "model")
                     settings: Any = {"checkpoint": args.pose_checkpoint}
                 else:
                     settings = row_settings(row, s, longrope)
+                held = results["cells"].get(key)
+                if held is not None and same(held["settings"], settings):  # a new search or fine-tune is measured again
+                    continue
+                if row == "pose+yarn":
+                    model, _ = load_pretrained(Path(args.pose_checkpoint) / "model")
+                else:
                     model = base if settings is None else posenc.hf.use(copy.deepcopy(base), settings[0], **settings[1])
                 start = time.perf_counter()
                 cell = measure(model, ids)
