@@ -88,48 +88,49 @@ class Progress:
         return tqdm(dynamic_ncols=True, **kwargs)
 
     def __call__(self, event: Event) -> None:
-        if isinstance(event, StepDone):
-            self._step(event)
-        elif isinstance(event, WindowsScored):
-            self._windows(event)
-        elif isinstance(event, TrainStarted):
-            self._train_started(event)
-        elif isinstance(event, TrainEnded):
-            self._close_training()
-        elif isinstance(event, ScoringStarted):
-            if self.bars:
-                self._scoring = self._tqdm(total=event.lengths, initial=event.done, desc=f"{event.label} eval",
-                                           unit="length", position=1, leave=False)
-        elif isinstance(event, LengthStarted):
-            self._close_length()
-            now = time.perf_counter()
-            self._length = _Length(event.label, event.length, t0=now, last_log=now)
-            if self._scoring is not None:
-                self._scoring.set_postfix_str(f"L={event.length}")
-        elif isinstance(event, LengthScored):
-            self._close_length()
-            self.log(f"[{event.label}] L={event.length}: {event.summary}")
-            if self._scoring is not None:
-                self._scoring.update(1)
-        elif isinstance(event, ScoringEnded):
-            self._close_length()
-            if self._scoring is not None:
-                self._scoring.close()
-                self._scoring = None
-        elif isinstance(event, RunDone):
-            if self.study is not None:
-                self.study.update(1)
-        elif isinstance(event, StudyStarted):
-            if self.bars:
-                self.study = self._tqdm(total=event.runs, desc="study", unit="method", position=0)
-        elif isinstance(event, StudyEnded):
-            if self.study is not None:
-                self.study.close()
-                self.study = None
-        elif isinstance(event, Log):
-            self.log(event.text)
-        elif isinstance(event, Warn):
-            self.warn(event.text)
+        match event:  # (in the order a run reports them)
+            case StudyStarted():
+                if self.bars:
+                    self.study = self._tqdm(total=event.runs, desc="study", unit="method", position=0)
+            case TrainStarted():
+                self._train_started(event)
+            case StepDone():
+                self._step(event)
+            case TrainEnded():
+                self._close_training()
+            case ScoringStarted():
+                if self.bars:
+                    self._scoring = self._tqdm(total=event.lengths, initial=event.done, desc=f"{event.label} eval",
+                                               unit="length", position=1, leave=False)
+            case LengthStarted():
+                self._close_length()
+                now = time.perf_counter()
+                self._length = _Length(event.label, event.length, t0=now, last_log=now)
+                if self._scoring is not None:
+                    self._scoring.set_postfix_str(f"L={event.length}")
+            case WindowsScored():
+                self._windows(event)
+            case LengthScored():
+                self._close_length()
+                self.log(f"[{event.label}] L={event.length}: {event.summary}")
+                if self._scoring is not None:
+                    self._scoring.update(1)
+            case ScoringEnded():
+                self._close_length()
+                if self._scoring is not None:
+                    self._scoring.close()
+                    self._scoring = None
+            case RunDone():
+                if self.study is not None:
+                    self.study.update(1)
+            case StudyEnded():
+                if self.study is not None:
+                    self.study.close()
+                    self.study = None
+            case Log():
+                self.log(event.text)
+            case Warn():
+                self.warn(event.text)
 
     def _train_started(self, event: TrainStarted) -> None:
         self._close_training()
