@@ -49,10 +49,12 @@ def decoder_stack(model: nn.Module) -> nn.Module:
 
     Raises:
         UsageError: no such module within three levels (base model prefix, ``model``, ``language_model``);
-            a stack whose rotary attribute is None (a hybrid whose attention has no RoPE) says so.
+            a stack whose rotary attribute is None, or that has none (a hybrid whose attention has no
+            RoPE), says so.
     """
     frontier: list[nn.Module] = [model]
     bare: nn.Module | None = None  # a stack of layers whose rotary attribute is None
+    plain: nn.Module | None = None  # a stack of layers with no rotary attribute at all
     for _ in range(4):
         found: list[nn.Module] = []
         for node in frontier:
@@ -61,6 +63,8 @@ def decoder_stack(model: nn.Module) -> nn.Module:
                     return node
                 if any(hasattr(node, n) for n in ROTARY_NAMES):
                     bare = node
+                elif plain is None:
+                    plain = node
             for name in (getattr(node, "base_model_prefix", None), "model", "language_model"):
                 child = getattr(node, name, None) if isinstance(name, str) else None
                 if isinstance(child, nn.Module) and child is not node:
@@ -70,18 +74,24 @@ def decoder_stack(model: nn.Module) -> nn.Module:
         raise UsageError(f"model: the attention of {type(model).__name__} has no RoPE ({type(bare).__name__}'s rotary module "
                          "is None: NoPE attention, e.g. position_embedding_type=None), and posenc.hf runs only models "
                          "whose decoder stack computes a rotary embedding once per forward")
+    if plain is not None:
+        raise UsageError(f"model: {type(model).__name__}'s decoder stack ({type(plain).__name__}) has no rotary module: its "
+                         "attention has no RoPE on the stack (NoPE attention, as in Jamba, Nemotron-H and Kimi-Linear) or "
+                         "computes it inside each layer, and posenc.hf runs only models whose decoder stack computes a "
+                         "rotary embedding once per forward")
     raise UsageError(f"model: {type(model).__name__} has no decoder stack with `layers` and one `rotary_emb` module "
                      "(posenc.hf needs the model's rotary embedding computed once per forward on the decoder stack)")
 
 
 def attention_of(layer: nn.Module) -> nn.Module | None:
-    """A decoder layer's attention module (the one with ``layer_idx``), or None (a linear-attention
-    layer). A hybrid layer's shared transformer block (Zamba2's ``shared_transformer``) is looked in
-    too (see :func:`check_shared`)."""
+    """A decoder layer's attention module (the one with ``layer_idx``, or an encoder's, ``is_causal``
+    False: GTE, Nomic BERT and Jina v3 give theirs no index), or None (a linear-attention layer). A
+    hybrid layer's shared transformer block (Zamba2's ``shared_transformer``) is looked in too (see
+    :func:`check_shared`)."""
     for holder in (layer, getattr(layer, "shared_transformer", None)):
         for name in ("self_attn", "attention", "attn"):
             module = getattr(holder, name, None) if isinstance(holder, nn.Module) else None
-            if isinstance(module, nn.Module) and hasattr(module, "layer_idx"):
+            if isinstance(module, nn.Module) and (hasattr(module, "layer_idx") or getattr(module, "is_causal", None) is False):
                 return module
     return None
 
