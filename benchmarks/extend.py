@@ -28,6 +28,7 @@ from posenc.study.config import StudyConfig
 from posenc.study.data import load_corpus
 from posenc.study.evaluation import evaluate
 from posenc.study.longrope_search import SearchSettings, search
+from posenc.study.progress import Progress
 from posenc.study.run import run_experiment
 from posenc.study.variants import scaled, scaling_block
 
@@ -50,7 +51,7 @@ def main() -> None:
     t0 = time.perf_counter()
     need = settings.sequences * settings.target_length + 1  # training windows: the validation bytes stay unseen
     found = search(model, corpus.train[-need:], settings, state=out / "search-state.json",
-                   resume=(out / "search-state.json").exists())
+                   resume=(out / "search-state.json").exists(), report=Progress(True))  # (a line per individual)
     search_s = time.perf_counter() - t0
     # the found factors against the seeds on the validation bytes (never seen by the search) at 512
     ctx = distributed.Context(torch.device("cpu"))

@@ -36,7 +36,7 @@ def test_searched_block_gives_transformers_inv_freq_and_attention_factor(model, 
     transformers = pytest.importorskip("transformers")
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    block = ls.search(model, valid, settings(), progress=False).block()
+    block = ls.search(model, valid, settings()).block()
     config = transformers.LlamaConfig(hidden_size=32, num_attention_heads=2, num_hidden_layers=1, intermediate_size=64,
                                       vocab_size=256, max_position_embeddings=TARGET, rope_parameters=dict(block))
     for length in (T, TARGET):  # short_factor at the training length, long_factor past it
@@ -48,9 +48,13 @@ def test_searched_block_gives_transformers_inv_freq_and_attention_factor(model, 
 
 
 def test_seeded_search_gives_the_same_factors_twice_and_resumes(model, valid, tmp_path):
-    first = ls.search(model, valid, settings(), progress=False)
-    second = ls.search(model, valid, settings(), progress=False)
+    first = ls.search(model, valid, settings())
+    events: list = []
+    second = ls.search(model, valid, settings(), report=events.append)
     assert first.best == second.best and first.perplexity == second.perplexity
+    # every evaluated individual reported, in order, with the best so far (events, not lines printed here)
+    assert [(e.generation, e.evaluated) for e in events] == [(r["generation"], i + 1) for i, r in enumerate(second.evaluated)]
+    assert events[-1].best == min(r["perplexity"] for r in second.evaluated if r["perplexity"] is not None)
     assert [r["factors"] for r in first.evaluated] == [r["factors"] for r in second.evaluated]
     # interrupted after 5 individuals: the state keeps them, a resumed search ends where an unbroken one does
     state = tmp_path / "state.json"
@@ -66,21 +70,21 @@ def test_seeded_search_gives_the_same_factors_twice_and_resumes(model, valid, tm
     ls._Search._perplexity = stop_after_five
     try:
         with pytest.raises(KeyboardInterrupt):
-            ls.search(model, valid, settings(), state=state, progress=False)
+            ls.search(model, valid, settings(), state=state)
     finally:
         ls._Search._perplexity = original
     assert len(json.loads(state.read_text())["evaluated"]) == 5
     with pytest.raises(UsageError, match="resume"):
-        ls.search(model, valid, settings(), state=state, progress=False)
-    resumed = ls.search(model, valid, settings(), state=state, resume=True, progress=False)
+        ls.search(model, valid, settings(), state=state)
+    resumed = ls.search(model, valid, settings(), state=state, resume=True)
     assert resumed.best == first.best and len(resumed.evaluated) == len(first.evaluated)
     with pytest.raises(UsageError, match="other settings"):
-        ls.search(model, valid, settings(seed=4), state=state, resume=True, progress=False)
+        ls.search(model, valid, settings(seed=4), state=state, resume=True)
 
 
 def test_no_evaluated_individual_breaks_the_monotone_constraint(model, valid):
     s = settings(step=2.0, mutation_rate=0.9, start_tokens=(0, 2, 4))  # wild mutations: many draws break it
-    result = ls.search(model, valid, s, progress=False)
+    result = ls.search(model, valid, s)
     assert len(result.evaluated) > s.population
     for record in result.evaluated:
         f = record["factors"]
@@ -125,8 +129,7 @@ def test_search_takes_a_transformers_model_through_posenc_hf(valid):
     config = transformers.LlamaConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
                                       vocab_size=256, max_position_embeddings=T)
     model = ph.use(transformers.LlamaForCausalLM(config).eval(), "rope")
-    result = ls.search(model, valid, settings(generations=1, population=4, parents=2, mutations=2, crossovers=1),
-                       progress=False)
+    result = ls.search(model, valid, settings(generations=1, population=4, parents=2, mutations=2, crossovers=1))
     assert len(result.evaluated) >= 4 and result.block()["rope_type"] == "longrope"
     enc = model.model.posenc_encodings[0]
     assert enc.scaling.rope_type == "default"  # every individual's scaling undone
@@ -152,16 +155,16 @@ def test_a_kept_individual_whose_perplexity_was_not_finite_resumes_as_infinite(m
         return math.nan if calls["n"] % 2 else original(self)
 
     monkeypatch.setattr(ls._Search, "_perplexity", some_nan)
-    ls.search(model, valid, settings(generations=1), state=state, progress=False)
+    ls.search(model, valid, settings(generations=1), state=state)
     saved = json.loads(state.read_text())
     assert any(r["perplexity"] is None for r in saved["evaluated"])
     monkeypatch.setattr(ls._Search, "_perplexity", original)
-    result = ls.search(model, valid, settings(generations=1), state=state, resume=True, progress=False)
+    result = ls.search(model, valid, settings(generations=1), state=state, resume=True)
     assert math.isfinite(result.perplexity)
     saved["evaluated"][0]["perplexity"] = -3.0
     state.write_text(json.dumps(saved))
     with pytest.raises(UsageError, match="perplexity"):
-        ls.search(model, valid, settings(generations=1), state=state, resume=True, progress=False)
+        ls.search(model, valid, settings(generations=1), state=state, resume=True)
 
 
 @pytest.mark.parametrize("stop", [12, 17])
@@ -170,7 +173,7 @@ def test_a_search_interrupted_in_a_later_generation_resumes_to_the_unbroken_sear
     exactly the individuals of an unbroken one, in its order, and ends with its factors: a resumed
     generation draws against what was evaluated before it, not against the killed run's later
     generations (issue 48, item 6: 25 evaluations instead of 24)."""
-    unbroken = ls.search(model, valid, settings(generations=3), progress=False)
+    unbroken = ls.search(model, valid, settings(generations=3))
     assert len(unbroken.evaluated) > stop and unbroken.evaluated[stop - 1]["generation"] >= 1
     state = tmp_path / "state.json"
     original = ls._Search._perplexity
@@ -184,10 +187,10 @@ def test_a_search_interrupted_in_a_later_generation_resumes_to_the_unbroken_sear
 
     monkeypatch.setattr(ls._Search, "_perplexity", killed)
     with pytest.raises(KeyboardInterrupt):
-        ls.search(model, valid, settings(generations=3), state=state, progress=False)
+        ls.search(model, valid, settings(generations=3), state=state)
     monkeypatch.setattr(ls._Search, "_perplexity", original)
     assert len(json.loads(state.read_text())["evaluated"]) == stop
-    resumed = ls.search(model, valid, settings(generations=3), state=state, resume=True, progress=False)
+    resumed = ls.search(model, valid, settings(generations=3), state=state, resume=True)
 
     def trail(result):
         return [(r["factors"], r["start"], r["generation"]) for r in result.evaluated]
@@ -198,9 +201,9 @@ def test_a_search_interrupted_in_a_later_generation_resumes_to_the_unbroken_sear
 
 def test_a_state_without_an_individuals_generation_is_refused(model, valid, tmp_path):
     state = tmp_path / "state.json"
-    ls.search(model, valid, settings(generations=1), state=state, progress=False)
+    ls.search(model, valid, settings(generations=1), state=state)
     saved = json.loads(state.read_text())
     del saved["evaluated"][2]["generation"]
     state.write_text(json.dumps(saved))
     with pytest.raises(UsageError, match="generation"):
-        ls.search(model, valid, settings(generations=1), state=state, resume=True, progress=False)
+        ls.search(model, valid, settings(generations=1), state=state, resume=True)

@@ -13,6 +13,7 @@ from posenc.study.events import (
     RunDone,
     ScoringEnded,
     ScoringStarted,
+    SearchScored,
     StepDone,
     StudyEnded,
     StudyStarted,
@@ -102,3 +103,9 @@ def test_a_process_other_than_the_main_one_shows_nothing(capsys, monkeypatch):
         ui(StepDone("rope", step, 10, 1.0, 5.0))
     ui(Warn("a warning"))
     assert capsys.readouterr().err == ""
+
+
+def test_a_search_line_per_individual(capsys):
+    progress.Progress(True, bars=False)(SearchScored(1, 2, 7, 3.14159, 2.5, 0.1234))
+    progress.Progress(False)(SearchScored(1, 2, 8, 3.0, 2.5, 0.1))  # (--no-progress: none)
+    assert lines(capsys) == ["[longrope search] generation 1/2 individual 7: ppl 3.142 (best 2.500), 0.12s"]

@@ -327,7 +327,7 @@ def _block(models: Checkpoint, cfg: ExtendConfig, record: dict, out: Path, data:
                 raise UsageError(f"search: {cfg.search.sequences} windows of {cfg.length} need {need} training bytes, "
                                  f"the training split has {data.corpus.train.numel()}")
             result = search(models.searchable(), data.corpus.train[-need:], cfg.search, state=out / "search-state.json",
-                            resume=resume or (out / "search-state.json").exists(), progress=ui.enabled)
+                            resume=resume or (out / "search-state.json").exists(), report=ui)
             record["search"] = result.to_json()
         return dict(record["search"]["block"])
     assert cfg.scaling in (*SCALINGS, *EXTRA_SCALINGS)

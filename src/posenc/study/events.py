@@ -14,6 +14,7 @@ In the order a run reports them:
     WindowsScored  a batch of that length's windows is scored (this process's share)
     LengthScored   one length is scored (its one-line summary)
     ScoringEnded   the run's scoring is left
+    SearchScored   one individual of LongRoPE's search is scored (:mod:`.longrope_search`)
     RunDone        a run (a row at a seed) is finished, trained and scored or recorded diverged
     StudyEnded     the study's runs are left (all finished, or one failed or was interrupted)
     Log            a line for the user when progress is shown
@@ -84,6 +85,16 @@ class ScoringEnded:
 
 
 @dataclass(frozen=True)
+class SearchScored:
+    generation: int  # the individual's generation (0: the first population)
+    generations: int
+    evaluated: int  # individuals evaluated so far (a resumed search's too)
+    perplexity: float  # this one's (inf or NaN where the model's was not finite)
+    best: float  # the lowest so far (NaN: none finite yet)
+    seconds: float  # what scoring this one took
+
+
+@dataclass(frozen=True)
 class RunDone:
     label: str
 
@@ -104,7 +115,7 @@ class Warn:
 
 
 Event = Union[StudyStarted, TrainStarted, StepDone, TrainEnded, ScoringStarted, LengthStarted, WindowsScored,
-              LengthScored, ScoringEnded, RunDone, StudyEnded, Log, Warn]
+              LengthScored, ScoringEnded, SearchScored, RunDone, StudyEnded, Log, Warn]
 Report = Callable[[Event], None]  # where a run's events go
 
 
@@ -113,4 +124,4 @@ def ignore(event: Event) -> None:
 
 
 __all__ = ["Event", "Log", "LengthScored", "LengthStarted", "Report", "RunDone", "ScoringEnded", "ScoringStarted",
-           "StepDone", "StudyEnded", "StudyStarted", "TrainEnded", "TrainStarted", "Warn", "WindowsScored", "ignore"]
+           "SearchScored", "StepDone", "StudyEnded", "StudyStarted", "TrainEnded", "TrainStarted", "Warn", "WindowsScored", "ignore"]

@@ -45,7 +45,6 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import sys
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
@@ -63,6 +62,7 @@ from ..files import write_json
 from ..model.lm import LM
 from . import distributed
 from .evaluation import evaluate
+from .events import Report, SearchScored, ignore
 from .variants import encodings
 
 RETRIES = 20  # draws of a child before it is repaired
@@ -271,8 +271,8 @@ class _Search:
     """One search's state: what was evaluated (in order), written to ``state`` after each."""
 
     def __init__(self, model: nn.Module, valid: torch.Tensor, settings: SearchSettings, state: Path | None,
-                 resume: bool, progress: bool) -> None:
-        self.model, self.settings, self.state, self.progress = model, settings, state, progress
+                 resume: bool, report: Report) -> None:
+        self.model, self.settings, self.state, self.report = model, settings, state, report
         self.ropes = _ropes(model)
         enc = self.ropes[0]
         self.base, self.pairs = enc.base, enc.rotary_dim // 2
@@ -336,11 +336,8 @@ class _Search:
         self.memo[ind.key] = record
         self.order.append(record)
         self._save()
-        if self.progress:
-            best = min(r["perplexity"] for r in self.order if r["perplexity"] is not None) if any(
-                r["perplexity"] is not None for r in self.order) else math.nan
-            print(f"[longrope search] generation {generation}/{s.generations} individual {len(self.order)}: "
-                  f"ppl {ppl:.3f} (best {best:.3f}), {elapsed:.2f}s", file=sys.stderr, flush=True)
+        best = min((r["perplexity"] for r in self.order if r["perplexity"] is not None), default=math.nan)
+        self.report(SearchScored(generation, s.generations, len(self.order), ppl, best, elapsed))
         return ppl if math.isfinite(ppl) else math.inf
 
     def _perplexity(self) -> float:
@@ -384,7 +381,7 @@ def _child(make: Any, s: SearchSettings, seen: set[str]) -> Individual:
 
 
 def search(model: nn.Module, valid: torch.Tensor, settings: SearchSettings, *, state: str | Path | None = None,
-           resume: bool = False, progress: bool = True) -> SearchResult:
+           resume: bool = False, report: Report = ignore) -> SearchResult:
     """LongRoPE's evolutionary search of ``model``'s rescale factors (see the module docstring).
 
     Args:
@@ -395,14 +392,14 @@ def search(model: nn.Module, valid: torch.Tensor, settings: SearchSettings, *, s
         settings: the search (:class:`SearchSettings`).
         state: a JSON file holding every evaluated individual, written atomically after each one.
         resume: continue the search in ``state``.
-        progress: one line per evaluated individual on stderr.
+        report: gets a :class:`~.events.SearchScored` after every evaluated individual.
 
     Raises:
         UsageError: a model without RoPE, too little validation data, or ``state`` holding a search
             (without ``resume``) or another search's settings.
     """
     s = settings
-    run = _Search(model, valid, s, Path(state) if state is not None else None, resume, progress)
+    run = _Search(model, valid, s, Path(state) if state is not None else None, resume, report)
     pairs = run.pairs
     seeds = {kind: repaired(seed_factors(kind, run.base, 2 * pairs, s.train_length, s.scale), s.upper)
              for kind in ("linear", "ntk", "yarn")}

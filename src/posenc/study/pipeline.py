@@ -163,8 +163,8 @@ class Stages:
                                  f"the training split has {self.corpus.train.numel()}")
             state = source.state.with_name(f"{source.state.stem}.search-L{length}.json")
             self.report(Log(f"[{run.label}] LongRoPE's search for L={length}"))
-            result = search(model, self.corpus.train[-need:], settings, state=state, resume=state.exists(),
-                            progress=False)  # (one summary line below, not one per individual)
+            # (one summary line below, not one per individual)
+            result = search(model, self.corpus.train[-need:], settings, state=state, resume=state.exists())
             self.report(Log(f"[{run.label}] searched L={length}: ppl {result.perplexity:.3f} on training windows "
                             f"(PI {result.baselines['pi']:.3f}, YaRN {result.baselines['yarn']:.3f}), "
                             f"{result.seconds_per_individual:.2f}s per individual"))

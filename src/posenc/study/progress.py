@@ -23,6 +23,7 @@ from .events import (
     RunDone,
     ScoringEnded,
     ScoringStarted,
+    SearchScored,
     StepDone,
     StudyEnded,
     StudyStarted,
@@ -120,6 +121,9 @@ class Progress:
                 if self._scoring is not None:
                     self._scoring.close()
                     self._scoring = None
+            case SearchScored():
+                self.log(f"[longrope search] generation {event.generation}/{event.generations} individual "
+                         f"{event.evaluated}: ppl {event.perplexity:.3f} (best {event.best:.3f}), {event.seconds:.2f}s")
             case RunDone():
                 if self.study is not None:
                     self.study.update(1)
