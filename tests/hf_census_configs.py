@@ -57,6 +57,8 @@ def _mrope(theta: float, sections: list[int], **more: Any) -> dict[str, Any]:
     return {"rope_parameters": {"rope_type": "default", "rope_theta": theta, "mrope_section": sections, **more}}
 
 
+_INKLING = dict(swa_num_attention_heads=4, swa_num_key_value_heads=2, swa_head_dim=16, rel_extent=6, d_rel=4, log_scaling_n_floor=8)
+
 OVERRIDES: dict[str, dict[str, Any]] = {
     "gemma4_text": dict(head_dim=16, vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=16,
                         per_layer_config={"1": {"head_dim": 32}}),  # its full layer's head dim differs
@@ -83,6 +85,13 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     # Qwen3-VL's interleaved sections default to a head dim of 128 (24, 20, 20) and its block names none to shrink
     "qwen3_vl_text": _mrope(5e5, [3, 3, 2]),
     "qwen3_vl_moe_text": _mrope(5e5, [3, 3, 2]),
+    # Inkling, Inkling-2 (no RoPE: use(model, "inkling")): small sliding heads, curves over 6 distances (crossed), the
+    # log scaling from position 8 (reached), a head over the tiny vocabulary; Inkling-2-Loop loops its middle layer twice
+    "inkling_text": _INKLING,
+    "inkling2_text": dict(_INKLING, unpadded_vocab_size=VOCAB),
+    "inkling2_loop_text": dict(_INKLING, unpadded_vocab_size=VOCAB, num_hidden_layers=3, n_layers_per_attn_res_block=1,
+                               layer_types=["hybrid_sliding", "hybrid", "hybrid_sliding"], loop_layer_index_start=1,
+                               loop_layer_index_end=2, loop_num_passes=2, loop_gate_rank=4),
 }
 
 #: model_type -> why the census cannot build it here (the test skips it, naming the reason).
@@ -101,7 +110,6 @@ UNBUILDABLE: dict[str, str] = {
     "cohere_compass_text": "its rotary tables are keyed by layer types the generic tiny config does not keep",
     "dbrx": "its attention sub-config (attn_config) does not take the generic tiny keys",
     "dory": "its tiny model does not run: a score shape mismatch in its own attention at the generic sizes",
-    "inkling2_text": "its tiny model does not run at the generic sizes (an embedding index out of range)",
     "qwen4_exp": "its default config has no head sizes to derive from", "qwen4_exp_text": "its default config has no head sizes",
     "zamba": "its shared transformer blocks do not tie at the generic depth",
     "chameleon": "its default config has no vocabulary map for the image tokens",

@@ -11,8 +11,11 @@ For each family that uses RoPE, exactly one of two outcomes passes:
 - ``use()`` refuses before any forward with a posenc UsageError that names the family's model type
   and what posenc lacks, and leaves the model as it was.
 
+A family without RoPE whose posenc family row names its own encoding (Inkling, Inkling-2:
+``Family.own == "inkling"``) is checked the same way under ``use(model, <its own>)``.
+
 Accepted and then wrong, accepted and then crashing, or refused with another exception, fail. A
-family that uses no RoPE is skipped; a family that cannot be built here is skipped only when
+family that uses no RoPE (and has no such row) is skipped; a family that cannot be built here is skipped only when
 tests/hf_census_configs.py says why (UNBUILDABLE). ``python tests/hf/test_census.py`` prints the
 census (counts and each family's outcome).
 """
@@ -35,6 +38,7 @@ transformers.logging.set_verbosity_error()
 
 import posenc.hf as phf  # noqa: E402
 from posenc.errors import UsageError  # noqa: E402
+from posenc.hf.families import family_of  # noqa: E402
 
 if __name__ == "__main__":  # run as a script: the census configs are in tests/ (pytest: pythonpath)
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -119,7 +123,9 @@ def outcome(case: census.Case) -> Outcome:
     reason = census.UNBUILDABLE.get(case.model_type)
     if reason is not None:
         return Outcome("unbuildable", reason)
-    if not census.rotates(case):
+    row = family_of(case.model_type)
+    own = "rope" if row is None else row.own  # the family's own encoding ("inkling": no RoPE, a row of its own)
+    if own == "rope" and not census.rotates(case):
         return Outcome("no rope")
     ids = torch.randint(3, census.VOCAB, (2, LENGTH), generator=torch.Generator().manual_seed(1))
     try:
@@ -128,11 +134,11 @@ def outcome(case: census.Case) -> Outcome:
     except Exception as error:  # the family's own code or config: a missing override
         return Outcome("failed", f"the untouched tiny model does not build or run ({type(error).__name__}: "
                                  f"{str(error)[:200]}); add an override or an UNBUILDABLE reason to tests/hf_census_configs.py")
-    if not census.uses_rope(ref):
+    if own == "rope" and not census.uses_rope(ref):
         return Outcome("no rope")
     model = copy.deepcopy(ref)
     try:
-        phf.use(model, "rope")
+        phf.use(model, own)
     except UsageError as error:
         if not _refusal_names_the_family(error, case.model_type, getattr(ref.config, "model_type", "")):
             return Outcome("failed", f"refused without naming model_type {case.model_type!r}: {error}")
@@ -157,7 +163,7 @@ def outcome(case: census.Case) -> Outcome:
         return Outcome("failed", f"accepted, then {type(error).__name__}: {str(error)[:300]}")
     if wrong:
         return Outcome("failed", f"accepted, then silently wrong: {wrong}")
-    return Outcome("exact", "", time.perf_counter() - start)
+    return Outcome("exact", "" if own == "rope" else f'under use(model, "{own}")', time.perf_counter() - start)
 
 
 CASES = census.cases()
@@ -241,13 +247,14 @@ def census_table() -> str:
             plain += 1
             continue
         counts[found.kind] = counts.get(found.kind, 0) + 1
-        what = {"exact": "exact", "refused": f"refused: {_why(found.detail)}",
+        what = {"exact": f"exact {found.detail}".strip(), "refused": f"refused: {_why(found.detail)}",
                 "unbuildable": f"not built here: {found.detail}"}.get(found.kind, f"FAILED: {found.detail}")
         source = "" if case.source == "causal-lm" else f" ({case.source})"
         rows.append(f"| `{case.model_type}`{source} | {what.replace('|', '/')} |")
     head = [f"transformers {transformers.__version__}: {len(CASES)} model types ({sum(c.source == 'causal-lm' for c in CASES)} "
             f"causal-LM types, {sum(c.source != 'causal-lm' for c in CASES)} image-text-to-text backbones); {plain} without "
-            f"RoPE; of the others {counts['exact']} exact, {counts['refused']} refused at `use()`, "
+            f"RoPE (nor an encoding of their own in posenc's family table); "
+            f"of the others {counts['exact']} exact, {counts['refused']} refused at `use()`, "
             f"{counts['unbuildable']} not built here.", "", "| model_type | `use(model, \"rope\")` |", "|---|---|"]
     return "\n".join([*head, *rows])
 

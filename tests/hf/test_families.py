@@ -238,6 +238,8 @@ BEGIN, END = "<!-- families: begin (python tests/hf/test_families.py) -->", "<!-
 CHECKS = "forward past the window, left padding, packed row, greedy generate (dynamic and static cache); ALiBi invariants"
 HYBRID_CHECKS = ("the census, and tests/hf/test_hybrid_families.py: posenc's attention in the attention layers only, "
                  "the schedule rotated in the attention, ALiBi's cached decoding, packed rows")
+INKLING_CHECKS = ('the census, and tests/hf/test_inkling_family.py: use(model, "inkling") is the untouched model (forward, '
+                  "left padding, cached decoding, gradients of its own curves); RoPE, ALiBi, NoPE keep its windows and sinks")
 MROPE_CHECKS = ("the census, and tests/hf/test_mrope_backbones.py: 3-axis image rows, left padding, cached decoding; "
                 "ALiBi, T5, NoPE at text positions")
 
@@ -249,7 +251,7 @@ def family_table() -> str:
         if not family.causal:
             continue
         hybrid = bool(family.no_attention or family.type_names)
-        checks = (CHECKS if tested else MROPE_CHECKS if family.mrope else HYBRID_CHECKS if hybrid
+        checks = (CHECKS if tested else INKLING_CHECKS if family.own != "rope" else MROPE_CHECKS if family.mrope else HYBRID_CHECKS if hybrid
                   else 'the schedule only (tests/hf/test_schedule_config.py)')
         rows.append(f"| {family.name} | {', '.join(f'`{t}`' for t in family.model_types)} | {family.needs} | {checks} |")
     return "\n".join(rows)

@@ -107,19 +107,31 @@ class Inkling(PositionalEncoding):
         if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[-1] != self.input_dim or not x.is_floating_point():
             shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
             raise UsageError(f"x: the Inkling curves read the layer input, a float (batch, length, {self.input_dim}) tensor, got {shape}")
-        b, t, _ = x.shape
-        dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
-        bias = None if self.weights.bias is None else self.weights.bias.to(dtype)
-        w = F.linear(x.to(dtype), self.weights.weight.to(dtype), bias).view(b, t, self.num_heads, self.rank)  # (B, T, H, K)
-        if self.scale is not None and self.clip is not None:
-            w = w * self.scale.to(dtype)
-            w = w * (self.clip / (torch.linalg.vector_norm(w, dim=-1, keepdim=True) + 1e-6)).clamp(max=1.0)
-        if self.log_scaling:
-            if positions.shape[-1] != t:
-                raise UsageError(f"positions must have {t} entries per row (the length of x), got shape {tuple(positions.shape)}")
-            tau = 1.0 + self.log_scaling * torch.log(((positions + 1).to(dtype) / self.log_floor).clamp(min=1.0))  # (T,) or (B, T)
-            w = w * tau[..., None, None]
-        return (w @ self.bank.to(dtype)).transpose(1, 2)  # (B, H, T, R)
+        return mixed_curves(self, x, positions, self.weights.weight, self.weights.bias, self.scale, self.bank)
 
 
-__all__ = ["Inkling"]
+def mixed_curves(enc: Inkling, x: torch.Tensor, positions: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                 scale: torch.Tensor | None, bank: torch.Tensor) -> torch.Tensor:
+    """The curves w_i P of the module docstring for ``enc``'s options (clip, log scaling) and the
+    given parameters: W ``weight`` (H*K, input_dim) with ``bias`` (H*K,) or None, s ``scale`` (H, K)
+    or None, P ``bank`` (K, R); x (B, T, input_dim), positions (T,) or (B, T) -> (B, H, T, R).
+    (:class:`Inkling` passes its own; posenc.hf an Inkling model layer's, read at each call.)
+
+    Raises:
+        UsageError: ``positions`` without T entries per row when the log scaling reads them.
+    """
+    b, t, _ = x.shape
+    dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+    w = F.linear(x.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype)).view(b, t, enc.num_heads, -1)  # (B, T, H, K)
+    if scale is not None and enc.clip is not None:
+        w = w * scale.to(dtype)
+        w = w * (enc.clip / (torch.linalg.vector_norm(w, dim=-1, keepdim=True) + 1e-6)).clamp(max=1.0)
+    if enc.log_scaling:
+        if positions.shape[-1] != t:
+            raise UsageError(f"positions must have {t} entries per row (the length of x), got shape {tuple(positions.shape)}")
+        tau = 1.0 + enc.log_scaling * torch.log(((positions + 1).to(dtype) / enc.log_floor).clamp(min=1.0))  # (T,) or (B, T)
+        w = w * tau[..., None, None]
+    return (w @ bank.to(dtype)).transpose(1, 2)  # (B, H, T, R)
+
+
+__all__ = ["Inkling", "mixed_curves"]

@@ -73,6 +73,7 @@ from .attention import (
 from .fallback import check_structure
 from .families import FAMILIES, family_of, qk_head_dim, text_config
 from .forward_state import ForwardState, RotaryStandIn
+from .inkling import inkling_plans, keep_other_attention, layer_stack, without_rope
 from .layers import attention_of, check_shared, decoder_stack, layer_plans, rotary_name
 
 # -- what a checkpoint saved after use() carries, so that it loads right or not at all -------------
@@ -160,13 +161,16 @@ def _embed_hook(stack: nn.Module, plan: LayerPlan) -> _PreHook:
     return hook
 
 
-def _positions_hook(state: ForwardState) -> Callable[[nn.Module, tuple[Any, ...], dict[str, Any]], None]:
+def _positions_hook(state: ForwardState, start: bool = False) -> Callable[[nn.Module, tuple[Any, ...], dict[str, Any]], None]:
     """A forward pre-hook on the decoder stack: the forward's ``position_ids`` as given (None when
     the model makes them), for layers that are not passed them: (B, T) text positions, or the text
     row of an M-RoPE backbone's 4-row form (text, temporal, height, width); None for its (3, B, T)
-    ids (posenc.hf.mrope: a 1-D encoding then sees each token at its slot)."""
+    ids (posenc.hf.mrope: a 1-D encoding then sees each token at its slot). ``start``: it also
+    starts the forward (a family without a rotary module, whose stand-in would)."""
 
     def hook(stack: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if start:
+            state.start()
         pos = kwargs.get("position_ids")
         if isinstance(pos, torch.Tensor) and pos.dim() == 3 and pos.shape[0] == 4:
             pos = pos[0]
@@ -225,6 +229,9 @@ def _planned(model: nn.Module, stack: nn.Module, encoding: str | nn.Module | Sch
                          "(posenc.hf looks for self_attn, attention or attn on each layer)")
     if getattr(inner, "use_bidirectional_attention", None):
         raise UsageError("model: use_bidirectional_attention is not supported by posenc.hf (a decoder with causal masks)")
+    if without_rope(family):  # Inkling, Inkling-2: no rotary module to stand in for (posenc.hf.inkling)
+        plans, modules, record = inkling_plans(inner, cast(Any, family), attentions, encoding, options)
+        return inner, family, layers, attentions, None, plans, modules, record
     current = getattr(stack, cast(str, rotary_name(stack)))
     stand_in = current if isinstance(current, RotaryStandIn) else RotaryStandIn(cast(nn.Module, current))
     rotary = stand_in.original
@@ -271,11 +278,14 @@ def use(model: _Model, encoding: str | nn.Module | Schedule, **options: Any) -> 
     """
     config: Any = model.config
     try:
-        stack = decoder_stack(model)
+        stack = layer_stack(model) or decoder_stack(model)
         inner, family, layers, attentions, stand_in, plans, modules, record = _planned(model, stack, encoding, options)
     except UsageError as error:
         raise _naming_the_family(error, model) from error.__cause__
-    setattr(stack, cast(str, rotary_name(stack)), stand_in)
+    if stand_in is not None:
+        setattr(stack, cast(str, rotary_name(stack)), stand_in)
+    else:
+        keep_other_attention(model, attentions)
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
     stack.posenc_encodings = Encodings(modules).to(device=device, dtype=dtype)
@@ -284,13 +294,14 @@ def use(model: _Model, encoding: str | nn.Module | Schedule, **options: Any) -> 
     # The model's own RoPE, verified equal to posenc's (use(model, "rope")), whose rotation does not
     # depend on the length: the model rotates q and k itself, so the cache keeps rotated keys and a
     # decode step rotates one key, not the whole cache. Everything else rotates in the attention.
-    stand_in.identity = not (record.get("from_config") and not any(
-        isinstance(p.encoding, RoPE) and p.encoding.rotation_depends_on_length for p in plans if p is not None))
-    if not stand_in.identity:
+    if stand_in is not None:
+        stand_in.identity = not (record.get("from_config") and not any(
+            isinstance(p.encoding, RoPE) and p.encoding.rotation_depends_on_length for p in plans if p is not None))
+    if stand_in is not None and not stand_in.identity:
         plans = [None if p is None else replace(p, rotate=not isinstance(p.encoding, (RoPE, MRoPE))) for p in plans]
     slots = {id(module): i for i, module in enumerate(modules)}  # (each call runs the module held there then)
     plans = [None if p is None else replace(p, slot=slots.get(id(p.encoding))) for p in plans]
-    state = stand_in.forward_state
+    state = stand_in.forward_state if stand_in is not None else stack.__dict__.setdefault("_posenc_forward_state", ForwardState())
     state.base = stack
     for attention, plan in zip(attentions, plans):
         if attention is None:
@@ -304,7 +315,8 @@ def use(model: _Model, encoding: str | nn.Module | Schedule, **options: Any) -> 
             attention.__dict__["_posenc_hook_input"] = attention.register_forward_pre_hook(keep_input, with_kwargs=True)
             attention.__dict__["_posenc_hook_input_end"] = attention.register_forward_hook(drop_input, with_kwargs=True)
     _remove_hooks(stack)
-    stack.__dict__["_posenc_hook_positions"] = stack.register_forward_pre_hook(_positions_hook(state), with_kwargs=True)
+    positions = _positions_hook(state, start=stand_in is None)
+    stack.__dict__["_posenc_hook_positions"] = stack.register_forward_pre_hook(positions, with_kwargs=True)
     stack.__dict__["_posenc_hook_finish"] = stack.register_forward_hook(_finish_hook(state))
     stack.__dict__["_posenc_hook_marker"] = stack.register_load_state_dict_pre_hook(_marker_kept)
     _remove_hooks(layers[0])
@@ -342,7 +354,7 @@ def _attention_choice(model: nn.Module, stack: nn.Module) -> str | dict[str, Any
 
 def _installed(model: nn.Module) -> Encodings | nn.ModuleList:
     """The encodings ``model`` holds (its decoder stack's ``posenc_encodings``, through a trainer's wrapper)."""
-    return installed_encodings(decoder_stack(model))
+    return installed_encodings(layer_stack(model) or decoder_stack(model))
 
 
 def from_pretrained(model_class: Any, path: str | os.PathLike[str], *, encoding: nn.Module | None = None, **kwargs: Any) -> PreTrainedModel:
@@ -396,8 +408,8 @@ def from_pretrained(model_class: Any, path: str | os.PathLike[str], *, encoding:
 def recorded_encoding(config: Any, record: dict[str, Any]) -> nn.Module | str | Schedule:
     """The encoding a ``config.posenc`` record describes: a built module, a schedule, or "rope" for
     the model's own RoPE parameters (then :func:`use` reads them from the config)."""
-    if record.get("from_config"):
-        return "rope"
+    if record.get("from_config"):  # the family's own: "rope", or "inkling" (the Inkling families)
+        return str(record.get("encoding") or "rope")
     if record.get("schedule") is not None:
         return Schedule.of(record["schedule"])
     inner = text_config(config)

@@ -166,6 +166,8 @@ class LayerPlan:
     causal: bool = True
     rotate: bool = True  # False: q and k come rotated by the model's own rotary (see use)
     slot: int | None = None  # the encoding's index in the decoder stack's posenc_encodings
+    query_sinks: str | None = None  # the keyword of the per-query sinks (B, H, Tq, 1) the layer passes (Inkling-2)
+    curves_at_slots: bool = False  # the curves' positions are the queries' cache slots, not position_ids (Inkling)
 
 
 class Encodings(nn.Module):
@@ -255,6 +257,9 @@ def posenc_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
     """
     plan: LayerPlan | None = module.__dict__.get("_posenc_plan")
     forward: ForwardState | None = module.__dict__.get("_posenc_forward")
+    own = module.__dict__.get("_posenc_own")
+    if plan is None and own is not None:  # not a layer's attention (Inkling-2's attention residuals over depth): its own
+        return own(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
     if plan is None or forward is None:
         raise UsageError(f"{type(module).__name__} {getattr(module, 'layer_idx', '')}: attn_implementation='posenc' "
                          "needs posenc.hf.use(model, encoding) first (a model saved after use: load it with posenc.hf.from_pretrained)")
@@ -289,6 +294,11 @@ def posenc_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
         query = torch.cat((query[..., -r:], query[..., :-r]), dim=-1)
         key = torch.cat((key[..., -r:], key[..., :-r]), dim=-1)
     sinks = None if plan.sinks is None else getattr(module, plan.sinks)
+    if plan.query_sinks is not None:  # per-query sink logits the layer computed (Inkling-2's sink_proj)
+        given = kwargs.get(plan.query_sinks)
+        if not isinstance(given, torch.Tensor) or given.dim() != 4 or given.shape[-1] != 1:
+            raise UsageError(f"{plan.query_sinks}: the layer passed no per-query sink logits (batch, heads, queries, 1)")
+        sinks = given[..., 0]  # (B, H, Tq)
     softcap = kwargs.get("softcap")
     log_gates = None
     if offers(encoding, Gates):
@@ -298,7 +308,8 @@ def posenc_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
         x = module.__dict__.get("_posenc_input")
         if x is None or x.shape[1] != tq:
             raise UsageError("inkling: the layer's input did not reach posenc's attention (its curves come from it)")
-        curves = require(encoding, Curves).query_curves(x, geometry.q_positions)
+        at = torch.arange(key_end - tq, key_end, device=query.device) if plan.curves_at_slots else geometry.q_positions
+        curves = require(encoding, Curves).query_curves(x, at)
     out = attend(query, key, value, encoding, scale=scaling, geometry=geometry, memo=memo, causal=geometry.causal, rotate=plan.rotate,
                  window=plan.window, chunk=plan.chunk, sinks=sinks, query_scale=plan.query_scale,
                  softcap=None if softcap is None else float(softcap), log_gates=log_gates, query_curves=curves)

@@ -57,6 +57,13 @@ Definitions (r the rotated features of a head, D its q/k head dim):
   against posenc's :class:`~posenc.encodings.mrope.MRoPE` read from the config on 3-axis ids; other
   encodings see each token at its text position (docs/hf.md, "M-RoPE backbones").
 
+- ``own``: the encoding of the family's own attention, ``"rope"`` for all but the Inkling families
+  (``"inkling"``: no rotary module; each layer's learned distance curves, mixed per query from its
+  input, :mod:`posenc.hf.inkling`). ``use(model, own)`` with no options is the untouched model.
+- ``query_sinks``: the keyword under which the layer hands the attention function per-query sink
+  logits (B, H, Tq, 1) it computed (Inkling-2's ``sink_proj`` of each token's input); every
+  encoding then keeps them.
+
 A family not in :data:`FAMILIES` is read as its config's ``model_type`` says nothing more: the
 adapter checks the model against the LLaMA pattern (see :func:`posenc.hf.use`) and refuses it,
 naming what differs, when it does not fit.
@@ -95,10 +102,13 @@ class Family:
     # norm cancels a scaling's attention factor, so posenc (which rotates after the model's norm) drops it.
     qk_norm_after_rotation: str | None = None
     mrope: bool = False
+    own: str = "rope"
+    query_sinks: str | None = None
     needs: str = ""  # what the family needed beyond the LLaMA pattern, for docs/hf.md
 
 
 _EVERY = "every_layer"
+_INKLING_TYPES = (("hybrid", "full_attention"), ("hybrid_sliding", "sliding_attention"))
 
 FAMILIES: tuple[Family, ...] = (
     Family("Llama", ("llama",), needs="the pattern itself"),
@@ -170,6 +180,13 @@ FAMILIES: tuple[Family, ...] = (
            needs="M-RoPE (contiguous sections), interleaved pairs, partial rotary; rotated by the model, verified against posenc's mrope"),
     Family("GLM-4V-MoE text", ("glm4v_moe_text",), window="none", mrope=True,
            needs="M-RoPE (contiguous sections), half pairs, partial rotary; rotated by the model, verified against posenc's mrope"),
+    # No RoPE: the Inkling bias (posenc.hf.inkling), windows on the hybrid_sliding layers
+    Family("Inkling", ("inkling_text",), typed_layers=True, own="inkling", type_names=_INKLING_TYPES,
+           needs="no RoPE: the Inkling bias read from each layer's r_proj and curve bank; windows on hybrid_sliding layers; "
+                 "the log scaling at cache slots"),
+    Family("Inkling-2", ("inkling2_text", "inkling2_loop_text"), typed_layers=True, own="inkling", query_sinks="sinks", type_names=_INKLING_TYPES,
+           needs="no RoPE: the Inkling bias read from each layer (clipped, log-scaled on full layers); per-query sinks "
+                 "(sink_proj); windows on hybrid_sliding layers"),
     Family("ModernBERT", ("modernbert",), typed_layers=True, rope_blocks="per_type", window_key="local_attention", causal=False,
            needs="an encoder; a RoPE block per layer type; local windows"),
 )

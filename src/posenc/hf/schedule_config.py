@@ -119,6 +119,9 @@ def schedule_from_hf(config) -> Schedule:
         known = sorted(BY_MODEL_TYPE)
         raise UsageError(f"schedule_from_hf: model_type {get('model_type')!r} is not one of {known}")
     name = family.name
+    if family.own != "rope":  # Inkling: each layer's bias is read from its weights (posenc.hf.inkling), not its config
+        raise UsageError(f"schedule_from_hf: {name} has no RoPE; its layers' own encoding is {family.own!r}, read from each "
+                         f"layer's weights by posenc.hf.use(model, {family.own!r}), not a schedule of its config")
     if get("use_bidirectional_attention"):
         raise UsageError(f"schedule_from_hf: {name} with use_bidirectional_attention=True is not read here")
     depth = int(_need(get, "num_hidden_layers", name))
