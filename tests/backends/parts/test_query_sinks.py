@@ -108,3 +108,40 @@ def test_per_query_sinks_of_the_wrong_shape_are_refused() -> None:
         posenc.attend(q, k, v, None, sinks=sinks[:, :, :-1])
     with pytest.raises(UsageError, match="sinks must be a float tensor"):
         posenc.attend(q, k, v, None, sinks=sinks[0])
+
+
+@pytest.mark.parametrize("window", [None, 3, 5, 11])
+@pytest.mark.parametrize("per_row", [True, False])
+def test_the_curved_backend_runs_windows_and_sinks_in_blocks(window, per_row) -> None:
+    """curved.attend_extras in blocks of 4 queries (several blocks, far keys without a window, the
+    window's edge inside a band) against the formula, outputs and gradients; a cached call of the
+    last 6 queries too."""
+    from posenc.backends import curved
+    from posenc.call.spec import ScoreSpec
+
+    enc, x, q, k, v, sinks = _inputs(4)
+    kk, vv = k.repeat_interleave(H // HKV, 1), v.repeat_interleave(H // HKV, 1)
+    curves = enc.query_curves(x, torch.arange(T))
+    rows = sinks if per_row else sinks[:1, :, :1].expand(1, H, T)  # (B or 1, H, T)
+    for n in (T, 6):
+        spec = ScoreSpec(encoding=enc, q_positions=torch.arange(T - n, T), k_positions=torch.arange(T), causal=True,
+                         scale=D**-0.5, curves=curves[:, :, -n:])
+        assert curved.supports(spec, q)
+        got = curved.attend_extras(q[:, :, -n:], kk, vv, spec, window, rows[:, :, -n:], block=4)
+        want = _dense(q, k, v, curves, rows.expand(B, H, T), window)[:, :, -n:]
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+        leaves = [q, k, v, sinks, enc.bank, enc.weights.weight]
+        g_got = torch.autograd.grad((got * torch.cos(got)).sum(), leaves, retain_graph=True)
+        g_want = torch.autograd.grad((want * torch.cos(want)).sum(), leaves, retain_graph=True)
+        for a, b in zip(g_got, g_want):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-11)
+
+
+def test_attend_hands_curves_with_a_window_and_sinks_to_the_curved_backend(monkeypatch) -> None:
+    from posenc.backends import curved
+
+    seen = []
+    monkeypatch.setattr(curved, "attend_extras", lambda *a, **kw: seen.append(a[4]) or torch.zeros_like(a[0]))
+    enc, x, q, k, v, sinks = _inputs()
+    posenc.attend(q, k, v, enc, window=5, sinks=sinks, query_curves=enc.query_curves(x, torch.arange(T)))
+    assert seen == [5]

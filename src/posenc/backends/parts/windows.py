@@ -18,7 +18,9 @@ Definitions (i the query's position, j a key's; W the window, C the chunk size):
   ``sigmoid(lse_i - s_h)``. Per-query sinks (Inkling-2: s_{b,h,i} computed from each token's
   layer input by ``sink_proj``) are the same term with one logit per row.
 - **Bias curves** (the Inkling bias, ``spec.curves``) travel with their queries: each block's
-  call gets its queries' rows, so a window, chunks or sinks take them as any other query term.
+  call gets its queries' rows, so a window, chunks or sinks take them as any other query term. A
+  window and/or sinks with curves on a call the ``curved`` backend runs (consecutive, aligned, no
+  padding) go to it whole (:func:`posenc.backends.curved.attend_extras`: no (Tq, Tk) tensor).
 
 How one call runs (shape legend: B batch, H heads, Tq queries, Tk keys, D head dim; L a block):
 
@@ -61,6 +63,7 @@ from ...call.spec import ScoreSpec
 from ...encodings.protocol import Biases, ValueTerms, require
 from ...encodings.query_scale import QueryScale, check_query_scale
 from ...errors import UsageError, check_window_chunk
+from .. import curved
 from . import sliding
 from .base import accumulation_dtype
 from .regions import repeated_heads
@@ -177,6 +180,12 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec, e
     if tq == 0:
         return q.new_zeros(*q.shape[:-1], v.shape[-1]), "eager"
     window = extras.window
+    if spec.curves is not None and extras.chunk is None and extras.softcap is None and backend in ("auto", "curved") \
+            and curved.supports(spec, q):  # bias curves in a window and/or with sinks: the band written out, no blocks here
+        if k.shape[1] != h:
+            k, v = repeated_heads(k, v, h)
+        rows = None if sinks is None else sinks.view(1, h, 1).expand(1, h, tq) if sinks.dim() == 1 else sinks  # (B or 1, H, Tq)
+        return curved.attend_extras(q, k, v, spec, window, rows), "curved"
     if backend == "auto" and window is not None and not extras.written_out:
         out = sliding.attend(q, k, v, spec, window)  # batched flash-kernel calls, as blocked's; None: not this path
         if out is not None:
