@@ -57,6 +57,12 @@ def _mrope(theta: float, sections: list[int], **more: Any) -> dict[str, Any]:
     return {"rope_parameters": {"rope_type": "default", "rope_theta": theta, "mrope_section": sections, **more}}
 
 
+def _log_floor(theta: float, **more: Any) -> dict[str, Any]:
+    """A YaRN block with Ministral 3's query scale over an original length of 4 (reached in 20 tokens)."""
+    return {"rope_type": "yarn", "rope_theta": theta, "factor": 4.0, "original_max_position_embeddings": 4, "beta_fast": 32.0,
+            "beta_slow": 1.0, "llama_4_scaling_beta": 0.5, **more}
+
+
 _INKLING = dict(swa_num_attention_heads=4, swa_num_key_value_heads=2, swa_head_dim=16, rel_extent=6, d_rel=4, log_scaling_n_floor=8)
 
 OVERRIDES: dict[str, dict[str, Any]] = {
@@ -85,6 +91,10 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     # Qwen3-VL's interleaved sections default to a head dim of 128 (24, 20, 20) and its block names none to shrink
     "qwen3_vl_text": _mrope(5e5, [3, 3, 2]),
     "qwen3_vl_moe_text": _mrope(5e5, [3, 3, 2]),
+    # the log-floor query scale 1 + beta ln(1 + floor(pos / original)) moves within the census's 20 tokens
+    "ministral3": dict(rope_parameters=_log_floor(1e6)),
+    "mistral4": dict(qk_nope_head_dim=8, rope_parameters=_log_floor(1e4, partial_rotary_factor=0.5)),  # MLA: rope 8 of 16
+    "esmc": dict(num_key_value_heads=4),  # encoder census: "ESMC does not support grouped-query attention"
     # Inkling, Inkling-2 (no RoPE: use(model, "inkling")): small sliding heads, curves over 6 distances (crossed), the
     # log scaling from position 8 (reached), a head over the tiny vocabulary; Inkling-2-Loop loops its middle layer twice
     "inkling_text": _INKLING,
@@ -176,7 +186,7 @@ class Case:
     """One census entry: a model type and where it came from."""
 
     model_type: str
-    source: str  # "causal-lm", or "backbone of <image-text-to-text type>"
+    source: str  # "causal-lm", "backbone of <image-text-to-text type>", or "masked-lm" (an encoder)
 
     def __str__(self) -> str:
         return self.model_type
@@ -203,6 +213,14 @@ def cases() -> list[Case]:
     return found
 
 
+def encoder_cases() -> list[Case]:
+    """Every model type of the masked-LM mapping (the encoders: tests/hf/test_census_encoders.py),
+    RoFormer's too (its causal-LM class is a decoder; its masked LM the encoder)."""
+    from transformers.models.auto import modeling_auto
+
+    return [Case(t, "masked-lm") for t in modeling_auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES]
+
+
 def _text_config(config: Any) -> Any:
     getter = getattr(config, "get_text_config", None)
     if getter is None:
@@ -214,9 +232,12 @@ def _text_config(config: Any) -> Any:
 
 
 def model_class(case: Case) -> Any:
-    """The Auto class the census builds with: the causal LM, or for a backbone its bare model."""
+    """The Auto class the census builds with: the causal LM, the masked LM (an encoder), or for a
+    backbone its bare model."""
     from transformers.models.auto import modeling_auto
 
+    if case.source == "masked-lm":
+        return modeling_auto.AutoModelForMaskedLM
     return (modeling_auto.AutoModelForCausalLM if case.source == "causal-lm" else modeling_auto.AutoModel)
 
 
@@ -226,8 +247,8 @@ def rotates(case: Case) -> bool:
     import transformers
     from transformers.models.auto import modeling_auto
 
-    names = (modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES if case.source == "causal-lm"
-             else modeling_auto.MODEL_MAPPING_NAMES)[case.model_type]
+    names = {"causal-lm": modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, "masked-lm": modeling_auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES
+             }.get(case.source, modeling_auto.MODEL_MAPPING_NAMES)[case.model_type]
     name = names[0] if isinstance(names, (list, tuple)) else names
     try:
         cls = getattr(transformers, name)
@@ -279,5 +300,5 @@ def untouched_copy(model: torch.nn.Module) -> torch.nn.Module:
     return copy.deepcopy(model)
 
 
-__all__ = ["Case", "LIMIT", "OVERRIDES", "TINY", "UNBUILDABLE", "VOCAB", "WINDOW", "build", "cases", "model_class", "rotates",
+__all__ = ["Case", "LIMIT", "OVERRIDES", "TINY", "UNBUILDABLE", "VOCAB", "WINDOW", "build", "cases", "encoder_cases", "model_class", "rotates",
            "tiny_config", "untouched_copy", "uses_rope"]

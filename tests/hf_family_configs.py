@@ -55,6 +55,7 @@ TESTED: dict[str, dict] = {
     "gpt_oss": dict(sliding_window=WINDOW, num_local_experts=4, num_experts_per_tok=2),
     "llama4_text": dict(num_local_experts=4, num_experts_per_tok=1, intermediate_size_mlp=64, attention_chunk_size=WINDOW,
                         floor_scale=4, attn_scale=0.5),
+    "modernbert-decoder": dict(local_attention=2 * WINDOW, layer_types=TWO_TYPES),  # its sliding_window: local_attention // 2
 }
 
 

@@ -44,6 +44,7 @@ if __name__ == "__main__":  # run as a script: the census configs are in tests/ 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import hf_census_configs as census  # noqa: E402
+import hf_census_encoders as encoders  # noqa: E402  (the masked-LM half: tests/hf/test_census_encoders.py)
 
 pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.filterwarnings("ignore")]
 
@@ -239,20 +240,22 @@ def _why(detail: str) -> str:
 
 
 def census_table() -> str:
-    """The census as a markdown block: counts, then one row per family with RoPE (its outcome)."""
+    """The census as a markdown block: counts, then one row per family with RoPE (its outcome), the
+    decoders and backbones, then the encoders (tests/hf_census_encoders.py)."""
     rows, counts, plain = [], {"exact": 0, "refused": 0, "unbuildable": 0}, 0
-    for case in CASES:
-        found = _outcome(case)
+    found: Outcome | encoders.Outcome
+    for case, found in [*((c, _outcome(c)) for c in CASES), *((c, encoders.outcome_of(c)) for c in encoders.CASES)]:
         if found.kind == "no rope":
             plain += 1
             continue
         counts[found.kind] = counts.get(found.kind, 0) + 1
         what = {"exact": f"exact {found.detail}".strip(), "refused": f"refused: {_why(found.detail)}",
                 "unbuildable": f"not built here: {found.detail}"}.get(found.kind, f"FAILED: {found.detail}")
-        source = "" if case.source == "causal-lm" else f" ({case.source})"
+        source = {"causal-lm": "", "masked-lm": " (masked LM, an encoder)"}.get(case.source, f" ({case.source})")
         rows.append(f"| `{case.model_type}`{source} | {what.replace('|', '/')} |")
     head = [f"transformers {transformers.__version__}: {len(CASES)} model types ({sum(c.source == 'causal-lm' for c in CASES)} "
-            f"causal-LM types, {sum(c.source != 'causal-lm' for c in CASES)} image-text-to-text backbones); {plain} without "
+            f"causal-LM types, {sum(c.source != 'causal-lm' for c in CASES)} image-text-to-text backbones) and "
+            f"{len(encoders.CASES)} masked-LM types (encoders: a bidirectional forward and padded batches, no decoding); {plain} without "
             f"RoPE (nor an encoding of their own in posenc's family table); "
             f"of the others {counts['exact']} exact, {counts['refused']} refused at `use()`, "
             f"{counts['unbuildable']} not built here.", "", "| model_type | `use(model, \"rope\")` |", "|---|---|"]

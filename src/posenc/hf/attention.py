@@ -35,7 +35,7 @@ NAME = "posenc"
 
 
 def padding_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
-                 attention_mask: torch.Tensor | None = None, device: torch.device | str = "cpu", **_: Any) -> torch.Tensor | None:
+                 attention_mask: torch.Tensor | None = None, device: torch.device | str = "cpu", **more: Any) -> torch.Tensor | None:
     """The mask function registered as ``"posenc"``: the 2-D key mask (B, kv_length), bool, True =
     a real token, for the keys ``kv_offset .. kv_offset + kv_length - 1``; None when every key is
     real. A key slot past the last query (a static cache's unwritten slots) is not real. A 2-D mask
@@ -44,8 +44,14 @@ def padding_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int =
     Causality, documents and positions are the attention function's business.
 
     Raises:
-        UsageError: ``attention_mask`` is not a 2-D padding mask (B, T).
+        UsageError: ``attention_mask`` is not a 2-D padding mask (B, T), or an encoder's mask carries a
+            mask function of the model's own (``allow_is_bidirectional_skip`` False: ESM C's ``sequence_id``
+            chains), which posenc's attention would not apply.
     """
+    if more.get("allow_is_bidirectional_skip") is False:
+        raise UsageError("attention_mask: the model adds a mask of its own to its bidirectional mask (a chain or packed-"
+                         "sequence mask, e.g. ESM C's sequence_id), which posenc.hf does not apply; give position_ids "
+                         "restarting at each sequence instead (posenc's packed rows)")
     slots = torch.arange(kv_offset, kv_offset + kv_length, device=device)
     written = slots < q_offset + q_length  # (Tk,); q_offset may be a tensor (static caches)
     mask = None

@@ -27,8 +27,9 @@ Definitions (r the rotated features of a head, D its q/k head dim):
   ``sliding_attention``), ``"every_layer"`` (all of them, when the config sets the key: Mistral,
   Mixtral, Qwen3-MoE, Phi-3, StarCoder2) or ``"none"``.
 - ``nope``: which layers have no positions: ``"none"``, ``"no_rope_layers"`` (SmolLM3, Llama 4:
-  ``no_rope_layers[l] == 1`` means RoPE, despite the name) or ``"full_layers"`` (Cohere2: only its
-  sliding layers rotate).
+  ``no_rope_layers[l] == 1`` means RoPE, despite the name), ``"full_layers"`` (Cohere2: only its
+  sliding layers rotate) or ``"full_layers_but_dense"`` (Cohere2-MoE: so do its full layers with a
+  dense MLP, ``mlp_layer_types``, when ``prefix_dense_sliding_window_pattern`` is 1).
 - ``chunk_key``: the chunk size of the ``chunked_attention`` layers (Llama 4).
 - ``sinks``: the attention module's attribute holding one sink logit per head (gpt-oss).
 - ``softcap``: the config key of the logit soft cap of the content scores (Gemma 2).
@@ -37,7 +38,9 @@ Definitions (r the rotated features of a head, D its q/k head dim):
   tokens get the temperature of where they sit in the row); inside posenc.hf the model's is turned
   off and posenc's query scale applies it at each token's own position, so a packed row equals its
   documents alone.
-- ``log_beta``: Ministral 3's query scale, a key of its RoPE block.
+- ``log_beta``: Ministral 3's (and Mistral 4's) query scale, a key of its RoPE block. The model scales its
+  queries itself, at the positions its layers are passed, whatever the encoding, so posenc.hf's plans leave
+  it out (a schedule read for posenc's own model keeps it).
 - ``no_attention``: layer types whose layers never call the attention function (Qwen3-Next's Gated
   DeltaNet layers, Bamba's Mamba-2 layers, LFM2's short convolutions): they have no positions, and
   posenc leaves them as they are (an attention module they hold, MiniMax's Lightning attention, is
@@ -47,7 +50,11 @@ Definitions (r the rotated features of a head, D its q/k head dim):
   ``hybrid_sliding`` ones slide. Their RoPE tables keep the family's name (``hybrid_inv_freq``).
 - ``qk_head_dim``: the config keys whose sum is D (MLA: ``qk_nope_head_dim + qk_rope_head_dim``);
   by default ``head_dim``, else ``hidden_size // num_attention_heads``.
-- ``causal``: a decoder; ModernBERT is an encoder.
+- ``causal``: a decoder; the encoders (ModernBERT, EuroBERT, GTE, Nomic BERT, Jina v3, UltraBERT) are
+  bidirectional, and their attention modules may have no ``layer_idx`` (GTE, Nomic BERT, Jina v3).
+- ``window_per_side``: ``window_key`` counts the keys on each side (UltraBERT's ``sliding_window``:
+  ``|i - j| <= w``), where posenc's bidirectional window W is the total width (``|i - j| <= W // 2``),
+  so posenc's window is 2w. ModernBERT's ``local_attention`` is already the total width.
 - ``mrope``: M-RoPE (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, GLM-4V): the decoder stack hands its rotary
   module (3, B, T) ids (temporal, height, width; image tokens of a grid differ in each) and
   ``rope_parameters`` splits the frequencies over them (``mrope_section``; Qwen3-VL interleaved,
@@ -98,6 +105,7 @@ class Family:
     type_names: tuple[tuple[str, str], ...] = ()
     qk_head_dim: tuple[str, ...] = ("head_dim",)
     causal: bool = True
+    window_per_side: bool = False
     # A config key that, when true, puts a weightless q/k norm after the rotation (Llama 4's use_qk_norm): the
     # norm cancels a scaling's attention factor, so posenc (which rotates after the model's norm) drops it.
     qk_norm_after_rotation: str | None = None
@@ -108,6 +116,8 @@ class Family:
 
 
 _EVERY = "every_layer"
+_MLA = ("qk_nope_head_dim", "qk_rope_head_dim")
+_MLA_NEEDS = "MLA (DeepSeek-V3's layout): the rope part is the last qk_rope_head_dim features, de-interleaved; value head dim differs"
 _INKLING_TYPES = (("hybrid", "full_attention"), ("hybrid_sliding", "sliding_attention"))
 
 FAMILIES: tuple[Family, ...] = (
@@ -160,12 +170,29 @@ FAMILIES: tuple[Family, ...] = (
     Family("Cohere", ("cohere",), layout="interleaved", needs="interleaved pairs"),
     Family("Cohere2", ("cohere2",), typed_layers=True, layout="interleaved", nope="full_layers",
            needs="interleaved pairs; RoPE on the sliding layers only (full layers NoPE)"),
+    Family("Cohere2-MoE", ("cohere2_moe",), typed_layers=True, layout="interleaved", nope="full_layers_but_dense",
+           needs="interleaved pairs; RoPE on the sliding layers and the dense prefix's full layers (other full layers NoPE)"),
+    # Interleaved pairs: cos/sin's first half repeated pairwise, rotate_half over (2i, 2i + 1)
+    Family("ERNIE 4.5", ("ernie4_5", "ernie4_5_moe"), layout="interleaved", needs="interleaved pairs (rotated in float32)"),
+    Family("Helium", ("helium",), layout="interleaved", needs="interleaved pairs"),
+    Family("GLM", ("glm",), layout="interleaved", needs="partial rotary (first half), interleaved pairs"),
     Family("DeepSeek-V2", ("deepseek_v2",), layout="interleaved", rope_slice="last", window="none",
            qk_head_dim=("qk_nope_head_dim", "qk_rope_head_dim"),
            needs="MLA: the rope part is the last qk_rope_head_dim features (complex pairs); value head dim differs"),
     Family("DeepSeek-V3", ("deepseek_v3",), rope_slice="last", window="none",
            qk_head_dim=("qk_nope_head_dim", "qk_rope_head_dim"),
            needs="MLA: the rope part is the last qk_rope_head_dim features, de-interleaved; value head dim differs"),
+    # MLA as DeepSeek-V3's: [no-position part | rope part], the rope key part one head shared by all
+    Family("MiniCPM3", ("minicpm3",), rope_slice="last", window="none", qk_head_dim=_MLA,
+           needs="MLA (DeepSeek-V3's layout, half pairs without rope_interleave)"),
+    Family("GLM-4 Lite", ("glm4_moe_lite",), rope_slice="last", window="none", qk_head_dim=_MLA, needs=_MLA_NEEDS),
+    Family("Sarvam MLA", ("sarvam_mla",), rope_slice="last", window="none", qk_head_dim=_MLA, needs=_MLA_NEEDS),
+    Family("Youtu", ("youtu",), rope_slice="last", window="none", qk_head_dim=_MLA, needs=_MLA_NEEDS),
+    Family("A.X K1", ("axk1",), rope_slice="last", window="none", qk_head_dim=_MLA, needs=_MLA_NEEDS),
+    Family("Mistral 4", ("mistral4",), rope_slice="last", window="none", qk_head_dim=_MLA, log_beta=True,
+           needs=_MLA_NEEDS + "; the log-floor query scale"),
+    Family("Bailing hybrid", ("bailing_hybrid",), rope_slice="last", window="none", qk_head_dim=_MLA, no_attention=("linear_attention",),
+           needs=_MLA_NEEDS + "; Gated DeltaNet layers have no positions"),
     Family("GLM-4", ("glm4",), layout="interleaved", needs="partial rotary (first half), interleaved pairs"),
     Family("GLM-4-MoE", ("glm4_moe",), needs="partial rotary (first half)"),
     Family("gpt-oss", ("gpt_oss",), typed_layers=True, sinks="sinks", needs="attention sinks (module.sinks); YaRN; alternating windows"),
@@ -189,6 +216,16 @@ FAMILIES: tuple[Family, ...] = (
                  "(sink_proj); windows on hybrid_sliding layers"),
     Family("ModernBERT", ("modernbert",), typed_layers=True, rope_blocks="per_type", window_key="local_attention", causal=False,
            needs="an encoder; a RoPE block per layer type; local windows"),
+    Family("ModernBERT decoder", ("modernbert-decoder",), typed_layers=True, rope_blocks="per_type",
+           needs="a RoPE block per layer type; causal windows of sliding_window (local_attention // 2)"),
+    Family("EuroBERT", ("eurobert",), window="none", causal=False, needs="an encoder (LLaMA's layers, bidirectional)"),
+    Family("GTE", ("gte",), window="none", causal=False, needs="an encoder; attention modules without layer_idx"),
+    Family("Nomic BERT", ("nomic_bert",), window="none", causal=False, needs="an encoder; attention modules without layer_idx"),
+    Family("Jina v3", ("jina_embeddings_v3",), window="none", causal=False, needs="an encoder; attention modules without layer_idx"),
+    Family("ESM C", ("esmc",), window="none", causal=False,
+           needs="an encoder; q/k layer norms before RoPE (nothing to do); sequence_id chains refused at the forward"),
+    Family("UltraBERT", ("ultrabert",), typed_layers=True, rope_blocks="per_type", causal=False, window_per_side=True,
+           needs="an encoder; a RoPE block per layer type; local windows of sliding_window keys on each side"),
 )
 
 #: model_type -> its :class:`Family`.

@@ -48,7 +48,7 @@ def decoder_stack(model: nn.Module) -> nn.Module:
     """The module holding ``layers`` and the rotary module (``rotary_emb``: ``LlamaModel`` & co.).
 
     Raises:
-        UsageError: no such module within three levels (base model prefix, ``model``, ``language_model``);
+        UsageError: no such module within three levels (base model prefix, ``model``, ``language_model``, ``text_model``);
             a stack whose rotary attribute is None, or that has none (a hybrid whose attention has no
             RoPE), says so.
     """
@@ -65,7 +65,7 @@ def decoder_stack(model: nn.Module) -> nn.Module:
                     bare = node
                 elif plain is None:
                     plain = node
-            for name in (getattr(node, "base_model_prefix", None), "model", "language_model"):
+            for name in (getattr(node, "base_model_prefix", None), "model", "language_model", "text_model"):
                 child = getattr(node, name, None) if isinstance(name, str) else None
                 if isinstance(child, nn.Module) and child is not node:
                     found.append(child)
@@ -382,7 +382,8 @@ def layer_plans(model: Any, config: Any, family: Family | None, attentions: list
         if enc not in modules:
             modules.append(enc)
         plans.append(LayerPlan(enc, layer.window, layer.chunk, family.sinks if layer.sinks and family is not None else None,
-                               layer.query_scale, sizes.rotary_dim if sizes.rope_last else 0, causal))
+                               None if family is not None and family.log_beta else layer.query_scale,  # the model's own
+                               sizes.rotary_dim if sizes.rope_last else 0, causal))
     return plans, nn.ModuleList(modules), record
 
 

@@ -22,6 +22,7 @@ Some rows, read here (``transformers`` 5.24):
 - gpt-oss: one YaRN block on every layer, the window on the sliding ones, sinks on every layer.
 - ModernBERT: an encoder (build the model with ``causal=False``); its local layers see
   ``|i - j| <= local_attention // 2``, which is ``window=local_attention`` here.
+- UltraBERT: an encoder whose local layers see ``|i - j| <= sliding_window``: ``window=2 * sliding_window``.
 - Ministral 3: every layer alike, windowed when ``sliding_window`` is set; YaRN, and the query
   scale ``1 + beta ln(1 + floor(pos / original))`` from the block's ``llama_4_scaling_beta``
   (:class:`~posenc.encodings.query_scale.LogFloorScale`), a key taken out of the RoPE block.
@@ -169,6 +170,8 @@ def schedule_from_hf(config) -> Schedule:
     window = None
     if "sliding_attention" in [named.get(kind, kind) for kind in types]:
         window = int(_need(get, family.window_key, name))
+        if family.window_per_side:  # keys on each side (UltraBERT): posenc's bidirectional window is the total width
+            window *= 2
     no_rope = None
     if family.nope == "no_rope_layers":
         no_rope = list(_need(get, "no_rope_layers", name))
@@ -184,6 +187,9 @@ def schedule_from_hf(config) -> Schedule:
             uses_rope = bool(no_rope[i])
         if family.nope == "full_layers":
             uses_rope = kind == "sliding_attention"
+        elif family.nope == "full_layers_but_dense":  # a full layer with a dense MLP rotates when the prefix pattern is 1
+            dense = (get("mlp_layer_types") or ["sparse"] * depth)[i] == "dense" and get("prefix_dense_sliding_window_pattern") == 1
+            uses_rope = kind == "sliding_attention" or dense
         layer: dict = {"encoding": ("mrope" if family.mrope else "rope") if uses_rope else "nope"}
         if uses_rope:
             layer["options"] = rope_options(kind)
