@@ -226,9 +226,9 @@ def test_a_model_outside_the_table() -> None:
     model = phf.use(copy.deepcopy(ref), "rope")
     ids = tokens(1, 12)
     assert err(logits(model, ids), logits(ref, ids)) < 1e-5
-    helium = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model("helium", **COMMON))
+    nanochat = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model("nanochat", **COMMON))
     with pytest.raises(posenc.UsageError, match="not in posenc's family table and its rotation is not LLaMA's"):
-        phf.use(helium, "rope")  # interleaved pairs
+        phf.use(nanochat, "rope")  # half pairs turned the other way
 
 
 # -- docs/hf.md's family table ---------------------------------------------------------------------
@@ -240,6 +240,11 @@ HYBRID_CHECKS = ("the census, and tests/hf/test_hybrid_families.py: posenc's att
                  "the schedule rotated in the attention, ALiBi's cached decoding, packed rows")
 INKLING_CHECKS = ('the census, and tests/hf/test_inkling_family.py: use(model, "inkling") is the untouched model (forward, '
                   "left padding, cached decoding, gradients of its own curves); RoPE, ALiBi, NoPE keep its windows and sinks")
+ROW_CHECKS = ("the census, and tests/hf/test_family_rows.py: the row's RoPE rotated in posenc's attention (forward past the "
+              "window, left padding, cached decoding)")
+#: the families of issue 47 item 3 checked by tests/hf/test_family_rows.py
+ROWS_TESTED = {"minicpm3", "glm4_moe_lite", "sarvam_mla", "youtu", "axk1", "mistral4", "bailing_hybrid", "ernie4_5", "helium", "glm",
+               "cohere2_moe"}
 MROPE_CHECKS = ("the census, and tests/hf/test_mrope_backbones.py: 3-axis image rows, left padding, cached decoding; "
                 "ALiBi, T5, NoPE at text positions")
 
@@ -251,7 +256,8 @@ def family_table() -> str:
         if not family.causal:
             continue
         hybrid = bool(family.no_attention or family.type_names)
-        checks = (CHECKS if tested else INKLING_CHECKS if family.own != "rope" else MROPE_CHECKS if family.mrope else HYBRID_CHECKS if hybrid
+        checks = (CHECKS if tested else ROW_CHECKS if ROWS_TESTED & set(family.model_types)
+                  else INKLING_CHECKS if family.own != "rope" else MROPE_CHECKS if family.mrope else HYBRID_CHECKS if hybrid
                   else 'the schedule only (tests/hf/test_schedule_config.py)')
         rows.append(f"| {family.name} | {', '.join(f'`{t}`' for t in family.model_types)} | {family.needs} | {checks} |")
     return "\n".join(rows)

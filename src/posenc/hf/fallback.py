@@ -9,8 +9,8 @@ it is refused here, naming the family and what posenc lacks for it:
 
 - from the modules and config (:func:`check_structure`): attention that is not causal, per-head sink
   logits, several rotary modules (per-layer bases, a base of 0 for NoPE layers), one rotary table
-  per layer type, multi-head latent attention (MLA) head dims, M-RoPE's 3-axis sections, KV sharing
-  across layers, attention layers of different head dims;
+  per layer type, sparse attention (an indexer's keys), multi-head latent attention (MLA) head dims,
+  M-RoPE's 3-axis sections, KV sharing across layers, attention layers of different head dims;
 - by running each attention module alone once on four tokens (:func:`probe`), twice: with the
   model's own (cos, sin) and with the identity rotation, through a recording attention function:
   queries and keys must be those of posenc's RoPE read from the config (NoPE layers, another
@@ -85,6 +85,9 @@ def _structure(stack: nn.Module, config: Any, attentions: list[nn.Module | None]
     blocks = block.values() if isinstance(block, dict) and all(isinstance(v, dict) for v in block.values()) else [block]
     if any(isinstance(b, dict) and any("mrope" in str(k) for k in b) for b in blocks) or hasattr(rotary, "mrope_section"):
         lacks.append("M-RoPE (3-axis positions, mrope_section), for which the fallback has no path")
+    if "indexed_attention" in (get("layer_types") or ()) or any(getattr(a, "indexer", None) is not None for a in present):
+        lacks.append("sparse attention (an indexer picks index_topk keys per query, handed to the attention function "
+                     "as indices or a mask of its own: DeepSeek sparse attention), which posenc's attention does not run")
     if get("qk_rope_head_dim") is not None or get("kv_lora_rank") is not None:
         lacks.append("multi-head latent attention (qk_rope_head_dim, qk_nope_head_dim): the fallback does not know which "
                      "features rotate (a family row with rope_slice='last' and qk_head_dim describes them)")

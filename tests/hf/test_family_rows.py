@@ -1,0 +1,152 @@
+"""posenc.hf's family rows for the families the census found refused or crashing (issue 47, item 3):
+multi-head latent attention beyond DeepSeek (MiniCPM3, GLM-4 Lite, Sarvam MLA, Youtu, A.X K1,
+Mistral 4, Bailing hybrid), interleaved pairs (ERNIE 4.5 dense and MoE, Helium, GLM, Cohere2-MoE).
+
+The census (tests/hf/test_census.py) checks ``use(model, "rope")``, under which the model rotates q
+and k with its own tables and posenc only verifies them: it cannot see a row's layout, rope slice or
+NoPE layers. Here each family is also run with posenc rotating (``use(model, "rope", base=<its
+own base>)``: the rotary module becomes the identity, and each layer's RoPE is applied inside
+posenc's attention from the row), and must still be the untouched ``transformers`` model:
+
+- a 20-token forward (past every window of 8), a left-padded batch at its real tokens, and the same
+  tokens from cached greedy decoding, against the untouched model (float32, 1e-4 on logits);
+- Cohere2-MoE's full layers: NoPE, except a dense-MLP prefix layer when
+  ``prefix_dense_sliding_window_pattern`` is 1 (the model's ``force_rope``), both ways;
+- Mistral 4 and Ministral 3: the model scales its queries itself (``llama_4_scaling_beta``); posenc's
+  plan must not scale them again (a doubled scale was silently wrong past the original length);
+- the DeepSeek-sparse-attention families stay refused, naming the indexer.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+transformers.logging.set_verbosity_error()
+
+import hf_census_configs as census  # noqa: E402
+import posenc.hf as phf  # noqa: E402
+from posenc.errors import UsageError  # noqa: E402
+from posenc.hf.rope_config import options_from_hf  # noqa: E402
+from posenc.hf.schedule_config import schedule_from_hf  # noqa: E402
+
+pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.filterwarnings("ignore")]
+
+LENGTH, PAD, STEPS, TOLERANCE = 20, 5, 3, 1e-4
+_DENSE_PREFIX = dict(num_hidden_layers=3, layer_types=["full_attention", "sliding_attention", "full_attention"],
+                     mlp_layer_types=["dense", "sparse", "sparse"])
+
+#: (model_type, overrides over the census's): the rows of this item, as the census builds them, and variants
+ROWS: list[tuple[str, dict[str, Any]]] = [
+    ("minicpm3", {}), ("glm4_moe_lite", {}), ("glm4_moe_lite", {"rope_interleave": False}), ("sarvam_mla", {}),
+    ("youtu", {}), ("axk1", {}), ("mistral4", {}), ("bailing_hybrid", {}),
+    ("ernie4_5", {}), ("ernie4_5_moe", {}), ("helium", {}), ("glm", {}), ("cohere2_moe", {}),
+    ("cohere2_moe", _DENSE_PREFIX), ("cohere2_moe", {**_DENSE_PREFIX, "prefix_dense_sliding_window_pattern": 2}),
+    ("ministral3", {}),
+]
+
+
+def case(model_type: str) -> census.Case:
+    """The census's entry: a causal LM, or a bare backbone (Mistral 4)."""
+    causal = model_type in transformers.models.auto.modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    return census.Case(model_type, "causal-lm" if causal else "backbone")
+
+
+def build(model_type: str, **more: Any) -> torch.nn.Module:
+    """The census's tiny model of ``model_type``, with ``more`` over its overrides."""
+    saved = census.OVERRIDES.get(model_type)
+    census.OVERRIDES[model_type] = {**(saved or {}), **more}
+    try:
+        return census.build(case(model_type))
+    finally:
+        if saved is None:
+            census.OVERRIDES.pop(model_type)
+        else:
+            census.OVERRIDES[model_type] = saved
+
+
+def output(model: torch.nn.Module, ids: torch.Tensor, **kwargs: Any) -> Any:
+    with torch.no_grad():
+        return model(ids, **kwargs)
+
+
+def scores(out: Any, table: torch.Tensor) -> torch.Tensor:
+    """Logits, or a backbone's last hidden states against its input embeddings."""
+    return out.logits if getattr(out, "logits", None) is not None else out.last_hidden_state @ table.T
+
+
+def run(model: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A forward, a left-padded batch (its real tokens), STEPS greedy tokens from a cached loop."""
+    table = model.get_input_embeddings().weight
+    ids = torch.randint(3, census.VOCAB, (2, LENGTH), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones(2, LENGTH, dtype=torch.long)
+    mask[0, :PAD] = 0
+    full = scores(output(model, ids), table)
+    position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
+    out = output(model, ids, attention_mask=mask, position_ids=position_ids, use_cache=True)
+    padded = scores(out, table)[mask.bool()]
+    tokens = []
+    for _ in range(STEPS):
+        token = scores(out, table)[:, -1].argmax(-1, keepdim=True)  # (B, 1)
+        tokens.append(token)
+        mask = torch.cat((mask, torch.ones_like(token)), dim=1)
+        position_ids = position_ids[:, -1:] + 1
+        out = output(model, token, attention_mask=mask, position_ids=position_ids, use_cache=True, cache=out.cache)
+    return full, padded, torch.cat(tokens, dim=1)
+
+
+def gaps(ours: tuple[torch.Tensor, ...], theirs: tuple[torch.Tensor, ...]) -> tuple[float, float, bool]:
+    return float((ours[0] - theirs[0]).abs().max()), float((ours[1] - theirs[1]).abs().max()), torch.equal(ours[2], theirs[2])
+
+
+def own_base(model: torch.nn.Module) -> float:
+    return float(options_from_hf(model.config)["base"])
+
+
+@pytest.mark.parametrize("model_type, more", ROWS, ids=lambda v: v if isinstance(v, str) else ",".join(f"{k}" for k in v) or "-")
+def test_the_row_is_the_model_with_posenc_rotating(model_type: str, more: dict[str, Any]) -> None:
+    ref = build(model_type, **more)
+    expected = run(ref)
+    for options in ({}, {"base": own_base(ref)}):  # the model's rotation verified; then posenc's own, from the row
+        model = phf.use(copy.deepcopy(ref), "rope", **options)
+        full, padded, same = gaps(run(model), expected)
+        assert full < TOLERANCE and padded < TOLERANCE and same, (model_type, options, full, padded)
+
+
+def test_a_different_base_is_not_the_model() -> None:
+    """The check above can fail: posenc rotating with another base differs from the model."""
+    ref = build("ernie4_5")
+    model = phf.use(copy.deepcopy(ref), "rope", base=own_base(ref) / 10)
+    assert gaps(run(model), run(ref))[0] > 1e-3
+
+
+def test_cohere2_moe_rotates_its_dense_prefix_only_with_pattern_one() -> None:
+    rope = [layer.encoding for layer in schedule_from_hf(build("cohere2_moe", **_DENSE_PREFIX).config).layers]
+    assert rope == ["rope", "rope", "nope"]
+    other = build("cohere2_moe", **_DENSE_PREFIX, prefix_dense_sliding_window_pattern=2)
+    assert [layer.encoding for layer in schedule_from_hf(other.config).layers] == ["nope", "rope", "nope"]
+
+
+@pytest.mark.parametrize("model_type", ["mistral4", "ministral3"])
+def test_the_query_scale_is_the_models_own_once(model_type: str) -> None:
+    """The census's config reaches the scale's floor (original length 4): posenc's plans carry no
+    second scale, and the model's own makes the logits differ from the same model without it."""
+    ref = build(model_type)
+    model = phf.use(copy.deepcopy(ref), "rope")
+    plans = [m.__dict__["_posenc_plan"] for m in model.modules() if "_posenc_plan" in m.__dict__]
+    assert plans and all(p is None or p.query_scale is None for p in plans)
+    plain = build(model_type, rope_parameters={**ref.config.rope_parameters, "llama_4_scaling_beta": 1e-9})
+    assert gaps(run(plain), run(ref))[0] > 1e-3
+
+
+@pytest.mark.parametrize("model_type", ["deepseek_v32", "glm_moe_dsa", "axk2", "mistral_large4_text"])
+def test_sparse_attention_is_refused_naming_the_indexer(model_type: str) -> None:
+    if model_type not in transformers.models.auto.modeling_auto.MODEL_MAPPING_NAMES:
+        pytest.skip(f"{model_type} is not in this transformers")
+    model = build(model_type)
+    with pytest.raises(UsageError, match=rf"{model_type}.*sparse attention \(an indexer"):
+        phf.use(model, "rope")
