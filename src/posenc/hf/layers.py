@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -79,8 +80,10 @@ def decoder_stack(model: nn.Module) -> nn.Module:
                          "attention has no RoPE on the stack (NoPE attention, as in Jamba, Nemotron-H and Kimi-Linear) or "
                          "computes it inside each layer, and posenc.hf runs only models whose decoder stack computes a "
                          "rotary embedding once per forward")
-    raise UsageError(f"model: {type(model).__name__} has no decoder stack with `layers` and one `rotary_emb` module "
-                     "(posenc.hf needs the model's rotary embedding computed once per forward on the decoder stack)")
+    source = next((f"{n} ({type(m).__name__})" for n, m in model.named_modules() if re.search("rotary|sinusoidal", type(m).__name__, re.I)), None)
+    raise UsageError(f"model: {type(model).__name__} has no decoder stack with `layers` and one `rotary_emb` module"
+                     f"{f', its positions come from {source}' if source else ''} (posenc.hf needs the model's rotary "
+                     "embedding computed once per forward on the decoder stack, and each layer's attention taking its tables)")
 
 
 def attention_of(layer: nn.Module) -> nn.Module | None:
