@@ -94,6 +94,7 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     # the log-floor query scale 1 + beta ln(1 + floor(pos / original)) moves within the census's 20 tokens
     "ministral3": dict(rope_parameters=_log_floor(1e6)),
     "mistral4": dict(qk_nope_head_dim=8, rope_parameters=_log_floor(1e4, partial_rotary_factor=0.5)),  # MLA: rope 8 of 16
+    "flint": dict(layer_types=["sliding_attention", "full_attention"]),  # its default makes the first two layers full (NoPE)
     "esmc": dict(num_key_value_heads=4),  # encoder census: "ESMC does not support grouped-query attention"
     "esm": dict(position_embedding_type="rotary"),  # ESM-2's (the default is absolute positions)
     # Inkling, Inkling-2 (no RoPE: use(model, "inkling")): small sliding heads, curves over 6 distances (crossed), the

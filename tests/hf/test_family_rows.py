@@ -1,12 +1,14 @@
 """posenc.hf's family rows for the families the census found refused or crashing (issue 47, item 3):
 multi-head latent attention beyond DeepSeek (MiniCPM3, GLM-4 Lite, Sarvam MLA, Youtu, A.X K1,
-Mistral 4, Bailing hybrid), interleaved pairs (ERNIE 4.5 dense and MoE, Helium, GLM, Cohere2-MoE).
+Mistral 4, Bailing hybrid), interleaved pairs (ERNIE 4.5 dense and MoE, Helium, GLM, Cohere2-MoE),
+NoPE full layers (AFMoE, EXAONE 4 / EXAONE-MoE / Kolibri 1, Flint with its sinks), one rotary table
+per layer type (Beam, Ergo, Laguna, Mellum, LFM3; a type without a block is NoPE).
 
 The census (tests/hf/test_census.py) checks ``use(model, "rope")``, under which the model rotates q
 and k with its own tables and posenc only verifies them: it cannot see a row's layout, rope slice or
-NoPE layers. Here each family is also run with posenc rotating (``use(model, "rope", base=<its
-own base>)``: the rotary module becomes the identity, and each layer's RoPE is applied inside
-posenc's attention from the row), and must still be the untouched ``transformers`` model:
+NoPE layers. Here each family is also run with posenc rotating (``use(model, <its own schedule>)``,
+:func:`posenc.schedule_from_hf` of its row: the rotary module becomes the identity, and each layer's
+RoPE is applied inside posenc's attention), and must still be the untouched ``transformers`` model:
 
 - a 20-token forward (past every window of 8), a left-padded batch at its real tokens, and the same
   tokens from cached greedy decoding, against the untouched model (float32, 1e-4 on logits);
@@ -46,7 +48,9 @@ ROWS: list[tuple[str, dict[str, Any]]] = [
     ("youtu", {}), ("axk1", {}), ("mistral4", {}), ("bailing_hybrid", {}),
     ("ernie4_5", {}), ("ernie4_5_moe", {}), ("helium", {}), ("glm", {}), ("cohere2_moe", {}),
     ("cohere2_moe", _DENSE_PREFIX), ("cohere2_moe", {**_DENSE_PREFIX, "prefix_dense_sliding_window_pattern": 2}),
-    ("ministral3", {}),
+    ("ministral3", {}), ("afmoe", {}), ("exaone4", {}), ("exaone4", {"sliding_window": None, "layer_types": ["full_attention"] * 2}),
+    ("exaone_moe", {}), ("kolibri1", {}), ("flint", {}), ("beam", {}), ("ergo", {}), ("laguna", {}),
+    ("laguna", {"layer_types": ["sliding_attention", "full_attention"]}), ("mellum", {}), ("lfm3", {}),
 ]
 
 
@@ -111,10 +115,10 @@ def own_base(model: torch.nn.Module) -> float:
 def test_the_row_is_the_model_with_posenc_rotating(model_type: str, more: dict[str, Any]) -> None:
     ref = build(model_type, **more)
     expected = run(ref)
-    for options in ({}, {"base": own_base(ref)}):  # the model's rotation verified; then posenc's own, from the row
-        model = phf.use(copy.deepcopy(ref), "rope", **options)
+    for encoding in ("rope", schedule_from_hf(ref.config)):  # the model's rotation verified; then posenc's, from the row
+        model = phf.use(copy.deepcopy(ref), encoding)
         full, padded, same = gaps(run(model), expected)
-        assert full < TOLERANCE and padded < TOLERANCE and same, (model_type, options, full, padded)
+        assert full < TOLERANCE and padded < TOLERANCE and same, (model_type, encoding, full, padded)
 
 
 def test_a_different_base_is_not_the_model() -> None:
@@ -129,6 +133,15 @@ def test_cohere2_moe_rotates_its_dense_prefix_only_with_pattern_one() -> None:
     assert rope == ["rope", "rope", "nope"]
     other = build("cohere2_moe", **_DENSE_PREFIX, prefix_dense_sliding_window_pattern=2)
     assert [layer.encoding for layer in schedule_from_hf(other.config).layers] == ["nope", "rope", "nope"]
+
+
+@pytest.mark.parametrize("model_type, kinds", [("beam", ["rope", "nope"]), ("ergo", ["rope", "nope"]), ("afmoe", ["rope", "nope"]),
+                                               ("exaone4", ["rope", "nope"]), ("flint", ["rope", "nope"]), ("lfm3", ["nope", "rope", "rope"])])
+def test_the_schedule_has_the_nope_layers(model_type: str, kinds: list[str]) -> None:
+    """The tiny configs' layers (sliding, full; LFM3: conv, full, sliding): full layers without
+    positions where the family has them (a None block, NoPE full layers), LFM3's conv layer none."""
+    layers = schedule_from_hf(build(model_type).config).layers
+    assert [layer.encoding for layer in layers] == kinds
 
 
 @pytest.mark.parametrize("model_type", ["mistral4", "ministral3"])

@@ -28,8 +28,10 @@ Definitions (r the rotated features of a head, D its q/k head dim):
   Mixtral, Qwen3-MoE, Phi-3, StarCoder2) or ``"none"``.
 - ``nope``: which layers have no positions: ``"none"``, ``"no_rope_layers"`` (SmolLM3, Llama 4:
   ``no_rope_layers[l] == 1`` means RoPE, despite the name), ``"full_layers"`` (Cohere2: only its
-  sliding layers rotate) or ``"full_layers_but_dense"`` (Cohere2-MoE: so do its full layers with a
-  dense MLP, ``mlp_layer_types``, when ``prefix_dense_sliding_window_pattern`` is 1).
+  sliding layers rotate), ``"full_layers_but_dense"`` (Cohere2-MoE: so do its full layers with a
+  dense MLP, ``mlp_layer_types``, when ``prefix_dense_sliding_window_pattern`` is 1) or
+  ``"full_layers_if_windowed"`` (EXAONE 4: full layers are NoPE when the config sets a window; without
+  one every layer rotates).
 - ``chunk_key``: the chunk size of the ``chunked_attention`` layers (Llama 4).
 - ``sinks``: the attention module's attribute holding one sink logit per head (gpt-oss).
 - ``softcap``: the config key of the logit soft cap of the content scores (Gemma 2).
@@ -172,6 +174,22 @@ FAMILIES: tuple[Family, ...] = (
            needs="interleaved pairs; RoPE on the sliding layers only (full layers NoPE)"),
     Family("Cohere2-MoE", ("cohere2_moe",), typed_layers=True, layout="interleaved", nope="full_layers_but_dense",
            needs="interleaved pairs; RoPE on the sliding layers and the dense prefix's full layers (other full layers NoPE)"),
+    # NoPE full layers beside RoPE sliding ones
+    Family("AFMoE", ("afmoe",), typed_layers=True, nope="full_layers", needs="RoPE on the sliding layers only (full layers NoPE)"),
+    Family("Flint", ("flint",), typed_layers=True, nope="full_layers", sinks="sinks",
+           needs="RoPE on the sliding layers only (full layers NoPE); attention sinks (module.sinks)"),
+    Family("EXAONE 4", ("exaone4", "exaone_moe", "kolibri1"), typed_layers=True, nope="full_layers_if_windowed",
+           needs="RoPE on the sliding layers only when a window is set (full layers NoPE), else on every layer"),
+    # One rotary table per layer type (no inv_freq buffer); a type whose block is None has no positions
+    Family("Beam", ("beam",), typed_layers=True, rope_blocks="per_type",
+           needs="a RoPE block per layer type, None for the full layers (NoPE, the model's own query scale)"),
+    Family("Ergo", ("ergo",), typed_layers=True, rope_blocks="per_type", layout="interleaved",
+           needs="a RoPE block per layer type, None for the full layers (NoPE, scaled q and k); interleaved pairs"),
+    Family("Laguna", ("laguna",), typed_layers=True, rope_blocks="per_type",
+           needs="a RoPE block per layer type, each with its own partial rotary"),
+    Family("Mellum", ("mellum",), typed_layers=True, rope_blocks="per_type", needs="a RoPE block per layer type"),
+    Family("LFM3", ("lfm3",), typed_layers=True, rope_blocks="per_type", no_attention=("conv",),
+           needs="a RoPE block per layer type; short-convolution layers have no positions"),
     # Interleaved pairs: cos/sin's first half repeated pairwise, rotate_half over (2i, 2i + 1)
     Family("ERNIE 4.5", ("ernie4_5", "ernie4_5_moe"), layout="interleaved", needs="interleaved pairs (rotated in float32)"),
     Family("Helium", ("helium",), layout="interleaved", needs="interleaved pairs"),

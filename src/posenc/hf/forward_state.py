@@ -71,6 +71,16 @@ class RotaryStandIn(nn.Module):
         self.forward_state = ForwardState()
         self.identity = True  # False: the original's own tables pass through (the model rotates)
 
+    def __getattr__(self, name: str) -> Any:
+        """What the model reads from its rotary module besides calling it (Ergo's ``rope_type``: the
+        layer types it calls it for) is the original's."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name == "original" or "original" not in self.__dict__.get("_modules", {}):
+                raise
+            return getattr(self._modules["original"], name)
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         state = self.forward_state
         state.start()

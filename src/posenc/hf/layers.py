@@ -230,7 +230,7 @@ def _sizes(model: Any, config: Any, family: Family | None, rotary: nn.Module) ->
     kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
     d = qk_head_dim(config, family)
     types = _layer_types(config)
-    inv, _ = _rotary_tables(rotary, types[-1] if types else None)
+    inv, _ = _rotary_tables(rotary, ([k for k in types or () if getattr(rotary, f"{k}_inv_freq", None) is not None] or types or [""])[-1])
     r = 2 * int(inv.numel())
     if family is not None and family.rope_slice == "last":
         r = int(config.qk_rope_head_dim)
@@ -251,7 +251,8 @@ def _build(name: str, options: dict[str, Any], sizes: _Sizes, causal: bool) -> P
     extra: dict[str, Any] = {}
     if "layout" in accepted and "layout" not in options and sizes.layout != "half":
         extra["layout"] = sizes.layout
-    if "rotary_dim" in accepted and "rotary_dim" not in options and sizes.rotary_dim != sizes.head_dim:
+    own_share = isinstance(options.get("scaling"), dict) and "partial_rotary_factor" in options["scaling"]  # per type (Laguna)
+    if "rotary_dim" in accepted and "rotary_dim" not in options and sizes.rotary_dim != sizes.head_dim and not own_share:
         extra["rotary_dim"] = sizes.rotary_dim
     if "num_kv_heads" in accepted and "num_kv_heads" not in options:
         extra["num_kv_heads"] = sizes.kv_heads

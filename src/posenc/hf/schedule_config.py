@@ -187,6 +187,10 @@ def schedule_from_hf(config) -> Schedule:
             uses_rope = bool(no_rope[i])
         if family.nope == "full_layers":
             uses_rope = kind == "sliding_attention"
+        elif family.rope_blocks == "per_type" and isinstance(params, Mapping) and kind in params and params[kind] is None:
+            uses_rope = False  # a layer type without a RoPE block (Beam, Ergo: NoPE full layers)
+        elif family.nope == "full_layers_if_windowed":  # full layers NoPE when the config sets a window, else all rotate
+            uses_rope = kind == "sliding_attention" or get(family.window_key) is None
         elif family.nope == "full_layers_but_dense":  # a full layer with a dense MLP rotates when the prefix pattern is 1
             dense = (get("mlp_layer_types") or ["sparse"] * depth)[i] == "dense" and get("prefix_dense_sliding_window_pattern") == 1
             uses_rope = kind == "sliding_attention" or dense
