@@ -95,6 +95,11 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "ministral3": dict(rope_parameters=_log_floor(1e6)),
     "mistral4": dict(qk_nope_head_dim=8, rope_parameters=_log_floor(1e4, partial_rotary_factor=0.5)),  # MLA: rope 8 of 16
     "flint": dict(layer_types=["sliding_attention", "full_attention"]),  # its default makes the first two layers full (NoPE)
+    # per-layer bases, a NoPE layer (base 0), and sliding and full layers
+    "granite_swa": dict(num_hidden_layers=3, layer_types=["full_attention", "sliding_attention", "full_attention"],
+                        layer_rope_theta=[0, 1e4, 1e5]),
+    "granitemoe_swa": dict(num_hidden_layers=3, layer_types=["full_attention", "sliding_attention", "full_attention"],
+                           layer_rope_theta=[0, 1e4, 1e5]),
     "esmc": dict(num_key_value_heads=4),  # encoder census: "ESMC does not support grouped-query attention"
     "esm": dict(position_embedding_type="rotary"),  # ESM-2's (the default is absolute positions)
     # Inkling, Inkling-2 (no RoPE: use(model, "inkling")): small sliding heads, curves over 6 distances (crossed), the

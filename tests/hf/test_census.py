@@ -213,13 +213,22 @@ REASONS = {
 
 
 @pytest.mark.parametrize("model_type", sorted(REASONS))
-def test_the_fallback_names_what_it_lacks(model_type: str) -> None:
+def test_the_fallback_names_what_it_lacks(model_type: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fallback's refusal names what it lacks; for a family that has a row since (MLA, NoPE full
+    layers, per-layer bases: issue 47 item 3) the fallback is run alone (the row hidden from use())."""
     case = next((c for c in CASES if c.model_type == model_type), None)
     if case is None:
         pytest.skip(f"{model_type} is not in this transformers")
     found = _outcome(case)
     if found.kind == "unbuildable":
         pytest.skip(found.detail)
+    if family_of(model_type) is not None:
+        import posenc.hf.adapter as adapter
+
+        monkeypatch.setattr(adapter, "family_of", lambda model_type: None)
+        with pytest.raises(UsageError) as refused:
+            phf.use(census.build(case), "rope")
+        found = Outcome("refused", str(refused.value))
     assert found.kind == "refused", f"{model_type}: {found.kind} {found.detail}"
     assert re.search(REASONS[model_type], found.detail), found.detail
 

@@ -2,7 +2,9 @@
 multi-head latent attention beyond DeepSeek (MiniCPM3, GLM-4 Lite, Sarvam MLA, Youtu, A.X K1,
 Mistral 4, Bailing hybrid), interleaved pairs (ERNIE 4.5 dense and MoE, Helium, GLM, Cohere2-MoE),
 NoPE full layers (AFMoE, EXAONE 4 / EXAONE-MoE / Kolibri 1, Flint with its sinks), one rotary table
-per layer type (Beam, Ergo, Laguna, Mellum, LFM3; a type without a block is NoPE).
+per layer type (Beam, Ergo, Laguna, Mellum, LFM3; a type without a block is NoPE), per-layer bases
+with a base of 0 for NoPE (Granite-SWA and GraniteMoE-SWA: one rotary module per base, and sinks;
+Muse: only the zeros count).
 
 The census (tests/hf/test_census.py) checks ``use(model, "rope")``, under which the model rotates q
 and k with its own tables and posenc only verifies them: it cannot see a row's layout, rope slice or
@@ -33,6 +35,7 @@ transformers.logging.set_verbosity_error()
 import hf_census_configs as census  # noqa: E402
 import posenc.hf as phf  # noqa: E402
 from posenc.errors import UsageError  # noqa: E402
+from posenc.hf.forward_state import RotaryStandIn  # noqa: E402
 from posenc.hf.rope_config import options_from_hf  # noqa: E402
 from posenc.hf.schedule_config import schedule_from_hf  # noqa: E402
 
@@ -51,6 +54,7 @@ ROWS: list[tuple[str, dict[str, Any]]] = [
     ("ministral3", {}), ("afmoe", {}), ("exaone4", {}), ("exaone4", {"sliding_window": None, "layer_types": ["full_attention"] * 2}),
     ("exaone_moe", {}), ("kolibri1", {}), ("flint", {}), ("beam", {}), ("ergo", {}), ("laguna", {}),
     ("laguna", {"layer_types": ["sliding_attention", "full_attention"]}), ("mellum", {}), ("lfm3", {}),
+    ("muse_spark_text", {}), ("muse_glimmer_text", {}), ("granite_swa", {}), ("granitemoe_swa", {}),
 ]
 
 
@@ -136,12 +140,28 @@ def test_cohere2_moe_rotates_its_dense_prefix_only_with_pattern_one() -> None:
 
 
 @pytest.mark.parametrize("model_type, kinds", [("beam", ["rope", "nope"]), ("ergo", ["rope", "nope"]), ("afmoe", ["rope", "nope"]),
-                                               ("exaone4", ["rope", "nope"]), ("flint", ["rope", "nope"]), ("lfm3", ["nope", "rope", "rope"])])
+                                               ("exaone4", ["rope", "nope"]), ("flint", ["rope", "nope"]), ("lfm3", ["nope", "rope", "rope"]),
+                                               ("muse_spark_text", ["rope", "nope"])])
 def test_the_schedule_has_the_nope_layers(model_type: str, kinds: list[str]) -> None:
     """The tiny configs' layers (sliding, full; LFM3: conv, full, sliding): full layers without
     positions where the family has them (a None block, NoPE full layers), LFM3's conv layer none."""
     layers = schedule_from_hf(build(model_type).config).layers
     assert [layer.encoding for layer in layers] == kinds
+
+
+@pytest.mark.parametrize("model_type", ["granite_swa", "granitemoe_swa"])
+def test_granite_swa_rotates_each_layer_with_its_base(model_type: str) -> None:
+    """layer_rope_theta [0, 1e4, 1e5]: NoPE, then two bases, each checked against the rotary module
+    the model built for it; a base with no module of its own is refused before any forward."""
+    ref = build(model_type)
+    layers = schedule_from_hf(ref.config).layers
+    assert [layer.encoding for layer in layers] == ["nope", "rope", "rope"]
+    assert [layer.options["base"] for layer in layers[1:]] == [1e4, 1e5]
+    model = copy.deepcopy(ref)
+    model.config.layer_rope_theta = [0, 1e4, 2e5]
+    with pytest.raises(UsageError, match=r"layer 2's base 200000.0 \(layer_rope_theta\) has no rotary module"):
+        phf.use(model, "rope")
+    assert not any(isinstance(m, RotaryStandIn) for m in model.modules())  # refused: left as it was
 
 
 @pytest.mark.parametrize("model_type", ["mistral4", "ministral3"])

@@ -75,6 +75,7 @@ from .families import FAMILIES, family_of, qk_head_dim, text_config
 from .forward_state import ForwardState, RotaryStandIn
 from .inkling import inkling_plans, keep_other_attention, layer_stack, without_rope
 from .layers import attention_of, check_shared, decoder_stack, layer_plans, rotary_name
+from .rotary_sets import install_rotaries
 
 # -- what a checkpoint saved after use() carries, so that it loads right or not at all -------------
 #
@@ -299,6 +300,7 @@ def use(model: _Model, encoding: str | nn.Module | Schedule, **options: Any) -> 
             isinstance(p.encoding, RoPE) and p.encoding.rotation_depends_on_length for p in plans if p is not None))
     if stand_in is not None and not stand_in.identity:
         plans = [None if p is None else replace(p, rotate=not isinstance(p.encoding, (RoPE, MRoPE))) for p in plans]
+    install_rotaries(model, family, stand_in)  # a stack's other rotary modules, one per base (Granite-SWA)
     slots = {id(module): i for i, module in enumerate(modules)}  # (each call runs the module held there then)
     plans = [None if p is None else replace(p, slot=slots.get(id(p.encoding))) for p in plans]
     state = stand_in.forward_state if stand_in is not None else stack.__dict__.setdefault("_posenc_forward_state", ForwardState())

@@ -28,7 +28,9 @@ Definitions (r the rotated features of a head, D its q/k head dim):
   Mixtral, Qwen3-MoE, Phi-3, StarCoder2) or ``"none"``.
 - ``nope``: which layers have no positions: ``"none"``, ``"no_rope_layers"`` (SmolLM3, Llama 4:
   ``no_rope_layers[l] == 1`` means RoPE, despite the name), ``"full_layers"`` (Cohere2: only its
-  sliding layers rotate), ``"full_layers_but_dense"`` (Cohere2-MoE: so do its full layers with a
+  sliding layers rotate), ``"zero_theta"`` (Muse: a layer whose ``layer_rope_theta`` is 0; the others
+  take the one RoPE block), ``"layer_theta"`` (Granite-SWA: each layer's base is its ``layer_rope_theta``,
+  0 for NoPE), ``"full_layers_but_dense"`` (Cohere2-MoE: so do its full layers with a
   dense MLP, ``mlp_layer_types``, when ``prefix_dense_sliding_window_pattern`` is 1) or
   ``"full_layers_if_windowed"`` (EXAONE 4: full layers are NoPE when the config sets a window; without
   one every layer rotates).
@@ -66,6 +68,8 @@ Definitions (r the rotated features of a head, D its q/k head dim):
   against posenc's :class:`~posenc.encodings.mrope.MRoPE` read from the config on 3-axis ids; other
   encodings see each token at its text position (docs/hf.md, "M-RoPE backbones").
 
+- ``rotary_list``: the decoder stack's list of rotary modules, one per RoPE base, each layer rotated
+  by the one of its ``layer_rope_theta`` (Granite-SWA's ``rotary_embs``; :mod:`posenc.hf.rotary_sets`).
 - ``own``: the encoding of the family's own attention, ``"rope"`` for all but the Inkling families
   (``"inkling"``: no rotary module; each layer's learned distance curves, mixed per query from its
   input, :mod:`posenc.hf.inkling`). ``use(model, own)`` with no options is the untouched model.
@@ -112,6 +116,7 @@ class Family:
     # norm cancels a scaling's attention factor, so posenc (which rotates after the model's norm) drops it.
     qk_norm_after_rotation: str | None = None
     mrope: bool = False
+    rotary_list: str | None = None
     own: str = "rope"
     query_sinks: str | None = None
     needs: str = ""  # what the family needed beyond the LLaMA pattern, for docs/hf.md
@@ -180,6 +185,12 @@ FAMILIES: tuple[Family, ...] = (
            needs="RoPE on the sliding layers only (full layers NoPE); attention sinks (module.sinks)"),
     Family("EXAONE 4", ("exaone4", "exaone_moe", "kolibri1"), typed_layers=True, nope="full_layers_if_windowed",
            needs="RoPE on the sliding layers only when a window is set (full layers NoPE), else on every layer"),
+    # Per-layer bases (layer_rope_theta), a base of 0 for a NoPE layer
+    Family("Muse", ("muse_glimmer_text", "muse_spark_text"), nope="zero_theta",
+           needs="NoPE layers where layer_rope_theta is 0 (the others rotate with the one RoPE block)"),
+    Family("Granite-SWA", ("granite_swa", "granitemoe_swa"), typed_layers=True, nope="layer_theta", sinks="sinks", rotary_list="rotary_embs",
+           needs="per-layer bases (layer_rope_theta, 0 = NoPE), one rotary module per base (rotary_embs); attention sinks; "
+                 "scaling = attention_multiplier"),
     # One rotary table per layer type (no inv_freq buffer); a type whose block is None has no positions
     Family("Beam", ("beam",), typed_layers=True, rope_blocks="per_type",
            needs="a RoPE block per layer type, None for the full layers (NoPE, the model's own query scale)"),

@@ -8,7 +8,6 @@ For ``use(model, "rope")`` each layer's RoPE is checked against the model's own 
 ``apply_rotary_pos_emb``. A difference is a UsageError, never a silently different model.
 """
 
-
 from __future__ import annotations
 
 import copy
@@ -31,6 +30,7 @@ from .attention import LayerPlan
 from .families import Family, qk_head_dim
 from .mrope import check_axes, refuse_other
 from .rope_config import options_from_hf
+from .rotary_sets import layer_rotary
 from .schedule_config import schedule_from_hf
 
 # -- the plan: family, sizes, schedule -----------------------------------------------------------
@@ -368,7 +368,7 @@ def layer_plans(model: Any, config: Any, family: Family | None, attentions: list
                 enc = _build(layer.encoding, dict(layer.options), sizes, causal)
                 built[key] = enc
         if from_config:
-            _verify_rope(enc, rotary, kind, family, getattr(config, "model_type", None))
+            _verify_rope(enc, layer_rotary(rotary, model, family, config, i), kind, family, getattr(config, "model_type", None))
         if offers(enc, Selects):
             raise UsageError(f"{getattr(enc, 'name', type(enc).__name__)}: posenc.hf does not run selective attention (a "
                              "transformers KV cache keeps no per-key selection sums, so cached decoding would differ from "

@@ -189,6 +189,8 @@ def schedule_from_hf(config) -> Schedule:
             uses_rope = kind == "sliding_attention"
         elif family.rope_blocks == "per_type" and isinstance(params, Mapping) and kind in params and params[kind] is None:
             uses_rope = False  # a layer type without a RoPE block (Beam, Ergo: NoPE full layers)
+        elif family.nope in ("zero_theta", "layer_theta"):  # layer_rope_theta: 0 is NoPE; the others each layer's base
+            uses_rope = bool(_need(get, "layer_rope_theta", name)[i])  # (Granite-SWA) or the one block's (Muse: zero_theta)
         elif family.nope == "full_layers_if_windowed":  # full layers NoPE when the config sets a window, else all rotate
             uses_rope = kind == "sliding_attention" or get(family.window_key) is None
         elif family.nope == "full_layers_but_dense":  # a full layer with a dense MLP rotates when the prefix pattern is 1
@@ -197,6 +199,8 @@ def schedule_from_hf(config) -> Schedule:
         layer: dict = {"encoding": ("mrope" if family.mrope else "rope") if uses_rope else "nope"}
         if uses_rope:
             layer["options"] = rope_options(kind)
+            if family.nope == "layer_theta":
+                layer["options"]["base"] = float(get("layer_rope_theta")[i])
         kind = named.get(kind, kind)
         if kind == "sliding_attention":
             layer["window"] = window

@@ -1,0 +1,70 @@
+"""Decoder stacks that rotate with several rotary modules, one per RoPE base (``Family.rotary_list``).
+
+Granite-SWA and GraniteMoE-SWA give each layer its own base (``config.layer_rope_theta``, 0 for a
+NoPE layer) and hold one rotary module per distinct non-zero base in a ``ModuleList``
+(``rotary_embs``), each built from a copy of the config whose ``rope_parameters["rope_theta"]`` is
+that base; the stack calls every one of them once per forward and hands each layer the tables of its
+base. Their ``rotary_emb`` is built and never called. For :func:`posenc.hf.use`:
+
+- :func:`layer_rotary`: the module a layer's RoPE read from the config is verified against (the one
+  of the layer's base), so ``use(model, "rope")`` is checked per layer as for any family;
+- :func:`install_rotaries`: each module of the list is wrapped by a
+  :class:`~posenc.hf.forward_state.RotaryStandIn` sharing the stack's forward state and identity
+  flag, so any of them starts the forward for the attention layers and, under another encoding,
+  leaves q and k as they are.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from ..errors import UsageError
+from .families import Family
+from .forward_state import RotaryStandIn
+
+
+def _held(model: nn.Module, family: Family) -> nn.ModuleList:
+    name = str(family.rotary_list)
+    found = next((getattr(m, name) for m in model.modules() if isinstance(getattr(m, name, None), nn.ModuleList)), None)
+    if found is None:
+        raise UsageError(f"model: the {family.name} family rotates with the modules of {name!r}, and "
+                         f"{type(model).__name__} has no such list")
+    return found
+
+
+def layer_rotary(rotary: nn.Module, model: nn.Module, family: Family | None, config: Any, layer: int) -> nn.Module:
+    """The rotary module layer ``layer`` is rotated with: ``rotary`` (the stack's), or for a family
+    with ``rotary_list`` the module of the list built for the layer's ``layer_rope_theta``.
+
+    Raises:
+        UsageError: no module of the list has the layer's base.
+    """
+    if family is None or family.rotary_list is None:
+        return rotary
+    theta = float(config.layer_rope_theta[layer])
+    if theta == 0:  # a NoPE layer: nothing of it is verified
+        return rotary
+    for module in _held(model, family):
+        own: Any = module.original if isinstance(module, RotaryStandIn) else module
+        if float(own.config.rope_parameters["rope_theta"]) == theta:
+            return own
+    raise UsageError(f"model: layer {layer}'s base {theta} (layer_rope_theta) has no rotary module in "
+                     f"{family.rotary_list!r}; refusing to guess its tables")
+
+
+def install_rotaries(model: nn.Module, family: Family | None, stand_in: RotaryStandIn | None) -> None:
+    """Wrap each module of the family's ``rotary_list`` (none without one) by a stand-in that shares
+    ``stand_in``'s forward state and identity flag (a module already wrapped is re-pointed)."""
+    if family is None or family.rotary_list is None or stand_in is None:
+        return
+    held = _held(model, family)
+    for i, module in enumerate(held):
+        extra = module if isinstance(module, RotaryStandIn) else RotaryStandIn(module)
+        extra.forward_state = stand_in.forward_state
+        extra.identity = stand_in.identity
+        held[i] = extra
+
+
+__all__ = ["install_rotaries", "layer_rotary"]
