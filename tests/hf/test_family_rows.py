@@ -4,7 +4,8 @@ Mistral 4, Bailing hybrid), interleaved pairs (ERNIE 4.5 dense and MoE, Helium, 
 NoPE full layers (AFMoE, EXAONE 4 / EXAONE-MoE / Kolibri 1, Flint with its sinks), one rotary table
 per layer type (Beam, Ergo, Laguna, Mellum, LFM3; a type without a block is NoPE), per-layer bases
 with a base of 0 for NoPE (Granite-SWA and GraniteMoE-SWA: one rotary module per base, and sinks;
-Muse: only the zeros count).
+Muse: only the zeros count), KV sharing with a table per layer type (Gemma 3n: the census's 4 layers,
+the last 2 reusing the keys and values of the last earlier layer of their type).
 
 The census (tests/hf/test_census.py) checks ``use(model, "rope")``, under which the model rotates q
 and k with its own tables and posenc only verifies them: it cannot see a row's layout, rope slice or
@@ -54,7 +55,7 @@ ROWS: list[tuple[str, dict[str, Any]]] = [
     ("ministral3", {}), ("afmoe", {}), ("exaone4", {}), ("exaone4", {"sliding_window": None, "layer_types": ["full_attention"] * 2}),
     ("exaone_moe", {}), ("kolibri1", {}), ("flint", {}), ("beam", {}), ("ergo", {}), ("laguna", {}),
     ("laguna", {"layer_types": ["sliding_attention", "full_attention"]}), ("mellum", {}), ("lfm3", {}),
-    ("muse_spark_text", {}), ("muse_glimmer_text", {}), ("granite_swa", {}), ("granitemoe_swa", {}),
+    ("muse_spark_text", {}), ("muse_glimmer_text", {}), ("granite_swa", {}), ("granitemoe_swa", {}), ("gemma3n_text", {}),
 ]
 
 

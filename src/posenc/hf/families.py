@@ -162,6 +162,9 @@ FAMILIES: tuple[Family, ...] = (
            needs="logit soft-capping; query_pre_attn_scalar scaling; alternating windows"),
     Family("Gemma 3", ("gemma3_text", "gemma3"), typed_layers=True, rope_blocks="per_type",
            needs="a RoPE block per layer type (local 1e4, global 1e6); 5 sliding : 1 full"),
+    Family("Gemma 3n", ("gemma3n_text",), typed_layers=True, rope_blocks="per_type",
+           needs="a RoPE block per layer type; the last num_kv_shared_layers layers reuse the keys and values of the last "
+                 "earlier layer of their type (each rotated at its own position)"),
     Family("Phi", ("phi",), needs="partial rotary (first half)"),
     Family("Phi-3", ("phi3",), window=_EVERY, needs="a window on every layer when set; LongRoPE's attention factor"),
     Family("OLMo", ("olmo",), needs="float32 rotary tables"),
