@@ -5,7 +5,9 @@ NoPE full layers (AFMoE, EXAONE 4 / EXAONE-MoE / Kolibri 1, Flint with its sinks
 per layer type (Beam, Ergo, Laguna, Mellum, LFM3; a type without a block is NoPE), per-layer bases
 with a base of 0 for NoPE (Granite-SWA and GraniteMoE-SWA: one rotary module per base, and sinks;
 Muse: only the zeros count), KV sharing with a table per layer type (Gemma 3n: the census's 4 layers,
-the last 2 reusing the keys and values of the last earlier layer of their type).
+the last 2 reusing the keys and values of the last earlier layer of their type), per-layer head dims
+(Gemma 4: a sliding layer of head dim 16, a full one of 32 with proportional RoPE on a quarter of it;
+with KV-shared layers it is refused).
 
 The census (tests/hf/test_census.py) checks ``use(model, "rope")``, under which the model rotates q
 and k with its own tables and posenc only verifies them: it cannot see a row's layout, rope slice or
@@ -56,6 +58,7 @@ ROWS: list[tuple[str, dict[str, Any]]] = [
     ("exaone_moe", {}), ("kolibri1", {}), ("flint", {}), ("beam", {}), ("ergo", {}), ("laguna", {}),
     ("laguna", {"layer_types": ["sliding_attention", "full_attention"]}), ("mellum", {}), ("lfm3", {}),
     ("muse_spark_text", {}), ("muse_glimmer_text", {}), ("granite_swa", {}), ("granitemoe_swa", {}), ("gemma3n_text", {}),
+    ("gemma4_text", {}), ("gemma4_text", {"attention_k_eq_v": True, "per_layer_config": {"1": {"head_dim": 32, "num_key_value_heads": 1}}}),
 ]
 
 
@@ -163,6 +166,18 @@ def test_granite_swa_rotates_each_layer_with_its_base(model_type: str) -> None:
     with pytest.raises(UsageError, match=r"layer 2's base 200000.0 \(layer_rope_theta\) has no rotary module"):
         phf.use(model, "rope")
     assert not any(isinstance(m, RotaryStandIn) for m in model.modules())  # refused: left as it was
+
+
+def test_gemma4_builds_each_layer_for_its_head_dim_and_refuses_kv_sharing() -> None:
+    model = phf.use(build("gemma4_text"), "t5")  # T5's table shared by the layers of one head dim
+    plans = [m.__dict__["_posenc_plan"] for m in model.modules() if "_posenc_plan" in m.__dict__]
+    assert [p.encoding.head_dim for p in plans] == [16, 32]
+    with pytest.raises(UsageError, match="Gemma 4's layers differ in head dim"):
+        phf.use(build("gemma4_text"), plans[0].encoding)
+    shared = build("gemma4_text", num_hidden_layers=4, num_kv_shared_layers=2,
+                   layer_types=["sliding_attention", "full_attention"] * 2, per_layer_config={"1": {"head_dim": 32}, "3": {"head_dim": 32}})
+    with pytest.raises(UsageError, match="'gemma4_text'.*num_kv_shared_layers=2: its KV-shared layers keep only the last"):
+        phf.use(shared, "rope")
 
 
 @pytest.mark.parametrize("model_type", ["mistral4", "ministral3"])

@@ -230,6 +230,11 @@ def _planned(model: nn.Module, stack: nn.Module, encoding: str | nn.Module | Sch
                          "(posenc.hf looks for self_attn, attention or attn on each layer)")
     if getattr(inner, "use_bidirectional_attention", None):
         raise UsageError("model: use_bidirectional_attention is not supported by posenc.hf (a decoder with causal masks)")
+    for key, why in family.refused_when if family is not None else ():  # what a row cannot run (Gemma 4's KV sharing)
+        if getattr(inner, key, None):
+            raise UsageError(f"model: {cast(Any, family).name} with {key}={getattr(inner, key)!r}: {why}")
+    if family is not None and family.per_layer_config and isinstance(encoding, nn.Module):
+        raise UsageError(f"encoding: {family.name}'s layers differ in head dim, and a built encoding serves one; give its name")
     if without_rope(family):  # Inkling, Inkling-2: no rotary module to stand in for (posenc.hf.inkling)
         plans, modules, record = inkling_plans(inner, cast(Any, family), attentions, encoding, options)
         return inner, family, layers, attentions, None, plans, modules, record

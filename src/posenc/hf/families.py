@@ -70,6 +70,10 @@ Definitions (r the rotated features of a head, D its q/k head dim):
 
 - ``rotary_list``: the decoder stack's list of rotary modules, one per RoPE base, each layer rotated
   by the one of its ``layer_rope_theta`` (Granite-SWA's ``rotary_embs``; :mod:`posenc.hf.rotary_sets`).
+- ``per_layer_config``: the head dim and key/value heads differ between layers (Gemma 4), read from
+  ``config.per_layer_config[layer]`` (or ``[layer type]``); each layer's encoding is built for its own.
+- ``refused_when``: (config key, why) pairs: :func:`posenc.hf.use` refuses a model whose config sets
+  the key (true or non-zero), saying why (what posenc lacks for it).
 - ``own``: the encoding of the family's own attention, ``"rope"`` for all but the Inkling families
   (``"inkling"``: no rotary module; each layer's learned distance curves, mixed per query from its
   input, :mod:`posenc.hf.inkling`). ``use(model, own)`` with no options is the untouched model.
@@ -117,6 +121,8 @@ class Family:
     qk_norm_after_rotation: str | None = None
     mrope: bool = False
     rotary_list: str | None = None
+    per_layer_config: bool = False
+    refused_when: tuple[tuple[str, str], ...] = ()
     own: str = "rope"
     query_sinks: str | None = None
     needs: str = ""  # what the family needed beyond the LLaMA pattern, for docs/hf.md
@@ -165,6 +171,12 @@ FAMILIES: tuple[Family, ...] = (
     Family("Gemma 3n", ("gemma3n_text",), typed_layers=True, rope_blocks="per_type",
            needs="a RoPE block per layer type; the last num_kv_shared_layers layers reuse the keys and values of the last "
                  "earlier layer of their type (each rotated at its own position)"),
+    Family("Gemma 4", ("gemma4_text", "gemma4"), typed_layers=True, rope_blocks="per_type", per_layer_config=True,
+           refused_when=(("num_kv_shared_layers", "its KV-shared layers keep only the last logits_to_keep queries of a "
+                          "generate prefill and slice the 4-D attention mask to them, and posenc's attention takes a 2-D "
+                          "padding mask and every query"),),
+           needs="a RoPE block per layer type (proportional RoPE on full layers); per-layer head dims and key/value heads "
+                 "(per_layer_config); refused with KV-shared layers"),
     Family("Phi", ("phi",), needs="partial rotary (first half)"),
     Family("Phi-3", ("phi3",), window=_EVERY, needs="a window on every layer when set; LongRoPE's attention factor"),
     Family("OLMo", ("olmo",), needs="float32 rotary tables"),
@@ -291,13 +303,21 @@ def text_config(config: Any) -> Any:
     return config
 
 
-def qk_head_dim(config: Any, family: Family | None) -> int:
-    """D, the q/k head dim the attention function sees."""
-    get = getter(config)
+def layer_config(config: Any, family: Family | None, layer: int | str | None) -> Any:
+    """The config of one layer (an index, or a layer type) of a family with ``per_layer_config`` (its
+    head dim and key/value heads; the last layer's when ``layer`` is None), else ``config``."""
+    if family is None or not family.per_layer_config:
+        return config
+    return config.per_layer_config[int(config.num_hidden_layers) - 1 if layer is None else layer]
+
+
+def qk_head_dim(config: Any, family: Family | None, layer: int | str | None = None) -> int:
+    """D, the q/k head dim the attention function sees (of ``layer``: see :func:`layer_config`)."""
+    get = getter(layer_config(config, family, layer))
     keys = family.qk_head_dim if family is not None else ("head_dim",)
     if all(get(k) is not None for k in keys):
         return sum(int(get(k)) for k in keys)
     return int(get("hidden_size")) // int(get("num_attention_heads"))
 
 
-__all__ = ["BY_MODEL_TYPE", "FAMILIES", "Family", "WRAPPERS", "family_of", "getter", "qk_head_dim", "text_config"]
+__all__ = ["BY_MODEL_TYPE", "FAMILIES", "Family", "WRAPPERS", "family_of", "getter", "layer_config", "qk_head_dim", "text_config"]

@@ -27,10 +27,10 @@ from ..encodings.rope import RoPE, apply_rotation
 from ..errors import UsageError
 from ..model.schedule import Layer, Schedule
 from .attention import LayerPlan
-from .families import Family, qk_head_dim
+from .families import Family, layer_config, qk_head_dim
 from .mrope import check_axes, refuse_other
 from .rope_config import options_from_hf
-from .rotary_sets import layer_rotary
+from .rotary_sets import layer_rotary, per_layer
 from .schedule_config import schedule_from_hf
 
 # -- the plan: family, sizes, schedule -----------------------------------------------------------
@@ -227,7 +227,7 @@ class _Sizes:
 
 def _sizes(model: Any, config: Any, family: Family | None, rotary: nn.Module) -> _Sizes:
     heads = int(config.num_attention_heads)
-    kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
+    kv_heads = int(getattr(layer_config(config, family, None), "num_key_value_heads", None) or heads)
     d = qk_head_dim(config, family)
     types = _layer_types(config)
     inv, _ = _rotary_tables(rotary, ([k for k in types or () if getattr(rotary, f"{k}_inv_freq", None) is not None] or types or [""])[-1])
@@ -263,10 +263,9 @@ def _build(name: str, options: dict[str, Any], sizes: _Sizes, causal: bool) -> P
 
 def _verify_rope(encoding: PositionalEncoding, rotary: nn.Module, kind: str | None, family: Family | None,
                  model_type: Any = None) -> None:
-    """posenc's RoPE (or M-RoPE) read from the config against the model's own tables: the same
-    frequencies and attention factor (M-RoPE: and the same rotation on 3-axis ids,
-    :func:`posenc.hf.mrope.check_axes`), or a UsageError naming the difference (never a silently
-    wrong model)."""
+    """posenc's RoPE (or M-RoPE) read from the config against the model's own tables: the same frequencies and
+    attention factor (M-RoPE: and the same rotation on 3-axis ids, :func:`posenc.hf.mrope.check_axes`), or a
+    UsageError naming the difference (never a silently wrong model)."""
     if isinstance(encoding, MRoPE):
         check_axes(encoding, rotary, model_type)
     elif not isinstance(encoding, RoPE):
@@ -347,7 +346,7 @@ def layer_plans(model: Any, config: Any, family: Family | None, attentions: list
         names = {layer.encoding for layer in layers} | ({encoding} if isinstance(encoding, str) else set())
         refuse_other(getattr(config, "model_type", None), encoding if isinstance(encoding, nn.Module) else None, names,
                      from_config)
-    built: dict[str, PositionalEncoding] = {}
+    built: dict[Any, PositionalEncoding] = {}
     modules: list[nn.Module] = []
     plans: list[LayerPlan | None] = []
     shared_module = encoding if isinstance(encoding, nn.Module) else absolute
@@ -360,12 +359,13 @@ def layer_plans(model: Any, config: Any, family: Family | None, attentions: list
             enc: PositionalEncoding = cast(PositionalEncoding, shared_module if i == 0 or shared_module.shares_across_layers
                                            else copy.deepcopy(shared_module))
         else:
-            key = layer.sharing_key
+            own = per_layer(sizes, config, family, i)  # its head dim and key/value heads (Gemma 4)
+            key = (layer.sharing_key, own.head_dim, own.kv_heads)
             cached = built.get(key)
             if cached is not None and cached.shares_across_layers:
                 enc = cached
             else:
-                enc = _build(layer.encoding, dict(layer.options), sizes, causal)
+                enc = _build(layer.encoding, dict(layer.options), own, causal)
                 built[key] = enc
         if from_config:
             _verify_rope(enc, layer_rotary(rotary, model, family, config, i), kind, family, getattr(config, "model_type", None))

@@ -16,12 +16,13 @@ base. Their ``rotary_emb`` is built and never called. For :func:`posenc.hf.use`:
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from torch import nn
 
 from ..errors import UsageError
-from .families import Family
+from .families import Family, layer_config, qk_head_dim
 from .forward_state import RotaryStandIn
 
 
@@ -54,6 +55,17 @@ def layer_rotary(rotary: nn.Module, model: nn.Module, family: Family | None, con
                      f"{family.rotary_list!r}; refusing to guess its tables")
 
 
+def per_layer(sizes: Any, config: Any, family: Family | None, layer: int) -> Any:
+    """``sizes`` (posenc.hf.layers' head counts and dims) for layer ``layer`` of a family whose
+    layers differ in head dim and key/value heads (``Family.per_layer_config``: Gemma 4), each layer
+    rotating its whole head unless its RoPE block names a partial rotary; else ``sizes``."""
+    if family is None or not family.per_layer_config:
+        return sizes
+    own = layer_config(config, family, layer)
+    d = qk_head_dim(config, family, layer)
+    return replace(sizes, head_dim=d, rotary_dim=d, kv_heads=int(getattr(own, "num_key_value_heads", None) or sizes.heads))
+
+
 def install_rotaries(model: nn.Module, family: Family | None, stand_in: RotaryStandIn | None) -> None:
     """Wrap each module of the family's ``rotary_list`` (none without one) by a stand-in that shares
     ``stand_in``'s forward state and identity flag (a module already wrapped is re-pointed)."""
@@ -67,4 +79,4 @@ def install_rotaries(model: nn.Module, family: Family | None, stand_in: RotarySt
         held[i] = extra
 
 
-__all__ = ["install_rotaries", "layer_rotary"]
+__all__ = ["install_rotaries", "layer_rotary", "per_layer"]

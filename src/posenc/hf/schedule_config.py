@@ -47,7 +47,7 @@ from ..encodings import build
 from ..encodings.query_scale import LogFloorScale, Temperature
 from ..errors import UsageError
 from ..model.schedule import Layer, Schedule
-from .families import BY_MODEL_TYPE, family_of, getter, text_config
+from .families import BY_MODEL_TYPE, family_of, getter, layer_config, text_config
 from .rope_config import mrope_from_hf, options_from_hf
 
 LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
@@ -164,7 +164,8 @@ def schedule_from_hf(config) -> Schedule:
     def rope_options(kind: str) -> dict:
         key = kind if family.rope_blocks == "per_type" else "all"
         if key not in rope_cache:
-            rope_cache[key] = _mrope(config, family.layout) if family.mrope else _rope(get, *block_for(kind), name, family.layout)
+            own = getter(layer_config(config, family, kind)) if family.per_layer_config else get  # its head dim (Gemma 4)
+            rope_cache[key] = _mrope(config, family.layout) if family.mrope else _rope(own, *block_for(kind), name, family.layout)
         return dict(rope_cache[key])
 
     window = None
