@@ -95,6 +95,9 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "ministral3": dict(rope_parameters=_log_floor(1e6)),
     "mistral4": dict(qk_nope_head_dim=8, rope_parameters=_log_floor(1e4, partial_rotary_factor=0.5)),  # MLA: rope 8 of 16
     "flint": dict(layer_types=["sliding_attention", "full_attention"]),  # its default makes the first two layers full (NoPE)
+    # its default partial rotary (0.334) turns an odd int(16 * 0.334) = 5 features at the tiny head dim
+    "mimo_v2_flash": dict(rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 5e6, "partial_rotary_factor": 0.5},
+                                           "sliding_attention": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}}),
     # per-layer bases, a NoPE layer (base 0), and sliding and full layers
     "granite_swa": dict(num_hidden_layers=3, layer_types=["full_attention", "sliding_attention", "full_attention"],
                         layer_rope_theta=[0, 1e4, 1e5]),

@@ -7,7 +7,8 @@ with a base of 0 for NoPE (Granite-SWA and GraniteMoE-SWA: one rotary module per
 Muse: only the zeros count), KV sharing with a table per layer type (Gemma 3n: the census's 4 layers,
 the last 2 reusing the keys and values of the last earlier layer of their type), per-layer head dims
 (Gemma 4: a sliding layer of head dim 16, a full one of 32 with proportional RoPE on a quarter of it;
-with KV-shared layers it is refused).
+with KV-shared layers it is refused), per-layer key/value heads (MiMo-V2-Flash: sinks and twice the
+key/value heads on its sliding layers).
 
 The census (tests/hf/test_census.py) checks ``use(model, "rope")``, under which the model rotates q
 and k with its own tables and posenc only verifies them: it cannot see a row's layout, rope slice or
@@ -58,7 +59,8 @@ ROWS: list[tuple[str, dict[str, Any]]] = [
     ("exaone_moe", {}), ("kolibri1", {}), ("flint", {}), ("beam", {}), ("ergo", {}), ("laguna", {}),
     ("laguna", {"layer_types": ["sliding_attention", "full_attention"]}), ("mellum", {}), ("lfm3", {}),
     ("muse_spark_text", {}), ("muse_glimmer_text", {}), ("granite_swa", {}), ("granitemoe_swa", {}), ("gemma3n_text", {}),
-    ("gemma4_text", {}), ("gemma4_text", {"attention_k_eq_v": True, "per_layer_config": {"1": {"head_dim": 32, "num_key_value_heads": 1}}}),
+    ("mimo_v2_flash", {}), ("gemma4_text", {}),
+    ("gemma4_text", {"attention_k_eq_v": True, "per_layer_config": {"1": {"head_dim": 32, "num_key_value_heads": 1}}}),
 ]
 
 
@@ -178,6 +180,14 @@ def test_gemma4_builds_each_layer_for_its_head_dim_and_refuses_kv_sharing() -> N
                    layer_types=["sliding_attention", "full_attention"] * 2, per_layer_config={"1": {"head_dim": 32}, "3": {"head_dim": 32}})
     with pytest.raises(UsageError, match="'gemma4_text'.*num_kv_shared_layers=2: its KV-shared layers keep only the last"):
         phf.use(shared, "rope")
+
+
+def test_mimo_v2_flash_builds_each_layer_for_its_key_value_heads() -> None:
+    model = phf.use(build("mimo_v2_flash"), "fope")  # FoPE learns per key/value head
+    plans = [m.__dict__["_posenc_plan"] for m in model.modules() if "_posenc_plan" in m.__dict__]
+    assert [p.encoding.num_kv_heads for p in plans] == [2, 4]  # full, sliding
+    ids = torch.randint(3, census.VOCAB, (1, LENGTH), generator=torch.Generator().manual_seed(2))
+    assert torch.isfinite(output(model, ids).logits).all()
 
 
 @pytest.mark.parametrize("model_type", ["mistral4", "ministral3"])

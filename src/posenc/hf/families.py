@@ -72,6 +72,8 @@ Definitions (r the rotated features of a head, D its q/k head dim):
   by the one of its ``layer_rope_theta`` (Granite-SWA's ``rotary_embs``; :mod:`posenc.hf.rotary_sets`).
 - ``per_layer_config``: the head dim and key/value heads differ between layers (Gemma 4), read from
   ``config.per_layer_config[layer]`` (or ``[layer type]``); each layer's encoding is built for its own.
+- ``kv_heads_per_layer``: the layers differ in key/value heads only, each its attention module's
+  (MiMo-V2-Flash: its sliding layers have twice the full layers').
 - ``refused_when``: (config key, why) pairs: :func:`posenc.hf.use` refuses a model whose config sets
   the key (true or non-zero), saying why (what posenc lacks for it).
 - ``own``: the encoding of the family's own attention, ``"rope"`` for all but the Inkling families
@@ -122,6 +124,7 @@ class Family:
     mrope: bool = False
     rotary_list: str | None = None
     per_layer_config: bool = False
+    kv_heads_per_layer: bool = False
     refused_when: tuple[tuple[str, str], ...] = ()
     own: str = "rope"
     query_sinks: str | None = None
@@ -200,6 +203,9 @@ FAMILIES: tuple[Family, ...] = (
            needs="RoPE on the sliding layers only (full layers NoPE); attention sinks (module.sinks)"),
     Family("EXAONE 4", ("exaone4", "exaone_moe", "kolibri1"), typed_layers=True, nope="full_layers_if_windowed",
            needs="RoPE on the sliding layers only when a window is set (full layers NoPE), else on every layer"),
+    Family("MiMo-V2-Flash", ("mimo_v2_flash",), typed_layers=True, rope_blocks="per_type", sinks="sinks", kv_heads_per_layer=True,
+           needs="a RoPE block per layer type (partial rotary); attention sinks on the sliding layers only; twice the key/value "
+                 "heads on the sliding layers; value head dim differs"),
     # Per-layer bases (layer_rope_theta), a base of 0 for a NoPE layer
     Family("Muse", ("muse_glimmer_text", "muse_spark_text"), nope="zero_theta",
            needs="NoPE layers where layer_rope_theta is 0 (the others rotate with the one RoPE block)"),

@@ -359,7 +359,7 @@ def layer_plans(model: Any, config: Any, family: Family | None, attentions: list
             enc: PositionalEncoding = cast(PositionalEncoding, shared_module if i == 0 or shared_module.shares_across_layers
                                            else copy.deepcopy(shared_module))
         else:
-            own = per_layer(sizes, config, family, i)  # its head dim and key/value heads (Gemma 4)
+            own = per_layer(sizes, config, family, i, attention)  # its head dim and key/value heads (Gemma 4)
             key = (layer.sharing_key, own.head_dim, own.kv_heads)
             cached = built.get(key)
             if cached is not None and cached.shares_across_layers:

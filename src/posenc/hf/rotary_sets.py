@@ -55,10 +55,15 @@ def layer_rotary(rotary: nn.Module, model: nn.Module, family: Family | None, con
                      f"{family.rotary_list!r}; refusing to guess its tables")
 
 
-def per_layer(sizes: Any, config: Any, family: Family | None, layer: int) -> Any:
+def per_layer(sizes: Any, config: Any, family: Family | None, layer: int, attention: nn.Module | None = None) -> Any:
     """``sizes`` (posenc.hf.layers' head counts and dims) for layer ``layer`` of a family whose
     layers differ in head dim and key/value heads (``Family.per_layer_config``: Gemma 4), each layer
-    rotating its whole head unless its RoPE block names a partial rotary; else ``sizes``."""
+    rotating its whole head unless its RoPE block names a partial rotary; of a family whose layers
+    differ in key/value heads only (``Family.kv_heads_per_layer``: MiMo-V2-Flash), the layer's
+    attention module's (heads // ``num_key_value_groups``); else ``sizes``."""
+    groups = getattr(attention, "num_key_value_groups", None)
+    if family is not None and family.kv_heads_per_layer and isinstance(groups, int) and groups > 0:
+        return replace(sizes, kv_heads=sizes.heads // groups)
     if family is None or not family.per_layer_config:
         return sizes
     own = layer_config(config, family, layer)
