@@ -8,7 +8,7 @@ Muse: only the zeros count), KV sharing with a table per layer type (Gemma 3n: t
 the last 2 reusing the keys and values of the last earlier layer of their type), per-layer head dims
 (Gemma 4: a sliding layer of head dim 16, a full one of 32 with proportional RoPE on a quarter of it;
 with KV-shared layers it is refused), per-layer key/value heads (MiMo-V2-Flash: sinks and twice the
-key/value heads on its sliding layers).
+key/value heads on its sliding layers), a rotation turned the other way (nanochat: its own only).
 
 The census (tests/hf/test_census.py) checks ``use(model, "rope")``, under which the model rotates q
 and k with its own tables and posenc only verifies them: it cannot see a row's layout, rope slice or
@@ -188,6 +188,19 @@ def test_mimo_v2_flash_builds_each_layer_for_its_key_value_heads() -> None:
     assert [p.encoding.num_kv_heads for p in plans] == [2, 4]  # full, sliding
     ids = torch.randint(3, census.VOCAB, (1, LENGTH), generator=torch.Generator().manual_seed(2))
     assert torch.isfinite(output(model, ids).logits).all()
+
+
+def test_nanochat_keeps_its_own_rotation_and_refuses_posencs() -> None:
+    """nanochat turns its pairs the other way: "rope" is the model's own rotation (exact: the census);
+    posenc's RoPE (options, a schedule) would turn them the other way, and is refused; ALiBi replaces it."""
+    ref = build("nanochat")
+    model = phf.use(copy.deepcopy(ref), "rope")
+    full, padded, same = gaps(run(model), run(ref))
+    assert full < TOLERANCE and padded < TOLERANCE and same
+    for encoding, options in ((schedule_from_hf(ref.config), {}), ("rope", {"base": own_base(ref)}), ("rerope", {})):
+        with pytest.raises(UsageError, match="'nanochat'.*turns its RoPE pairs the other way"):
+            phf.use(copy.deepcopy(ref), encoding, **options)
+    phf.use(copy.deepcopy(ref), "alibi")
 
 
 @pytest.mark.parametrize("model_type", ["mistral4", "ministral3"])

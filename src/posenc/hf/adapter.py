@@ -54,7 +54,7 @@ from transformers import PreTrainedModel
 from ..encodings import build, get_class, options_of
 from ..encodings.base import PositionalEncoding
 from ..encodings.mrope import MRoPE
-from ..encodings.protocol import Curves, Embeds, Gates, offers
+from ..encodings.protocol import Curves, Embeds, Gates, Remaps, offers
 from ..encodings.rope import RoPE
 from ..errors import UsageError
 from ..model.schedule import Schedule
@@ -244,6 +244,10 @@ def _planned(model: nn.Module, stack: nn.Module, encoding: str | nn.Module | Sch
     if family is None:
         check_structure(model, stack, inner, attentions, rotary)
     plans, modules, record = layer_plans(model, inner, family, attentions, rotary, encoding, options)
+    if family is not None and family.reversed_rotation and not record.get("from_config") and any(
+            p is not None and (isinstance(p.encoding, RoPE) or offers(p.encoding, Remaps)) for p in plans):
+        raise UsageError(f"encoding: {family.name} turns its RoPE pairs the other way (angle -theta), which posenc's RoPE "
+                         "does not: its own rotation runs under use(model, 'rope') without options, or another encoding in its place")
     check_shared(layers, attentions, plans)
     return inner, family, layers, attentions, stand_in, plans, modules, record
 

@@ -74,6 +74,10 @@ Definitions (r the rotated features of a head, D its q/k head dim):
   ``config.per_layer_config[layer]`` (or ``[layer type]``); each layer's encoding is built for its own.
 - ``kv_heads_per_layer``: the layers differ in key/value heads only, each its attention module's
   (MiMo-V2-Flash: its sliding layers have twice the full layers').
+- ``reversed_rotation``: the model turns its pairs the other way (angle -theta: nanochat's rotate_half
+  is [x2, -x1]), which posenc's RoPE cannot: ``use(model, "rope")`` keeps the model's own rotation
+  (verified by its frequencies), and a RoPE posenc would apply itself (options, a schedule, a remap) is
+  refused; other encodings replace it.
 - ``refused_when``: (config key, why) pairs: :func:`posenc.hf.use` refuses a model whose config sets
   the key (true or non-zero), saying why (what posenc lacks for it).
 - ``own``: the encoding of the family's own attention, ``"rope"`` for all but the Inkling families
@@ -125,6 +129,7 @@ class Family:
     rotary_list: str | None = None
     per_layer_config: bool = False
     kv_heads_per_layer: bool = False
+    reversed_rotation: bool = False
     refused_when: tuple[tuple[str, str], ...] = ()
     own: str = "rope"
     query_sinks: str | None = None
@@ -206,6 +211,9 @@ FAMILIES: tuple[Family, ...] = (
     Family("MiMo-V2-Flash", ("mimo_v2_flash",), typed_layers=True, rope_blocks="per_type", sinks="sinks", kv_heads_per_layer=True,
            needs="a RoPE block per layer type (partial rotary); attention sinks on the sliding layers only; twice the key/value "
                  "heads on the sliding layers; value head dim differs"),
+    Family("nanochat", ("nanochat",), reversed_rotation=True,
+           needs="half pairs turned the other way (rotate_half is [x2, -x1]): the model's own rotation under \"rope\"; "
+                 "posenc's RoPE refused"),
     # Per-layer bases (layer_rope_theta), a base of 0 for a NoPE layer
     Family("Muse", ("muse_glimmer_text", "muse_spark_text"), nope="zero_theta",
            needs="NoPE layers where layer_rope_theta is 0 (the others rotate with the one RoPE block)"),
