@@ -98,6 +98,8 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     # its default partial rotary (0.334) turns an odd int(16 * 0.334) = 5 features at the tiny head dim
     "mimo_v2_flash": dict(rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 5e6, "partial_rotary_factor": 0.5},
                                            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}}),
+    # the RoPE block's scaling on layer 0 only (layer 1 rotates unscaled, with its second rotary module)
+    "molmo2_text": dict(rope_parameters={"rope_type": "linear", "rope_theta": 1e4, "factor": 4.0}, rope_scaling_layers=[0]),
     # per-layer bases, a NoPE layer (base 0), and sliding and full layers
     "granite_swa": dict(num_hidden_layers=3, layer_types=["full_attention", "sliding_attention", "full_attention"],
                         layer_rope_theta=[0, 1e4, 1e5]),

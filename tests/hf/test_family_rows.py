@@ -8,7 +8,8 @@ Muse: only the zeros count), KV sharing with a table per layer type (Gemma 3n: t
 the last 2 reusing the keys and values of the last earlier layer of their type), per-layer head dims
 (Gemma 4: a sliding layer of head dim 16, a full one of 32 with proportional RoPE on a quarter of it;
 with KV-shared layers it is refused), per-layer key/value heads (MiMo-V2-Flash: sinks and twice the
-key/value heads on its sliding layers), a rotation turned the other way (nanochat: its own only).
+key/value heads on its sliding layers), a rotation turned the other way (nanochat: its own only), the RoPE block's scaling on some layers
+(Molmo2: the others rotate unscaled, with a second rotary module).
 
 The census (tests/hf/test_census.py) checks ``use(model, "rope")``, under which the model rotates q
 and k with its own tables and posenc only verifies them: it cannot see a row's layout, rope slice or
@@ -59,7 +60,10 @@ ROWS: list[tuple[str, dict[str, Any]]] = [
     ("exaone_moe", {}), ("kolibri1", {}), ("flint", {}), ("beam", {}), ("ergo", {}), ("laguna", {}),
     ("laguna", {"layer_types": ["sliding_attention", "full_attention"]}), ("mellum", {}), ("lfm3", {}),
     ("muse_spark_text", {}), ("muse_glimmer_text", {}), ("granite_swa", {}), ("granitemoe_swa", {}), ("gemma3n_text", {}),
-    ("mimo_v2_flash", {}), ("gemma4_text", {}),
+    ("mimo_v2_flash", {}), ("molmo2_text", {}),
+    ("molmo2_text", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "original_max_position_embeddings": 8},
+                     "rope_scaling_layers": [1]}),
+    ("gemma4_text", {}),
     ("gemma4_text", {"attention_k_eq_v": True, "per_layer_config": {"1": {"head_dim": 32, "num_key_value_heads": 1}}}),
 ]
 
@@ -201,6 +205,16 @@ def test_nanochat_keeps_its_own_rotation_and_refuses_posencs() -> None:
         with pytest.raises(UsageError, match="'nanochat'.*turns its RoPE pairs the other way"):
             phf.use(copy.deepcopy(ref), encoding, **options)
     phf.use(copy.deepcopy(ref), "alibi")
+
+
+def test_molmo2_scales_only_its_rope_scaling_layers() -> None:
+    """The census's Molmo2 (linear scaling, factor 4, on layer 0): layer 1 rotates unscaled, and each
+    layer's RoPE is verified against the rotary module the model gives it."""
+    ref = build("molmo2_text")
+    layers = schedule_from_hf(ref.config).layers
+    assert layers[0].options["scaling"]["factor"] == 4.0 and "scaling" not in layers[1].options
+    model = phf.use(copy.deepcopy(ref), "rope")
+    assert sum(isinstance(m, RotaryStandIn) for m in model.modules()) == 2  # both rotary modules stood in for
 
 
 @pytest.mark.parametrize("model_type", ["mistral4", "ministral3"])

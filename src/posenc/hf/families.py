@@ -69,7 +69,10 @@ Definitions (r the rotated features of a head, D its q/k head dim):
   encodings see each token at its text position (docs/hf.md, "M-RoPE backbones").
 
 - ``rotary_list``: the decoder stack's list of rotary modules, one per RoPE base, each layer rotated
-  by the one of its ``layer_rope_theta`` (Granite-SWA's ``rotary_embs``; :mod:`posenc.hf.rotary_sets`).
+  by the one of its ``layer_rope_theta`` (Granite-SWA's ``rotary_embs``; :mod:`posenc.hf.rotary_sets`), or
+  the one module of the layers outside ``scaled_layers``.
+- ``scaled_layers``: the config key listing the layers that take the RoPE block's scaling; the others
+  rotate without it (the same base), with the module named by ``rotary_list`` (Molmo2).
 - ``per_layer_config``: the head dim and key/value heads differ between layers (Gemma 4), read from
   ``config.per_layer_config[layer]`` (or ``[layer type]``); each layer's encoding is built for its own.
 - ``kv_heads_per_layer``: the layers differ in key/value heads only, each its attention module's
@@ -127,6 +130,7 @@ class Family:
     qk_norm_after_rotation: str | None = None
     mrope: bool = False
     rotary_list: str | None = None
+    scaled_layers: str | None = None
     per_layer_config: bool = False
     kv_heads_per_layer: bool = False
     reversed_rotation: bool = False
@@ -214,6 +218,8 @@ FAMILIES: tuple[Family, ...] = (
     Family("nanochat", ("nanochat",), reversed_rotation=True,
            needs="half pairs turned the other way (rotate_half is [x2, -x1]): the model's own rotation under \"rope\"; "
                  "posenc's RoPE refused"),
+    Family("Molmo2 text", ("molmo2_text",), rotary_list="rotary_emb_unscaled", scaled_layers="rope_scaling_layers",
+           needs="the RoPE block's scaling on rope_scaling_layers only (the others its base unscaled, a second rotary module)"),
     # Per-layer bases (layer_rope_theta), a base of 0 for a NoPE layer
     Family("Muse", ("muse_glimmer_text", "muse_spark_text"), nope="zero_theta",
            needs="NoPE layers where layer_rope_theta is 0 (the others rotate with the one RoPE block)"),

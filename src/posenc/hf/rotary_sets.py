@@ -1,4 +1,6 @@
-"""Decoder stacks that rotate with several rotary modules, one per RoPE base (``Family.rotary_list``).
+"""Decoder stacks that rotate with several rotary modules (``Family.rotary_list``): one per RoPE base,
+or one without the RoPE block's scaling (Molmo2's ``rotary_emb_unscaled``, for the layers outside
+``rope_scaling_layers``).
 
 Granite-SWA and GraniteMoE-SWA give each layer its own base (``config.layer_rope_theta``, 0 for a
 NoPE layer) and hold one rotary module per distinct non-zero base in a ``ModuleList``
@@ -26,13 +28,19 @@ from .families import Family, layer_config, qk_head_dim
 from .forward_state import RotaryStandIn
 
 
-def _held(model: nn.Module, family: Family) -> nn.ModuleList:
+def _holder(model: nn.Module, family: Family) -> nn.Module:
+    """The module holding the family's other rotary modules (a list, or one module: Molmo2's)."""
     name = str(family.rotary_list)
-    found = next((getattr(m, name) for m in model.modules() if isinstance(getattr(m, name, None), nn.ModuleList)), None)
+    found = next((m for m in model.modules() if isinstance(getattr(m, name, None), nn.Module)), None)
     if found is None:
         raise UsageError(f"model: the {family.name} family rotates with the modules of {name!r}, and "
-                         f"{type(model).__name__} has no such list")
+                         f"{type(model).__name__} has no such module")
     return found
+
+
+def _held(model: nn.Module, family: Family) -> list[nn.Module]:
+    held = getattr(_holder(model, family), str(family.rotary_list))
+    return list(held) if isinstance(held, nn.ModuleList) else [held]
 
 
 def layer_rotary(rotary: nn.Module, model: nn.Module, family: Family | None, config: Any, layer: int) -> nn.Module:
@@ -44,6 +52,11 @@ def layer_rotary(rotary: nn.Module, model: nn.Module, family: Family | None, con
     """
     if family is None or family.rotary_list is None:
         return rotary
+    if family.scaled_layers is not None:  # Molmo2: the listed layers take the stack's (scaled) module, the others the list's
+        if layer in getattr(config, family.scaled_layers):
+            return rotary
+        other = _held(model, family)[0]
+        return other.original if isinstance(other, RotaryStandIn) else other
     theta = float(config.layer_rope_theta[layer])
     if theta == 0:  # a NoPE layer: nothing of it is verified
         return rotary
@@ -76,12 +89,16 @@ def install_rotaries(model: nn.Module, family: Family | None, stand_in: RotarySt
     ``stand_in``'s forward state and identity flag (a module already wrapped is re-pointed)."""
     if family is None or family.rotary_list is None or stand_in is None:
         return
-    held = _held(model, family)
-    for i, module in enumerate(held):
+    holder, name = _holder(model, family), str(family.rotary_list)
+    held = getattr(holder, name)
+    for i, module in enumerate(_held(model, family)):
         extra = module if isinstance(module, RotaryStandIn) else RotaryStandIn(module)
         extra.forward_state = stand_in.forward_state
         extra.identity = stand_in.identity
-        held[i] = extra
+        if isinstance(held, nn.ModuleList):
+            held[i] = extra
+        else:
+            setattr(holder, name, extra)
 
 
 __all__ = ["install_rotaries", "layer_rotary", "per_layer"]

@@ -202,6 +202,8 @@ def schedule_from_hf(config) -> Schedule:
             layer["options"] = rope_options(kind)
             if family.nope == "layer_theta":
                 layer["options"]["base"] = float(get("layer_rope_theta")[i])
+            if family.scaled_layers is not None and i not in (get(family.scaled_layers) or ()):
+                layer["options"].pop("scaling", None)  # its base unscaled (Molmo2)
         kind = named.get(kind, kind)
         if kind == "sliding_attention":
             layer["window"] = window
