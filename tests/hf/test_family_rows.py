@@ -9,7 +9,8 @@ the last 2 reusing the keys and values of the last earlier layer of their type),
 (Gemma 4: a sliding layer of head dim 16, a full one of 32 with proportional RoPE on a quarter of it;
 with KV-shared layers it is refused), per-layer key/value heads (MiMo-V2-Flash: sinks and twice the
 key/value heads on its sliding layers), a rotation turned the other way (nanochat: its own only), the RoPE block's scaling on some layers
-(Molmo2: the others rotate unscaled, with a second rotary module).
+(Molmo2: the others rotate unscaled, with a second rotary module), and Lara mini (linear-attention
+layers, NoPE full layers).
 
 The census (tests/hf/test_census.py) checks ``use(model, "rope")``, under which the model rotates q
 and k with its own tables and posenc only verifies them: it cannot see a row's layout, rope slice or
@@ -60,7 +61,7 @@ ROWS: list[tuple[str, dict[str, Any]]] = [
     ("exaone_moe", {}), ("kolibri1", {}), ("flint", {}), ("beam", {}), ("ergo", {}), ("laguna", {}),
     ("laguna", {"layer_types": ["sliding_attention", "full_attention"]}), ("mellum", {}), ("lfm3", {}),
     ("muse_spark_text", {}), ("muse_glimmer_text", {}), ("granite_swa", {}), ("granitemoe_swa", {}), ("gemma3n_text", {}),
-    ("mimo_v2_flash", {}), ("molmo2_text", {}),
+    ("mimo_v2_flash", {}), ("molmo2_text", {}), ("lara_mini", {}),
     ("molmo2_text", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "original_max_position_embeddings": 8},
                      "rope_scaling_layers": [1]}),
     ("gemma4_text", {}),
@@ -151,7 +152,7 @@ def test_cohere2_moe_rotates_its_dense_prefix_only_with_pattern_one() -> None:
 
 @pytest.mark.parametrize("model_type, kinds", [("beam", ["rope", "nope"]), ("ergo", ["rope", "nope"]), ("afmoe", ["rope", "nope"]),
                                                ("exaone4", ["rope", "nope"]), ("flint", ["rope", "nope"]), ("lfm3", ["nope", "rope", "rope"]),
-                                               ("muse_spark_text", ["rope", "nope"])])
+                                               ("muse_spark_text", ["rope", "nope"]), ("lara_mini", ["nope", "rope", "nope"])])
 def test_the_schedule_has_the_nope_layers(model_type: str, kinds: list[str]) -> None:
     """The tiny configs' layers (sliding, full; LFM3: conv, full, sliding): full layers without
     positions where the family has them (a None block, NoPE full layers), LFM3's conv layer none."""
