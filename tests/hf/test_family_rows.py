@@ -19,7 +19,8 @@ NoPE layers. Here each family is also run with posenc rotating (``use(model, <it
 RoPE is applied inside posenc's attention), and must still be the untouched ``transformers`` model:
 
 - a 20-token forward (past every window of 8), a left-padded batch at its real tokens, and the same
-  tokens from cached greedy decoding, against the untouched model (float32, 1e-4 on logits);
+  tokens from cached greedy decoding, against the untouched model (float32, 1e-4 on logits); for
+  these rows and their variants, and for every other row of the table as the census builds it;
 - Cohere2-MoE's full layers: NoPE, except a dense-MLP prefix layer when
   ``prefix_dense_sliding_window_pattern`` is 1 (the model's ``force_rope``), both ways;
 - Mistral 4 and Ministral 3: the model scales its queries itself (``llama_4_scaling_beta``); posenc's
@@ -41,6 +42,7 @@ transformers.logging.set_verbosity_error()
 import hf_census_configs as census  # noqa: E402
 import posenc.hf as phf  # noqa: E402
 from posenc.errors import UsageError  # noqa: E402
+from posenc.hf.families import family_of  # noqa: E402
 from posenc.hf.forward_state import RotaryStandIn  # noqa: E402
 from posenc.hf.rope_config import options_from_hf  # noqa: E402
 from posenc.hf.schedule_config import schedule_from_hf  # noqa: E402
@@ -134,6 +136,27 @@ def test_the_row_is_the_model_with_posenc_rotating(model_type: str, more: dict[s
         model = phf.use(copy.deepcopy(ref), encoding)
         full, padded, same = gaps(run(model), expected)
         assert full < TOLERANCE and padded < TOLERANCE and same, (model_type, encoding, full, padded)
+
+
+def _rows() -> list[str]:
+    """Every census type with a RoPE row posenc can rotate itself (not M-RoPE, not reversed, not Inkling)."""
+    found = []
+    for entry in census.cases():
+        row = family_of(entry.model_type)
+        if row is not None and row.own == "rope" and not row.mrope and not row.reversed_rotation and entry.model_type not in census.UNBUILDABLE:
+            found.append(entry.model_type)
+    return found
+
+
+@pytest.mark.parametrize("model_type", _rows())
+def test_every_row_is_the_model_with_posenc_rotating(model_type: str) -> None:
+    """The census checks ``use(model, "rope")``, where the model rotates; here every row of the table
+    (as the census builds it) with posenc rotating from the row's schedule: a wrong layout, slice,
+    NoPE layer or base in any row shows."""
+    ref = build(model_type)
+    config = getattr(ref.config, "text_config", None) or ref.config
+    full, padded, same = gaps(run(phf.use(copy.deepcopy(ref), schedule_from_hf(config))), run(ref))
+    assert full < TOLERANCE and padded < TOLERANCE and same, (model_type, full, padded)
 
 
 def test_a_different_base_is_not_the_model() -> None:
