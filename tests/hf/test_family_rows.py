@@ -9,8 +9,8 @@ the last 2 reusing the keys and values of the last earlier layer of their type),
 (Gemma 4: a sliding layer of head dim 16, a full one of 32 with proportional RoPE on a quarter of it;
 with KV-shared layers it is refused), per-layer key/value heads (MiMo-V2-Flash: sinks and twice the
 key/value heads on its sliding layers), a rotation turned the other way (nanochat: its own only), the RoPE block's scaling on some layers
-(Molmo2: the others rotate unscaled, with a second rotary module), and Lara mini (linear-attention
-layers, NoPE full layers).
+(Molmo2: the others rotate unscaled, with a second rotary module), Lara mini (linear-attention
+layers, NoPE full layers) and Falcon (layers in ``h``; refused with ALiBi; GPT-J refused naming its table).
 
 The census (tests/hf/test_census.py) checks ``use(model, "rope")``, under which the model rotates q
 and k with its own tables and posenc only verifies them: it cannot see a row's layout, rope slice or
@@ -63,7 +63,8 @@ ROWS: list[tuple[str, dict[str, Any]]] = [
     ("exaone_moe", {}), ("kolibri1", {}), ("flint", {}), ("beam", {}), ("ergo", {}), ("laguna", {}),
     ("laguna", {"layer_types": ["sliding_attention", "full_attention"]}), ("mellum", {}), ("lfm3", {}),
     ("muse_spark_text", {}), ("muse_glimmer_text", {}), ("granite_swa", {}), ("granitemoe_swa", {}), ("gemma3n_text", {}),
-    ("mimo_v2_flash", {}), ("molmo2_text", {}), ("lara_mini", {}),
+    ("mimo_v2_flash", {}), ("molmo2_text", {}), ("lara_mini", {}), ("falcon", {}),
+    ("falcon", {"new_decoder_architecture": True, "num_kv_heads": 2}), ("falcon", {"multi_query": True}),
     ("molmo2_text", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "original_max_position_embeddings": 8},
                      "rope_scaling_layers": [1]}),
     ("gemma4_text", {}),
@@ -239,6 +240,13 @@ def test_molmo2_scales_only_its_rope_scaling_layers() -> None:
     assert layers[0].options["scaling"]["factor"] == 4.0 and "scaling" not in layers[1].options
     model = phf.use(copy.deepcopy(ref), "rope")
     assert sum(isinstance(m, RotaryStandIn) for m in model.modules()) == 2  # both rotary modules stood in for
+
+
+def test_falcon_with_alibi_and_gptj_are_refused_naming_why() -> None:
+    with pytest.raises(UsageError, match="'falcon'.*alibi=True: its ALiBi bias reaches the attention in the mask"):
+        phf.use(build("falcon", alibi=True), "rope")
+    with pytest.raises(UsageError, match="'gptj'.*holds no inv_freq buffer \\(its buffers: embed_positions"):
+        phf.use(build("gptj"), "rope")
 
 
 @pytest.mark.parametrize("model_type", ["mistral4", "ministral3"])

@@ -219,7 +219,7 @@ def _planned(model: nn.Module, stack: nn.Module, encoding: str | nn.Module | Sch
     held = getattr(stack, "config", None)
     inner = held if held is not None and hasattr(held, "num_attention_heads") else text_config(config)
     family = family_of(getattr(inner, "model_type", None))
-    layers = list(cast(nn.ModuleList, stack.layers))
+    layers = list(cast(nn.ModuleList, getattr(stack, "layers", None) or getattr(stack, "h")))  # Falcon's h
     attentions = [attention_of(layer) for layer in layers]
     types = getattr(inner, "layer_types", None)
     if family is not None and family.no_attention and isinstance(types, (list, tuple)) and len(types) == len(layers):

@@ -96,7 +96,7 @@ def _plans(model: nn.Module) -> list[LayerPlan | None]:
     merge_and_unload)."""
     plans: list[LayerPlan | None] = []
     stack = decoder_stack(model)
-    for layer in cast(nn.ModuleList, stack.layers):
+    for layer in cast(nn.ModuleList, getattr(stack, "layers", None) or getattr(stack, "h")):  # Falcon's h
         attention = attention_of(layer)
         plan = None if attention is None else attention.__dict__.get("_posenc_plan")
         plans.append(None if plan is None else replace(plan, encoding=held_encoding(stack, plan)))

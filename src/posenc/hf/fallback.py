@@ -98,6 +98,10 @@ def _structure(stack: nn.Module, config: Any, attentions: list[nn.Module | None]
         lacks.append(f"attention layers of different head dims ({', '.join(map(str, sorted(dims)))})")
     typed = sorted(n[: -len("_inv_freq")] for n, _ in rotary.named_buffers(recurse=False)
                    if n.endswith("_inv_freq") and not n.endswith("original_inv_freq"))
+    if not typed and getattr(rotary, "inv_freq", None) is None:
+        held = sorted(n for n, _ in rotary.named_buffers(recurse=False))
+        lacks.append(f"its rotary module {type(rotary).__name__} holds no inv_freq buffer (its buffers: {', '.join(held) or 'none'}: "
+                     "a table of its own), so posenc can neither read its frequencies nor check them against the config")
     if typed and getattr(rotary, "inv_freq", None) is None:
         lacks.append(f"one rotary table per layer type ({', '.join(typed)}) in {type(rotary).__name__}, where the fallback "
                      "reads one RoPE block (a family row with rope_blocks='per_type' describes them)")

@@ -222,6 +222,9 @@ FAMILIES: tuple[Family, ...] = (
            needs="the RoPE block's scaling on rope_scaling_layers only (the others its base unscaled, a second rotary module)"),
     Family("Lara mini", ("lara_mini",), typed_layers=True, nope="full_layers", no_attention=("linear_attention",),
            needs="linear-attention layers have no positions; RoPE on the sliding layers only (full layers NoPE)"),
+    Family("Falcon", ("falcon",), refused_when=(("alibi", "its ALiBi bias reaches the attention in the mask, which posenc's "
+                                                        "attention does not take"),),
+           needs="its layers in h, attention in self_attention; refused with alibi=True"),
     # Per-layer bases (layer_rope_theta), a base of 0 for a NoPE layer
     Family("Muse", ("muse_glimmer_text", "muse_spark_text"), nope="zero_theta",
            needs="NoPE layers where layer_rope_theta is 0 (the others rotate with the one RoPE block)"),

@@ -59,7 +59,7 @@ def decoder_stack(model: nn.Module) -> nn.Module:
     for _ in range(4):
         found: list[nn.Module] = []
         for node in frontier:
-            if isinstance(getattr(node, "layers", None), nn.ModuleList):
+            if isinstance(getattr(node, "layers", None) or getattr(node, "h", None), nn.ModuleList):  # Falcon's h
                 if rotary_name(node) is not None:
                     return node
                 if any(hasattr(node, n) for n in ROTARY_NAMES):
@@ -92,7 +92,7 @@ def attention_of(layer: nn.Module) -> nn.Module | None:
     hybrid layer's shared transformer block (Zamba2's ``shared_transformer``) is looked in too (see
     :func:`check_shared`)."""
     for holder in (layer, getattr(layer, "shared_transformer", None)):
-        for name in ("self_attn", "attention", "attn"):
+        for name in ("self_attn", "attention", "attn", "self_attention"):
             module = getattr(holder, name, None) if isinstance(holder, nn.Module) else None
             if isinstance(module, nn.Module) and (hasattr(module, "layer_idx") or getattr(module, "is_causal", None) is False):
                 return module
