@@ -109,14 +109,17 @@ def _kind(window: int | None, chunk: int | None, sinks: bool, query_scale: Any) 
     return ", ".join(p for p in parts if p) or "full attention"
 
 
-def _check_pattern(config: Any, family: Family | None, plans: list[LayerPlan | None]) -> None:
+def _check_pattern(config: Any, family: Family | None, plans: list[LayerPlan | None], current: Any) -> None:
     """Each layer of the plain model that ``config`` describes against what posenc runs there: NoPE
-    where posenc runs NoPE, RoPE where it runs RoPE, the same window, chunk, sinks and query scale.
+    where posenc runs NoPE, RoPE where it runs RoPE, the same window, chunk, sinks and query scale
+    (a ``log_beta`` family's model scales its queries itself, from its ``current`` config: the
+    model's, before export writes its block).
 
     Raises:
         UsageError: a layer differs (naming it and both sides).
     """
     own = family_schedule(text_config(config), family, len(plans))
+    kept = family_schedule(text_config(current), family, len(plans)) if family is not None and family.log_beta else None
     for i, (plan, layer) in enumerate(zip(plans, own.layers)):
         if plan is None:
             continue
@@ -125,7 +128,8 @@ def _check_pattern(config: Any, family: Family | None, plans: list[LayerPlan | N
             raise UsageError(f"model: layer {i} runs {ours!r} in posenc, where the plain {type(config).__name__} runs "
                              f"{layer.encoding!r} (the family's own layer pattern); export writes only that pattern")
         theirs_kind = _kind(layer.window, layer.chunk, layer.sinks, layer.query_scale)
-        ours_kind = _kind(plan.window, plan.chunk, plan.sinks is not None, plan.query_scale)
+        ours_scale = plan.query_scale if kept is None else kept.layers[i].query_scale  # the model's own (log_beta)
+        ours_kind = _kind(plan.window, plan.chunk, plan.sinks is not None, ours_scale)
         if theirs_kind != ours_kind:
             raise UsageError(f"model: layer {i} attends with {ours_kind} in posenc, where the plain "
                              f"{type(config).__name__} would attend with {theirs_kind}; export cannot write that "
@@ -133,7 +137,7 @@ def _check_pattern(config: Any, family: Family | None, plans: list[LayerPlan | N
 
 
 def _window_written(config: Any, values: dict[str, Any], block: dict[str, Any] | None, rotary_dim: int,
-                    family: Family | None, plans: list[LayerPlan | None], refused: UsageError) -> Any:
+                    family: Family | None, plans: list[LayerPlan | None], refused: UsageError, current: Any) -> Any:
     """The plain config with the one window posenc's windowed layers share written to the family's
     window key (Mistral with a window of 4 where its config says 8), when the layers that config
     then describes are posenc's; else ``refused`` is raised."""
@@ -143,7 +147,7 @@ def _window_written(config: Any, values: dict[str, Any], block: dict[str, Any] |
         raise refused
     plain = _plain_config(config, {**values, key: windows.pop()}, block, rotary_dim)
     try:
-        _check_pattern(plain, family, plans)
+        _check_pattern(plain, family, plans, current)
     except UsageError:
         raise refused from None
     return plain
@@ -277,9 +281,9 @@ def export(model: nn.Module, path: str | os.PathLike[str]) -> Path:
     plain_config = _plain_config(config, values, block, rotary_dim)
     if plans:
         try:
-            _check_pattern(plain_config, family, plans)
+            _check_pattern(plain_config, family, plans, model.config)
         except UsageError as refused:
-            plain_config = _window_written(config, values, block, rotary_dim, family, plans, refused)
+            plain_config = _window_written(config, values, block, rotary_dim, family, plans, refused, model.config)
     state = {k: v for k, v in model.state_dict().items()
              if "posenc_encodings." not in k and ".rotary_emb." not in k and not k.endswith(MARKER)}
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
