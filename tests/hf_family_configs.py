@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 VOCAB = 64
 WINDOW = 8
 COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
@@ -76,3 +78,15 @@ def config_kwargs(model_type: str, **sizes: Any) -> dict[str, Any]:
             if key in kwargs:
                 kwargs[key] = sizes["sliding_window"]
     return {k: v for k, v in kwargs.items() if v is not None}
+
+
+def tokens(batch: int, length: int, seed: int = 1) -> torch.Tensor:
+    """(batch, length) token ids in [3, VOCAB) (above the special ids), from ``seed``: the ids the hf
+    tests feed every model."""
+    return torch.randint(3, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def logits(model: torch.nn.Module, ids: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+    """``model(ids, **kwargs).logits`` without gradients."""
+    with torch.no_grad():
+        return model(ids, **kwargs).logits

@@ -18,6 +18,7 @@ transformers = pytest.importorskip("transformers")
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 import posenc.hf as phf  # noqa: E402
+from hf_family_configs import logits, tokens  # noqa: E402 (tests/hf_family_configs.py: the ids and logits every hf test uses)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -35,15 +36,6 @@ def llama(rope: str = "default", kv_heads: int = 2, **extra) -> LlamaForCausalLM
                          num_attention_heads=4, num_key_value_heads=kv_heads, max_position_embeddings=64,
                          rope_parameters=dict(ROPES[rope]), pad_token_id=0, **extra)
     return LlamaForCausalLM(config).eval()
-
-
-def tokens(batch: int, length: int, seed: int = 1) -> torch.Tensor:
-    return torch.randint(1, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
-
-
-def logits(model, ids, **kwargs) -> torch.Tensor:
-    with torch.no_grad():
-        return model(ids, **kwargs).logits
 
 
 def max_err(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -36,7 +36,7 @@ pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.filterwarnings(
 if __name__ == "__main__":  # run as a script: the shared configs are in tests/ (pytest: pythonpath)
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from hf_family_configs import COMMON, TESTED, VOCAB, config_kwargs  # noqa: E402
+from hf_family_configs import COMMON, TESTED, VOCAB, config_kwargs, logits, tokens  # noqa: E402
 
 
 def untouched(model_type: str):
@@ -53,15 +53,6 @@ def untouched(model_type: str):
 
 def stand_in(model) -> phf.RotaryStandIn:
     return next(m for m in model.modules() if isinstance(m, phf.RotaryStandIn))
-
-
-def tokens(batch: int, length: int, seed: int = 1) -> torch.Tensor:
-    return torch.randint(3, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
-
-
-def logits(model, ids, **kwargs) -> torch.Tensor:
-    with torch.no_grad():
-        return model(ids, **kwargs).logits
 
 
 def err(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -33,6 +33,7 @@ transformers.logging.set_verbosity_error()
 import hf_census_configs as census  # noqa: E402
 import posenc  # noqa: E402
 import posenc.hf as phf  # noqa: E402
+from hf_family_configs import logits, tokens  # noqa: E402 (tests/hf_family_configs.py: the ids and logits every hf test uses)
 from posenc.hf.attention import NAME, posenc_attention, register  # noqa: E402
 
 pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.filterwarnings("ignore")]
@@ -56,15 +57,6 @@ def build(model_type: str, **more: Any) -> torch.nn.Module:
             census.OVERRIDES.pop(model_type)
         else:
             census.OVERRIDES[model_type] = saved
-
-
-def tokens(batch: int, length: int, seed: int = 1) -> torch.Tensor:
-    return torch.randint(3, census.VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
-
-
-def logits(model: torch.nn.Module, ids: torch.Tensor, **kwargs: Any) -> torch.Tensor:
-    with torch.no_grad():
-        return model(ids, **kwargs).logits
 
 
 def err(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -23,6 +23,7 @@ transformers.logging.set_verbosity_error()
 
 import posenc  # noqa: E402
 import posenc.hf as phf  # noqa: E402
+from hf_family_configs import logits, tokens  # noqa: E402 (tests/hf_family_configs.py: the ids and logits every hf test uses)
 from posenc.errors import UsageError  # noqa: E402
 from posenc.hf.attention import posenc_attention  # noqa: E402
 
@@ -50,15 +51,6 @@ def untouched(model_type: str):
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.05)
     return model
-
-
-def tokens(batch: int, length: int, seed: int = 1) -> torch.Tensor:
-    return torch.randint(3, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
-
-
-def logits(model, ids, **kwargs) -> torch.Tensor:
-    with torch.no_grad():
-        return model(ids, **kwargs).logits
 
 
 def gap(a: torch.Tensor, b: torch.Tensor) -> float:

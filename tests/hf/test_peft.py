@@ -20,6 +20,7 @@ transformers = pytest.importorskip("transformers")
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 import posenc.hf as phf  # noqa: E402
+from hf_family_configs import logits, tokens  # noqa: E402 (tests/hf_family_configs.py: the ids and logits every hf test uses)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -32,15 +33,6 @@ def base(name: str) -> LlamaForCausalLM:
                          num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0)
     model = phf.use(LlamaForCausalLM(config), name)
     return model.eval()
-
-
-def tokens(batch: int, length: int, seed: int = 1) -> torch.Tensor:
-    return torch.randint(1, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
-
-
-def logits(model, ids) -> torch.Tensor:
-    with torch.no_grad():
-        return model(input_ids=ids).logits
 
 
 def lora(model, modules_to_save: list[str]):

@@ -13,6 +13,7 @@ transformers = pytest.importorskip("transformers")
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 import posenc.hf as phf  # noqa: E402
+from hf_family_configs import logits  # noqa: E402 (tests/hf_family_configs.py: the ids and logits every hf test uses)
 from posenc.errors import UsageError  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -33,11 +34,6 @@ def llama(rope: dict) -> LlamaForCausalLM:
 def skipping(*chunks: tuple[int, int]) -> torch.Tensor:
     """(1, T) ids: each (start, length) chunk consecutive, the chunks increasing with gaps."""
     return torch.cat([torch.arange(s, s + n) for s, n in chunks])[None]
-
-
-def logits(model, ids, **kwargs) -> torch.Tensor:
-    with torch.no_grad():
-        return model(ids, **kwargs).logits
 
 
 def reference(model, ids, pos) -> torch.Tensor:

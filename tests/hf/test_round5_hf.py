@@ -13,6 +13,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import posenc.hf as ph  # noqa: E402
+from hf_family_configs import tokens  # noqa: E402 (tests/hf_family_configs.py: the ids and logits every hf test uses)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -26,10 +27,6 @@ def llama(layers: int = 2, rope_parameters: dict | None = None, max_positions: i
                                       pad_token_id=0, rope_parameters=rope_parameters or {"rope_type": "default",
                                                                                            "rope_theta": 10000.0})
     return transformers.LlamaForCausalLM(config).eval()
-
-
-def tokens(batch: int, length: int, seed: int = 1) -> torch.Tensor:
-    return torch.randint(3, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
 
 
 # -- item 9: a plain load of a parameter-free encoding's checkpoint says posenc ---------------------
