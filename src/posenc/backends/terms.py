@@ -100,7 +100,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec) -
 # Shaw: band + far regions merged by log-sum-exp.
 
 
-class _MergeFar(torch.autograd.Function):
+class _MergeFarShaw(torch.autograd.Function):
     """out = merge of the band (o_b, lse_b) with far regions done by the flash kernel.
 
     A far region of side s adds, for its rows, logits ``q k^T * scale + consts[s]`` and values
@@ -236,7 +236,7 @@ def shaw_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: Scor
         values.append(value_table[-1])
     if not regions:
         return o_b
-    return apply(_MergeFar, o_b, lse_b, q, k, v, torch.stack(consts), torch.stack(values), tuple(regions), spec.scale)
+    return apply(_MergeFarShaw, o_b, lse_b, q, k, v, torch.stack(consts), torch.stack(values), tuple(regions), spec.scale)
 
 
 # --------------------------------------------------------------------------------------------

@@ -215,7 +215,7 @@ def _rotate_with(layout: str, x: torch.Tensor, inv: torch.Tensor, positions: tor
 
 
 @dataclass
-class _Sizes:
+class _AttentionSizes:
     heads: int
     kv_heads: int
     head_dim: int  # D, the q/k head dim the attention function sees
@@ -225,7 +225,7 @@ class _Sizes:
     hidden: int | None = None  # the layer input's width (config.hidden_size)
 
 
-def _sizes(model: Any, config: Any, family: Family | None, rotary: nn.Module) -> _Sizes:
+def _sizes(model: Any, config: Any, family: Family | None, rotary: nn.Module) -> _AttentionSizes:
     heads = int(config.num_attention_heads)
     kv_heads = int(getattr(layer_config(config, family, None), "num_key_value_heads", None) or heads)
     d = qk_head_dim(config, family)
@@ -240,11 +240,11 @@ def _sizes(model: Any, config: Any, family: Family | None, rotary: nn.Module) ->
     if family is None and not inv.is_meta:
         _check_rotation(model, rotary, r, layout)
     hidden = getattr(config, "hidden_size", None)
-    return _Sizes(heads, kv_heads, d, r, layout, family is not None and family.rope_slice == "last",
+    return _AttentionSizes(heads, kv_heads, d, r, layout, family is not None and family.rope_slice == "last",
                   hidden if isinstance(hidden, int) else None)
 
 
-def _build(name: str, options: dict[str, Any], sizes: _Sizes, causal: bool) -> PositionalEncoding:
+def _build(name: str, options: dict[str, Any], sizes: _AttentionSizes, causal: bool) -> PositionalEncoding:
     """A registry encoding for the model's heads, the family's layout and rotated features by default."""
     cls = get_class(name)
     accepted = options_of(cls)
@@ -424,7 +424,7 @@ def _with_own_rope(layer: Layer, own: Layer) -> Layer:
     return Layer("rope", {**own.options, **layer.options}, layer.window, layer.chunk, layer.sinks, layer.query_scale)
 
 
-def _module_record(encoding: nn.Module, options: dict[str, Any], sizes: _Sizes, causal: bool) -> dict[str, Any]:
+def _module_record(encoding: nn.Module, options: dict[str, Any], sizes: _AttentionSizes, causal: bool) -> dict[str, Any]:
     if options:
         raise UsageError("options: give them to posenc.build, not with an encoding module")
     if not isinstance(encoding, PositionalEncoding) or encoding.num_heads != sizes.heads or encoding.head_dim != sizes.head_dim:

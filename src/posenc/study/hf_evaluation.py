@@ -22,7 +22,7 @@ from .evaluation import evaluate as study_evaluate
 
 
 @dataclass(frozen=True)
-class _Heads:
+class _HeadCount:
     """The config the study's evaluation reads: the query heads (to size its batches)."""
 
     num_heads: int
@@ -35,7 +35,7 @@ class _Logits(nn.Module):
     def __init__(self, model: PreTrainedModel) -> None:
         super().__init__()
         self.model = model
-        self.config = _Heads(num_heads=int(model.config.num_attention_heads))
+        self.config = _HeadCount(num_heads=int(model.config.num_attention_heads))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return self.model(ids, use_cache=False).logits

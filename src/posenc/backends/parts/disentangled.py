@@ -177,10 +177,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec
         consts.append(c)  # (B, H, Tq)
     if not regions:
         return o_b.to(dt)
-    return apply(_MergeFar, o_b, lse_b, torch.stack(shifted), k, v, torch.stack(consts), tuple(regions), scale)
+    return apply(_MergeFarDisentangled, o_b, lse_b, torch.stack(shifted), k, v, torch.stack(consts), tuple(regions), scale)
 
 
-class _MergeFar(torch.autograd.Function):
+class _MergeFarDisentangled(torch.autograd.Function):
     """out = the band (o_b, lse_b) merged with far regions done by the flash kernel.
 
     A far region of side s computes ``softmax(qs[s] k^T * scale + consts[s])`` over its keys.
