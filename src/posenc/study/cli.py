@@ -23,7 +23,9 @@ from ..errors import UsageError
 from . import distributed
 from .config import COMPANIONS, LM_ONLY, PAIR_PARTS, PRESET_DESCRIPTIONS, PRESET_THREADS, PRESETS, RECALL_ONLY, StudyConfig
 from .executors import EXECUTORS, Execution, cores
+from .merge import merge
 from .plan import parse_shard
+from .report import run_report
 from .results import load_results, markdown_table
 from .run import StepCallback, run_experiment
 
@@ -226,7 +228,6 @@ def _merge(args: argparse.Namespace) -> int:
         names = other + (["jobs"] if str(args.jobs) != "1" else []) + (["executor"] if args.executor != "local" else [])
         raise UsageError(f"merge takes the folders and --out only, not --{names[0].replace('_', '-')} (the study's "
                          "options come from the folders)")
-    from .merge import merge
 
     results = merge([Path(d) for d in args.merge[1:]], Path(args.out), progress=not args.quiet)
     print(markdown_table(results, intervals=True))
@@ -268,7 +269,6 @@ def run_study(args: argparse.Namespace, on_step: StepCallback | None = None) -> 
             if ctx.main:
                 _print_table(cfg, results, where, time.perf_counter() - t0)
         if len(parts) > 1 and ctx.main:
-            from .report import run_report
 
             first, second = parts[0][1], parts[1][1]
             run_report(argparse.Namespace(run_dir=str(first), other=str(second), out=str(out / "report.html")))

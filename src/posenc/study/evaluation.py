@@ -13,7 +13,7 @@ from typing import Any, Protocol
 import torch
 import torch.nn.functional as F
 
-from . import distributed
+from . import distributed, recall
 from .events import Report, WindowsScored, ignore
 
 # Memory bounds for evaluation batches: tokens per forward, and attention scores per forward
@@ -161,7 +161,6 @@ def evaluate_recall(model: Scored, length: int, train_length: int, count: int, c
         {class: {"accuracy", "queries", "distance_min", "distance_max", "windows": {"correct",
         "count"}}} with one window per sequence (the bootstrap's units).
     """
-    from . import recall
 
     out: dict[str, dict[str, Any]] = {}
     per_batch = batch_size_for(length, model.config.num_heads)

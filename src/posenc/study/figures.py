@@ -19,6 +19,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter
 
 from ..files import atomic_write
+from .rows import parse
 
 # One fixed colour per method, so every figure of every run reads the same.
 COLORS = {
@@ -53,7 +54,6 @@ def color(row: str) -> str | None:
     if row in COLORS:
         return COLORS[row]
     if "[" in row:  # a schedule row: its first layer's colour, in a shade fixed by the schedule's text
-        from .rows import parse
 
         parsed = parse(row)
         c = COLORS.get(parsed.method)

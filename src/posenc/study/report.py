@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 from ..errors import UsageError
 from ..files import check_writable, write_text
-from . import compare
+from . import compare, figures
 from .results import load_results, markdown_table, metric_of, run_status, shown, shown_train
 
 if TYPE_CHECKING:
@@ -46,7 +46,6 @@ pre { padding: 0.6rem; overflow-x: auto; }
 
 
 def _img(fig: Figure) -> str:
-    from . import figures
 
     data = base64.b64encode(figures.png_bytes(fig)).decode("ascii")
     return f'<img alt="figure" src="data:image/png;base64,{data}">'
@@ -248,7 +247,6 @@ def _separations(results: dict, h: str, against: list[str] | None = None) -> lis
 
 def sections(results: dict, level: int = 2, against: list[str] | None = None) -> list[str]:
     """The body of one run's report (headings at ``level``)."""
-    from . import figures
 
     h = f"h{level}"
     recall = metric_of(results) == "accuracy"

@@ -44,6 +44,7 @@ from pathlib import Path
 
 from ..errors import UsageError
 from ..files import lock_holder, write_text
+from . import figures
 
 SCHEMA = "posenc-study/1"
 
@@ -300,7 +301,6 @@ def _spread(r: dict, fmt: str) -> str:
 def write_outputs(results: dict, out: Path, table: bool = False) -> None:
     """results.csv and extrapolation.png (and results.md when ``table``) from results.json's
     content: the methods finished so far."""
-    from . import figures
 
     write_text(out / "results.csv", results_csv(results))
     figure = figures.recall_figure if metric_of(results) == "accuracy" else figures.extrapolation_figure
