@@ -26,7 +26,14 @@ PoSE + YaRN (``--pose-checkpoint``, a folder written by ``posenc extend --pose``
     .venv/bin/python benchmarks/extension_table.py --out benchmarks/results/extension-smollm2 \
         --lengths 8192 16384
     .venv/bin/python benchmarks/extension_table.py --out benchmarks/results/extension-smollm2 \
-        --lengths 32768 --rows yarn dynamic selfextend dca
+        --lengths 32768 --rows ntk dynamic yarn llama3 selfextend rerope string dca
+    .venv/bin/python benchmarks/extension_table.py --out benchmarks/results/extension-smollm2 \
+        --rows longrope --longrope-block runs/smollm2-longrope-search-g2/extend.json
+    .venv/bin/python benchmarks/extension_table.py --out benchmarks/results/extension-smollm2 \
+        --rows pose+yarn --pose-checkpoint runs/smollm2-pose-yarn-224
+
+The LongRoPE block and the PoSE checkpoint come from ``posenc extend`` (docs/results.md has their
+commands). One process at a time: each writes the whole ``results.json``.
 
 Writes ``results.json`` (every cell: the measures, seconds, the row's settings), ``table.md`` and
 ``table.csv`` under ``--out``.
