@@ -200,6 +200,27 @@ def _text_rope_block(config: Any, caller: str) -> tuple[Any, Mapping]:
     return text, block
 
 
+def _head_sizes(text: object, caller: str, head_dim_keys: tuple[str, ...]) -> tuple[int, int]:
+    """(num_attention_heads, head_dim) of a text config: the head dim from the first of
+    ``head_dim_keys`` it gives, else hidden_size / num_attention_heads.
+
+    Raises:
+        UsageError: no num_attention_heads; a size that is not a positive integer; a hidden_size that
+            the heads do not divide when no head dim is given.
+    """
+    if _get(text, "num_attention_heads") is None:
+        raise UsageError(f"{caller}: the config has no num_attention_heads")
+    heads = _hf_int("num_attention_heads", _get(text, "num_attention_heads"), caller)
+    given = next((_get(text, key) for key in head_dim_keys if _get(text, key) is not None), None)
+    if given is not None:
+        return heads, _hf_int("head_dim", given, caller)
+    hidden = _hf_int("hidden_size", _get(text, "hidden_size"), caller)
+    if hidden % heads:
+        raise UsageError(f"{caller}: hidden_size ({hidden}) must be a multiple of num_attention_heads ({heads}) "
+                         "when the config gives no head_dim")
+    return heads, hidden // heads
+
+
 def mrope_from_hf(config: object, **options: Any) -> MRoPE:
     """An :class:`MRoPE` from a ``transformers`` Qwen2-VL / Qwen2.5-VL / Qwen3-VL / GLM-4V config (the
     whole config or its ``text_config``, object or ``config.json`` dict): heads, head dim,
@@ -231,17 +252,7 @@ def mrope_from_hf(config: object, **options: Any) -> MRoPE:
                          "'default', or 'mrope' as Qwen2-VL's config.json writes it)")
     model_type = str(_get(text, "model_type") or _get(config, "model_type") or "")
     qwen3 = model_type.startswith("qwen3")
-    if _get(text, "num_attention_heads") is None:
-        raise UsageError("mrope_from_hf: the config has no num_attention_heads")
-    heads = _hf_int("num_attention_heads", _get(text, "num_attention_heads"), "mrope_from_hf")
-    if _get(text, "head_dim") is not None:
-        head_dim = _hf_int("head_dim", _get(text, "head_dim"), "mrope_from_hf")
-    else:
-        hidden = _hf_int("hidden_size", _get(text, "hidden_size"), "mrope_from_hf")
-        if hidden % heads:
-            raise UsageError(f"mrope_from_hf: hidden_size ({hidden}) must be a multiple of num_attention_heads ({heads}) "
-                             "when the config gives no head_dim")
-        head_dim = hidden // heads
+    heads, head_dim = _head_sizes(text, "mrope_from_hf", ("head_dim",))
     base = block.get("rope_theta", _get(text, "rope_theta"))
     if base is None:
         base = _get(config, "rope_theta")
@@ -297,18 +308,7 @@ def xdrope_from_hf(config: object, **options: Any) -> XDRoPE:
     else:
         raise UsageError(f"xdrope_from_hf: rope_type {rope_type!r} is not supported ('default', or 'xdrope' / 'dynamic' "
                          "with Hunyuan's alpha)")
-    if _get(text, "num_attention_heads") is None:
-        raise UsageError("xdrope_from_hf: the config has no num_attention_heads")
-    heads = _hf_int("num_attention_heads", _get(text, "num_attention_heads"), "xdrope_from_hf")
-    given = _get(text, "head_dim") if _get(text, "head_dim") is not None else _get(text, "attention_head_dim")
-    if given is not None:
-        head_dim = _hf_int("head_dim", given, "xdrope_from_hf")
-    else:
-        hidden = _hf_int("hidden_size", _get(text, "hidden_size"), "xdrope_from_hf")
-        if hidden % heads:
-            raise UsageError(f"xdrope_from_hf: hidden_size ({hidden}) must be a multiple of num_attention_heads ({heads}) "
-                             "when the config gives no head_dim")
-        head_dim = hidden // heads
+    heads, head_dim = _head_sizes(text, "xdrope_from_hf", ("head_dim", "attention_head_dim"))
     base = block.get("rope_theta", _get(text, "rope_theta"))
     base = 10000.0 if base is None else base
     if isinstance(base, bool) or not isinstance(base, numbers.Real) or not math.isfinite(base) or not float(base) > 1:
