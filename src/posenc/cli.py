@@ -11,6 +11,7 @@ import importlib
 import sys
 
 from .errors import UsageError
+from .version import __version__
 
 # subcommand -> (module, one-line help). Modules are imported when the parser is built.
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -31,8 +32,6 @@ def build_parser() -> argparse.ArgumentParser:
         prog="posenc",
         description="Positional encodings for Transformer attention: inspect, train short / test long, benchmark.",
     )
-    from .version import __version__
-
     parser.add_argument("--version", action="version", version=f"posenc {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module_name, help_text) in COMMANDS.items():

@@ -37,6 +37,7 @@ from .call.geometry import Geometry, Segments
 from .call.inputs import check_curves, check_gates, check_qkv
 from .call.memo import ForwardMemo
 from .call.spec import ScoreSpec
+from .encodings import build
 from .encodings.base import PositionalEncoding, content_scale
 from .encodings.protocol import Remaps, Rotates, Selects, offers, require
 from .encodings.query_scale import QueryScale, scaled_queries
@@ -177,8 +178,6 @@ def _encoding_of(encoding: object, q: object, causal: bool) -> PositionalEncodin
                          f"got {type(encoding).__name__}")
     if not isinstance(q, torch.Tensor) or q.dim() != 4:
         raise UsageError(f"q must be a 4-D tensor (batch, heads, length, head_dim), got {getattr(q, 'shape', type(q).__name__)}")
-    from .encodings import build
-
     return build("nope" if encoding is None else encoding, num_heads=q.shape[1], head_dim=q.shape[-1], causal=causal)
 
 

@@ -224,7 +224,9 @@ def test_show_scaling_reads_hf_configs(tmp_path, capsys, monkeypatch, name) -> N
         drawn.update(scaling=scaling, head_dim=head_dim, base=base)
         return real(scaling, head_dim, base=base, rotary_dim=rotary_dim, **kw)
 
-    monkeypatch.setattr(rope_plot, "scaling_figure", spy)
+    from posenc.show import scores as show_scores
+
+    monkeypatch.setattr(show_scores, "scaling_figure", spy)  # the name `posenc show --scaling` calls
     assert cli.main(["show", "rope", "--scaling", str(path), "--out", str(tmp_path / "s.png")]) == 0
     capsys.readouterr()
     enc = posenc.rope_from_hf(d)

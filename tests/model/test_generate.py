@@ -218,7 +218,9 @@ def test_sample_streams_and_waits_for_whole_characters(checkpoint, monkeypatch):
         for token in chosen:
             yield gen.Step(torch.tensor([token]), torch.zeros(1, 256), torch.zeros(1, dtype=torch.bool))
 
-    monkeypatch.setattr(gen, "stream", fake_stream)
+    import posenc.study.sample as sampling
+
+    monkeypatch.setattr(sampling, "stream", fake_stream)  # the name sample() calls
     writes = []
 
     class Out(io.StringIO):
@@ -226,9 +228,7 @@ def test_sample_streams_and_waits_for_whole_characters(checkpoint, monkeypatch):
             writes.append(text)
             return super().write(text)
 
-    from posenc.study.sample import sample
-
-    assert sample(checkpoint, "ab", max_new_tokens=4, out=Out()) == "é!\ufffdx"
+    assert sampling.sample(checkpoint, "ab", max_new_tokens=4, out=Out()) == "é!\ufffdx"
     assert writes == ["ab", "é", "!", "\ufffd", "x", "\n"]
 
 

@@ -22,6 +22,7 @@ from .libraries import library_of
 from .machine import describe_machine
 from .plan import Config, configure, entries, plan
 from .stats import summarize
+from .worker import RESULT_TAG, run_worker
 
 
 @dataclass
@@ -61,11 +62,7 @@ def launch(job: Job, timeout: float | None = None, isolate: bool = True) -> dict
         return dict(job.to_dict(), status="n/a", error=f"{library_of(job.impl).NAME} has no counterpart of {job.method!r}")
     start = time.perf_counter()
     if not isolate:
-        from .worker import run_worker
-
         return dict(run_worker(job), wall_s=time.perf_counter() - start)
-    from .worker import RESULT_TAG
-
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (_package_root(), env.get("PYTHONPATH")) if p)
     cmd = [sys.executable, "-m", "posenc.bench.worker", job.to_json()]

@@ -17,6 +17,8 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from .. import backends
+from ..encodings import available, build
 from ..errors import UsageError
 from .job import BASELINE, POSENC, Job
 from .levels import LEVELS
@@ -76,9 +78,6 @@ def configure(
     **sizes: int,
 ) -> Config:
     """Check every option before any work; ``sizes`` override the level's dim, heads, batch, depth, vocab."""
-    from .. import backends
-    from ..encodings import available
-
     if level not in LEVELS:
         raise UsageError(f"level must be one of {list(LEVELS)}, got {level!r}")
     spec = LEVELS[level]
@@ -118,8 +117,6 @@ def configure(
         raise UsageError(f"dim ({full['dim']}) must be divisible by heads ({full['heads']})")
     head_dim = full["dim"] // full["heads"]
     for m in methods:  # every method at these sizes, before any job (meta device: no memory)
-        from ..encodings import build
-
         try:
             schedule = schedule_of(m, full["depth"])  # the attention level's depth is 1: one layer
         except UsageError as err:

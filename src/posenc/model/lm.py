@@ -30,6 +30,7 @@ from ..encodings import PositionalEncoding, available, build, get_class, options
 from ..encodings.base import position_axes_of
 from ..encodings.protocol import Embeds, offers
 from ..errors import UsageError, check_positive
+from . import generate as generation
 from .attention import Attention, key_padding_mask_of
 from .cache import Cache, check_padding
 from .schedule import Layer, Schedule
@@ -274,9 +275,7 @@ class LM(nn.Module):
         token at a time with a KV cache: greedy unless ``do_sample``, rows padded with
         ``pad_token_id`` after an ``eos_token_id`` (see :func:`posenc.model.generate.generate` for every
         argument and the batching rules)."""
-        from .generate import generate
-
-        return generate(self, prompt, max_new_tokens, do_sample=do_sample, temperature=temperature, top_k=top_k,
+        return generation.generate(self, prompt, max_new_tokens, do_sample=do_sample, temperature=temperature, top_k=top_k,
                         top_p=top_p, seed=seed, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
                         attention_mask=attention_mask, num_return_sequences=num_return_sequences)
 

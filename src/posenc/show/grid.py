@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..encodings import REGISTRY
 from ..encodings.axial_rope import patch_positions
 from ..encodings.base import PositionalEncoding, position_axes_of
 from ..encodings.mrope import vision_text_positions
@@ -124,8 +125,6 @@ def grid_png(
 def draws(method: str) -> bool:
     """True for a registered method that reads several position ids per token (its declared
     ``position_axes``; ``posenc show`` then draws a grid)."""
-    from ..encodings import REGISTRY
-
     return method in REGISTRY and REGISTRY[method].position_axes > 1
 
 

@@ -32,8 +32,11 @@ import torch.nn.functional as F
 from ..encodings import available, get_class
 from ..encodings.base import PositionalEncoding
 from ..encodings.protocol import Biases, Embeds, QueryTerms, Rotates, offers
+from ..encodings.rope import RoPE
 from ..errors import UsageError
 from . import grid
+from .layers import schedule_figure
+from .scaling import scaling_figure, scaling_from_text
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -223,8 +226,6 @@ def show_scaling(method: str, scaling_text: str, head_dim: int | None, options: 
         UsageError: ``method`` is not rope; ``head_dim`` or ``base`` differs from what the scaling's
             config gives; or the scaling itself is invalid (naming its key).
     """
-    from ..encodings.rope import RoPE
-    from .scaling import scaling_figure, scaling_from_text
 
     get_class_checked(method)
     if not issubclass(get_class(method), RoPE):
@@ -253,8 +254,6 @@ def show_scaling(method: str, scaling_text: str, head_dim: int | None, options: 
 
 def show_schedule(text: str, depth: int | None, length: int, causal: bool, out: Path | None) -> Path:
     """``posenc show --schedule TEXT``: which keys each layer of a layer schedule sees from the last query."""
-    from .layers import schedule_figure
-
     out = check_out(Path(out) if out is not None else Path("posenc-show-schedule.png"))
     write_png(schedule_figure(text, depth=depth, length=length, causal=causal), out)
     return out

@@ -21,7 +21,11 @@ import sys
 from pathlib import Path
 from typing import TextIO
 
+import torch
+
 from ..errors import UsageError
+from ..model.checkpoint import load_checkpoint
+from ..model.generate import check_sampling, stream
 
 BYTES = 256  # byte-level vocabulary
 
@@ -45,12 +49,6 @@ def sample(checkpoint: str | Path, prompt: str, max_new_tokens: int = 200, tempe
     The prompt's bytes are its UTF-8 encoding; a command-line argument that was not valid UTF-8
     reaches Python with its undecodable bytes as surrogates (``surrogateescape``), and those are
     the original bytes again here (printed as U+FFFD)."""
-    import torch
-
-    import posenc
-
-    from ..model.generate import check_sampling, stream
-
     if isinstance(temperature, (int, float)) and not isinstance(temperature, bool) and temperature == 0:
         do_sample, temperature = False, 1.0  # the command's greedy spelling
     else:
@@ -71,7 +69,7 @@ def sample(checkpoint: str | Path, prompt: str, max_new_tokens: int = 200, tempe
         raise UsageError(f"device must be cpu or cuda, got {device!r}")
     if device == "cuda" and not torch.cuda.is_available():
         raise UsageError("device 'cuda' requested but torch.cuda.is_available() is False")
-    model = posenc.load_checkpoint(path, device=device).eval()
+    model = load_checkpoint(path, device=device).eval()
     data = prompt.encode("utf-8", errors="surrogateescape")
     if model.config.vocab_size < BYTES and max(data) >= model.config.vocab_size:
         raise UsageError(f"the checkpoint's vocab_size is {model.config.vocab_size}: byte-level text needs {BYTES}")

@@ -17,24 +17,24 @@ from typing import Any
 import torch
 from torch import nn
 
+from ...encodings import build as build_encoding
+from ...encodings.protocol import Curves, Gates, offers
+from ...model.attention import Attention
 from ..job import Job
 from .base import Level, Workload, schedule_of
 
 
 def build(job: Job, device: torch.device, dtype: torch.dtype) -> Workload:
-    import posenc
-    from posenc.encodings.protocol import Curves, Gates, offers
-
     dim, heads, b, n = job.dim, job.heads, job.batch, job.length
     schedule = schedule_of(job.method, 1)  # a one-layer schedule: that layer's encoding and attention kind
     if schedule is None:
-        encoding = posenc.build(job.method, num_heads=heads, head_dim=dim // heads, causal=True)
+        encoding = build_encoding(job.method, num_heads=heads, head_dim=dim // heads, causal=True)
         kind: dict[str, Any] = {}
     else:
         layer = schedule.layers[0]
-        encoding = posenc.build(layer.encoding, num_heads=heads, head_dim=dim // heads, causal=True, **layer.options)
+        encoding = build_encoding(layer.encoding, num_heads=heads, head_dim=dim // heads, causal=True, **layer.options)
         kind = dict(window=layer.window, chunk=layer.chunk, sinks=layer.sinks, query_scale=layer.query_scale)
-    attn = posenc.Attention(dim, heads, encoding, causal=True, backend=job.backend, **kind)
+    attn = Attention(dim, heads, encoding, causal=True, backend=job.backend, **kind)
     # Identity projections: the input already holds q, k, v side by side, so the timed work is the
     # encoding's hooks plus the backend, exactly as Attention.forward runs them.
     attn.qkv, attn.proj = nn.Identity(), nn.Identity()

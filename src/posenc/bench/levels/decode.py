@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import torch
 
+from ...model.lm import LM, LMConfig
 from ..job import POSENC, Job
+from ..libraries import library_of
 from .base import Level, Refused, Workload, schedule_of
 
 
@@ -27,15 +29,13 @@ def batch_of(job: Job) -> int:
 
 
 def build_posenc(job: Job, batch: int, device: torch.device, dtype: torch.dtype) -> Workload:
-    import posenc
-
     schedule = schedule_of(job.method, job.depth)  # a method written as a layer schedule
     positions = {"encoding": job.method} if schedule is None else {"schedule": schedule.to_list()}
-    config = posenc.LMConfig(
+    config = LMConfig(
         **positions, vocab_size=job.vocab, dim=job.dim, depth=job.depth, num_heads=job.heads,
         max_positions=job.length + 1, attention_backend=job.backend,
     )
-    model = posenc.LM(config).to(device=device, dtype=dtype).eval()
+    model = LM(config).to(device=device, dtype=dtype).eval()
     n, heads, head_dim = job.length, job.heads, job.dim // job.heads
     token = torch.randint(0, job.vocab, (batch, 1), device=device)  # (B, 1)
     probe = model.new_cache(batch, capacity=1)
@@ -61,8 +61,6 @@ def build(job: Job, device: torch.device, dtype: torch.dtype) -> Workload:
     batch = batch_of(job)
     if job.impl == POSENC:
         return build_posenc(job, batch, device, dtype)
-    from ..libraries import library_of
-
     library = library_of(job.impl)
     try:
         model = library.build_model(job).to(device=device, dtype=dtype).eval()

@@ -10,28 +10,26 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ...model.lm import LM, LMConfig
 from ..job import POSENC, Job
+from ..libraries import library_of
 from .base import Level, Refused, Workload, schedule_of
 
 
 def build_posenc(job: Job) -> torch.nn.Module:
-    import posenc
-
     schedule = schedule_of(job.method, job.depth)  # a method written as a layer schedule
     positions = {"encoding": job.method} if schedule is None else {"schedule": schedule.to_list()}
-    config = posenc.LMConfig(
+    config = LMConfig(
         **positions, vocab_size=job.vocab, dim=job.dim, depth=job.depth, num_heads=job.heads,
         max_positions=job.length, attention_backend=job.backend,
     )
-    return posenc.LM(config)
+    return LM(config)
 
 
 def build(job: Job, device: torch.device, dtype: torch.dtype) -> Workload:
     if job.impl == POSENC:
         model = build_posenc(job)
     else:
-        from ..libraries import library_of
-
         try:
             model = library_of(job.impl).build_model(job)
         except Exception as err:  # e.g. flash with the T5 bias: the library's own refusal
