@@ -43,7 +43,8 @@ from .encodings.protocol import Remaps, Rotates, Selects, offers, require
 from .encodings.query_scale import QueryScale, scaled_queries
 from .errors import UsageError
 
-#: The one refusal of forget gates with a window, chunk, sinks or soft cap (attend, Attention, schedules).
+#: The refusal of forget gates with a window, chunk or sinks in posenc's own layer (Attention, schedules: its
+#: windowed KV cache keeps no gates); attend takes them (the blocks of posenc.backends.parts.windows).
 GATES_ALONE = "log_gates (forget gates) take no window, chunk, sinks or softcap: give the full causal attention"
 #: The same refusal for per-query bias curves (the Inkling bias).
 CURVES_ALONE = "query_curves (bias curves over distance) take no window, chunk, sinks or softcap: give the full attention"
@@ -118,7 +119,8 @@ def attend(
         log_gates: (B, H, Tk) per-key log forget gates (finite, <= 0), the keys' ``encoding.log_gates(x)``
             for an encoding with the ``Gates`` hook (the Forgetting Transformer): query i and key j
             gain the sum of the gates of the keys after j up to i (restarting at each document).
-            Required for such an encoding; None otherwise.
+            Required for such an encoding; None otherwise. They take a window, chunks, sinks and a
+            soft cap (the blocks of :mod:`posenc.backends.parts.windows`).
         softcap: logit soft-capping (Gemma 2): each content score s = q . k * scale becomes
             ``softcap * tanh(s / softcap)`` before the position terms and masks; None: no cap.
         query_curves: (B, H, Tq, R) per-query bias curves over backward distance, the queries'
@@ -153,8 +155,6 @@ def attend(
         extras = Extras(window, chunk, sinks, query_scale, softcap)
         if sinks is not None and sinks.dim() == 3 and tuple(sinks.shape) != (b, h, tq):
             raise UsageError(f"per-query sinks must have shape (batch, heads, queries) = {(b, h, tq)}, got {tuple(sinks.shape)}")
-        if log_gates is not None and extras.restricts:
-            raise UsageError(GATES_ALONE)
         if offers(encoding, Selects) and extras.restricts:
             raise UsageError(SELECTS_ALONE)
     if q.numel() == 0 or tk == 0:  # nothing in, nothing out; a query that sees no key gets 0 (docs/conventions.md)

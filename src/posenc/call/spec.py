@@ -194,9 +194,11 @@ class ScoreSpec:
         return f if self.selected is None else f + self.selected[:, None, :].to(f.dtype)
 
     def part(self, q_positions: torch.Tensor, k_positions: torch.Tensor, *, padded: bool = False, q_start: int | None = None,
-             k_start: int | None = None, curves: torch.Tensor | None = None) -> ScoreSpec:
-        """The same call for a sub-range of its queries and keys, without log gates (the backends
-        that split calls by rows take no such call). ``padded``: keep the left padding (``starts``)
+             k_start: int | None = None, curves: torch.Tensor | None = None, log_gates: torch.Tensor | None = None) -> ScoreSpec:
+        """The same call for a sub-range of its queries and keys, without log gates unless given
+        (``log_gates`` (B, H, Lk): these keys' gates, a window's block whose keys include each of its
+        queries' own key; the sums start over at the block's first key, and c_i - c_j does not
+        change). ``padded``: keep the left padding (``starts``)
         and, for a single query, this call's workspace (a decode step); else neither, and the
         workspace is the memo's (a caller's cache outside posenc, whose entries are keyed by what
         made them). ``q_start`` / ``k_start``: the first positions, when the caller knows them.
@@ -204,7 +206,8 @@ class ScoreSpec:
         keep = padded and q_positions.numel() == 1
         return ScoreSpec(encoding=self.encoding, q_positions=q_positions, k_positions=k_positions, causal=self.causal, scale=self.scale,
                          memo=self.memo, consecutive=self.consecutive, starts=self.starts if padded else None,
-                         workspace=self.workspace if keep else None, known_q_start=q_start, known_k_start=k_start, curves=curves)
+                         workspace=self.workspace if keep else None, known_q_start=q_start, known_k_start=k_start, curves=curves,
+                         log_gates=log_gates)
 
 
 def curve_bias(curves: torch.Tensor, q_positions: torch.Tensor, k_positions: torch.Tensor) -> torch.Tensor:

@@ -308,7 +308,7 @@ def posenc_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
     softcap = kwargs.get("softcap")
     log_gates = None
     if offers(encoding, Gates):
-        log_gates = _gates(module, encoding, tq, key_end)
+        log_gates = _gates(module, encoding, tq, key_end, plan.window is not None or plan.chunk is not None)
     curves = None
     if offers(encoding, Curves):  # the Inkling bias: the new queries' curves from the layer input (the cache keeps none)
         x = module.__dict__.get("_posenc_input")
@@ -322,10 +322,14 @@ def posenc_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
     return out.transpose(1, 2).contiguous(), None
 
 
-def _gates(module: nn.Module, encoding: PositionalEncoding, tq: int, tk: int) -> torch.Tensor:
+def _gates(module: nn.Module, encoding: PositionalEncoding, tq: int, tk: int, drops: bool = False) -> torch.Tensor:
     """The layer's per-key log forget gates (B, H, Tk): the new tokens' from the layer's input (kept
     by :func:`keep_input`), after the cached tokens' gates, which are kept on the KV cache object
-    beside its keys (and reordered with them by beam search).
+    beside its keys (and reordered with them by beam search); a second call within one call of the
+    layer (DiffLlama calls its attention function once per half of the values) gets the first's.
+    ``drops``: the layer's cache drops its oldest keys (a sliding-window or chunked layer's keeps the
+    last W - 1), so only the last of the kept gates are its keys'; c_i - c_j reads only the gates
+    after key j, so dropping the oldest changes no score.
 
     Raises:
         UsageError: a cached call whose cache holds no gates for this layer, or gates of another
@@ -334,14 +338,19 @@ def _gates(module: nn.Module, encoding: PositionalEncoding, tq: int, tk: int) ->
     x = module.__dict__.get("_posenc_input")
     if x is None or x.shape[1] != tq:
         raise UsageError("fox: the layer's input did not reach posenc's attention (its gates come from it)")
+    made = module.__dict__.get("_posenc_made_gates")
+    if made is not None and made.shape[-1] == tk:  # a layer calling its attention twice (DiffLlama: once per half of v)
+        return made
     new = require(encoding, Gates).log_gates(x)  # (B, H, Tq)
     cache = module.__dict__.get("_posenc_cache")
-    layer = getattr(module, "layer_idx", 0)
+    layer = getattr(module, "layer_idx", 0) + module.__dict__.get("_posenc_cache_offset", 0)  # its cache layer
     kept: dict[int, torch.Tensor] | None = None if cache is None else cache.__dict__.get("_posenc_gates")
     if tq == tk:
         gates = new
     else:
         past = None if kept is None else kept.get(layer)
+        if drops and past is not None and past.shape[-1] > tk - tq:
+            past = past[..., past.shape[-1] - (tk - tq):]  # the keys the cache still holds
         if past is None or past.shape[0] != new.shape[0] or past.shape[-1] + tq != tk:
             have = None if past is None else tuple(past.shape)
             raise UsageError(f"fox: the KV cache holds {tk - tq} keys but gates of shape {have} for layer {layer}: "
@@ -352,6 +361,7 @@ def _gates(module: nn.Module, encoding: PositionalEncoding, tq: int, tk: int) ->
             kept = cache.__dict__["_posenc_gates"] = {}
             _reorder_with(cache, kept)
         kept[layer] = gates.detach() if not torch.is_grad_enabled() else gates
+    module.__dict__["_posenc_made_gates"] = gates  # this module call's, for a second attention call in it
     return gates
 
 
@@ -370,11 +380,15 @@ def _reorder_with(cache: Any, kept: dict[int, torch.Tensor]) -> None:
 
 
 def keep_input(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-    """A forward pre-hook on an attention module: its input (the gates' source) and its KV cache,
-    held for this call only (:func:`drop_input`)."""
+    """A forward pre-hook on an attention module: its input (the gates' source), its KV cache and
+    the offset of its cache layer (a looped stack runs a layer once per pass, each pass with its own
+    cache layer: Inkling-2-Loop's ``cache_offset``), held for this call only (:func:`drop_input`)."""
     module.__dict__["_posenc_input"] = args[0] if args else kwargs.get("hidden_states")
+    module.__dict__.pop("_posenc_made_gates", None)
     cache = next((kwargs[k] for k in ("cache", "past_key_values", "past_key_value", "layer_past") if kwargs.get(k) is not None), None)
     module.__dict__["_posenc_cache"] = cache
+    offset = kwargs.get("cache_offset")
+    module.__dict__["_posenc_cache_offset"] = offset if isinstance(offset, int) else 0
 
 
 def drop_input(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
@@ -383,6 +397,8 @@ def drop_input(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
     after a forward with gradients copies it; a recomputed checkpointed layer keeps it again)."""
     module.__dict__.pop("_posenc_input", None)
     module.__dict__.pop("_posenc_cache", None)
+    module.__dict__.pop("_posenc_cache_offset", None)
+    module.__dict__.pop("_posenc_made_gates", None)
 
 
 def register() -> None:

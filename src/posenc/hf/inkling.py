@@ -27,8 +27,8 @@ With the windows and per-query sinks of the layer (:class:`~posenc.hf.attention.
 result is the untouched model. Any other registry encoding (or ``"inkling"`` with options: fresh
 curves) is built for each layer's heads and replaces the bias, keeping the windows and sinks. What
 posenc does not run here is refused at :func:`use`: a layer schedule, absolute encodings (the
-Inkling-2 layers' inputs are mixed by block attention residuals), selective attention, forget
-gates (no windows or sinks) and remaps with per-query sinks.
+Inkling-2 layers' inputs are mixed by block attention residuals), selective attention and remaps
+with per-query sinks. Forget gates (FoX) run with the windows and per-query sinks.
 
 Shape legend: B batch, H query heads, T tokens, K curves in a bank, R distances.
 """
@@ -46,7 +46,7 @@ from torch import nn
 from ..encodings import build, get_class, options_of
 from ..encodings.base import PositionalEncoding
 from ..encodings.inkling import Inkling, mixed_curves
-from ..encodings.protocol import Embeds, Gates, Remaps, Selects, offers
+from ..encodings.protocol import Embeds, Remaps, Selects, offers
 from ..errors import UsageError
 from ..model.schedule import Schedule
 from .attention import LayerPlan
@@ -152,9 +152,6 @@ def _refuse(enc: PositionalEncoding, family: Family, i: int, window: int | None)
     if offers(enc, Embeds):
         raise UsageError(f"{name}: an absolute encoding adds to the first layer's input, and the {family.name} layers' "
                          "inputs are mixed by their own residual paths; posenc has no place for it there")
-    if offers(enc, Gates) and (window or family.query_sinks):
-        raise UsageError(f"{name}: layer {i} of {family.name} has {'a window' if window else 'per-query sinks'}, and forget "
-                         "gates run only on full attention without sinks; refusing before any forward")
     if offers(enc, Remaps) and family.query_sinks:
         raise UsageError(f"{name}: {family.name}'s per-query sinks (sink_proj) do not run with a remap (posenc's "
                          "remapped attention takes one sink logit per head)")

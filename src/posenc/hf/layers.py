@@ -375,13 +375,11 @@ def layer_plans(model: Any, config: Any, family: Family | None, attentions: list
         if layer.sinks and (family is None or family.sinks is None):
             raise UsageError(f"schedule: layer {i} asks for sinks, but the {type(attention).__name__} of this model has no "
                              "sink logits")
-        if (offers(enc, Gates) or offers(enc, Curves)) and (layer.window or layer.chunk or layer.sinks
-                                                              or getattr(config, "attn_logit_softcapping", None)):
+        if offers(enc, Curves) and (layer.window or layer.chunk or layer.sinks or getattr(config, "attn_logit_softcapping", None)):
             what = "window" if layer.window else "chunk" if layer.chunk else "sinks" if layer.sinks else "logit soft cap"
-            kind = "forget gates" if offers(enc, Gates) else "bias curves"
-            raise UsageError(f"{getattr(enc, 'name', type(enc).__name__)}: layer {i} of this model has a {what}, and {kind} "
-                             "run only on full attention (posenc has no such path with windows, chunks, sinks "
-                             "or soft caps); refusing before any forward")
+            raise UsageError(f"{getattr(enc, 'name', type(enc).__name__)}: layer {i} of this model has a {what}, and bias "
+                             "curves run here only on full attention (posenc.hf has no such path with windows, chunks, "
+                             "sinks or soft caps outside the Inkling family); refusing before any forward")
         if enc not in modules:
             modules.append(enc)
         plans.append(LayerPlan(enc, layer.window, layer.chunk, family.sinks if layer.sinks and family is not None else None,

@@ -17,6 +17,10 @@ Definitions (i the query's position, j a key's; W the window, C the chunk size):
   ``p_ij = exp(z_ij) / (exp(s_h) + sum_j exp(z_ij))``; an output is thus the plain output times
   ``sigmoid(lse_i - s_h)``. Per-query sinks (Inkling-2: s_{b,h,i} computed from each token's
   layer input by ``sink_proj``) are the same term with one logit per row.
+- **Forget gates** (FoX, ``spec.log_gates``) travel with their keys: a causal block's key range
+  holds each of its queries' own key, so the block's gates summed from its first key give the same
+  c_i - c_j (Lin et al. 2025, eq. 4) as the call's; a window, chunks, sinks or a soft cap then apply to
+  the decayed scores as to any other score term (the block formula, or a plain block's backend call).
 - **Bias curves** (the Inkling bias, ``spec.curves``) travel with their queries: each block's
   call gets its queries' rows, so a window, chunks or sinks take them as any other query term. A
   window and/or sinks with curves on a call the ``curved`` backend runs (consecutive, aligned, no
@@ -196,7 +200,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec, e
     for q0, q1, k0, k1, plain in plan(qv, kv, extras, spec.causal):
         qp, kp = spec.q_positions[q0:q1], spec.k_positions[k0:k1]
         rows = None if spec.curves is None else spec.curves[:, :, q0:q1]  # (B, H, L, R): these queries' curves
-        sub = spec.part(qp, kp, padded=True, q_start=qv[q0], k_start=kv[k0] if k1 > k0 else 0, curves=rows)
+        gates = None if spec.log_gates is None else spec.log_gates[..., k0:k1]  # (B, H, Lk): these keys' gates
+        sub = spec.part(qp, kp, padded=True, q_start=qv[q0], k_start=kv[k0] if k1 > k0 else 0, curves=rows, log_gates=gates)
         qb, kb, vb = q[:, :, q0:q1], k[:, :, k0:k1], v[:, :, k0:k1]
         if plain and not extras.written_out and k1 > k0:
             o, name = call(backend, qb, kb, vb, sub)
