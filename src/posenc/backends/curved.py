@@ -4,14 +4,17 @@ Backend name ``curved``. A call with ``spec.curves`` (B, H, Tq, R) adds, to quer
 curves[i, p_i - p_j] when 0 <= p_i - p_j < R and nothing otherwise, so for a block of ``BLOCK``
 queries [t0, t1) every key more than R - 1 behind the block's first query carries no bias: those
 "far" keys are one call of the CPU flash kernel (no mask: every query of the block sees them), and
-only the band [t0 + offset - R + 1, t1 + offset) is written out, with the curves read by distance
-and the causal mask. The two parts of each softmax row are merged by their log-sum-exps
+the band of the last C + R - 1 keys before the block's last query is a second call with its bias as
+the kernel's float mask: the curves of the block's rows are copied into it as one strided view
+(keys reversed, padded in front, :class:`_Band`), the rest of it 0 or -inf (the causal mask). The
+two parts of each softmax row are merged by their log-sum-exps
 (:class:`~posenc.backends.parts.regions.Merge`). Backward: the far call's flash backward given the
 merged output and log-sum-exp (:func:`~posenc.backends.parts.regions.region_backward`), and the
-band's written out (p = exp(s - lse), dS = p (dO v^T - rowsum(dO o))), whose dS summed per
-distance is the curves' gradient. Memory: O(B H BLOCK (BLOCK + R)) per block and the saved q, k, v,
-output and log-sum-exp, no (B, H, N, N) tensor; compute: the band is BLOCK + R keys per block
-instead of all of them (eager's written-out form).
+band's written out (p = exp(s - lse), dS = p (dO v^T - rowsum(dO o)), with the bias and -lse put
+into the score product's buffer first), whose dS read through the same strided view is the curves'
+gradient (no gather or scatter by distance). Memory: O(B H BLOCK (BLOCK + R)) per block and the
+saved q, k, v, output and log-sum-exp, no (B, H, N, N) tensor; compute: the band is BLOCK + R - 1
+keys per block instead of all of them (eager's written-out form).
 
 Runs causal calls with consecutive positions whose queries are the last keys (a full pass, a cached
 step, a decode step), without left padding (eager takes padded rows), in float32 or float64 with
@@ -19,8 +22,9 @@ one head dim for q, k and v on the CPU flash kernel, and only when the encoding 
 
 A sliding window W and attention sinks (Inkling-2's layers; :mod:`posenc.backends.parts.windows`
 hands them over, :func:`attend_extras`) run here too. With a window a block has no far keys: its
-band is every key its first query's window starts at, [t0 + offset - W + 1, t1 + offset), with the
-window's edge as one more mask, so the cost is O(Tq (W + BLOCK)). Sinks, one logit per row
+band covers every key its first query's window starts at, with the
+window's edge as one more mask (the band then spans max(W, R) + BLOCK - 1 keys), so the cost is
+O(Tq (max(W, R) + BLOCK)). Sinks, one logit per row
 (B or 1, H, Tq), join each row's log-sum-exp after the parts are merged, lse' = logaddexp(lse, s),
 and scale its output by exp(lse - lse'); in the backward the parts read lse' and the final output
 (a sink has no value), and the sinks' gradient is -exp(s - lse') rowsum(dO o).
@@ -34,7 +38,6 @@ from typing import Any
 
 import torch
 
-from ..call.spec import curve_bias
 from ..encodings.protocol import Biases, QueryTerms, ValueTerms, offers
 from .parts.base import ScoreSpec
 from .parts.denormals import flushed, opaque_to_compile
@@ -78,47 +81,97 @@ def _run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, curves: torch.Tensor
     return apply(_Curved, q, k, v, curves, scale, block, window, sinks)
 
 
-def _blocks(tq: int, tk: int, r: int, block: int, window: int | None = None) -> list[tuple[int, int, int, int]]:
-    """(t0, t1, lo, hi) per block of queries: rows t0..t1, far keys 0..lo, band keys lo..hi (with a
-    window: no far keys, the band from the first row's window)."""
+def _blocks(tq: int, tk: int, reach: int, block: int) -> list[tuple[int, int, int]]:
+    """(t0, t1, lo) per block of queries: rows t0..t1, far keys 0..lo (none with a window: lo = 0;
+    the band is the C + reach - 1 keys before each block's last key, see :class:`_Band`)."""
     offset = tk - tq
-    reach = r if window is None else window
-    return [(t0, min(t0 + block, tq), max(0, t0 + offset - reach + 1), min(t0 + block, tq) + offset) for t0 in range(0, tq, block)]
+    return [(t0, min(t0 + block, tq), max(0, t0 + offset - reach + 1)) for t0 in range(0, tq, block)]
 
 
-def _band_scores(q: torch.Tensor, k: torch.Tensor, curves: torch.Tensor, t0: int, t1: int, lo: int, hi: int, offset: int,
-                 scale: float, window: int | None = None) -> torch.Tensor:
-    """The band's logits (B, H, C, L) in the accumulation dtype: content, curves by distance, causal
-    mask (and the window's edge)."""
-    s = up(torch.matmul(q[:, :, t0:t1], k[:, :, lo:hi].transpose(-1, -2))) * scale
-    qp = torch.arange(t0 + offset, t1 + offset, device=q.device)  # (C,) query positions as key indices
-    kp = torch.arange(lo, hi, device=q.device)  # (L,)
-    s = s + curve_bias(curves[:, :, t0:t1], qp, kp).to(s.dtype)
-    hidden = kp[None, :] > qp[:, None]  # (C, L)
-    if window is not None:
-        hidden = hidden | (kp[None, :] <= qp[:, None] - window)
-    return s.masked_fill(hidden, float("-inf"))
+class _Band:
+    """The band of a call in reversed key order, with the curves read as a strided view.
+
+    Keys are padded in front with P = reach - 1 zero rows and reversed once per call (``k``, ``v``:
+    (B, H, P + Tk, D)). The band of block [t0, t1) (C rows) is then the slice [Tk - t1 - offset,
+    Tk + P - t0 - offset) of the reversed keys, C + P of them, and its column b is at distance
+    d = b + a - (C - 1) from row a: curve entry d of row a sits at column C - 1 - a + d, so the
+    curves of the block's rows, (B, H, C, R), are the view of the band's (B, H, C, C + P) bias with
+    storage offset C - 1 and strides (C + P - 1, 1) over (rows, distances): written with one
+    strided copy, and in the backward their gradient read back the same way (no gather, no scatter).
+    The rest of the bias is 0 (far keys inside the band) or -inf (keys after the query, padding,
+    keys outside the window), one (C, C + P) template per block geometry.
+    """
+
+    def __init__(self, k: torch.Tensor, v: torch.Tensor, tq: int, reach: int, window: int | None) -> None:
+        self.tq, self.tk, self.pad, self.window = tq, k.shape[-2], reach - 1, window
+        pad = (0, 0, self.pad, 0)
+        self.k = torch.nn.functional.pad(k, pad).flip(-2)  # (B, H, P + Tk, D), reversed
+        self.v = torch.nn.functional.pad(v, pad).flip(-2)
+        self._templates: dict[tuple[int, int], torch.Tensor] = {}
+
+    def keys(self, t0: int, t1: int) -> slice:
+        offset = self.tk - self.tq
+        return slice(self.tk - t1 - offset, self.tk + self.pad - t0 - offset)
+
+    def template(self, t0: int, t1: int, dtype: torch.dtype) -> torch.Tensor:
+        """(C, C + P): 0 where row a may see column b and it has no curve entry, -inf where it may
+        not (d < 0: after the query; a padding column; d >= W outside the window)."""
+        c = t1 - t0
+        # Column b is real key t1 + offset - 1 - b: padding once b > t1 + offset - 1.
+        last = min(t1 + self.tk - self.tq - 1, c + self.pad - 1)
+        hit = self._templates.get((c, last))
+        if hit is None or hit.dtype != dtype:
+            a = torch.arange(c, device=self.k.device)[:, None]
+            col = torch.arange(c + self.pad, device=self.k.device)[None, :]
+            d = col + a - (c - 1)  # (C, C + P) distances
+            hidden = (d < 0) | (col > last)
+            if self.window is not None:
+                hidden = hidden | (d >= self.window)
+            hit = torch.zeros(c, c + self.pad, dtype=dtype, device=self.k.device).masked_fill(hidden, float("-inf"))
+            self._templates[(c, last)] = hit
+        return hit
+
+    def bias(self, out: torch.Tensor, curves: torch.Tensor, t0: int, t1: int, shift: torch.Tensor | None = None) -> torch.Tensor:
+        """The block's band bias written into ``out`` (B, H, C, C + P), minus ``shift`` (B, H, C) per row if given."""
+        tpl = self.template(t0, t1, out.dtype)
+        if shift is None:
+            out.copy_(tpl)
+        else:
+            torch.sub(tpl, shift[..., None], out=out)
+        _diagonal(out, t1 - t0, curves.shape[-1]).add_(curves[:, :, t0:t1])
+        return out
+
+
+def _diagonal(x: torch.Tensor, c: int, r: int) -> torch.Tensor:
+    """The curve entries of a block's band tensor x (B, H, C, C + P), contiguous: (B, H, C, R), a view."""
+    b, h, _, w = x.shape
+    return x.as_strided((b, h, c, r), (x.stride(0), x.stride(1), w - 1, 1), x.storage_offset() + c - 1)
 
 
 class _Curved(torch.autograd.Function):
-    """Far keys on the kernel, the band written out, merged by log-sum-exp; backward as above."""
+    """Far keys on the kernel, the band on the kernel with its bias as the mask, merged by
+    log-sum-exp; backward: the far keys' kernel backward, the band written out."""
 
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, curves: torch.Tensor, scale: float,
                 block: int, window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         b, h, tq, d = q.shape
         tk, r = k.shape[-2], curves.shape[-1]
-        plan = _blocks(tq, tk, r, block, window)
+        reach = r if window is None else max(r, window)
+        plan = _blocks(tq, tk, reach, block)
         merged = Merge(b, h, tq, d, q.dtype, q.device)
+        band = _Band(k, v, tq, reach, window)
 
         def run() -> None:
-            for t0, t1, lo, hi in plan:
+            buf = torch.empty(b * h * min(block, tq) * (min(block, tq) + reach - 1), dtype=q.dtype, device=q.device)
+            for t0, t1, lo in plan:
                 if lo > 0 and window is None:  # far keys: no bias, every row of the block sees them
                     o, lz = kernel_forward(q[:, :, t0:t1], k[:, :, :lo], v[:, :, :lo], False, scale)
                     merged.add((t0, t1), o, lz)
-                s = _band_scores(q, k, curves, t0, t1, lo, hi, tk - tq, scale, window)  # (B, H, C, L)
-                lz = torch.logsumexp(s, -1)  # (B, H, C)
-                merged.add((t0, t1), torch.matmul(torch.exp(s - lz[..., None]).to(v.dtype), v[:, :, lo:hi]), lz)
+                keys, c = band.keys(t0, t1), t1 - t0
+                mask = band.bias(buf[: b * h * c * (c + reach - 1)].view(b, h, c, c + reach - 1), curves, t0, t1)
+                o, lz = kernel_forward(q[:, :, t0:t1], band.k[:, :, keys], band.v[:, :, keys], False, scale, mask)
+                merged.add((t0, t1), o, lz)
 
         flushed(run)
         lse = merged.lse
@@ -127,39 +180,54 @@ class _Curved(torch.autograd.Function):
             merged.out.mul_(torch.exp(lse - total)[..., None])
             lse = total
         out = merged.out.to(q.dtype)
-        ctx.plan, ctx.scale, ctx.window = plan, scale, window
+        ctx.plan, ctx.scale, ctx.window, ctx.reach, ctx.block = plan, scale, window, reach, block
         ctx.save_for_backward(q, k, v, curves, out, lse, *(() if sinks is None else (sinks,)))
         return out
 
     @staticmethod
     def backward(ctx: Any, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         q, k, v, curves, out, lse, *held = ctx.saved_tensors
-        scale, (tq, tk), r, window = ctx.scale, (q.shape[-2], k.shape[-2]), curves.shape[-1], ctx.window
+        scale, window, reach, tq = ctx.scale, ctx.window, ctx.reach, q.shape[-2]
+        b, h = q.shape[:2]
+        r = curves.shape[-1]
         dout = dout.contiguous()
+        acc = up(q).dtype
         dq, dk, dv = torch.zeros_like(up(q)), torch.zeros_like(up(k)), torch.zeros_like(up(v))
-        dc = torch.zeros_like(up(curves))
+        dc = torch.empty_like(curves, dtype=acc)  # (B, H, Tq, R) in the curves' memory layout: no copy on the way back
+        band = _Band(up(k), up(v), tq, reach, window)
+        dkr, dvr = torch.zeros_like(band.k), torch.zeros_like(band.v)  # (B, H, P + Tk, D), reversed like band.k
+        dsum = (up(dout) * up(out)).sum(-1)  # (B, H, Tq): D_i = dO_i . O_i
+        qs = up(q) * scale  # (B, H, Tq, D)
 
         def run() -> None:
-            for t0, t1, lo, hi in ctx.plan:
+            width = min(ctx.block, tq) + reach - 1
+            buf = torch.empty(b * h * min(ctx.block, tq) * width, dtype=acc, device=q.device)
+            for t0, t1, lo in ctx.plan:
                 if lo > 0 and window is None:
                     gq, gk, gv = region_backward(Region((t0, t1), (0, lo), False), dout, q, k, v, out, lse, scale)
                     dq[:, :, t0:t1] += up(gq)
                     dk[:, :, :lo] += up(gk)
                     dv[:, :, :lo] += up(gv)
-                s = _band_scores(q, k, curves, t0, t1, lo, hi, tk - tq, scale, window)
-                p = torch.exp(s - lse[:, :, t0:t1, None])  # (B, H, C, L): the whole row's probabilities
+                keys, c = band.keys(t0, t1), t1 - t0
+                kb, vb = band.k[:, :, keys], band.v[:, :, keys]  # (B, H, C + P, D)
+                bias = band.bias(buf[: b * h * c * (c + reach - 1)].view(b, h, c, c + reach - 1), curves, t0, t1, lse[:, :, t0:t1])
+                # p = exp(q k^T scale + bias - lse): the whole row's probabilities, (B, H, C, C + P)
+                kt = kb.reshape(b * h, -1, kb.shape[-1]).transpose(1, 2)  # (B H, D, C + P)
+                p = torch.baddbmm(bias.view(b * h, c, -1), qs[:, :, t0:t1].reshape(b * h, c, -1), kt)
+                p = p.exp_().view(b, h, c, -1)
                 do = up(dout[:, :, t0:t1])
-                rowsum = (do * up(out[:, :, t0:t1])).sum(-1, keepdim=True)  # (B, H, C, 1)
-                ds = p * (torch.matmul(do, up(v[:, :, lo:hi]).transpose(-1, -2)) - rowsum)  # (B, H, C, L)
-                dq[:, :, t0:t1] += torch.matmul(ds, up(k[:, :, lo:hi])) * scale
-                dk[:, :, lo:hi] += torch.matmul(ds.transpose(-1, -2), up(q[:, :, t0:t1])) * scale
-                dv[:, :, lo:hi] += torch.matmul(p.transpose(-1, -2), do)
-                distance = torch.arange(t0 + tk - tq, t1 + tk - tq, device=q.device)[:, None] - torch.arange(lo, hi, device=q.device)
-                inside = (distance >= 0) & (distance < r)  # (C, L)
-                index = distance.clamp(0, r - 1).expand(*ds.shape[:2], -1, -1)  # (B, H, C, L)
-                dc[:, :, t0:t1].scatter_add_(-1, index, ds.masked_fill(~inside, 0.0))
+                dvr[:, :, keys] += torch.matmul(p.transpose(-1, -2), do)
+                # dS = p (dO v^T - D)
+                vt = vb.reshape(b * h, -1, vb.shape[-1]).transpose(1, 2)  # (B H, D, C + P)
+                ds = torch.baddbmm(-dsum[:, :, t0:t1].reshape(b * h, c, 1), do.reshape(b * h, c, -1), vt)
+                ds = ds.view(b, h, c, -1).mul_(p)
+                dq[:, :, t0:t1] += torch.matmul(ds, kb) * scale
+                dkr[:, :, keys] += torch.matmul(ds.transpose(-1, -2), qs[:, :, t0:t1])
+                dc[:, :, t0:t1] = _diagonal(ds, c, r)
 
         flushed(run)
+        dk += dkr.flip(-2)[:, :, band.pad:]
+        dv += dvr.flip(-2)[:, :, band.pad:]
         dsinks = None
         if held:  # d lse'/d s = exp(s - lse'), through -rowsum(dO o)
             sinks = held[0]

@@ -121,8 +121,11 @@ def _block_grads(
     hkv, h = k_c.shape[1], p.shape[1]
     p_g, dout_g = fold_heads(p, hkv), fold_heads(dout_c, hkv)  # (B, Hkv, g C, .)
     _add_product(dv, p_g.transpose(-1, -2), dout_g)  # dv += P^T dO
-    dp = torch.matmul(dout_g, v_c.transpose(-1, -2), out=ws.take("dp", p_g.shape))  # (B, Hkv, g C, L)
-    ds = p.mul_(unfold_heads(dp, h).sub_(total_c[..., None]))  # dS = P (dP - D), (B, H, C, L)
+    # dP - D in one product: the buffer starts at -D and the product accumulates into it
+    dp = ws.take("dp", p_g.shape)  # (B, Hkv, g C, L)
+    unfold_heads(dp, h).copy_(total_c[..., None].neg().expand(p.shape))
+    _add_product(dp, dout_g, v_c.transpose(-1, -2))
+    ds = p.mul_(unfold_heads(dp, h))  # dS = P (dP - D), (B, H, C, L)
     ds_g = fold_heads(ds, hkv)
     dq_c = unfold_heads(torch.matmul(ds_g, k_c), h).mul_(scale)  # (B, H, C, D)
     _add_product(dk, ds_g.transpose(-1, -2), fold_heads(q_c, hkv), alpha=scale)
@@ -130,10 +133,30 @@ def _block_grads(
 
 
 def _scores(ws: BackwardBuffers, q_c: torch.Tensor, k_c: torch.Tensor, scale: float, bias: torch.Tensor, lse_c: torch.Tensor) -> torch.Tensor:
-    """exp(q k^T * scale + bias - lse): the block's probabilities (B, H, C, L), in workspace memory."""
-    q_g = fold_heads(q_c, k_c.shape[1])  # (B, Hkv, g C, D)
-    s = torch.matmul(q_g, k_c.transpose(-1, -2), out=ws.take("s", (*q_g.shape[:-1], k_c.shape[-2])))
-    return unfold_heads(s, q_c.shape[1]).mul_(scale).add_(bias).sub_(lse_c[..., None]).exp_()  # (B, H, C, L)
+    """exp(q k^T * scale + bias - lse): the block's probabilities (B, H, C, L), in workspace memory
+    (bias - lse written first, the product accumulated into it: one pass fewer than adding after)."""
+    hkv, h = k_c.shape[1], q_c.shape[1]
+    q_g = fold_heads(q_c, hkv)  # (B, Hkv, g C, D)
+    s = ws.take("s", (*q_g.shape[:-1], k_c.shape[-2]))  # (B, Hkv, g C, L)
+    torch.sub(bias, lse_c[..., None], out=unfold_heads(s, h))
+    _add_product(s, q_g, k_c.transpose(-1, -2), alpha=scale)
+    s = unfold_heads(s, h)  # (B, H, C, L)
+    # A large bias (the dynamic position bias far from the diagonal) sends most logits far below the
+    # row's log-sum-exp, where exp's result underflows and the vectorised exp falls back to a scalar
+    # path (10-30 ns an element here, against under 1 ns): logits below ``floor`` are raised to it,
+    # a probability of e^20 times the dtype's smallest normal number (8e-30 in float32), far below
+    # what any sum of them can show; the pairs the bias hides (-inf: a decoder's future, only ever
+    # in the block's last C keys) are set back to exactly 0.
+    c = s.shape[-2]
+    p = s.clamp_(min=_floor(s.dtype)).exp_()
+    tail = bias[..., -c:]
+    p[..., -c:].masked_fill_(torch.isneginf(tail), 0.0)
+    return p
+
+
+def _floor(dtype: torch.dtype) -> float:
+    """The lowest logit minus log-sum-exp worth an exact exp in ``dtype``: log of its smallest normal number, plus 20."""
+    return math.log(torch.finfo(dtype).tiny) + 20.0
 
 
 # ---------------------------------------------------------------------------------------------
