@@ -90,3 +90,17 @@ def logits(model: torch.nn.Module, ids: torch.Tensor, **kwargs: Any) -> torch.Te
     """``model(ids, **kwargs).logits`` without gradients."""
     with torch.no_grad():
         return model(ids, **kwargs).logits
+
+
+def perturbed(config: Any) -> torch.nn.Module:
+    """The causal LM of ``config`` (seed 0), in eval mode, every weight moved off its init value by
+    N(0, 0.05) noise, so norm weights are not 1, biases and sinks not 0, and a test that reads a
+    weight the wrong way sees it."""
+    import transformers
+
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    return model

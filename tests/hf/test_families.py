@@ -36,19 +36,13 @@ pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.filterwarnings(
 if __name__ == "__main__":  # run as a script: the shared configs are in tests/ (pytest: pythonpath)
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from hf_family_configs import COMMON, TESTED, VOCAB, config_kwargs, logits, tokens  # noqa: E402
+from hf_family_configs import COMMON, TESTED, VOCAB, config_kwargs, logits, perturbed, tokens  # noqa: E402
 
 
 def untouched(model_type: str):
     """The family's tiny model with its default attention, every weight moved off its init value
     (so norm weights are not 1 and sinks not 0)."""
-    config = transformers.AutoConfig.for_model(model_type, **config_kwargs(model_type))
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
-    return model
+    return perturbed(transformers.AutoConfig.for_model(model_type, **config_kwargs(model_type)))
 
 
 def stand_in(model) -> phf.RotaryStandIn:

@@ -31,7 +31,7 @@ transformers.logging.set_verbosity_error()
 
 import posenc.hf as phf  # noqa: E402
 from hf_census_configs import Case, build  # noqa: E402
-from hf_family_configs import TESTED, config_kwargs, logits, tokens  # noqa: E402
+from hf_family_configs import TESTED, config_kwargs, logits, perturbed, tokens  # noqa: E402
 from posenc.errors import UsageError  # noqa: E402
 from posenc.hf.attention import posenc_attention  # noqa: E402
 
@@ -61,13 +61,7 @@ def untouched(model_type: str):
         return test_inkling_family.untouched(model_type)
     if model_type not in TESTED:
         return build(Case(model_type, "causal-lm"))
-    config = transformers.AutoConfig.for_model(model_type, **config_kwargs(model_type, **MORE.get(model_type, {})))
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
-    return model
+    return perturbed(transformers.AutoConfig.for_model(model_type, **config_kwargs(model_type, **MORE.get(model_type, {}))))
 
 
 def with_fox(model_type: str):

@@ -23,7 +23,7 @@ transformers.logging.set_verbosity_error()
 
 import posenc  # noqa: E402
 import posenc.hf as phf  # noqa: E402
-from hf_family_configs import logits, tokens  # noqa: E402 (tests/hf_family_configs.py: the ids and logits every hf test uses)
+from hf_family_configs import logits, perturbed, tokens  # noqa: E402 (tests/hf_family_configs.py: the ids and logits every hf test uses)
 from posenc.errors import UsageError  # noqa: E402
 from posenc.hf.attention import posenc_attention  # noqa: E402
 
@@ -44,13 +44,7 @@ TYPES = list(MORE)
 
 def untouched(model_type: str):
     """The family's tiny model, every weight moved off its init value."""
-    config = transformers.AutoConfig.for_model(model_type, **{**TINY, **MORE[model_type]})
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
-    return model
+    return perturbed(transformers.AutoConfig.for_model(model_type, **{**TINY, **MORE[model_type]}))
 
 
 def gap(a: torch.Tensor, b: torch.Tensor) -> float:
