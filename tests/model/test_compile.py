@@ -21,7 +21,7 @@ BREAKS = {
     "nope": 0, "sinusoidal": 0, "learned": 0, "rope": 0, "sandwich": 0,
     "mrope": 0, "axial_rope": 0, "rope_mixed": 0, "xdrope": 0, "fope": 0,  # the ids index the precomputed table, as RoPE's
     "pope": 0,            # its rotation: elementwise, on the positions
-    "selective": 0,       # eager: the selection sums are tensor ops on the call's q and k
+    "selective": 5,       # selective: the blocks' kernel loop with the running selection sums, one opaque call
     "inkling": 5,         # curved: the band of written-out curves and the kernel loop, one opaque call
     "deberta": 0,         # T=64 is below the disentangled path's MIN_PAIRS: eager (a long call: its rows read once, the band + far loop)
     "shaw": 5,            # terms: the band + far kernel loop (denormals.flushed, opaque)
@@ -43,7 +43,7 @@ OPAQUE = "Skip calling `torch.compiler.disable()`d function"  # a backend's kern
 #: Why each method breaks the graph (the first line of dynamo's reason), as documented in docs/own-model.md.
 REASONS: dict[str, tuple[str, ...]] = {
     **{m: () for m, n in BREAKS.items() if n == 0},
-    **{m: (OPAQUE,) for m in ("shaw", "alibi", "t5", "kerple", "dpb", "fire", "cope", "fox", "inkling", "selfextend", "rerope", "string",
+    **{m: (OPAQUE,) for m in ("shaw", "alibi", "t5", "kerple", "dpb", "fire", "cope", "fox", "inkling", "selective", "selfextend", "rerope", "string",
                                  "dca")},
     "transformer_xl": ("torch.* op returned non-Tensor",),
     "xpos": ("Data dependent operator", "Unsupported Tensor.item() call with capture_scalar_outputs=False"),

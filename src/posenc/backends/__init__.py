@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import UsageError
-from . import blocked, contextual, curved, eager, features, flex, gated, sdpa, terms
+from . import blocked, contextual, curved, eager, features, flex, gated, sdpa, selective, terms
 from .parts import single
 from .parts.base import ScoreSpec
 from .parts.regions import FLASH_OPS, repeated_heads
@@ -54,8 +54,11 @@ class Backend(Protocol):
 # contextual CoPE's contextual positions: a band written out, far keys fused; no (H, N, N) tensor;
 # gated    per-key log forget gates (FoX) as one extra key feature on the fused kernel, per query block;
 # curved   per-query bias curves (the Inkling bias): far keys on the fused kernel, the band of R distances written out;
+# selective selective attention: blocks of queries on the fused kernel, the selection carried as a running column sum;
 # eager    everything else: the textbook formula, the reference for tests.
-BACKENDS: dict[str, Backend] = {m.__name__.rsplit(".", 1)[-1]: m for m in (sdpa, features, flex, blocked, terms, contextual, gated, curved, eager)}
+BACKENDS: dict[str, Backend] = {
+    m.__name__.rsplit(".", 1)[-1]: m for m in (sdpa, features, flex, blocked, terms, contextual, gated, curved, selective, eager)
+}
 AUTO = "auto"
 
 for _name, _backend in BACKENDS.items():  # the contract, checked once at import

@@ -14,13 +14,15 @@ No positions enter: the content decides what is masked, the order only through t
 selective model is NoPE plus the selection, as the paper trains it; x-transformers' ``selective``
 flag applies the same subtraction to whatever scores its attention has). The encoding offers the
 :class:`~posenc.encodings.protocol.Selects` hook, ``selection_scores(q, k) -> (B, Tq, Tk)``, the
-selecting head's scores; the backend (``eager``) turns them into S with the masks above and takes
-F once per call, an exclusive cumulative sum over the call's queries, then each block of queries
+selecting head's scores; the backend turns them into S with the masks above: ``selective`` per
+block of queries, carrying F's column sums from block to block (no (B, N, N) tensor), ``eager``
+(the written-out reference, and the calls ``selective`` does not take: left padding, bfloat16)
+once per call, an exclusive cumulative sum over the call's queries, then each block of queries
 its rows of it. A KV cache keeps each key's sum of S over every query so far (``LayerCache.selected``),
 so a decode step's F is that sum: cached decoding equals the full pass. Packed documents are calls
-of their own, so the first token of each document is its own unmaskable first token. Memory: one
-(B, N, N) tensor for the selecting head (F) per call, as the paper's and x-transformers' dense form;
-no (B, H, N, N) one in training (eager's blocks are checkpointed).
+of their own, so the first token of each document is its own unmaskable first token. Memory: on ``eager``
+one (B, N, N) tensor for the selecting head (F) per call, as the paper's and x-transformers' dense
+form; on ``selective`` O(B H C N) per block of C queries.
 
 Causal only: the paper and x-transformers define it for decoders (a bidirectional call would let a
 token mask what earlier tokens see). No learned parameters.
