@@ -72,14 +72,14 @@ def _run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec, sta
     return apply(_Selective, q, k, v, spec, start, block, offset)
 
 
-def _selection(spec: ScoreSpec, q: torch.Tensor, k: torch.Tensor, t0: int, t1: int, offset: int) -> torch.Tensor:
-    """S of queries t0..t1-1 against keys 0..L-1 (L = t1 + offset), (B, C, L) in float32 at least:
-    relu of the selecting head's scores, 0 for the query's own key, later keys and the first key."""
-    length = t1 + offset
-    scores = require(spec.encoding, Selects).selection_scores(q[:, :, t0:t1], k[:, :, :length])  # (B, C, L)
+def _selection(spec: ScoreSpec, q: torch.Tensor, k: torch.Tensor, t0: int, offset: int) -> torch.Tensor:
+    """S of a block's queries q (B, H, C, D), the queries t0..t0+C-1 of the call, against its keys k
+    (B, H, L, D), keys 0..L-1: (B, C, L) in float32 at least, relu of the selecting head's scores,
+    0 for the query's own key, later keys and the first key."""
+    scores = require(spec.encoding, Selects).selection_scores(q, k)  # (B, C, L)
     s = torch.relu(scores.to(torch.promote_types(scores.dtype, torch.float32)))
-    rows = torch.arange(t0 + offset, t1 + offset, device=q.device)[:, None]  # (C, 1) each query's own key
-    keys = torch.arange(length, device=q.device)[None, :]  # (1, L)
+    rows = torch.arange(t0 + offset, t0 + q.shape[-2] + offset, device=q.device)[:, None]  # (C, 1) each query's own key
+    keys = torch.arange(k.shape[-2], device=q.device)[None, :]  # (1, L)
     return s.masked_fill((keys >= rows) | (keys == 0), 0.0)
 
 
@@ -116,10 +116,10 @@ class _Selective(torch.autograd.Function):
             carry = start.clone()  # (B, Tk)
             for t0 in range(0, tq, block):
                 t1 = min(t0 + block, tq)
-                s = _selection(spec, q, k, t0, t1, offset)  # (B, C, L)
+                length = t1 + offset
+                s = _selection(spec, q[:, :, t0:t1], k[:, :, :length], t0, offset)  # (B, C, L)
                 carries.append(carry.clone())
                 mask = _mask(_penalty(s, carry), t0, t1, offset, q.dtype)
-                length = t1 + offset
                 o, lz = kernel_forward(q[:, :, t0:t1], k[:, :, :length], v[:, :, :length], False, spec.scale, mask)
                 out[:, :, t0:t1], lse[:, :, t0:t1] = o, lz
                 carry[:, :length] += s.sum(1)
@@ -148,16 +148,22 @@ class _Selective(torch.autograd.Function):
                 t1 = min(t0 + block, tq)
                 length = t1 + offset
                 kb, vb, do = up(k[:, :, :length]), up(v[:, :, :length]), up(dout[:, :, t0:t1])
-                qd, kd = q.detach().requires_grad_(), k.detach().requires_grad_()
+                qd, kd = q[:, :, t0:t1].detach().requires_grad_(), k[:, :, :length].detach().requires_grad_()
                 with torch.enable_grad():
-                    s = _selection(spec, qd, kd, t0, t1, offset)  # (B, C, L), with its graph to q and k
+                    s = _selection(spec, qd, kd, t0, offset)  # (B, C, L), with its graph to the block's q and k
                 mask = _mask(_penalty(s.detach(), ctx.carries[n]), t0, t1, offset, acc)  # (B, 1, C, L)
-                # p = exp(q k^T scale - F - lse), (B, H, C, L)
-                logits = torch.matmul(qs[:, :, t0:t1], kb.transpose(-1, -2)).add_(mask).sub_(lse[:, :, t0:t1, None])
-                p = logits.clamp_(min=floor).exp_()
-                p[..., -(t1 - t0):].masked_fill_(torch.isneginf(mask[..., -(t1 - t0):]), 0.0)
+                # p = exp(q k^T scale - F - lse), (B, H, C, L): -F - lse first, the product accumulated into it
+                c = t1 - t0
+                logits = torch.sub(mask, lse[:, :, t0:t1, None])  # (B, H, C, L)
+                kt = kb.reshape(-1, length, kb.shape[-1]).transpose(1, 2)  # (B H, D, L)
+                logits.view(-1, c, length).baddbmm_(qs[:, :, t0:t1].reshape(-1, c, qs.shape[-1]), kt)
+                p = logits.clamp_(min=floor).exp_()  # (exp's underflow path avoided, as in explicit._scores)
+                p[..., -c:].masked_fill_(torch.isneginf(mask[..., -c:]), 0.0)
                 dv[:, :, :length] += torch.matmul(p.transpose(-1, -2), do)
-                ds = p.mul_(torch.matmul(do, vb.transpose(-1, -2)).sub_(dsum[:, :, t0:t1, None]))  # dS, (B, H, C, L)
+                # dS = p (dO v^T - D), the product accumulated into -D
+                dp = torch.baddbmm(dsum[:, :, t0:t1, None].neg().reshape(-1, c, 1), do.reshape(-1, c, do.shape[-1]),
+                                   vb.reshape(-1, length, vb.shape[-1]).transpose(1, 2))
+                ds = p.mul_(dp.view(p.shape))  # (B, H, C, L)
                 dq[:, :, t0:t1] += torch.matmul(ds, kb).mul_(spec.scale)
                 dk[:, :, :length] += torch.matmul(ds.transpose(-1, -2), qs[:, :, t0:t1])
                 g = ds.sum(1)  # (B, C, L): dL/dF = -g
@@ -167,9 +173,9 @@ class _Selective(torch.autograd.Function):
                 if s.requires_grad:
                     gq, gk = torch.autograd.grad(s, (qd, kd), dsel.to(s.dtype), allow_unused=True)
                     if gq is not None:
-                        dq.add_(up(gq))
+                        dq[:, :, t0:t1] += up(gq)
                     if gk is not None:
-                        dk.add_(up(gk))
+                        dk[:, :, :length] += up(gk)
 
         flushed(run)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
