@@ -44,6 +44,7 @@ from .parts.denormals import flushed, opaque_to_compile
 from .parts.regions import Merge, Region, apply, kernel_forward, region_backward, up, use_kernel
 
 BLOCK = 256  # queries per block: the band is BLOCK + R - 1 keys wide
+REVERSED: bool | None = None  # reverse the keys (True) or the curves (False); None: whichever copies less (tests set it)
 DTYPES = (torch.float32, torch.float64)
 
 
@@ -89,72 +90,103 @@ def _blocks(tq: int, tk: int, reach: int, block: int) -> list[tuple[int, int, in
 
 
 class _Band:
-    """The band of a call in reversed key order, with the curves read as a strided view.
+    """The band of a call, with the curves read as a strided view of its bias.
 
-    Keys are padded in front with P = reach - 1 zero rows and reversed once per call (``k``, ``v``:
-    (B, H, P + Tk, D)). The band of block [t0, t1) (C rows) is then the slice [Tk - t1 - offset,
-    Tk + P - t0 - offset) of the reversed keys, C + P of them, and its column b is at distance
-    d = b + a - (C - 1) from row a: curve entry d of row a sits at column C - 1 - a + d, so the
-    curves of the block's rows, (B, H, C, R), are the view of the band's (B, H, C, C + P) bias with
-    storage offset C - 1 and strides (C + P - 1, 1) over (rows, distances): written with one
-    strided copy, and in the backward their gradient read back the same way (no gather, no scatter).
-    The rest of the bias is 0 (far keys inside the band) or -inf (keys after the query, padding,
-    keys outside the window), one (C, C + P) template per block geometry.
+    Keys are taken from the first query's band on, padded in front with zero rows where that band
+    starts before key 0 (P = reach - 1 keys before each block's first query: ``k``, ``v`` (B, H,
+    P + Tq, D)). The band of block [t0, t1) (C rows) is C + P of them, and row a's curve over the
+    distances 0..R-1 is a run of R consecutive columns whose start moves by one per row, so the
+    curves of the block's rows, (B, H, C, R), are one strided view of the band's (B, H, C, C + P)
+    bias (:meth:`view`): written with one strided copy, and in the backward their gradient read back
+    the same way (no gather, no scatter). Along the keys the distance falls, so one of the two must
+    be reversed: the keys once per call (``reversed``; then column b is at distance b + a - (C - 1)
+    from row a, the view starts at C - 1 with strides (C + P - 1, 1)) when that copies less than
+    reversing every row's curve (a full pass: Tq R > 2 (P + Tq) D), else each block's curves (a
+    decode step; column b at distance a + P - b, the view starts at P - R + 1 with strides (C + P +
+    1, 1) over the reversed curve). The rest of the bias is 0 (far keys inside the band) or -inf
+    (keys after the query, padding, keys outside the window), one (C, C + P) template per block
+    geometry.
     """
 
-    def __init__(self, k: torch.Tensor, v: torch.Tensor, tq: int, reach: int, window: int | None) -> None:
-        self.tq, self.tk, self.pad, self.window = tq, k.shape[-2], reach - 1, window
-        pad = (0, 0, self.pad, 0)
-        self.k = torch.nn.functional.pad(k, pad).flip(-2)  # (B, H, P + Tk, D), reversed
-        self.v = torch.nn.functional.pad(v, pad).flip(-2)
+    def __init__(self, k: torch.Tensor, v: torch.Tensor, tq: int, reach: int, r: int, window: int | None) -> None:
+        self.tq, self.tk, self.pad, self.r, self.window = tq, k.shape[-2], reach - 1, r, window
+        offset = self.tk - tq
+        self.start, self.front = max(0, offset - self.pad), max(0, self.pad - offset)  # first real key; zero rows before it
+        self.reversed = tq * r > 2 * (self.pad + tq) * k.shape[-1] if REVERSED is None else REVERSED
+        pad = (0, 0, self.front, 0)
+        k, v = k[:, :, self.start :], v[:, :, self.start :]
+        if self.front:
+            k, v = torch.nn.functional.pad(k, pad), torch.nn.functional.pad(v, pad)
+        self.k = k.flip(-2) if self.reversed else k  # (B, H, P + Tq, D)
+        self.v = v.flip(-2) if self.reversed else v
         self._templates: dict[tuple[int, int], torch.Tensor] = {}
         self._filled: tuple[int, int, torch.Size] | None = None  # (template, buffer, shape) a forward's buffer holds
 
     def keys(self, t0: int, t1: int) -> slice:
-        offset = self.tk - self.tq
-        return slice(self.tk - t1 - offset, self.tk + self.pad - t0 - offset)
+        if self.reversed:
+            return slice(self.tq - t1, self.pad + self.tq - t0)
+        return slice(t0, t1 + self.pad)
+
+    def key_grads(self, g: torch.Tensor) -> tuple[slice, torch.Tensor]:
+        """Where a gradient over ``k``'s rows (B, H, P + Tq, D) goes in the call's keys, and its real rows."""
+        g = g.flip(-2) if self.reversed else g
+        return slice(self.start, None), g[:, :, self.front :]
 
     def template(self, t0: int, t1: int, dtype: torch.dtype) -> torch.Tensor:
         """(C, C + P): 0 where row a may see column b and it has no curve entry, -inf where it may
         not (d < 0: after the query; a padding column; d >= W outside the window)."""
-        c = t1 - t0
-        # Column b is real key t1 + offset - 1 - b: padding once b > t1 + offset - 1.
-        last = min(t1 + self.tk - self.tq - 1, c + self.pad - 1)
-        hit = self._templates.get((c, last))
+        c, offset = t1 - t0, self.tk - self.tq
+        a = torch.arange(c, device=self.k.device)[:, None]
+        col = torch.arange(c + self.pad, device=self.k.device)[None, :]
+        if self.reversed:  # column b is real key t1 + offset - 1 - b
+            edge = min(t1 + offset - 1, c + self.pad - 1)
+            d, padding = col + a - (c - 1), col > edge  # (C, C + P)
+        else:  # column b is real key t0 + offset - P + b
+            edge = max(0, self.pad - t0 - offset)
+            d, padding = a + self.pad - col, col < edge
+        hit = self._templates.get((c, edge))
         if hit is None or hit.dtype != dtype:
-            a = torch.arange(c, device=self.k.device)[:, None]
-            col = torch.arange(c + self.pad, device=self.k.device)[None, :]
-            d = col + a - (c - 1)  # (C, C + P) distances
-            hidden = (d < 0) | (col > last)
+            hidden = (d < 0) | padding
             if self.window is not None:
                 hidden = hidden | (d >= self.window)
             hit = torch.zeros(c, c + self.pad, dtype=dtype, device=self.k.device).masked_fill(hidden, float("-inf"))
-            self._templates[(c, last)] = hit
+            self._templates[(c, edge)] = hit
         return hit
+
+    def view(self, x: torch.Tensor) -> torch.Tensor:
+        """The curve entries of a block's band tensor x (B, H, C, C + P), contiguous: (B, H, C, R), a
+        view (in distance order, or reversed when the keys are not)."""
+        b, h, c, w = x.shape
+        if self.reversed:
+            return x.as_strided((b, h, c, self.r), (x.stride(0), x.stride(1), w - 1, 1), x.storage_offset() + c - 1)
+        return x.as_strided((b, h, c, self.r), (x.stride(0), x.stride(1), w + 1, 1), x.storage_offset() + self.pad - self.r + 1)
+
+    def rows(self, curves: torch.Tensor, t0: int, t1: int) -> torch.Tensor:
+        """The block's curves in the order of :meth:`view`."""
+        rows = curves[:, :, t0:t1]
+        return rows if self.reversed else rows.flip(-1)
+
+    def curve_grads(self, ds: torch.Tensor) -> torch.Tensor:
+        """The curves' gradient, in distance order, from a block's dS (B, H, C, C + P)."""
+        g = self.view(ds)
+        return g if self.reversed else g.flip(-1)
 
     def bias(self, out: torch.Tensor, curves: torch.Tensor, t0: int, t1: int, shift: torch.Tensor | None = None) -> torch.Tensor:
         """The block's band bias written into ``out`` (B, H, C, C + P), minus ``shift`` (B, H, C) per row if given."""
         tpl = self.template(t0, t1, out.dtype)
-        c, r = t1 - t0, curves.shape[-1]
         if shift is None and self._filled == (tpl.data_ptr(), out.data_ptr(), out.shape):
             # ``out`` holds this template from the block before (the kernel only reads its mask) and
             # the template has no -inf among the curve entries: only they are written
-            _diagonal(out, c, r).copy_(curves[:, :, t0:t1])
+            self.view(out).copy_(self.rows(curves, t0, t1))
             return out
         if shift is None:
             out.copy_(tpl)
         else:
             torch.sub(tpl, shift[..., None], out=out)
-        _diagonal(out, c, r).add_(curves[:, :, t0:t1])
-        clean = shift is None and bool(_diagonal(tpl[None, None], c, r).eq(0).all())
+        self.view(out).add_(self.rows(curves, t0, t1))
+        clean = shift is None and bool(self.view(tpl[None, None]).eq(0).all())
         self._filled = (tpl.data_ptr(), out.data_ptr(), out.shape) if clean else None
         return out
-
-
-def _diagonal(x: torch.Tensor, c: int, r: int) -> torch.Tensor:
-    """The curve entries of a block's band tensor x (B, H, C, C + P), contiguous: (B, H, C, R), a view."""
-    b, h, _, w = x.shape
-    return x.as_strided((b, h, c, r), (x.stride(0), x.stride(1), w - 1, 1), x.storage_offset() + c - 1)
 
 
 class _Curved(torch.autograd.Function):
@@ -169,7 +201,7 @@ class _Curved(torch.autograd.Function):
         reach = r if window is None else max(r, window)
         plan = _blocks(tq, tk, reach, block)
         merged = Merge(b, h, tq, d, q.dtype, q.device)
-        band = _Band(k, v, tq, reach, window)
+        band = _Band(k, v, tq, reach, r, window)
 
         def run() -> None:
             buf = torch.empty(b * h * min(block, tq) * (min(block, tq) + reach - 1), dtype=q.dtype, device=q.device)
@@ -203,8 +235,8 @@ class _Curved(torch.autograd.Function):
         acc = up(q).dtype
         dq, dk, dv = torch.zeros_like(up(q)), torch.zeros_like(up(k)), torch.zeros_like(up(v))
         dc = torch.empty_like(curves, dtype=acc)  # (B, H, Tq, R) in the curves' memory layout: no copy on the way back
-        band = _Band(up(k), up(v), tq, reach, window)
-        dkr, dvr = torch.zeros_like(band.k), torch.zeros_like(band.v)  # (B, H, P + Tk, D), reversed like band.k
+        band = _Band(up(k), up(v), tq, reach, r, window)
+        dkr, dvr = torch.zeros_like(band.k), torch.zeros_like(band.v)  # (B, H, P + Tq, D), ordered as band.k
         dsum = (up(dout) * up(out)).sum(-1)  # (B, H, Tq): D_i = dO_i . O_i
         qs = up(q) * scale  # (B, H, Tq, D)
 
@@ -234,11 +266,13 @@ class _Curved(torch.autograd.Function):
                 ds = ds.view(b, h, c, -1).mul_(p)
                 dq[:, :, t0:t1] += torch.matmul(ds, kb) * scale
                 dkr[:, :, keys] += torch.matmul(ds.transpose(-1, -2), qs[:, :, t0:t1])
-                dc[:, :, t0:t1] = _diagonal(ds, c, r)
+                dc[:, :, t0:t1] = band.curve_grads(ds)
 
         flushed(run)
-        dk += dkr.flip(-2)[:, :, band.pad:]
-        dv += dvr.flip(-2)[:, :, band.pad:]
+        where, g = band.key_grads(dkr)
+        dk[:, :, where] += g
+        where, g = band.key_grads(dvr)
+        dv[:, :, where] += g
         dsinks = None
         if held:  # d lse'/d s = exp(s - lse'), through -rowsum(dO o)
             sinks = held[0]
