@@ -49,17 +49,25 @@ def test_the_selection_changes_the_result():
     assert (selective.attend(q, k, v, spec, 8) - plain).abs().max() > 1e-3
 
 
-def test_auto_picks_selective_for_full_passes_and_cached_steps_and_eager_for_padding():
+def test_auto_picks_selective_for_full_passes_and_cached_chunks_and_eager_for_single_queries_and_padding():
     enc = posenc.build("selective", num_heads=H, head_dim=D)
     attn = posenc.Attention(H * D, H, enc)
     x = torch.randn(2, 12, H * D)
     full = attn(x)
     assert attn.last_backend == "selective"
     cache = posenc.model.cache.LayerCache()
-    first = attn(x[:, :8], cache=cache)
-    step = attn(x[:, 8:9], cache=cache)  # a decode step, with the cache's selection sums
+    first = attn(x[:, :6], cache=cache)
+    chunk = attn(x[:, 6:9], cache=cache)  # a chunk after a cache, with the cache's selection sums
     assert attn.last_backend == "selective"
-    torch.testing.assert_close(torch.cat([first, step], 1), full[:, :9], rtol=0, atol=1e-5)
+    step = attn(x[:, 9:10], cache=cache)  # a decode step: eager's written-out row
+    assert attn.last_backend == "eager"
+    torch.testing.assert_close(torch.cat([first, chunk, step], 1), full[:, :10], rtol=0, atol=1e-5)
+    forced = posenc.Attention(H * D, H, enc, backend="selective")  # a decode step on selective, forced
+    full = forced(x)
+    cache = posenc.model.cache.LayerCache()
+    forced(x[:, :9], cache=cache)
+    torch.testing.assert_close(forced(x[:, 9:10], cache=cache), full[:, 9:10], rtol=0, atol=1e-5)
+    assert forced.last_backend == "selective"
     padded = posenc.model.cache.LayerCache(padding=[3, 0])
     attn(x[:, :8], cache=padded)
     assert attn.last_backend == "eager"
