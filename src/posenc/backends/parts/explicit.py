@@ -132,9 +132,12 @@ def _block_grads(
     return ds, dq_c
 
 
-def _scores(ws: BackwardBuffers, q_c: torch.Tensor, k_c: torch.Tensor, scale: float, bias: torch.Tensor, lse_c: torch.Tensor) -> torch.Tensor:
+def _scores(ws: BackwardBuffers, q_c: torch.Tensor, k_c: torch.Tensor, scale: float, bias: torch.Tensor, lse_c: torch.Tensor,
+            staircase_only: bool = False) -> torch.Tensor:
     """exp(q k^T * scale + bias - lse): the block's probabilities (B, H, C, L), in workspace memory
-    (bias - lse written first, the product accumulated into it: one pass fewer than adding after)."""
+    (bias - lse written first, the product accumulated into it: one pass fewer than adding after).
+    ``staircase_only``: the bias is -inf nowhere but in the block's last C keys (a distance table's
+    future); otherwise anywhere (a bias that hides keys, as xPos's blockwise one)."""
     hkv, h = k_c.shape[1], q_c.shape[1]
     q_g = fold_heads(q_c, hkv)  # (B, Hkv, g C, D)
     s = ws.take("s", (*q_g.shape[:-1], k_c.shape[-2]))  # (B, Hkv, g C, L)
@@ -145,12 +148,14 @@ def _scores(ws: BackwardBuffers, q_c: torch.Tensor, k_c: torch.Tensor, scale: fl
     # row's log-sum-exp, where exp's result underflows and the vectorised exp falls back to a scalar
     # path (10-30 ns an element here, against under 1 ns): logits below ``floor`` are raised to it,
     # a probability of e^20 times the dtype's smallest normal number (8e-30 in float32), far below
-    # what any sum of them can show; the pairs the bias hides (-inf: a decoder's future, only ever
-    # in the block's last C keys) are set back to exactly 0.
+    # what any sum of them can show; the pairs the bias hides (-inf) are set back to exactly 0 (with
+    # ``staircase_only``, a decoder's future, only the block's last C keys are looked at).
     c = s.shape[-2]
     p = s.clamp_(min=_floor(s.dtype)).exp_()
-    tail = bias[..., -c:]
-    p[..., -c:].masked_fill_(torch.isneginf(tail), 0.0)
+    if staircase_only:
+        p[..., -c:].masked_fill_(torch.isneginf(bias[..., -c:]), 0.0)
+    else:
+        p.masked_fill_(torch.isneginf(bias), 0.0)
     return p
 
 
@@ -239,7 +244,7 @@ def _relative_backward(
         q_c, dout_c = up(q[:, :, a0:a1].flip(-2)), up(dout[:, :, a0:a1].flip(-2))  # reversed rows
         k_c, v_c = up(k[:, :, :keys]), up(v[:, :, :keys])
         bias = _view(table, g, a0, a1, keys)  # (1, H, C, L)
-        p = _scores(ws, q_c, k_c, g.scale, bias.transpose(0, 1) if swap else bias, lse[:, :, a0:a1].flip(-1))
+        p = _scores(ws, q_c, k_c, g.scale, bias.transpose(0, 1) if swap else bias, lse[:, :, a0:a1].flip(-1), staircase_only=True)
         total_c = total[:, :, a0:a1].flip(-1)
         ds, dq_c = _block_grads(ws, p, dout_c, total_c, q_c, k_c, v_c, g.scale, dk[:, :, :keys], dv[:, :, :keys])
         dq[:, :, a0:a1] = dq_c.flip(-2)
