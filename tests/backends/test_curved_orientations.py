@@ -2,7 +2,8 @@
 one that copies less: the keys for full passes, the curves for decode steps), each forced, against
 eager's written-out formula and against the formula with a window and sinks: outputs and the
 gradients of q, k, v, the curves and the sinks; a full pass, a chunk after a cache and a decode
-step, in several blocks whose bands start before key 0 and inside the keys."""
+step, in several blocks whose bands start before key 0 and inside the keys, and calls shorter than
+the R distances (the band then reaches Tk keys, and the curves' entries past Tk get 0)."""
 
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ def _dense(q, k, v, curves, window, sinks, offset):
 
 
 @pytest.mark.parametrize("reverse", [True, False])
-@pytest.mark.parametrize(("tq", "tk", "block"), [(13, 13, 4), (6, 15, 4), (1, 15, 4), (40, 40, 16)])
+@pytest.mark.parametrize(("tq", "tk", "block"), [(13, 13, 4), (6, 15, 4), (1, 15, 4), (40, 40, 16), (5, 5, 2), (2, 4, 8)])
 @pytest.mark.parametrize("window", [None, 3, 9])
 def test_both_orientations_equal_the_formula(monkeypatch, reverse, tq, tk, block, window):
     monkeypatch.setattr(curved, "REVERSED", reverse)

@@ -119,13 +119,21 @@ class _Band:
             k, v = torch.nn.functional.pad(k, pad), torch.nn.functional.pad(v, pad)
         self.k = k.flip(-2) if self.reversed else k  # (B, H, P + Tq, D)
         self.v = v.flip(-2) if self.reversed else v
-        self._templates: dict[tuple[int, int], torch.Tensor] = {}
+        self._templates: dict[tuple[int, int, int], torch.Tensor] = {}
         self._filled: tuple[int, int, torch.Size] | None = None  # (template, buffer, shape) a forward's buffer holds
 
+    def span(self, t0: int, t1: int) -> tuple[int, int]:
+        """(P', R') of block [t0, t1): the keys its band reaches before its first query, P' = P or
+        fewer where the call starts, and the curve entries it reads, min(R, P' + 1)."""
+        p = max(0, min(self.pad, t1 + self.tk - self.tq - 1))
+        return p, min(self.r, p + 1)
+
     def keys(self, t0: int, t1: int) -> slice:
+        """The block's band in ``k`` and ``v``: C + P' keys."""
+        p, _ = self.span(t0, t1)
         if self.reversed:
-            return slice(self.tq - t1, self.pad + self.tq - t0)
-        return slice(t0, t1 + self.pad)
+            return slice(self.tq - t1, self.tq - t0 + p)
+        return slice(t0 + self.pad - p, t1 + self.pad)
 
     def key_grads(self, g: torch.Tensor) -> tuple[slice, torch.Tensor]:
         """Where a gradient over ``k``'s rows (B, H, P + Tq, D) goes in the call's keys, and its real rows."""
@@ -133,60 +141,67 @@ class _Band:
         return slice(self.start, None), g[:, :, self.front :]
 
     def template(self, t0: int, t1: int, dtype: torch.dtype) -> torch.Tensor:
-        """(C, C + P): 0 where row a may see column b and it has no curve entry, -inf where it may
+        """(C, C + P'): 0 where row a may see column b and it has no curve entry, -inf where it may
         not (d < 0: after the query; a padding column; d >= W outside the window)."""
-        c, offset = t1 - t0, self.tk - self.tq
+        (c, offset), (p, _) = (t1 - t0, self.tk - self.tq), self.span(t0, t1)
         a = torch.arange(c, device=self.k.device)[:, None]
-        col = torch.arange(c + self.pad, device=self.k.device)[None, :]
+        col = torch.arange(c + p, device=self.k.device)[None, :]
         if self.reversed:  # column b is real key t1 + offset - 1 - b
-            edge = min(t1 + offset - 1, c + self.pad - 1)
-            d, padding = col + a - (c - 1), col > edge  # (C, C + P)
-        else:  # column b is real key t0 + offset - P + b
-            edge = max(0, self.pad - t0 - offset)
-            d, padding = a + self.pad - col, col < edge
-        hit = self._templates.get((c, edge))
+            edge = min(t1 + offset - 1, c + p - 1)
+            d, padding = col + a - (c - 1), col > edge  # (C, C + P')
+        else:  # column b is real key t0 + offset - P' + b
+            edge = max(0, p - t0 - offset)
+            d, padding = a + p - col, col < edge
+        hit = self._templates.get((c, p, edge))
         if hit is None or hit.dtype != dtype:
             hidden = (d < 0) | padding
             if self.window is not None:
                 hidden = hidden | (d >= self.window)
-            hit = torch.zeros(c, c + self.pad, dtype=dtype, device=self.k.device).masked_fill(hidden, float("-inf"))
-            self._templates[(c, edge)] = hit
+            hit = torch.zeros(c, c + p, dtype=dtype, device=self.k.device).masked_fill(hidden, float("-inf"))
+            self._templates[(c, p, edge)] = hit
         return hit
 
-    def view(self, x: torch.Tensor) -> torch.Tensor:
-        """The curve entries of a block's band tensor x (B, H, C, C + P), contiguous: (B, H, C, R), a
-        view (in distance order, or reversed when the keys are not)."""
+    def view(self, x: torch.Tensor, t0: int, t1: int) -> torch.Tensor:
+        """The curve entries of block [t0, t1)'s band tensor x (B, H, C, C + P'), contiguous: (B, H, C,
+        R'), a view (in distance order, or reversed when the keys are not)."""
         b, h, c, w = x.shape
+        p, r = self.span(t0, t1)
         if self.reversed:
-            return x.as_strided((b, h, c, self.r), (x.stride(0), x.stride(1), w - 1, 1), x.storage_offset() + c - 1)
-        return x.as_strided((b, h, c, self.r), (x.stride(0), x.stride(1), w + 1, 1), x.storage_offset() + self.pad - self.r + 1)
+            return x.as_strided((b, h, c, r), (x.stride(0), x.stride(1), w - 1, 1), x.storage_offset() + c - 1)
+        return x.as_strided((b, h, c, r), (x.stride(0), x.stride(1), w + 1, 1), x.storage_offset() + p - r + 1)
 
     def rows(self, curves: torch.Tensor, t0: int, t1: int) -> torch.Tensor:
-        """The block's curves in the order of :meth:`view`."""
-        rows = curves[:, :, t0:t1]
+        """The block's curves in the order of :meth:`view`, (B, H, C, R')."""
+        rows = curves[:, :, t0:t1, : self.span(t0, t1)[1]]
         return rows if self.reversed else rows.flip(-1)
 
-    def curve_grads(self, ds: torch.Tensor) -> torch.Tensor:
-        """The curves' gradient, in distance order, from a block's dS (B, H, C, C + P)."""
-        g = self.view(ds)
+    def curve_grads(self, ds: torch.Tensor, t0: int, t1: int) -> torch.Tensor:
+        """The curves' gradient, (B, H, C, R') in distance order, from a block's dS (B, H, C, C + P')."""
+        g = self.view(ds, t0, t1)
         return g if self.reversed else g.flip(-1)
 
     def bias(self, out: torch.Tensor, curves: torch.Tensor, t0: int, t1: int, shift: torch.Tensor | None = None) -> torch.Tensor:
-        """The block's band bias written into ``out`` (B, H, C, C + P), minus ``shift`` (B, H, C) per row if given."""
+        """The block's band bias written into ``out`` (B, H, C, C + P'), minus ``shift`` (B, H, C) per row if given."""
         tpl = self.template(t0, t1, out.dtype)
         if shift is None and self._filled == (tpl.data_ptr(), out.data_ptr(), out.shape):
             # ``out`` holds this template from the block before (the kernel only reads its mask) and
             # the template has no -inf among the curve entries: only they are written
-            self.view(out).copy_(self.rows(curves, t0, t1))
+            self.view(out, t0, t1).copy_(self.rows(curves, t0, t1))
             return out
         if shift is None:
             out.copy_(tpl)
         else:
             torch.sub(tpl, shift[..., None], out=out)
-        self.view(out).add_(self.rows(curves, t0, t1))
-        clean = shift is None and bool(self.view(tpl[None, None]).eq(0).all())
+        self.view(out, t0, t1).add_(self.rows(curves, t0, t1))
+        clean = shift is None and bool(self.view(tpl[None, None], t0, t1).eq(0).all())
         self._filled = (tpl.data_ptr(), out.data_ptr(), out.shape) if clean else None
         return out
+
+
+def _used(curves: torch.Tensor, k: torch.Tensor) -> int:
+    """The curve entries a call can read: distances below R and below its Tk keys (a call shorter
+    than R then pads its band to Tk, not R)."""
+    return min(curves.shape[-1], k.shape[-2])
 
 
 class _Curved(torch.autograd.Function):
@@ -197,8 +212,8 @@ class _Curved(torch.autograd.Function):
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, curves: torch.Tensor, scale: float,
                 block: int, window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         b, h, tq, d = q.shape
-        tk, r = k.shape[-2], curves.shape[-1]
-        reach = r if window is None else max(r, window)
+        tk, r = k.shape[-2], _used(curves, k)
+        reach = r if window is None else max(r, min(window, tk))
         plan = _blocks(tq, tk, reach, block)
         merged = Merge(b, h, tq, d, q.dtype, q.device)
         band = _Band(k, v, tq, reach, r, window)
@@ -209,8 +224,8 @@ class _Curved(torch.autograd.Function):
                 if lo > 0 and window is None:  # far keys: no bias, every row of the block sees them
                     o, lz = kernel_forward(q[:, :, t0:t1], k[:, :, :lo], v[:, :, :lo], False, scale)
                     merged.add((t0, t1), o, lz)
-                keys, c = band.keys(t0, t1), t1 - t0
-                mask = band.bias(buf[: b * h * c * (c + reach - 1)].view(b, h, c, c + reach - 1), curves, t0, t1)
+                keys, c, w = band.keys(t0, t1), t1 - t0, t1 - t0 + band.span(t0, t1)[0]
+                mask = band.bias(buf[: b * h * c * w].view(b, h, c, w), curves, t0, t1)
                 o, lz = kernel_forward(q[:, :, t0:t1], band.k[:, :, keys], band.v[:, :, keys], False, scale, mask)
                 merged.add((t0, t1), o, lz)
 
@@ -230,12 +245,11 @@ class _Curved(torch.autograd.Function):
         q, k, v, curves, out, lse, *held = ctx.saved_tensors
         scale, window, reach, tq = ctx.scale, ctx.window, ctx.reach, q.shape[-2]
         b, h = q.shape[:2]
-        r = curves.shape[-1]
         dout = dout.contiguous()
         acc = up(q).dtype
         dq, dk, dv = torch.zeros_like(up(q)), torch.zeros_like(up(k)), torch.zeros_like(up(v))
         dc = torch.empty_like(curves, dtype=acc)  # (B, H, Tq, R) in the curves' memory layout: no copy on the way back
-        band = _Band(up(k), up(v), tq, reach, r, window)
+        band = _Band(up(k), up(v), tq, reach, _used(curves, k), window)
         dkr, dvr = torch.zeros_like(band.k), torch.zeros_like(band.v)  # (B, H, P + Tq, D), ordered as band.k
         dsum = (up(dout) * up(out)).sum(-1)  # (B, H, Tq): D_i = dO_i . O_i
         qs = up(q) * scale  # (B, H, Tq, D)
@@ -251,9 +265,9 @@ class _Curved(torch.autograd.Function):
                     dq[:, :, t0:t1] += up(gq)
                     dk[:, :, :lo] += up(gk)
                     dv[:, :, :lo] += up(gv)
-                keys, c = band.keys(t0, t1), t1 - t0
-                kb, vb = band.k[:, :, keys], band.v[:, :, keys]  # (B, H, C + P, D)
-                bias = band.bias(buf[: b * h * c * (c + reach - 1)].view(b, h, c, c + reach - 1), curves, t0, t1, lse[:, :, t0:t1])
+                (keys, c), (reached, used) = (band.keys(t0, t1), t1 - t0), band.span(t0, t1)
+                kb, vb = band.k[:, :, keys], band.v[:, :, keys]  # (B, H, C + P', D)
+                bias = band.bias(buf[: b * h * c * (c + reached)].view(b, h, c, c + reached), curves, t0, t1, lse[:, :, t0:t1])
                 # p = exp(q k^T scale + bias - lse): the whole row's probabilities, (B, H, C, C + P)
                 kt = kb.reshape(b * h, -1, kb.shape[-1]).transpose(1, 2)  # (B H, D, C + P)
                 p = bias.view(b * h, c, -1).baddbmm_(qs[:, :, t0:t1].reshape(b * h, c, -1), kt).exp_().view(b, h, c, -1)
@@ -266,7 +280,8 @@ class _Curved(torch.autograd.Function):
                 ds = ds.view(b, h, c, -1).mul_(p)
                 dq[:, :, t0:t1] += torch.matmul(ds, kb) * scale
                 dkr[:, :, keys] += torch.matmul(ds.transpose(-1, -2), qs[:, :, t0:t1])
-                dc[:, :, t0:t1] = band.curve_grads(ds)
+                dc[:, :, t0:t1, :used] = band.curve_grads(ds, t0, t1)
+                dc[:, :, t0:t1, used:] = 0.0  # distances no key of the call is at
 
         flushed(run)
         where, g = band.key_grads(dkr)
