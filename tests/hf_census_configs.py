@@ -65,6 +65,13 @@ def _log_floor(theta: float, **more: Any) -> dict[str, Any]:
 
 _INKLING = dict(swa_num_attention_heads=4, swa_num_key_value_heads=2, swa_head_dim=16, rel_extent=6, d_rel=4, log_scaling_n_floor=8)
 
+_QWEN4_EXP = dict(linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, hc_lowrank=8,
+                  indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=8, indexer_compress_ratio=4)
+
+_DOTS3 = dict(num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=16, qk_nope_head_dim=16, head_dim=24, index_n_heads=2,
+              index_head_dim=16, index_topk=8, swa_num_attention_heads=4, swa_num_key_value_heads=4, swa_q_lora_rank=32,
+              swa_kv_lora_rank=16, swa_head_dim=24, swa_qk_nope_head_dim=16, swa_v_head_dim=12, swa_qk_rope_head_dim=8)
+
 OVERRIDES: dict[str, dict[str, Any]] = {
     "gemma4_text": dict(head_dim=16, vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=16,
                         per_layer_config={"1": {"head_dim": 32}}),  # its full layer's head dim differs
@@ -105,6 +112,45 @@ OVERRIDES: dict[str, dict[str, Any]] = {
                         layer_rope_theta=[0, 1e4, 1e5]),
     "granitemoe_swa": dict(num_hidden_layers=3, layer_types=["full_attention", "sliding_attention", "full_attention"],
                            layer_rope_theta=[0, 1e4, 1e5]),
+    # DBRX: its sizes under its own names (the generic keys reach d_model after ffn_config took the default's); an
+    # attention sub-config that must name rope_theta (read, never used) and a clip (torch's clamp refuses None for both)
+    "dbrx": dict(d_model=64, n_heads=4, n_layers=2, max_seq_len=256),
+    "dbrx.attn_config": dict(rope_theta=5e5, kv_n_heads=2, clip_qkv=8.0),
+    "dbrx.ffn_config": dict(ffn_hidden_size=32, moe_num_experts=4, moe_top_k=2),
+    # Zamba: two hybrid layers, so that its shared transformer block has a layer to tie to
+    "zamba": dict(num_hidden_layers=3, layer_types=["mamba", "hybrid", "hybrid"]),
+    # one M-RoPE block per layer type (its rotary module reads rope_parameters[<layer type>])
+    "cohere_compass_text": dict(layer_types=["sliding_attention", "full_attention"], rope_parameters={
+        kind: {"rope_type": "default", "rope_theta": theta, "mrope_section": [2, 3, 3]}
+        for kind, theta in (("sliding_attention", 1e4), ("full_attention", 1e6))}),
+    # Dory: one input, one looped (twice) and one output layer (its defaults are 8 + 20 + 8)
+    "dory": dict(num_hidden_layers=3, layer_types=["sliding_attention", "full_attention", "sliding_attention"], n_input_layers=1,
+                 n_output_layers=1, n_recurrent_layers=1, n_recurrent_loops=2),
+    # Qwen4-Exp: small linear-attention heads and hyper-connections, and the indexer's sizes (its indexed layers need them)
+    "qwen4_exp_text": _QWEN4_EXP,
+    "qwen4_exp.text_config": _QWEN4_EXP,
+    # HunYuan-VL's four-axis sections, in frequencies of the tiny head (its default sets none)
+    "hunyuan_vl_text": _mrope(1e4, [2, 2, 2, 2]),
+    "glm5_next_text": dict(qk_rope_head_dim=0),  # its validator: the DSA (MLA) layers are NoPE
+    "hy_v4_vl_text": _mrope(1e4, [1, 1, 2]),  # its sections sum to half the rope part of its MLA head (qk_rope_head_dim 8)
+    # Chameleon: a vocabulary map (the image token and one image code) and a small VQ-VAE (the default's is 27M)
+    "chameleon": dict(vocabulary_map={"<image>": 0, "IMGIMGAZ": VOCAB - 1}),
+    "chameleon.vq_config": dict(embed_dim=32, num_embeddings=64, latent_channels=32, resolution=32, base_channels=32,
+                                channel_multiplier=[1, 2], num_res_blocks=1),
+    # MusicGen's causal LM is built from the decoder sub-config (one codebook: the census's (B, T) ids)
+    "musicgen.decoder": dict(num_codebooks=1, ffn_dim=64),
+    "musicgen_melody.decoder": dict(num_codebooks=1, ffn_dim=64),
+    # BLT: a small hash-embedding table (its default is 500,002 x 6 rows of the encoder's width), the global width its
+    # local encoder and decoder project to and from, and the depth its cache reads off the top config (which has none)
+    "blt": dict(num_hidden_layers=2, encoder_hash_byte_group_vocab=VOCAB, encoder_hash_byte_group_size=[3, 4]),
+    "blt.encoder_config": dict(hidden_size_global=64),
+    "blt.decoder_config": dict(hidden_size_global=64),
+    # Dots 3 Note: small MLA heads on both layer types (the sliding layers' through its swa_* keys) and a small indexer;
+    # its vision tower dense (no per-layer expert counts keyed by the default depth), its adapters at the tiny widths
+    "dots3_note_text": _DOTS3,
+    "dots3_note.text_config": _DOTS3,
+    "dots3_note.vision_config": dict(per_layer_config={}, adapter_in_dim=64, adapter_out_dim=64, mlp_layer_types=["dense", "dense"]),
+    "dots3_note.audio_config": dict(adapter_input_size=64, adapter_out_dim=64, downsample_hidden_size=32, feature_size=16),
     "esmc": dict(num_key_value_heads=4),  # encoder census: "ESMC does not support grouped-query attention"
     "esm": dict(position_embedding_type="rotary"),  # ESM-2's (the default is absolute positions)
     # Inkling, Inkling-2 (no RoPE: use(model, "inkling")): small sliding heads, curves over 6 distances (crossed), the
@@ -117,25 +163,13 @@ OVERRIDES: dict[str, dict[str, Any]] = {
 }
 
 #: model_type -> why the census cannot build it here (the test skips it, naming the reason).
-_VALIDATOR = "its config validator refuses the generic tiny sizes (needs a hand-written override)"
-_PER_LAYER = "a per_layer_config keyed by the default depth's layer indices (needs a hand-written override)"
-_TOO_BIG = "the generic tiny config still builds a sub-model of over 16M parameters (needs a hand-written override)"
+_POLICY = "a robot-action policy: its forward takes action embeddings before any token ids (and its nested VLM config is not shrunk)"
 UNBUILDABLE: dict[str, str] = {
-    "cosmos3_edge_text": _VALIDATOR, "glm5_next_text": _VALIDATOR, "hy_v4_vl_text": _VALIDATOR,
-    "dots3_note": _PER_LAYER, "dots3_note_text": _TOO_BIG, "blt": _TOO_BIG,
-    "pi05": _TOO_BIG, "pi0": _TOO_BIG,
-    "musicgen": "a composite config whose decoder sub-config does not take the generic tiny keys",
-    "musicgen_melody": "a composite config whose decoder sub-config does not take the generic tiny keys",
+    "pi05": _POLICY, "pi0": _POLICY,
     "gemma3n": "its vision tower needs timm, which is not installed",
-    "gemma4_assistant": "its default config does not validate (hidden_size_per_layer_input must be 0)",
+    "gemma4_assistant": "a draft model: its forward needs the target model's input embeddings and shared KV states",
     "gemma4_unified_assistant": "a draft model: its forward needs the target model's shared KV states",
-    "cohere_compass_text": "its rotary tables are keyed by layer types the generic tiny config does not keep",
-    "dbrx": "its attention sub-config (attn_config) does not take the generic tiny keys",
-    "dory": "its tiny model does not run: a score shape mismatch in its own attention at the generic sizes",
-    "qwen4_exp": "its default config has no head sizes to derive from", "qwen4_exp_text": "its default config has no head sizes",
-    "zamba": "its shared transformer blocks do not tie at the generic depth",
-    "chameleon": "its default config has no vocabulary map for the image tokens",
-    "evolla": "no bare model class for its text config", "hunyuan_vl_text": "its default text config leaves a section list unset",
+    "evolla": "no bare model class for its text config",
     "idefics": "its backbone's forward needs image inputs",
 }
 
@@ -275,6 +309,23 @@ def rotates(case: Case) -> bool:
         return True
 
 
+def _class_config(case: Case, config: Any) -> tuple[Any, Any]:
+    """The config the census's class for ``case`` takes and how to build from it: ``config`` and the
+    Auto class's ``from_config``, or the sub-config of that class and the class's own ``_from_config``
+    (MusicGen's causal LM takes its composite config's ``decoder``, which the Auto class does not map)."""
+    import transformers
+    from transformers.models.auto import modeling_auto
+
+    names = {"causal-lm": modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, "masked-lm": modeling_auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES
+             }.get(case.source, modeling_auto.MODEL_MAPPING_NAMES).get(case.model_type)
+    cls = getattr(transformers, names, None) if isinstance(names, str) else None
+    wanted = getattr(cls, "config_class", None)
+    if not isinstance(wanted, type) or isinstance(config, wanted):
+        return config, model_class(case).from_config
+    sub = next((sub for name in getattr(config, "sub_configs", {}) or {} if isinstance(sub := getattr(config, name, None), wanted)), None)
+    return (config, model_class(case).from_config) if sub is None else (sub, cls._from_config)
+
+
 def build(case: Case) -> torch.nn.Module:
     """The family's tiny model, every weight moved off its init value (norm weights not 1, sinks
     not 0), in eval mode.
@@ -283,15 +334,15 @@ def build(case: Case) -> torch.nn.Module:
         ValueError: the tiny model would have more than :data:`LIMIT` parameters (it needs an override).
     """
     config = tiny_config(case.model_type)
-    auto = model_class(case)
+    config, make = _class_config(case, config)
     with torch.device("meta"):
-        shell = auto.from_config(config)
+        shell = make(config)
     size = sum(p.numel() for p in shell.parameters())
     if size > LIMIT:
         raise ValueError(f"{case.model_type}: the tiny config still makes {size:,} parameters; add an override "
                          "to tests/hf_census_configs.py")
     torch.manual_seed(0)
-    model = auto.from_config(config).eval()
+    model = make(config).eval()
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.05)

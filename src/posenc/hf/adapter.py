@@ -76,6 +76,7 @@ from .forward_state import ForwardState, RotaryStandIn
 from .inkling import inkling_plans, keep_other_attention, layer_stack, without_rope
 from .layers import attention_of, check_shared, decoder_stack, layer_plans, rotary_name
 from .rotary_sets import install_rotaries
+from .stack_names import layer_list
 
 # -- what a checkpoint saved after use() carries, so that it loads right or not at all -------------
 #
@@ -219,7 +220,7 @@ def _planned(model: nn.Module, stack: nn.Module, encoding: str | nn.Module | Sch
     held = getattr(stack, "config", None)
     inner = held if held is not None and hasattr(held, "num_attention_heads") else text_config(config)
     family = family_of(getattr(inner, "model_type", None))
-    layers = list(cast(nn.ModuleList, getattr(stack, "layers", None) or getattr(stack, "h")))  # Falcon's h
+    layers = list(cast(nn.ModuleList, layer_list(stack)))  # layers, Falcon's h, DBRX's blocks
     attentions = [attention_of(layer) for layer in layers]
     types = getattr(inner, "layer_types", None)
     if family is not None and family.no_attention and isinstance(types, (list, tuple)) and len(types) == len(layers):

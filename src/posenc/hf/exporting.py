@@ -43,6 +43,7 @@ from .attention import Encodings, LayerPlan, held_encoding
 from .families import Family, family_of, qk_head_dim, text_config
 from .forward_state import RotaryStandIn
 from .layers import attention_of, decoder_stack, family_schedule
+from .stack_names import layer_list
 
 # transformers' rope types (transformers.modeling_rope_utils.ROPE_INIT_FUNCTIONS, 5.24) posenc can write.
 EXPRESSIBLE = ("default", "linear", "dynamic", "yarn", "longrope", "llama3")
@@ -96,7 +97,7 @@ def _plans(model: nn.Module) -> list[LayerPlan | None]:
     merge_and_unload)."""
     plans: list[LayerPlan | None] = []
     stack = decoder_stack(model)
-    for layer in cast(nn.ModuleList, getattr(stack, "layers", None) or getattr(stack, "h")):  # Falcon's h
+    for layer in cast(nn.ModuleList, layer_list(stack)):  # layers, Falcon's h, DBRX's blocks
         attention = attention_of(layer)
         plan = None if attention is None else attention.__dict__.get("_posenc_plan")
         plans.append(None if plan is None else replace(plan, encoding=held_encoding(stack, plan)))

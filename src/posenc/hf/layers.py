@@ -33,12 +33,9 @@ from .mrope import check_axes, refuse_other
 from .rope_config import options_from_hf
 from .rotary_sets import layer_rotary, per_layer
 from .schedule_config import schedule_from_hf
+from .stack_names import ATTENTION_HOLDERS, ROTARY_NAMES, layer_list
 
 # -- the plan: family, sizes, schedule -----------------------------------------------------------
-
-
-#: The names a decoder stack's rotary module goes by (LFM2-MoE's is ``pos_emb``).
-ROTARY_NAMES = ("rotary_emb", "pos_emb")
 
 
 def rotary_name(stack: nn.Module) -> str | None:
@@ -60,7 +57,7 @@ def decoder_stack(model: nn.Module) -> nn.Module:
     for _ in range(4):
         found: list[nn.Module] = []
         for node in frontier:
-            if isinstance(getattr(node, "layers", None) or getattr(node, "h", None), nn.ModuleList):  # Falcon's h
+            if layer_list(node) is not None:  # layers, Falcon's h, DBRX's blocks
                 if rotary_name(node) is not None:
                     return node
                 if any(hasattr(node, n) for n in ROTARY_NAMES):
@@ -90,9 +87,9 @@ def decoder_stack(model: nn.Module) -> nn.Module:
 def attention_of(layer: nn.Module) -> nn.Module | None:
     """A decoder layer's attention module (the one with ``layer_idx``, or an encoder's, ``is_causal``
     False: GTE, Nomic BERT and Jina v3 give theirs no index), or None (a linear-attention layer). A
-    hybrid layer's shared transformer block (Zamba2's ``shared_transformer``) is looked in too (see
-    :func:`check_shared`)."""
-    for holder in (layer, getattr(layer, "shared_transformer", None)):
+    hybrid layer's shared transformer block (Zamba2's ``shared_transformer``, see :func:`check_shared`) and a
+    DBRX block's ``norm_attn_norm`` are looked in too (:data:`~posenc.hf.stack_names.ATTENTION_HOLDERS`)."""
+    for holder in (layer, *(getattr(layer, name, None) for name in ATTENTION_HOLDERS)):
         for name in ("self_attn", "attention", "attn", "self_attention"):
             module = getattr(holder, name, None) if isinstance(holder, nn.Module) else None
             if isinstance(module, nn.Module) and (hasattr(module, "layer_idx") or getattr(module, "is_causal", None) is False):
