@@ -171,8 +171,10 @@ class _Selective(torch.autograd.Function):
                 dk[:, :, :length] += torch.matmul(ds.transpose(-1, -2), qs[:, :, t0:t1])
                 g = ds.sum(1)  # (B, C, L): dL/dF = -g
                 # dL/dS_tj = -(sum over the block's later rows of g, and over later blocks)
-                dsel = g.flip(1).cumsum(1).flip(1).sub_(g).add_(later[:, None, :length]).neg_()
-                later[:, :length] += g.sum(1)
+                #          = (sum over its rows up to t) - (sum over all its rows and later blocks)
+                total = g.sum(1).add_(later[:, :length])  # (B, L)
+                dsel = g.cumsum(1).sub_(total[:, None])
+                later[:, :length] = total
                 if s.requires_grad:
                     gq, gk = torch.autograd.grad(s, (qd, kd), dsel.to(s.dtype), allow_unused=True)
                     if gq is not None:
