@@ -60,7 +60,7 @@ class ScoreSpec:
     curves: torch.Tensor | None = field(default=None, repr=False)
     # Selective attention (:class:`Selects`): each key's sum of the selection S over the queries of
     # earlier calls (B, Tk), kept by the KV cache; None: no earlier queries (a full pass, the first
-    # step). A selective call makes ``has_query_terms`` true: only ``eager`` runs it.
+    # step). A selective call makes ``has_query_terms`` true: ``selective`` (blocks of queries) and ``eager`` run it.
     selected: torch.Tensor | None = field(default=None, repr=False)
     known_q_start: InitVar[int | None] = None
     known_k_start: InitVar[int | None] = None
