@@ -28,14 +28,12 @@ Writes ``results.json`` and ``table.md`` under ``--out``.
 from __future__ import annotations
 
 import argparse
-import statistics
-import sys
-import time
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
+from alternated import alternated  # (benchmarks/, this script's folder)
 
 import posenc
 from posenc.backends.parts.regions import kernel_backward, kernel_forward
@@ -112,25 +110,7 @@ def jobs(n: int, blocks: list[int], methods: list[str]) -> dict[str, Callable[[]
 
 def measure(n: int, blocks: list[int], methods: list[str], rounds: int) -> dict[str, dict[str, float]]:
     """Alternated rounds at n tokens: each job's median seconds and ratio to NoPE (median, min, max)."""
-    run = jobs(n, blocks, methods)
-    names = list(run)
-    for fn in run.values():  # one untimed call each
-        fn()
-    seconds: dict[str, list[float]] = {m: [] for m in names}
-    ratios: dict[str, list[float]] = {m: [] for m in names}
-    for r in range(rounds):
-        order = names[r % len(names):] + names[:r % len(names)]
-        took = {}
-        for m in order:
-            start = time.perf_counter()
-            run[m]()
-            took[m] = time.perf_counter() - start
-            seconds[m].append(took[m])
-        for m in names:
-            ratios[m].append(took[m] / took["nope"])
-        print(f"N={n} round {r + 1}/{rounds}: " + ", ".join(f"{m} {took[m] / took['nope']:.2f}x" for m in names), file=sys.stderr)
-    return {m: {"seconds": statistics.median(seconds[m]), "ratio": statistics.median(ratios[m]),
-                "ratio_min": min(ratios[m]), "ratio_max": max(ratios[m])} for m in names}
+    return alternated(jobs(n, blocks, methods), rounds, label=f"N={n} ")
 
 
 def main() -> int:

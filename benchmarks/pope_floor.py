@@ -23,14 +23,12 @@ Writes ``results.json`` and ``table.md`` under ``--out``.
 from __future__ import annotations
 
 import argparse
-import statistics
-import sys
-import time
 from pathlib import Path
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
+from alternated import alternated  # (benchmarks/, this script's folder)
 
 import posenc
 from posenc.bench.machine import cpu_model
@@ -72,24 +70,7 @@ def main() -> int:
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     run = jobs(args.length)
-    names = list(run)
-    for fn in run.values():  # one untimed call each
-        fn()
-    seconds: dict[str, list[float]] = {m: [] for m in names}
-    ratios: dict[str, list[float]] = {m: [] for m in names}
-    for r in range(args.rounds):
-        order = names[r % len(names):] + names[:r % len(names)]
-        took = {}
-        for m in order:
-            start = time.perf_counter()
-            run[m]()
-            took[m] = time.perf_counter() - start
-            seconds[m].append(took[m])
-        for m in names:
-            ratios[m].append(took[m] / took["nope"])
-        print(f"round {r + 1}/{args.rounds}: " + ", ".join(f"{m} {took[m] / took['nope']:.2f}x" for m in names), file=sys.stderr)
-    rows = {m: {"seconds": statistics.median(seconds[m]), "ratio": statistics.median(ratios[m]),
-                "ratio_min": min(ratios[m]), "ratio_max": max(ratios[m])} for m in names}
+    rows = alternated(run, args.rounds)
     machine = f"{cpu_model()}, {args.threads} threads, torch {torch.__version__}"
     out = Path(args.out)
     write_json(out / "results.json", {"length": args.length, "rounds": args.rounds, "machine": machine, "rows": rows})
