@@ -98,6 +98,19 @@ class MaxTensor(TorchDispatchMode):
         return out
 
 
+class MaxStorage(MaxTensor):
+    """Records the largest memory (elements) any op's output holds: a view counts its storage, not
+    its shape, so a strided view of a small table (backends/parts/toeplitz.py's (1, H, N, N) mask
+    over an (H, 2N - 1) table) counts as the table it reads."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.untyped_storage().nbytes() // max(t.element_size(), 1))
+        return out
+
+
 def largest_tensor(method: str, n: int = 1024, **options) -> tuple[int, str]:
     """The largest tensor of a forward + backward of one posenc.Attention layer at length n (auto
     backend, B=1, H=4, D=16), and the backend that ran."""

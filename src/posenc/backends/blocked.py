@@ -19,6 +19,12 @@ and ``bias_tails``, see :class:`~posenc.encodings.protocol.BiasTails`) splits ev
 - the band in between, -P < r < F (T5: the last P keys), written out from ``relative_bias`` in
   batched blocks (:mod:`posenc.backends.parts.band`).
 
+A non-causal call (an encoder's) whose table takes no gradient (ALiBi; T5 frozen or without grad)
+skips the split: the bias is a Toeplitz matrix, a strided view of one (H, Tq + Tk - 1) table over the
+reversed keys, and one kernel call with it as its mask runs the whole attention, forward and backward
+(:mod:`posenc.backends.parts.toeplitz`; ~1.1x untouched SDPA where the split cost 2-2.5x at 1,024
+tokens). A learned table (T5 training) keeps the split: its gradient needs the band's explicit dS.
+
 Parts are merged through their log-sum-exps (:class:`~posenc.backends.parts.regions.Merge`), and the
 backward is a custom ``autograd.Function`` that saves only q, k, v, the output and the log-sum-exp:
 each part's flash backward, given the merged output and log-sum-exp, is exactly its share of the
@@ -63,7 +69,7 @@ import torch
 from ..encodings.protocol import RelativeBias, offers
 from ..errors import UsageError
 from . import sdpa
-from .parts import band, explicit, padding, single, tails
+from .parts import band, explicit, padding, single, tails, toeplitz
 from .parts.base import ScoreSpec, accumulation_dtype
 from .parts.denormals import flushed, opaque_to_compile
 from .parts.regions import (
@@ -119,8 +125,20 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec, b
         return sdpa.attend(q, k, v, spec)
     tq, tk = q.shape[-2], k.shape[-2]
     if fast_path(spec, tq, tk):
+        if block is None and toeplitz.applies(spec, q, v):  # non-causal: one kernel call, its mask a view of a table
+            return _fixed_or_tailed(q, k, v, spec)
         return _tailed(q, k, v, spec, block)
     return explicit.attend(q, k, v, spec, block)
+
+
+@opaque_to_compile  # one opaque call, as _tailed: the table, the flipped keys and the kernel stay out of compiled frames
+def _fixed_or_tailed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec) -> torch.Tensor:
+    """A non-causal call: one kernel call with the bias table as its mask (backends/parts/toeplitz.py),
+    or, for a table that takes a gradient (T5's, learned), the far calls and bands of :func:`_tailed`."""
+    w = toeplitz.table(spec, q.shape[-2], k.shape[-2], q.device)  # (H, Tq + Tk - 1)
+    if w.requires_grad:  # the kernel's backward gives no dS to sum per relative position
+        return _tailed(q, k, v, spec, None)
+    return toeplitz.attend(q, k, v, spec, w)
 
 
 @opaque_to_compile  # the plan reads a bound on |q . k| on the host: kept out of compiled frames
