@@ -140,7 +140,7 @@ def _far(call: _Call, tq: int, tk: int) -> list[Region]:
 # One band group: the formula on blocks of queries against their key windows
 
 
-class _Band:
+class _ContextBand:
     """Everything the formula computes for one group of band blocks, (B*n, H, C, L) each."""
 
     def __init__(self, call: _Call, group: band.BandGroup, q: torch.Tensor, k: torch.Tensor, z: torch.Tensor) -> None:
@@ -194,7 +194,7 @@ def _forward(
         lse_band = torch.empty(b, h, tq, dtype=acc, device=q.device)
         needed = 0
         for group in _groups(call, b, h, tq, tk):
-            part = _Band(call, group, q, k, z)
+            part = _ContextBand(call, group, q, k, z)
             needed = max(needed, part.needed(call, tq))
             if needed > width:
                 break
@@ -242,7 +242,7 @@ def _backward(
     dz[..., call.cap] += share * ((up(dout) * far_out).sum(-1) - total)
     # The band, recomputed per group and differentiated by hand (see the module docstring).
     for group in _groups(call, b, h, tq, tk):
-        part = _Band(call, group, q, k, z)
+        part = _ContextBand(call, group, q, k, z)
         rows = slice(*group.row_range)
         doc = up(band.blocks(dout, group))  # (B*n, H, C, D)
         p = torch.exp(part.logits - up(band.blocks(lse, group))[..., None])  # (B*n, H, C, L)

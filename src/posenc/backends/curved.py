@@ -6,7 +6,7 @@ queries [t0, t1) every key more than R - 1 behind the block's first query carrie
 "far" keys are one call of the CPU flash kernel (no mask: every query of the block sees them), and
 the band of the last C + R - 1 keys before the block's last query is a second call with its bias as
 the kernel's float mask: the curves of the block's rows are copied into it as one strided view
-(keys reversed, padded in front, :class:`_Band`), the rest of it 0 or -inf (the causal mask). The
+(keys reversed, padded in front, :class:`_CurveBand`), the rest of it 0 or -inf (the causal mask). The
 two parts of each softmax row are merged by their log-sum-exps
 (:class:`~posenc.backends.parts.regions.Merge`). Backward: the far call's flash backward given the
 merged output and log-sum-exp (:func:`~posenc.backends.parts.regions.region_backward`), and the
@@ -84,12 +84,12 @@ def _run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, curves: torch.Tensor
 
 def _blocks(tq: int, tk: int, reach: int, block: int) -> list[tuple[int, int, int]]:
     """(t0, t1, lo) per block of queries: rows t0..t1, far keys 0..lo (none with a window: lo = 0;
-    the band is the C + reach - 1 keys before each block's last key, see :class:`_Band`)."""
+    the band is the C + reach - 1 keys before each block's last key, see :class:`_CurveBand`)."""
     offset = tk - tq
     return [(t0, min(t0 + block, tq), max(0, t0 + offset - reach + 1)) for t0 in range(0, tq, block)]
 
 
-class _Band:
+class _CurveBand:
     """The band of a call, with the curves read as a strided view of its bias.
 
     Keys are taken from the first query's band on, padded in front with zero rows where that band
@@ -216,7 +216,7 @@ class _Curved(torch.autograd.Function):
         reach = r if window is None else max(r, min(window, tk))
         plan = _blocks(tq, tk, reach, block)
         merged = Merge(b, h, tq, d, q.dtype, q.device)
-        band = _Band(k, v, tq, reach, r, window)
+        band = _CurveBand(k, v, tq, reach, r, window)
 
         def run() -> None:
             buf = torch.empty(b * h * min(block, tq) * (min(block, tq) + reach - 1), dtype=q.dtype, device=q.device)
@@ -249,7 +249,7 @@ class _Curved(torch.autograd.Function):
         acc = up(q).dtype
         dq, dk, dv = torch.zeros_like(up(q)), torch.zeros_like(up(k)), torch.zeros_like(up(v))
         dc = torch.empty_like(curves, dtype=acc)  # (B, H, Tq, R) in the curves' memory layout: no copy on the way back
-        band = _Band(up(k), up(v), tq, reach, _used(curves, k), window)
+        band = _CurveBand(up(k), up(v), tq, reach, _used(curves, k), window)
         dkr, dvr = torch.zeros_like(band.k), torch.zeros_like(band.v)  # (B, H, P + Tq, D), ordered as band.k
         dsum = (up(dout) * up(out)).sum(-1)  # (B, H, Tq): D_i = dO_i . O_i
         qs = up(q) * scale  # (B, H, Tq, D)
