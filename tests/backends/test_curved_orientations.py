@@ -63,5 +63,5 @@ def test_both_orientations_equal_the_formula(monkeypatch, reverse, tq, tk, block
 def test_the_choice_follows_the_copies():
     """A full pass reverses its keys (Tq R > 2 (P + Tq) D), a decode step its curves."""
     k = torch.zeros(1, 2, 4096, 64)
-    assert curved._Band(k, k, 4096, 1024, 1024, None).reversed
-    assert not curved._Band(k, k, 1, 1024, 1024, None).reversed
+    assert curved._CurveBand(k, k, 4096, 1024, 1024, None).reversed
+    assert not curved._CurveBand(k, k, 1, 1024, 1024, None).reversed
