@@ -22,8 +22,7 @@ and ``bias_tails``, see :class:`~posenc.encodings.protocol.BiasTails`) splits ev
 A non-causal call (an encoder's) whose table takes no gradient (ALiBi; T5 frozen or without grad)
 skips the split: the bias is a Toeplitz matrix, a strided view of one (H, Tq + Tk - 1) table over the
 reversed keys, and one kernel call with it as its mask runs the whole attention, forward and backward
-(:mod:`posenc.backends.parts.toeplitz`; ~1.1x untouched SDPA where the split cost 2-2.5x at 1,024
-tokens). A learned table (T5 training) keeps the split: its gradient needs the band's explicit dS.
+(:mod:`posenc.backends.parts.toeplitz`). A learned table (T5 training) keeps the split: its gradient needs the band's explicit dS.
 
 Parts are merged through their log-sum-exps (:class:`~posenc.backends.parts.regions.Merge`), and the
 backward is a custom ``autograd.Function`` that saves only q, k, v, the output and the log-sum-exp:

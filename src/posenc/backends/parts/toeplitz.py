@@ -9,8 +9,8 @@ to r_lo (R = Tq + Tk - 1 values), and a Hankel matrix is a view of ``w`` with st
 
 So a non-causal call (an encoder's attention) is one kernel call forward and one backward, over k
 and v reversed (dk and dv reversed back), with exactly the scores of SDPA with a dense float bias.
-The blocked backend's far calls and bands (:mod:`posenc.backends.blocked`) would split the same
-call into ~40 kernel calls at 1,024 tokens, for ALiBi 2-2.5x untouched SDPA where this is ~1.05x.
+The blocked backend's far calls and bands (:mod:`posenc.backends.blocked`) split the same call
+into ~40 kernel calls at 1,024 tokens (each a parallel region of its own).
 
 Only for a bias that takes no gradient here (ALiBi; T5 without grad, or frozen): the kernel's
 backward gives no dS to sum per relative position, so a learned table keeps the blocked path.
