@@ -146,7 +146,7 @@ def _scores(ws: BackwardBuffers, q_c: torch.Tensor, k_c: torch.Tensor, scale: fl
     s = unfold_heads(s, h)  # (B, H, C, L)
     # A large bias (the dynamic position bias far from the diagonal) sends most logits far below the
     # row's log-sum-exp, where exp's result underflows and the vectorised exp falls back to a scalar
-    # path (10-30 ns an element here, against under 1 ns): logits below ``floor`` are raised to it,
+    # path (an order of magnitude slower an element): logits below ``floor`` are raised to it,
     # a probability of e^20 times the dtype's smallest normal number (8e-30 in float32), far below
     # what any sum of them can show; the pairs the bias hides (-inf) are set back to exactly 0 (with
     # ``staircase_only``, a decoder's future, only the block's last C keys are looked at).
