@@ -30,12 +30,12 @@ Shape legend: B batch, H heads, Tq queries, Tk keys, D head dim, C queries of a 
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
 
 from ..encodings.protocol import Biases, QueryTerms, Selects, ValueTerms, offers, require
+from .parts import explicit
 from .parts.base import ScoreSpec
 from .parts.denormals import flushed, opaque_to_compile
 from .parts.regions import apply, kernel_forward, up, use_kernel
@@ -99,12 +99,6 @@ def _mask(f: torch.Tensor, t0: int, t1: int, offset: int, dtype: torch.dtype) ->
     return (-f).masked_fill(later, float("-inf")).to(dtype)[:, None]
 
 
-def _floor(dtype: torch.dtype) -> float:
-    """Logits minus log-sum-exp below this give exp no exact work (see explicit._scores): log of the
-    dtype's smallest normal number, plus 20."""
-    return math.log(torch.finfo(dtype).tiny) + 20.0
-
-
 class _Selective(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec, start: torch.Tensor,
@@ -141,33 +135,23 @@ class _Selective(torch.autograd.Function):
         acc = up(q).dtype
         dq, dk, dv = torch.zeros_like(up(q)), torch.zeros_like(up(k)), torch.zeros_like(up(v))
         dsum = (up(dout) * up(out)).sum(-1)  # (B, H, Tq): D_i = dO_i . O_i
-        qs = up(q) * spec.scale  # (B, H, Tq, D)
         later = torch.zeros(b, k.shape[-2], dtype=ctx.carries[0].dtype, device=q.device)  # (B, Tk): G summed over later blocks
-        floor = _floor(acc)
+        ws = explicit.BackwardBuffers(q.shape[0] * q.shape[1] * min(block, tq) * k.shape[-2], acc, q.device)  # every block's buffers
 
         def run() -> None:
             for n, t0 in reversed(list(enumerate(range(0, tq, block)))):
                 t1 = min(t0 + block, tq)
                 length = t1 + offset
-                kb, vb, do = up(k[:, :, :length]), up(v[:, :, :length]), up(dout[:, :, t0:t1])
+                qb, kb, vb, do = up(q[:, :, t0:t1]), up(k[:, :, :length]), up(v[:, :, :length]), up(dout[:, :, t0:t1])
                 qd, kd = q[:, :, t0:t1].detach().requires_grad_(), k[:, :, :length].detach().requires_grad_()
                 with torch.enable_grad():
                     s = _selection(spec, qd, kd, t0, offset)  # (B, C, L), with its graph to the block's q and k
                 mask = _mask(_penalty(s.detach(), ctx.carries[n]), t0, t1, offset, acc)  # (B, 1, C, L)
-                # p = exp(q k^T scale - F - lse), (B, H, C, L): -F - lse first, the product accumulated into it
-                c = t1 - t0
-                logits = torch.sub(mask, lse[:, :, t0:t1, None])  # (B, H, C, L)
-                kt = kb.reshape(-1, length, kb.shape[-1]).transpose(1, 2)  # (B H, D, L)
-                logits.view(-1, c, length).baddbmm_(qs[:, :, t0:t1].reshape(-1, c, qs.shape[-1]), kt)
-                p = logits.clamp_(min=floor).exp_()  # (exp's underflow path avoided, as in explicit._scores)
-                p[..., -c:].masked_fill_(torch.isneginf(mask[..., -c:]), 0.0)
-                dv[:, :, :length] += torch.matmul(p.transpose(-1, -2), do)
-                # dS = p (dO v^T - D), the product accumulated into -D
-                dp = torch.baddbmm(dsum[:, :, t0:t1, None].neg().reshape(-1, c, 1), do.reshape(-1, c, do.shape[-1]),
-                                   vb.reshape(-1, length, vb.shape[-1]).transpose(1, 2))
-                ds = p.mul_(dp.view(p.shape))  # (B, H, C, L)
-                dq[:, :, t0:t1] += torch.matmul(ds, kb).mul_(spec.scale)
-                dk[:, :, :length] += torch.matmul(ds.transpose(-1, -2), qs[:, :, t0:t1])
+                # p = exp(q k^T scale - F - lse) and dS = p (dO v^T - D), as the explicit path's blocks
+                p = explicit.block_probabilities(ws, qb, kb, spec.scale, mask, lse[:, :, t0:t1], staircase_only=True)
+                ds, dq_c = explicit.block_grads(ws, p, do, dsum[:, :, t0:t1], qb, kb, vb, spec.scale,
+                                                dk[:, :, :length], dv[:, :, :length])  # (B, H, C, L), (B, H, C, D)
+                dq[:, :, t0:t1] += dq_c
                 g = ds.sum(1)  # (B, C, L): dL/dF = -g
                 # dL/dS_tj = -(sum over the block's later rows of g, and over later blocks)
                 #          = (sum over its rows up to t) - (sum over all its rows and later blocks)

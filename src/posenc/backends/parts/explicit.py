@@ -112,7 +112,7 @@ def _add_product(target: torch.Tensor, a: torch.Tensor, b: torch.Tensor, alpha: 
     flat.baddbmm_(a.reshape(-1, *a.shape[-2:]), b.reshape(-1, *b.shape[-2:]), alpha=alpha)
 
 
-def _block_grads(
+def block_grads(
     ws: BackwardBuffers, p: torch.Tensor, dout_c: torch.Tensor, total_c: torch.Tensor, q_c: torch.Tensor,
     k_c: torch.Tensor, v_c: torch.Tensor, scale: float, dk: torch.Tensor, dv: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -132,7 +132,7 @@ def _block_grads(
     return ds, dq_c
 
 
-def _scores(ws: BackwardBuffers, q_c: torch.Tensor, k_c: torch.Tensor, scale: float, bias: torch.Tensor, lse_c: torch.Tensor,
+def block_probabilities(ws: BackwardBuffers, q_c: torch.Tensor, k_c: torch.Tensor, scale: float, bias: torch.Tensor, lse_c: torch.Tensor,
             staircase_only: bool = False) -> torch.Tensor:
     """exp(q k^T * scale + bias - lse): the block's probabilities (B, H, C, L), in workspace memory
     (bias - lse written first, the product accumulated into it: one pass fewer than adding after).
@@ -244,9 +244,9 @@ def _relative_backward(
         q_c, dout_c = up(q[:, :, a0:a1].flip(-2)), up(dout[:, :, a0:a1].flip(-2))  # reversed rows
         k_c, v_c = up(k[:, :, :keys]), up(v[:, :, :keys])
         bias = _view(table, g, a0, a1, keys)  # (1, H, C, L)
-        p = _scores(ws, q_c, k_c, g.scale, bias.transpose(0, 1) if swap else bias, lse[:, :, a0:a1].flip(-1), staircase_only=True)
+        p = block_probabilities(ws, q_c, k_c, g.scale, bias.transpose(0, 1) if swap else bias, lse[:, :, a0:a1].flip(-1), staircase_only=True)
         total_c = total[:, :, a0:a1].flip(-1)
-        ds, dq_c = _block_grads(ws, p, dout_c, total_c, q_c, k_c, v_c, g.scale, dk[:, :, :keys], dv[:, :, :keys])
+        ds, dq_c = block_grads(ws, p, dout_c, total_c, q_c, k_c, v_c, g.scale, dk[:, :, :keys], dv[:, :, :keys])
         dq[:, :, a0:a1] = dq_c.flip(-2)
         if dtable is not None:
             # Row a', key b reads table[start + a' + b]: write dS along anti-diagonals, sum the rows.
@@ -330,5 +330,5 @@ def _generic_block(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     q_c, dout_c = up(q[:, :, a0:a1]), up(dout[:, :, a0:a1])
     k_c, v_c = up(k[:, :, :keys]), up(v[:, :, :keys])
-    p = _scores(ws, q_c, k_c, g.scale, bias, lse[:, :, a0:a1])
-    return _block_grads(ws, p, dout_c, total[:, :, a0:a1], q_c, k_c, v_c, g.scale, dk[:, :, :keys], dv[:, :, :keys])
+    p = block_probabilities(ws, q_c, k_c, g.scale, bias, lse[:, :, a0:a1])
+    return block_grads(ws, p, dout_c, total[:, :, a0:a1], q_c, k_c, v_c, g.scale, dk[:, :, :keys], dv[:, :, :keys])
