@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 from ..encodings.protocol import Biases, QueryTerms, ValueTerms, offers
+from .parts import explicit
 from .parts.base import ScoreSpec
 from .parts.denormals import flushed, opaque_to_compile
 from .parts.regions import Merge, Region, apply, kernel_forward, region_backward, up, use_kernel
@@ -256,9 +257,9 @@ class _Curved(torch.autograd.Function):
 
         def run() -> None:
             width = min(ctx.block, tq) + reach - 1
-            # two buffers every block reuses (fresh pages per block cost more than filling them)
+            # buffers every block reuses (fresh pages per block cost more than filling them): the bias's and dP's
             buf = torch.empty(b * h * min(ctx.block, tq) * width, dtype=acc, device=q.device)
-            buf2 = torch.empty_like(buf)
+            ws = explicit.BackwardBuffers(buf.numel(), acc, q.device)
             for t0, t1, lo in ctx.plan:
                 if lo > 0 and window is None:
                     gq, gk, gv = region_backward(Region((t0, t1), (0, lo), False), dout, q, k, v, out, lse, scale)
@@ -271,15 +272,10 @@ class _Curved(torch.autograd.Function):
                 # p = exp(q k^T scale + bias - lse): the whole row's probabilities, (B, H, C, C + P)
                 kt = kb.reshape(b * h, -1, kb.shape[-1]).transpose(1, 2)  # (B H, D, C + P)
                 p = bias.view(b * h, c, -1).baddbmm_(qs[:, :, t0:t1].reshape(b * h, c, -1), kt).exp_().view(b, h, c, -1)
-                do = up(dout[:, :, t0:t1])
-                dvr[:, :, keys] += torch.matmul(p.transpose(-1, -2), do)
-                # dS = p (dO v^T - D)
-                vt = vb.reshape(b * h, -1, vb.shape[-1]).transpose(1, 2)  # (B H, D, C + P)
-                ds = buf2[: p.numel()].view(b * h, c, -1)
-                ds.copy_(dsum[:, :, t0:t1].reshape(b * h, c, 1).neg().expand(ds.shape)).baddbmm_(do.reshape(b * h, c, -1), vt)
-                ds = ds.view(b, h, c, -1).mul_(p)
-                dq[:, :, t0:t1] += torch.matmul(ds, kb) * scale
-                dkr[:, :, keys] += torch.matmul(ds.transpose(-1, -2), qs[:, :, t0:t1])
+                # dv, dS = p (dO v^T - D), dq and dk as the explicit path's blocks
+                ds, dq_c = explicit.block_grads(ws, p, up(dout[:, :, t0:t1]), dsum[:, :, t0:t1], up(q[:, :, t0:t1]), kb, vb, scale,
+                                                dkr[:, :, keys], dvr[:, :, keys])  # (B, H, C, C + P), (B, H, C, D)
+                dq[:, :, t0:t1] += dq_c
                 dc[:, :, t0:t1, :used] = band.curve_grads(ds, t0, t1)
                 dc[:, :, t0:t1, used:] = 0.0  # distances no key of the call is at
 
