@@ -39,6 +39,7 @@ from ...encodings.protocol import Biases, DistanceBias, offers, require
 from .base import ScoreSpec, accumulation_dtype, needs_grad
 from .denormals import flushed
 from .regions import apply, fold_heads, heads_first, kernel_forward, new_output, unfold_heads, up
+from .toeplitz import hankel
 
 BLOCK = 64  # query rows per block: temporaries are (B, H, BLOCK, keys)
 
@@ -193,10 +194,8 @@ def _outputs(q: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
 
 def _view(table: torch.Tensor, g: _Geometry, a0: int, a1: int, keys: int) -> torch.Tensor:
     """The (1, H, C, keys) bias of rows a1-1 .. a0 (reversed) as a view of ``table`` (H, R)."""
-    c = a1 - a0
     # reversed row a' is query a1 - 1 - a'; r = b - (a1 - 1 - a') - offset, index r - r_lo.
-    start = g.tq - a1  # = -(a1 - 1 + offset) - r_lo
-    return table.as_strided((1, table.shape[0], c, keys), (0, table.stride(0), 1, 1), table.storage_offset() + start)
+    return hankel(table, a1 - a0, keys, start=g.tq - a1)  # start = -(a1 - 1 + offset) - r_lo
 
 
 class _Relative(torch.autograd.Function):

@@ -60,10 +60,9 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec, w
     return apply(_Toeplitz, q, k, v, w, spec.scale, sloped)
 
 
-def hankel(w: torch.Tensor, tq: int, tk: int) -> torch.Tensor:
-    """(1, H, Tq, Tk) view of ``w`` (H, R) with ``[0, h, i, j'] = w[h, i + j']`` (no copy)."""
-    h, r = w.shape
-    return w.as_strided((1, h, tq, tk), (0, r, 1, 1))
+def hankel(w: torch.Tensor, rows: int, cols: int, start: int = 0) -> torch.Tensor:
+    """(1, H, rows, cols) view of ``w`` (H, R) with ``[0, h, i, j] = w[h, start + i + j]`` (no copy)."""
+    return w.as_strided((1, w.shape[0], rows, cols), (0, w.stride(0), 1, 1), w.storage_offset() + start)
 
 
 class _Toeplitz(torch.autograd.Function):
