@@ -39,7 +39,11 @@ def _holder(model: nn.Module, family: Family) -> nn.Module:
 
 
 def _held(model: nn.Module, family: Family) -> list[nn.Module]:
-    held = getattr(_holder(model, family), str(family.rotary_list))
+    return _modules(getattr(_holder(model, family), str(family.rotary_list)))
+
+
+def _modules(held: nn.Module) -> list[nn.Module]:
+    """The rotary modules ``held`` (a list of them, or one)."""
     return list(held) if isinstance(held, nn.ModuleList) else [held]
 
 
@@ -91,7 +95,7 @@ def install_rotaries(model: nn.Module, family: Family | None, stand_in: RotarySt
         return
     holder, name = _holder(model, family), str(family.rotary_list)
     held = getattr(holder, name)
-    for i, module in enumerate(_held(model, family)):
+    for i, module in enumerate(_modules(held)):  # (the holder found once)
         extra = module if isinstance(module, RotaryStandIn) else RotaryStandIn(module)
         extra.forward_state = stand_in.forward_state
         extra.identity = stand_in.identity
