@@ -10,7 +10,9 @@ the last 2 reusing the keys and values of the last earlier layer of their type),
 with KV-shared layers it is refused), per-layer key/value heads (MiMo-V2-Flash: sinks and twice the
 key/value heads on its sliding layers), a rotation turned the other way (nanochat: its own only), the RoPE block's scaling on some layers
 (Molmo2: the others rotate unscaled, with a second rotary module), Lara mini (linear-attention
-layers, NoPE full layers) and Falcon (layers in ``h``; refused with ALiBi; GPT-J refused naming its table).
+layers, NoPE full layers), Falcon (layers in ``h``; refused with ALiBi) and GPT-J and CodeGen (no inv_freq: a
+``[sin | cos]`` table of base 10000, interleaved pairs on the first ``rotary_dim`` features; a table that is not
+posenc's RoPE is refused).
 
 The census (tests/hf/test_census.py) checks ``use(model, "rope")``, under which the model rotates q
 and k with its own tables and posenc only verifies them: it cannot see a row's layout, rope slice or
@@ -69,6 +71,7 @@ ROWS: list[tuple[str, dict[str, Any]]] = [
                      "rope_scaling_layers": [1]}),
     ("gemma4_text", {}),
     ("gemma4_text", {"attention_k_eq_v": True, "per_layer_config": {"1": {"head_dim": 32, "num_key_value_heads": 1}}}),
+    ("gptj", {}), ("gptj", {"rotary_dim": 16}), ("codegen", {}), ("codegen", {"rotary_dim": 4}),
 ]
 
 
@@ -242,11 +245,61 @@ def test_molmo2_scales_only_its_rope_scaling_layers() -> None:
     assert sum(isinstance(m, RotaryStandIn) for m in model.modules()) == 2  # both rotary modules stood in for
 
 
-def test_falcon_with_alibi_and_gptj_are_refused_naming_why() -> None:
+def test_falcon_with_alibi_is_refused_naming_why() -> None:
     with pytest.raises(UsageError, match="'falcon'.*alibi=True: its ALiBi bias reaches the attention in the mask"):
         phf.use(build("falcon", alibi=True), "rope")
-    with pytest.raises(UsageError, match="'gptj'.*holds no inv_freq buffer \\(its buffers: embed_positions"):
-        phf.use(build("gptj"), "rope")
+
+
+def _sincos(positions: int, inv_freq: torch.Tensor) -> torch.Tensor:
+    """A (positions, r) [sin | cos] table of the angles p * inv_freq (float64, then float32)."""
+    angles = torch.arange(positions, dtype=torch.float64)[:, None] * inv_freq.double()[None]  # (P, r/2)
+    return torch.cat((angles.sin(), angles.cos()), dim=-1).float()
+
+
+@pytest.mark.parametrize("model_type", ["gptj", "codegen"])
+def test_a_gptj_table_that_is_not_posencs_rope_is_refused(model_type: str) -> None:
+    """GPT-J and CodeGen hold a [sin | cos] table (embed_positions), not frequencies: the table is
+    posenc's RoPE of base 10000 over rotary_dim features (our own table of the same angles), and
+    use() refuses one that differs (another base; one altered entry far into the table; frequencies
+    off by 1e-4), naming where, before any forward, leaving the model as it was."""
+    ref = build(model_type)
+    table = ref.get_decoder().rotary_emb.embed_positions
+    r = int(ref.config.rotary_dim)
+    own = 10000.0 ** (-torch.arange(0, r, 2, dtype=torch.float64) / r)  # (r/2,)
+    assert table.shape == (ref.config.max_position_embeddings, r)
+    assert float((table - _sincos(table.shape[0], own)).abs().max()) < 1e-4  # what posenc's verification reads
+    altered = []
+    for name, made in (("base 5000", lambda t: t.copy_(_sincos(t.shape[0], 5000.0 ** (-torch.arange(0, r, 2) / r)))),
+                       ("entry", lambda t: t[200, r - 1].add_(1e-3)),
+                       ("frequencies", lambda t: t.copy_(_sincos(t.shape[0], own * (1 + 1e-4))))):
+        model = copy.deepcopy(ref)
+        with torch.no_grad():
+            made(model.get_decoder().rotary_emb.embed_positions)
+        with pytest.raises(UsageError, match=rf"'{model_type}'.*posenc's RoPE read from the .* config \(base 10000, {r} rotated "
+                                             r"features, interleaved pairs\) differs from the model's table "
+                                             r"\w+RotaryEmbedding.embed_positions at position (\d+)") as refused:
+            phf.use(model, "rope")
+        altered.append((name, str(refused.value)))
+        assert not any(isinstance(m, RotaryStandIn) for m in model.modules())  # refused: left as it was
+    assert "at position 200 " in altered[1][1], altered[1]
+
+
+@pytest.mark.parametrize("model_type", ["gptj", "codegen"])
+def test_the_gptj_stand_in_is_the_identity_rotation(model_type: str) -> None:
+    """Their rotary module returns (sin, cos), sin first: under another encoding the stand-in's tables
+    leave q and k as they are through the model's own apply_rotary_pos_emb (a (cos, sin) identity
+    would turn every pair by 90 degrees: invisible in q . k, not in q itself)."""
+    import importlib
+
+    model = phf.use(build(model_type), "t5")
+    rotary = model.get_decoder().rotary_emb
+    assert isinstance(rotary, RotaryStandIn)
+    x = torch.randn(1, 6, 4, int(model.config.rotary_dim), generator=torch.Generator().manual_seed(0))  # (B, T, H, r)
+    apply = importlib.import_module(type(rotary.original).__module__).apply_rotary_pos_emb
+    sin, cos = rotary(x, torch.arange(6)[None])
+    assert torch.equal(apply(x, sin, cos), x)
+    rotary.sin_first = False
+    assert not torch.allclose(apply(x, *rotary(x, torch.arange(6)[None])), x)
 
 
 @pytest.mark.parametrize("model_type", ["mistral4", "ministral3"])

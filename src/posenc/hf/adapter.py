@@ -240,7 +240,8 @@ def _planned(model: nn.Module, stack: nn.Module, encoding: str | nn.Module | Sch
         plans, modules, record = inkling_plans(inner, cast(Any, family), attentions, encoding, options)
         return inner, family, layers, attentions, None, plans, modules, record
     current = getattr(stack, cast(str, rotary_name(stack)))
-    stand_in = current if isinstance(current, RotaryStandIn) else RotaryStandIn(cast(nn.Module, current))
+    stand_in = current if isinstance(current, RotaryStandIn) else RotaryStandIn(
+        cast(nn.Module, current), sin_first=family is not None and family.sincos_table is not None)  # (sin, cos): GPT-J
     rotary = stand_in.original
     if family is None:
         check_structure(model, stack, inner, attentions, rotary)

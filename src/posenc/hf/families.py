@@ -81,6 +81,15 @@ Definitions (r the rotated features of a head, D its q/k head dim):
   is [x2, -x1]), which posenc's RoPE cannot: ``use(model, "rope")`` keeps the model's own rotation
   (verified by its frequencies), and a RoPE posenc would apply itself (options, a schedule, a remap) is
   refused; other encodings replace it.
+- ``sincos_table``: the rotary module holds no ``inv_freq`` buffer: its buffer of this name is a
+  (positions, r) table ``[sin | cos]`` of each position's angles, and it returns ``(sin, cos)``, sin
+  first (GPT-J's and CodeGen's ``embed_positions``, made by ``create_sinusoidal_positions``; their
+  attention rotates the first ``rotary_dim`` features in interleaved pairs). posenc reads r from the
+  table's width, verifies its RoPE read from the config against the whole table at use(), and its
+  stand-in's identity rotation is (sin 0, cos 1).
+- ``fixed_theta``: the RoPE base fixed in the family's modeling code, whose config has no RoPE block
+  (GPT-J, CodeGen: 10000); a ``rope_parameters`` or ``rope_theta`` the config holds is not read, as
+  the model does not read it.
 - ``refused_when``: (config key, why) pairs: :func:`posenc.hf.use` refuses a model whose config sets
   the key (true or non-zero), saying why (what posenc lacks for it).
 - ``own``: the encoding of the family's own attention, ``"rope"`` for all but the Inkling families
@@ -134,6 +143,8 @@ class Family:
     per_layer_config: bool = False
     kv_heads_per_layer: bool = False
     reversed_rotation: bool = False
+    sincos_table: str | None = None
+    fixed_theta: float | None = None
     refused_when: tuple[tuple[str, str], ...] = ()
     own: str = "rope"
     query_sinks: str | None = None
@@ -225,6 +236,14 @@ FAMILIES: tuple[Family, ...] = (
     Family("Falcon", ("falcon",), refused_when=(("alibi", "its ALiBi bias reaches the attention in the mask, which posenc's "
                                                         "attention does not take"),),
            needs="its layers in h, attention in self_attention; refused with alibi=True"),
+    # No inv_freq buffer: a [sin | cos] table of base 10000 (embed_positions), interleaved pairs on the first rotary_dim features
+    Family("GPT-J", ("gptj",), layout="interleaved", window="none", sincos_table="embed_positions", fixed_theta=10000.0,
+           needs="partial rotary (the first rotary_dim features), interleaved pairs; no inv_freq: a (positions, rotary_dim) "
+                 "[sin, cos] table of base 10000 (embed_positions), returned sin first, verified against posenc's RoPE; "
+                 "layers in h"),
+    Family("CodeGen", ("codegen",), layout="interleaved", window="none", sincos_table="embed_positions", fixed_theta=10000.0,
+           needs="GPT-J's rotation (partial rotary, interleaved pairs, a [sin, cos] table of base 10000 verified against "
+                 "posenc's RoPE, rotated in float32); a fused qkv projection (nothing to do); layers in h"),
     # Per-layer bases (layer_rope_theta), a base of 0 for a NoPE layer
     Family("Muse", ("muse_glimmer_text", "muse_spark_text"), nope="zero_theta",
            needs="NoPE layers where layer_rope_theta is 0 (the others rotate with the one RoPE block)"),

@@ -63,13 +63,16 @@ class RotaryStandIn(nn.Module):
     starts a new forward for the attention layers, calls the original and returns its output's
     types and shapes as the identity rotation (cos = 1, sin = 0; a complex table of ones), so the
     model's own rotation leaves q and k exactly as they are, whatever its layout, slice or dtype.
+    ``sin_first``: the original returns ``(sin, cos)`` (GPT-J, CodeGen: ``Family.sincos_table``), so
+    the identity is (zeros, ones).
     """
 
-    def __init__(self, original: nn.Module) -> None:
+    def __init__(self, original: nn.Module, sin_first: bool = False) -> None:
         super().__init__()
         self.original = original
         self.forward_state = ForwardState()
         self.identity = True  # False: the original's own tables pass through (the model rotates)
+        self.sin_first = sin_first
 
     def __getattr__(self, name: str) -> Any:
         """What the model reads from its rotary module besides calling it (Ergo's ``rope_type``: the
@@ -91,6 +94,8 @@ class RotaryStandIn(nn.Module):
         if not self.identity:
             return out
         if isinstance(out, tuple):
+            if self.sin_first:
+                return (torch.zeros_like(out[0]), torch.ones_like(out[1]), *out[2:])
             return (torch.ones_like(out[0]), torch.zeros_like(out[1]), *out[2:])
         return torch.ones_like(out)
 

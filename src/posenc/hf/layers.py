@@ -129,20 +129,67 @@ def _layer_types(config: Any) -> list[str] | None:
     return list(types) if types is not None else None
 
 
-def _rotary_tables(rotary: nn.Module, kind: str | None) -> tuple[torch.Tensor, float]:
+def _rotary_tables(rotary: nn.Module, kind: str | None, family: Family | None = None) -> tuple[torch.Tensor, float]:
     """The model's own inverse frequencies (r/2,) and attention factor for layers of ``kind``
     (float32 on the CPU; :func:`_rotary_buffer` for the buffer as the model holds it)."""
-    inv, factor = _rotary_buffer(rotary, kind)
+    inv, factor = _rotary_buffer(rotary, kind, family)
     return (inv if inv.is_meta else inv.float().cpu()), factor
 
 
-def _rotary_buffer(rotary: nn.Module, kind: str | None) -> tuple[torch.Tensor, float]:
+def _sincos_table(rotary: nn.Module, family: Family) -> torch.Tensor:
+    """The family's (positions, r) ``[sin | cos]`` table held by its rotary module (``Family.sincos_table``).
+
+    Raises:
+        UsageError: the module holds no such 2-D table of an even width, or it has fewer than 2 rows.
+    """
+    name = str(family.sincos_table)
+    table = getattr(rotary, name, None)
+    if not isinstance(table, torch.Tensor) or table.dim() != 2 or table.shape[-1] % 2 or table.shape[0] < 2:
+        shape = tuple(table.shape) if isinstance(table, torch.Tensor) else type(table).__name__
+        raise UsageError(f"model: the {family.name} family rotates with a (positions, r) [sin | cos] table {name!r} of its "
+                         f"rotary module, and {type(rotary).__name__} holds {shape}; posenc cannot check its RoPE")
+    return table.detach()
+
+
+def _table_frequencies(table: torch.Tensor) -> torch.Tensor:
+    """The inverse frequencies (r/2,) of a (positions, r) ``[sin | cos]`` table: the angles of its
+    position 1 (each below pi: atan2 of its sin and cos), in the table's dtype and device."""
+    if table.is_meta:
+        return torch.empty(table.shape[-1] // 2, device="meta")
+    sin, cos = table[1].double().chunk(2)  # (r/2,) each
+    return torch.atan2(sin, cos).to(table.dtype)
+
+
+def _check_table(encoding: RoPE, table: torch.Tensor, name: str, where: str) -> None:
+    """posenc's RoPE against a whole ``[sin | cos]`` table (row p: sin and cos of p times each frequency):
+    within the table's rounding, which grows with the angle (float32 angles of p * theta), else a UsageError
+    naming the first position that differs."""
+    held = table.dtype if table.is_floating_point() else torch.float32
+    rows = table.shape[0]
+    positions = torch.arange(rows, dtype=torch.float64)
+    angles = positions[:, None] * encoding.inv_freq.detach().double().cpu()[None]  # (P, r/2)
+    ours = torch.cat((angles.sin(), angles.cos()), dim=-1)  # (P, r)
+    # the value's rounding in its dtype, and the angle's in float32 (p * theta, theta <= 1) with the frequency's
+    tol = 2 * torch.finfo(held).eps + 8 * torch.finfo(torch.float32).eps * (positions + 1)  # (P,)
+    gap = (table.double().cpu() - ours).abs().amax(-1)  # (P,)
+    bad = (gap > tol).nonzero()
+    if bad.numel():
+        p = int(bad[0, 0])
+        raise UsageError(f"rope: posenc's RoPE read from the {name} config (base {encoding.base:g}, {encoding.rotary_dim} "
+                         f"rotated features, {encoding.layout} pairs) differs from the model's table {where} at position {p} "
+                         f"(by {float(gap[p]):.2e}); refusing a wrong model")
+
+
+def _rotary_buffer(rotary: nn.Module, kind: str | None, family: Family | None = None) -> tuple[torch.Tensor, float]:
     """The rotary module's inverse-frequency buffer for layers of ``kind`` (detached, in the model's
-    dtype and device) and its attention factor.
+    dtype and device) and its attention factor; of a family with a ``[sin | cos]`` table
+    (``Family.sincos_table``: GPT-J), the frequencies of the table's position 1 and a factor of 1.
 
     Raises:
         UsageError: the rotary module has no such buffer.
     """
+    if family is not None and family.sincos_table is not None:
+        return _table_frequencies(_sincos_table(rotary, family)), 1.0
     inv = getattr(rotary, f"{kind}_inv_freq", None) if kind else None
     factor = getattr(rotary, f"{kind}_attention_scaling", None) if kind else None
     if inv is None:
@@ -228,7 +275,8 @@ def _sizes(model: Any, config: Any, family: Family | None, rotary: nn.Module) ->
     kv_heads = int(getattr(layer_config(config, family, None), "num_key_value_heads", None) or heads)
     d = qk_head_dim(config, family)
     types = _layer_types(config)
-    inv, _ = _rotary_tables(rotary, ([k for k in types or () if getattr(rotary, f"{k}_inv_freq", None) is not None] or types or [""])[-1])
+    inv, _ = _rotary_tables(rotary, ([k for k in types or () if getattr(rotary, f"{k}_inv_freq", None) is not None] or types or [""])[-1],
+                            family)
     r = 2 * int(inv.numel())
     if family is not None and family.rope_slice == "last":
         r = int(config.qk_rope_head_dim)
@@ -268,7 +316,7 @@ def _verify_rope(encoding: PositionalEncoding, rotary: nn.Module, kind: str | No
         check_axes(encoding, rotary, model_type)
     elif not isinstance(encoding, RoPE):
         return
-    held_inv, factor = _rotary_buffer(rotary, kind)
+    held_inv, factor = _rotary_buffer(rotary, kind, family)
     if held_inv.is_meta or encoding.inv_freq.is_meta:  # a model being built by from_pretrained: checked once loaded
         return
     inv = held_inv.float().cpu()
@@ -278,6 +326,9 @@ def _verify_rope(encoding: PositionalEncoding, rotary: nn.Module, kind: str | No
     rtol = max(1e-5, torch.finfo(held).eps)
     ours = encoding.inv_freq.detach().to(held).float().cpu()
     name = family.name if family is not None else "this model"
+    if (isinstance(encoding, RoPE) and family is not None and family.sincos_table is not None
+            and ours.shape == inv.shape):  # every position of its table
+        _check_table(encoding, _sincos_table(rotary, family), name, f"{type(rotary).__name__}.{family.sincos_table}")
     if ours.shape != inv.shape or not torch.allclose(ours, inv, rtol=rtol, atol=1e-9):
         raise UsageError(f"rope: posenc's RoPE read from the {name} config ({ours.numel()} frequencies) differs from the "
                          f"model's rotary module ({inv.numel()}) on layers of type {kind!r}; refusing a wrong model")

@@ -127,7 +127,9 @@ def schedule_from_hf(config) -> Schedule:
         raise UsageError(f"schedule_from_hf: {name} with use_bidirectional_attention=True is not read here")
     depth = int(_need(get, "num_hidden_layers", name))
     beta: float | LogFloorScale | None = None
-    params = _need(get, "rope_parameters", name)
+    # a base fixed in the modeling code (GPT-J, CodeGen: no RoPE block in the config, none read)
+    params = ({"rope_type": "default", "rope_theta": family.fixed_theta} if family.fixed_theta is not None
+              else _need(get, "rope_parameters", name))
     if family.log_beta and isinstance(params, Mapping) and "llama_4_scaling_beta" in params:
         params = dict(params)
         beta = float(params.pop("llama_4_scaling_beta"))
