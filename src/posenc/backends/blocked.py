@@ -22,7 +22,10 @@ and ``bias_tails``, see :class:`~posenc.encodings.protocol.BiasTails`) splits ev
 A non-causal call (an encoder's) whose table takes no gradient (ALiBi; T5 frozen or without grad)
 skips the split: the bias is a Toeplitz matrix, a strided view of one (H, Tq + Tk - 1) table over the
 reversed keys, and one kernel call with it as its mask runs the whole attention, forward and backward
-(:mod:`posenc.backends.parts.toeplitz`). A learned table (T5 training) keeps the split: its gradient needs the band's explicit dS.
+(:mod:`posenc.backends.parts.toeplitz`). A learned table (T5 training) takes the same two kernel calls
+for the output and dq, dk, dv; the split then serves only the table's gradient (:func:`_table_grad`):
+the band's dS written out, one kernel forward per far-future region, the far past's constant from
+the rows' zero sums.
 
 Parts are merged through their log-sum-exps (:class:`~posenc.backends.parts.regions.Merge`), and the
 backward is a custom ``autograd.Function`` that saves only q, k, v, the output and the log-sum-exp:
@@ -132,12 +135,16 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec, b
 
 @opaque_to_compile  # one opaque call, as _tailed: the table, the flipped keys and the kernel stay out of compiled frames
 def _fixed_or_tailed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec) -> torch.Tensor:
-    """A non-causal call: one kernel call with the bias table as its mask (backends/parts/toeplitz.py),
-    or, for a table that takes a gradient (T5's, learned), the far calls and bands of :func:`_tailed`."""
-    w = toeplitz.table(spec, q.shape[-2], k.shape[-2], q.device)  # (H, Tq + Tk - 1)
-    if w.requires_grad:  # the kernel's backward gives no dS to sum per relative position
-        return _tailed(q, k, v, spec, None)
-    return toeplitz.attend(q, k, v, spec, w)
+    """A non-causal call: one kernel call each way with the bias table as its mask
+    (backends/parts/toeplitz.py). A table that takes a gradient (T5's, learned) gets it from the
+    plan of :func:`_tailed` (:func:`_table_grad`), since the kernel's backward gives no dS."""
+    tq, tk = q.shape[-2], k.shape[-2]
+    w = toeplitz.table(spec, tq, tk, q.device)  # (H, Tq + Tk - 1)
+    if not w.requires_grad:
+        return toeplitz.attend(q, k, v, spec, w)
+    plan = tails.make_plan(spec, tq, tk, q.dtype, None, tails.spread(q, k, spec.scale))
+    rel = spec.memo.relative_values(spec.encoding, plan.r_lo, plan.r_hi, q.device)  # (H, R): the far constants and the band
+    return toeplitz.attend(q, k, v, spec, w, rel, lambda *saved: flushed(_table_grad, plan, *saved, when=_sloped(plan)))
 
 
 @opaque_to_compile  # the plan reads a bound on |q . k| on the host: kept out of compiled frames
@@ -220,12 +227,7 @@ def _backward(
                                      lse_shift=shift, mask=_key_mask(term, r))
         rows, keys = slice(*r.rows), slice(*r.keys)
         if drel is not None and far is not None:
-            # The constant's gradient, the sum over the call's pairs of dS = P (dP - D): with w_i the
-            # call's share of row i and o_i its own output, sum_j P_ij dO_i . v_j = w_i dO_i . o_i.
-            o_call, lz_call = far[n]
-            weight = torch.exp(lz_call - lse[:, hs, rows])  # (B, h, C)
-            own = (up(dout[:, hs, rows]) * up(o_call)).sum(-1)  # (B, h, C)
-            drel[hs, r0] += (weight * (own - dsum[:, hs, rows])).sum((0, 2))
+            _far_constant_grad(drel, hs, r0, rows, *far[n], lse, dout, dsum)
         # Each gradient is freed before the next buffer is allocated.
         grads.add(0, rows, gq, hs)
         del gq
@@ -236,6 +238,49 @@ def _backward(
     _band_backward(plan, rel, drel, q, k, v, out, lse, dout, dsum, grads)
     dq, dk, dv = grads.result()
     return dq, dk, dv, (None if drel is None else drel.to(rel.dtype))
+
+
+def _far_constant_grad(
+    drel: torch.Tensor, hs: slice, r0: int, rows: slice, o_call: torch.Tensor, lz_call: torch.Tensor, lse: torch.Tensor,
+    dout: torch.Tensor, dsum: torch.Tensor,
+) -> None:
+    """Adds a far call's constant's gradient to ``drel[hs, r0]``: the sum over the call's pairs of
+    dS = P (dP - D). With w_i the call's share of row i (exp(lz_i - lse_i)) and o_i its own output,
+    sum_j P_ij dO_i . v_j = w_i dO_i . o_i, so the sum is sum_i w_i (dO_i . o_i - D_i)."""
+    weight = torch.exp(lz_call - lse[:, hs, rows])  # (B, h, C)
+    own = (up(dout[:, hs, rows]) * up(o_call)).sum(-1)  # (B, h, C)
+    drel[hs, r0] += (weight * (own - dsum[:, hs, rows])).sum((0, 2))
+
+
+def _table_grad(
+    plan: tails.TailPlan, rel: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+    lse: torch.Tensor, dout: torch.Tensor,
+) -> torch.Tensor:
+    """The gradient of ``rel`` (H, R) alone, given the whole call's output and log-sum-exp (the
+    Toeplitz path's dq, dk, dv come from the kernel): the far future's constant from one kernel
+    forward of each of its regions (:func:`_far_constant_grad`), the band's from its dS written out,
+    and the far past's constant from the rest: every row's dS sums to zero (sum_j P_ij (dP_ij - D_i)
+    = D_i - D_i), so for each head the sum over all pairs is zero too."""
+    h = q.shape[1]
+    if k.shape[1] != h and not tails.grouped(plan, h, k.shape[1]):
+        k, v = repeated_heads(k, v, h)  # (B, H, Tk, D)
+    dout, q, k, v = rows_ready(dout), rows_ready(q), rows_ready(k), rows_ready(v)
+    drel = torch.zeros(rel.shape, dtype=accumulation_dtype(rel.dtype), device=rel.device)
+    dsum = (up(dout) * up(out)).sum(-1)  # (B, H, Tq): D_i = dO_i . O_i
+    past: dict[tuple[int | None, int | None], tuple[slice, int]] = {}  # heads -> the far past's constant's index
+    for call in plan.far:
+        term, shift, r0 = tails.far_terms(plan, rel, call)
+        r, hs = call.region, call.heads
+        if call.side == 0:
+            past[hs.start, hs.stop] = hs, r0
+            continue
+        kvs = kv_heads(hs, h, k.shape[1])
+        o, lz = kernel_forward(*_cut(r, q[:, hs], k[:, kvs], v[:, kvs]), r.causal, plan.scale, _key_mask(term, r))
+        _far_constant_grad(drel, hs, r0, slice(*r.rows), call_order(o, r), call_order(lz, r, -1) + shift, lse, dout, dsum)
+    _band_backward(plan, rel, drel, q, k, v, out, lse, dout, dsum, None)
+    for hs, r0 in past.values():  # the far past's pairs: what makes each head's sum zero
+        drel[hs, r0] -= drel[hs].sum(1)
+    return drel.to(rel.dtype)
 
 
 def _sloped(plan: tails.TailPlan) -> bool:
@@ -267,10 +312,11 @@ def _band_bias(plan: tails.TailPlan, rel: torch.Tensor, group: band.BandGroup) -
 
 def _band_backward(
     plan: tails.TailPlan, rel: torch.Tensor, drel: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-    out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor, dsum: torch.Tensor, grads: _Grads,
+    out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor, dsum: torch.Tensor, grads: _Grads | None,
 ) -> None:
     """The band's gradients: the kernel's backward for a fixed bias, the explicit formula (with the
-    bias gradient summed per relative position) for a learned one, in smaller groups."""
+    bias gradient summed per relative position) for a learned one, in smaller groups; without
+    ``grads``, only the learned bias's gradient."""
     groups = plan.bands if drel is None else [part for g in plan.bands for part in band.split(g, band.EXPLICIT_GROUP)]
     ws = explicit.BackwardBuffers(0, accumulation_dtype(q.dtype), q.device)  # the learned band's buffers, reused by every group
     for group in groups:
@@ -284,7 +330,11 @@ def _band_backward(
         if drel is None:
             gq, gk, gv = kernel_backward(doc, qc, kc, vc, oc, lc.contiguous(), False, plan.scale, bias.to(q.dtype)[None])
         else:
-            gq, gk, gv = _learned_band(ws, plan.scale, bias, index, qc, doc, kc, vc, lc, dc, drel, hs)
+            blocks = _learned_band(ws, plan.scale, bias, index, qc, doc, kc, vc, lc, dc, drel, hs, grads is not None)
+            if blocks is None:
+                continue
+            gq, gk, gv = blocks
+        assert grads is not None  # (a fixed bias's backward always takes its gradients)
         grads.add(0, slice(*group.row_range), band.unblocks(gq, group), hs)
         band.add_windows(grads.get(1)[:, kvs], group, gk)
         band.add_windows(grads.get(2)[:, kvs], group, gv)
@@ -292,10 +342,10 @@ def _band_backward(
 
 def _learned_band(
     ws: explicit.BackwardBuffers, scale: float, bias: torch.Tensor, index: torch.Tensor, qc: torch.Tensor, doc: torch.Tensor,
-    kc: torch.Tensor, vc: torch.Tensor, lc: torch.Tensor, dc: torch.Tensor, drel: torch.Tensor, hs: slice,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One band group's (dq, dk, dv) blocks for a learned bias, dS = P (dP - D) written out and summed
-    per relative position into ``drel``. q, dO (B*n, h, C, D) and the key/value windows (B*n, hkv,
+    kc: torch.Tensor, vc: torch.Tensor, lc: torch.Tensor, dc: torch.Tensor, drel: torch.Tensor, hs: slice, gradients: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """One band group's (dq, dk, dv) blocks for a learned bias (None without ``gradients``), dS =
+    P (dP - D) written out and summed per relative position into ``drel``. q, dO (B*n, h, C, D) and the key/value windows (B*n, hkv,
     L, D) are copied once into ``ws`` (q and dO only where they are not contiguous already), and
     every product writes into ``ws``: the groups of one backward reuse the same memory (fresh pages
     per group cost more than the products here, on CPU); the returned blocks live in ``ws`` until
@@ -307,10 +357,12 @@ def _learned_band(
     rows = (*q_g.shape[:-1], kw.shape[-2])  # (B*n, hkv, g C, L)
     s = unfold_heads(up(torch.matmul(q_g, kw.transpose(-1, -2), out=ws.take("s", rows, dt))), h)
     p = s.mul_(scale).add_(bias).sub_(lc[..., None]).exp_()  # (B*n, h, C, L): probabilities under the merged normaliser
-    gv = torch.matmul(fold_heads(p.to(dt), hkv).transpose(-1, -2), do_g, out=ws.take("gv", vw.shape, dt))  # (B*n, hkv, L, D)
     ds = unfold_heads(up(torch.matmul(do_g, vw.transpose(-1, -2), out=ws.take("dp", rows, dt))), h)
     ds = ds.sub_(dc[..., None]).mul_(p)  # dS
     drel[hs].scatter_add_(1, index.expand(h, -1), ds.sum(0).reshape(h, -1))
+    if not gradients:
+        return None
+    gv = torch.matmul(fold_heads(p.to(dt), hkv).transpose(-1, -2), do_g, out=ws.take("gv", vw.shape, dt))  # (B*n, hkv, L, D)
     ds_g = fold_heads(ds.to(dt), hkv)
     gq = unfold_heads(torch.matmul(ds_g, kw, out=ws.take("gq", q_g.shape, dt)), h).mul_(scale)  # (B*n, h, C, D)
     gk = torch.matmul(ds_g.transpose(-1, -2), q_g, out=ws.take("gk", kw.shape, dt)).mul_(scale)  # (B*n, hkv, L, D)

@@ -86,28 +86,45 @@ def test_matches_float64_formula_with_padding(name: str, n: int, hkv: int, monke
         torch.testing.assert_close(got.double(), want, rtol=0, atol=1e-4, msg=lambda m, w=what: f"{name} {w}: {m}")
 
 
-def test_learned_table_keeps_the_tailed_path(monkeypatch: pytest.MonkeyPatch) -> None:
-    """T5's table with grad: its gradient needs the explicit band, so the Toeplitz path is skipped,
-    and the table still gets the float64 formula's gradient."""
+@pytest.mark.parametrize("n,hkv,b", [(200, H, 1), (300, 2, 2), (700, 1, 1)])
+def test_learned_table_takes_one_kernel_call_each_way(n: int, hkv: int, b: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """T5's table with grad: the output and dq, dk, dv from the Toeplitz path's two kernel calls,
+    the table's gradient from the band written out and one forward per far region; all of them
+    against the float64 formula (Hugging Face's buckets), with grouped key/value heads, padding."""
     enc = posenc.build("t5", num_heads=H, head_dim=D, causal=False)
     with torch.no_grad():
         enc.relative_attention_bias.weight.normal_()
-    monkeypatch.setattr(toeplitz, "attend", lambda *a: pytest.fail("learned table took the Toeplitz path"))
-    gen = torch.Generator().manual_seed(1)
-    q, k, v = (torch.randn(1, H, 200, D, generator=gen) for _ in range(3))
-    out = posenc.attend(q, k, v, enc, causal=False, backend="blocked")
-    grad = torch.randn(out.shape, generator=gen)
-    out.backward(grad)
+    calls: list[int] = []
+    inner = toeplitz.attend
+    monkeypatch.setattr(toeplitz, "attend", lambda *a: (calls.append(len(a)), inner(*a))[1])
+    gen = torch.Generator().manual_seed(n)
+    q64 = (torch.randn(b, H, n, D, generator=gen, dtype=torch.float64) * 2).requires_grad_()
+    k64 = (torch.randn(b, hkv, n, D, generator=gen, dtype=torch.float64) * 2).requires_grad_()
+    v64 = torch.randn(b, hkv, n, D, generator=gen, dtype=torch.float64).requires_grad_()
+    real = torch.ones(b, n, dtype=torch.bool)
+    if b > 1:
+        real[1, : n // 3] = False  # left padding
+    q, k, v = (x.detach().float().requires_grad_() for x in (q64, k64, v64))
+    out = posenc.attend(q, k, v, enc, causal=False, key_padding_mask=real, backend="blocked")
+    assert calls and all(c == 7 for c in calls), "the learned table did not take the Toeplitz path with its gradient"
+    grad = torch.randn(out.shape, generator=gen, dtype=torch.float64)
+    out.backward(grad.float())
     weight64 = enc.relative_attention_bias.weight.detach().double().requires_grad_()
-    i = torch.arange(200)
-    bucket = modeling_t5.T5Attention._relative_position_bucket(i[None, :] - i[:, None], bidirectional=True,
-                                                               num_buckets=32, max_distance=128)
-    s = q.double() @ k.double().transpose(-1, -2) / D**0.5 + weight64[bucket].permute(2, 0, 1)
-    expected = torch.softmax(s, -1) @ v.double()
+
+    def bias_of(m: int) -> torch.Tensor:
+        i = torch.arange(m)
+        bucket = modeling_t5.T5Attention._relative_position_bucket(i[None, :] - i[:, None], bidirectional=True,
+                                                                   num_buckets=32, max_distance=128)
+        return weight64[bucket].permute(2, 0, 1)  # (H, m, m)
+
+    expected = reference(q64, k64, v64, real, bias_of)
     torch.testing.assert_close(out.double(), expected.detach(), rtol=0, atol=2e-5)
-    expected.backward(grad.double())
-    assert enc.relative_attention_bias.weight.grad is not None and weight64.grad is not None
-    torch.testing.assert_close(enc.relative_attention_bias.weight.grad.double(), weight64.grad, rtol=0, atol=1e-3)
+    expected.backward(grad)
+    for got, want, what in ((q.grad, q64.grad, "dq"), (k.grad, k64.grad, "dk"), (v.grad, v64.grad, "dv"),
+                            (enc.relative_attention_bias.weight.grad, weight64.grad, "table")):
+        assert got is not None and want is not None
+        torch.testing.assert_close(got.double(), want, rtol=0, atol=2e-4 if what != "table" else 1e-3,
+                                   msg=lambda m, w=what: f"{w}: {m}")
 
 
 def test_hankel_view_is_the_toeplitz_matrix() -> None:

@@ -12,13 +12,15 @@ and v reversed (dk and dv reversed back), with exactly the scores of SDPA with a
 The blocked backend's far calls and bands (:mod:`posenc.backends.blocked`) split the same call
 into ~40 kernel calls at 1,024 tokens (each a parallel region of its own).
 
-Only for a bias that takes no gradient here (ALiBi; T5 without grad, or frozen): the kernel's
-backward gives no dS to sum per relative position, so a learned table keeps the blocked path.
+A learned table (T5 training) takes the same two kernel calls for its output and dq, dk, dv; the
+kernel's backward gives no dS to sum per relative position, so the caller hands in ``table_grad``,
+which computes the table's gradient alone from the saved output and log-sum-exp (the blocked
+backend: its band's dS written out, one kernel forward per far region, no dq, dk, dv there).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -26,6 +28,9 @@ from ...encodings.protocol import RelativeBias, require
 from .base import ScoreSpec, accumulation_dtype
 from .denormals import flushed
 from .regions import apply, kernel_backward, kernel_forward, use_kernel
+
+# table_grad(rel, q, k, v, out, lse, dout) -> rel's gradient; k and v come in their original key order
+TableGrad = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def applies(spec: ScoreSpec, q: torch.Tensor, v: torch.Tensor) -> bool:
@@ -41,7 +46,8 @@ def table(spec: ScoreSpec, tq: int, tk: int, device: torch.device) -> torch.Tens
     return spec.memo.relative_values(spec.encoding, r_lo, r_hi, device).flip(-1)  # (H, R)
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec, w: torch.Tensor) -> torch.Tensor:
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec, w: torch.Tensor,
+           rel: torch.Tensor | None = None, table_grad: TableGrad | None = None) -> torch.Tensor:
     """softmax(q k^T * scale + f(j - i)) v over all keys, for the table ``w`` of :func:`table`.
 
     Args:
@@ -49,7 +55,10 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec, w
         k: (B, Hkv, Tk, D) keys, H a multiple of Hkv.
         v: (B, Hkv, Tk, D) values.
         spec: the call's ScoreSpec (non-causal, consecutive positions).
-        w: (H, Tq + Tk - 1) table from :func:`table`, without grad.
+        w: (H, Tq + Tk - 1) table from :func:`table`; its grad, if any, is not followed.
+        rel: a learned table's values as its caller holds them (any shape), or None: it gets the
+            gradient ``table_grad(rel, q, k, v, out, lse, dout)`` returns, after the kernel's backward.
+        table_grad: required with ``rel``.
 
     Returns:
         (B, H, Tq, D) output.
@@ -57,7 +66,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec, w
     tails = require(spec.encoding, RelativeBias).bias_tails()
     sloped = tails.past_slope is not None or tails.future_slope is not None
     w = w.detach().to(accumulation_dtype(q.dtype)).contiguous()  # (H, R): the kernel adds it to its float32 scores
-    return apply(_Toeplitz, q, k, v, w, spec.scale, sloped)
+    return apply(_Toeplitz, q, k, v, w, spec.scale, sloped, rel, table_grad)
 
 
 def hankel(w: torch.Tensor, rows: int, cols: int, start: int = 0) -> torch.Tensor:
@@ -67,20 +76,26 @@ def hankel(w: torch.Tensor, rows: int, cols: int, start: int = 0) -> torch.Tenso
 
 class _Toeplitz(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor, scale: float, sloped: bool) -> torch.Tensor:
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor, scale: float, sloped: bool,
+                rel: torch.Tensor | None, table_grad: TableGrad | None) -> torch.Tensor:
         kf, vf = k.flip(-2), v.flip(-2)  # (B, Hkv, Tk, D): keys last to first
         mask = hankel(w, q.shape[-2], k.shape[-2])  # (1, H, Tq, Tk)
         out, lse = flushed(kernel_forward, q, kf, vf, False, scale, mask, when=sloped)
-        ctx.scale, ctx.sloped = scale, sloped
-        ctx.save_for_backward(q, kf, vf, w, out, lse)
+        ctx.scale, ctx.sloped, ctx.table_grad = scale, sloped, table_grad
+        learned = rel is not None  # (k and v in key order only for the table's gradient)
+        ctx.save_for_backward(q, k if learned else None, v if learned else None, kf, vf, w, out, lse, rel)
         return out
 
     @staticmethod
     def backward(ctx: Any, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        q, kf, vf, w, out, lse = ctx.saved_tensors
+        q, k, v, kf, vf, w, out, lse, rel = ctx.saved_tensors
+        dout = dout.contiguous()
         mask = hankel(w, q.shape[-2], kf.shape[-2])
-        dq, dkf, dvf = flushed(kernel_backward, dout.contiguous(), q, kf, vf, out, lse, False, ctx.scale, mask, when=ctx.sloped)
-        return dq, dkf.flip(-2), dvf.flip(-2), None, None, None
+        dq, dkf, dvf = flushed(kernel_backward, dout, q, kf, vf, out, lse, False, ctx.scale, mask, when=ctx.sloped)
+        drel = None
+        if ctx.needs_input_grad[6]:  # a learned table: its gradient alone, from the saved output and log-sum-exp
+            drel = ctx.table_grad(rel, q, k, v, out, lse, dout)
+        return dq, dkf.flip(-2), dvf.flip(-2), None, None, None, drel, None
 
 
 __all__ = ["applies", "attend", "hankel", "table"]
