@@ -7,7 +7,7 @@ group), each built with the tests' own builders and config tables, not copies of
   built from their tiny test config scaled up: hidden 256, 4 layers, 8 query heads, 4 key/value heads
   (MLA: 8), head dim 32, windows and chunks at a quarter of the length, vocab 256.
 - ``rows``: the family rows of issue 47 (tests/hf/test_family_rows.py: ``ROWS``, every row the census
-  builds, nanochat), ``mrope``: the M-RoPE text backbones (tests/hf/test_mrope_backbones.py),
+  builds, nanochat), ``mrope``: the M-RoPE text backbones (tests/hf/test_mrope_backbones.py, test_mrope_rows.py),
   ``hybrids``: the attention + state-space / linear-attention families (tests/hf/test_hybrid_families.py),
   ``encoders``: the masked-LM encoders with a row or a named refusal (tests/hf/test_census_encoders.py),
   ``census``: every causal-LM type and text backbone the census (tests/hf_census_configs.py) builds
@@ -73,8 +73,9 @@ def _members(group: str) -> list[str]:
         return [t for t in dict.fromkeys(rows) if t not in TESTED]  # (the TESTED ones are the tested group)
     if group == "mrope":
         import test_mrope_backbones
+        import test_mrope_rows
 
-        return list(test_mrope_backbones.TYPES)
+        return list(test_mrope_backbones.TYPES) + [t for t in test_mrope_rows.AXES if "+" not in t]  # a "+" names a variant
     if group == "hybrids":
         import test_hybrid_families
 

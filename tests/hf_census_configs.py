@@ -119,9 +119,9 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "dbrx.ffn_config": dict(ffn_hidden_size=32, moe_num_experts=4, moe_top_k=2),
     # Zamba: two hybrid layers, so that its shared transformer block has a layer to tie to
     "zamba": dict(num_hidden_layers=3, layer_types=["mamba", "hybrid", "hybrid"]),
-    # one M-RoPE block per layer type (its rotary module reads rope_parameters[<layer type>])
+    # one M-RoPE block per layer type (its rotary module reads rope_parameters[<layer type>]), interleaved sections
     "cohere_compass_text": dict(layer_types=["sliding_attention", "full_attention"], rope_parameters={
-        kind: {"rope_type": "default", "rope_theta": theta, "mrope_section": [2, 3, 3]}
+        kind: {"rope_type": "default", "rope_theta": theta, "mrope_section": [3, 3, 2]}
         for kind, theta in (("sliding_attention", 1e4), ("full_attention", 1e6))}),
     # Dory: one input, one looped (twice) and one output layer (its defaults are 8 + 20 + 8)
     "dory": dict(num_hidden_layers=3, layer_types=["sliding_attention", "full_attention", "sliding_attention"], n_input_layers=1,
@@ -129,6 +129,9 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     # Qwen4-Exp: small linear-attention heads and hyper-connections, and the indexer's sizes (its indexed layers need them)
     "qwen4_exp_text": _QWEN4_EXP,
     "qwen4_exp.text_config": _QWEN4_EXP,
+    # Cosmos3 Edge's interleaved sections: the generic shrink of (24, 20, 20) gives (3, 2, 3), whose width
+    # frequencies (3 * 3 - 1 = 8) do not fit interleaved in the tiny head's 8 (posenc's mrope refuses them)
+    "cosmos3_edge_text": _mrope(1e8, [3, 3, 2]),
     # HunYuan-VL's four-axis sections, in frequencies of the tiny head (its default sets none)
     "hunyuan_vl_text": _mrope(1e4, [2, 2, 2, 2]),
     "glm5_next_text": dict(qk_rope_head_dim=0),  # its validator: the DSA (MLA) layers are NoPE

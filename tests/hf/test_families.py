@@ -235,6 +235,10 @@ ROWS_TESTED = {"minicpm3", "glm4_moe_lite", "sarvam_mla", "youtu", "axk1", "mist
                "lara_mini", "falcon", "gptj", "codegen"}
 MROPE_CHECKS = ("the census, and tests/hf/test_mrope_backbones.py: 3-axis image rows, left padding, cached decoding; "
                 "ALiBi, T5, NoPE at text positions")
+#: the M-RoPE rows checked by tests/hf/test_mrope_rows.py (issue 47 item 4: the census's other M-RoPE backbones)
+MROPE_ROWS_TESTED = {"cosmos3_edge_text", "cohere_compass_text", "hunyuan_vl_text"}
+MROPE_ROW_CHECKS = ("the census, and tests/hf/test_mrope_rows.py: 3- or 4-axis image rows, left padding, cached decoding, "
+                    "tables that differ from the config refused; ALiBi at text positions")
 
 
 def family_table() -> str:
@@ -245,7 +249,9 @@ def family_table() -> str:
             continue
         hybrid = bool(family.no_attention or family.type_names)
         checks = (CHECKS if tested else ROW_CHECKS if ROWS_TESTED & set(family.model_types)
-                  else INKLING_CHECKS if family.own != "rope" else MROPE_CHECKS if family.mrope else HYBRID_CHECKS if hybrid
+                  else INKLING_CHECKS if family.own != "rope"
+                  else (MROPE_ROW_CHECKS if MROPE_ROWS_TESTED & set(family.model_types) else MROPE_CHECKS) if family.mrope
+                  else HYBRID_CHECKS if hybrid
                   else 'the schedule only (tests/hf/test_schedule_config.py)')
         rows.append(f"| {family.name} | {', '.join(f'`{t}`' for t in family.model_types)} | {family.needs} | {checks} |")
     return "\n".join(rows)

@@ -56,6 +56,7 @@ from ..encodings.base import PositionalEncoding
 from ..encodings.mrope import MRoPE
 from ..encodings.protocol import Curves, Embeds, Gates, Remaps, offers
 from ..encodings.rope import RoPE
+from ..encodings.xdrope import XDRoPE
 from ..errors import UsageError
 from ..model.schedule import Schedule
 from .attention import (
@@ -310,7 +311,7 @@ def use(model: _Model, encoding: str | nn.Module | Schedule, **options: Any) -> 
         stand_in.identity = not (record.get("from_config") and not any(
             isinstance(p.encoding, RoPE) and p.encoding.rotation_depends_on_length for p in plans if p is not None))
     if stand_in is not None and not stand_in.identity:
-        plans = [None if p is None else replace(p, rotate=not isinstance(p.encoding, (RoPE, MRoPE))) for p in plans]
+        plans = [None if p is None else replace(p, rotate=not isinstance(p.encoding, (RoPE, MRoPE, XDRoPE))) for p in plans]
     install_rotaries(model, family, stand_in)  # a stack's other rotary modules, one per base (Granite-SWA)
     slots = {id(module): i for i, module in enumerate(modules)}  # (each call runs the module held there then)
     plans = [None if p is None else replace(p, slot=slots.get(id(p.encoding))) for p in plans]

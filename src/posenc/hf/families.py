@@ -59,14 +59,20 @@ Definitions (r the rotated features of a head, D its q/k head dim):
 - ``window_per_side``: ``window_key`` counts the keys on each side (UltraBERT's ``sliding_window``:
   ``|i - j| <= w``), where posenc's bidirectional window W is the total width (``|i - j| <= W // 2``),
   so posenc's window is 2w. ModernBERT's ``local_attention`` is already the total width.
-- ``mrope``: M-RoPE (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, GLM-4V): the decoder stack hands its rotary
-  module (3, B, T) ids (temporal, height, width; image tokens of a grid differ in each) and
-  ``rope_parameters`` splits the frequencies over them (``mrope_section``; Qwen3-VL interleaved,
-  GLM-4V and GLM-OCR interleaved pairs, GLM-4.1V and GLM-4.5V partial rotary). Its layers are not handed those ids (None, or the
+- ``mrope``: M-RoPE (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, GLM-4V, Cosmos3 Edge, Cohere Compass): the decoder
+  stack hands its rotary module (3, B, T) ids (temporal, height, width; image tokens of a grid differ in
+  each) and ``rope_parameters`` splits the frequencies over them (``mrope_section``; Qwen3-VL, Cosmos3
+  Edge and Cohere Compass interleaved, GLM-4V and GLM-OCR interleaved pairs, GLM-4.1V and GLM-4.5V partial
+  rotary; Cohere Compass one block per layer type). Its layers are not handed those ids (None, or the
   text row of a 4-row form), so posenc's attention cannot rotate M-RoPE itself, nor know a cached
   key's ids: under ``"rope"`` the model rotates q and k with its own tables, verified at use()
   against posenc's :class:`~posenc.encodings.mrope.MRoPE` read from the config on 3-axis ids; other
   encodings see each token at its text position (docs/hf.md, "M-RoPE backbones").
+- ``mrope_encoding``: posenc's encoding of an ``mrope`` family's rotation, read from its config and
+  checked against the model's tables: ``"mrope"`` (:func:`posenc.mrope_from_hf`) or ``"xdrope"``
+  (HunYuan-VL's four axes, its sections over features: :func:`posenc.hf.rope_config.xdrope_from_hf`);
+  the check's ids have as many axes as the module's sections, which must be the encoding's
+  ``position_axes``.
 
 - ``rotary_list``: the decoder stack's list of rotary modules, one per RoPE base, each layer rotated
   by the one of its ``layer_rope_theta`` (Granite-SWA's ``rotary_embs``; :mod:`posenc.hf.rotary_sets`), or
@@ -138,6 +144,7 @@ class Family:
     # norm cancels a scaling's attention factor, so posenc (which rotates after the model's norm) drops it.
     qk_norm_after_rotation: str | None = None
     mrope: bool = False
+    mrope_encoding: str = "mrope"
     rotary_list: str | None = None
     scaled_layers: str | None = None
     per_layer_config: bool = False
@@ -295,6 +302,15 @@ FAMILIES: tuple[Family, ...] = (
            needs="M-RoPE (contiguous sections), interleaved pairs, partial rotary; rotated by the model, verified against posenc's mrope"),
     Family("GLM-4V-MoE text", ("glm4v_moe_text",), window="none", mrope=True,
            needs="M-RoPE (contiguous sections), half pairs, partial rotary; rotated by the model, verified against posenc's mrope"),
+    Family("Cosmos3 Edge text", ("cosmos3_edge_text",), window="none", mrope=True,
+           needs="M-RoPE (interleaved sections, as Qwen3-VL, without mrope_interleaved in its config); rotated by the model, "
+                 "verified against posenc's mrope"),
+    Family("Cohere Compass text", ("cohere_compass_text",), typed_layers=True, rope_blocks="per_type", mrope=True,
+           needs="M-RoPE (interleaved sections) with a RoPE block per layer type (a None block: NoPE); rotated by the model, "
+                 "each type's table verified against posenc's mrope"),
+    Family("HunYuan-VL text", ("hunyuan_vl_text",), window="none", mrope=True, mrope_encoding="xdrope",
+           needs="XD-RoPE (4 axes, sections over features, NTK-alpha base); q/k norms after the rotation; rotated by the model, "
+                 "verified against posenc's xdrope"),
     # No RoPE: the Inkling bias (posenc.hf.inkling), windows on the hybrid_sliding layers
     Family("Inkling", ("inkling_text",), typed_layers=True, own="inkling", type_names=_INKLING_TYPES,
            needs="no RoPE: the Inkling bias read from each layer's r_proj and curve bank; windows on hybrid_sliding layers; "

@@ -24,6 +24,7 @@ from ..encodings.base import PositionalEncoding
 from ..encodings.mrope import MRoPE
 from ..encodings.protocol import Curves, Embeds, Gates, Remaps, Selects, offers
 from ..encodings.rope import RoPE, apply_rotation
+from ..encodings.xdrope import XDRoPE
 from ..errors import UsageError
 from ..model.schedule import Layer, Schedule
 from .attention import LayerPlan
@@ -312,8 +313,8 @@ def _verify_rope(encoding: PositionalEncoding, rotary: nn.Module, kind: str | No
     """posenc's RoPE (or M-RoPE) read from the config against the model's own tables: the same frequencies and
     attention factor (M-RoPE: and the same rotation on 3-axis ids, :func:`posenc.hf.mrope.check_axes`), or a
     UsageError naming the difference (never a silently wrong model)."""
-    if isinstance(encoding, MRoPE):
-        check_axes(encoding, rotary, model_type)
+    if isinstance(encoding, (MRoPE, XDRoPE)):
+        check_axes(encoding, rotary, model_type, kind)
     elif not isinstance(encoding, RoPE):
         return
     held_inv, factor = _rotary_buffer(rotary, kind, family)
@@ -332,7 +333,7 @@ def _verify_rope(encoding: PositionalEncoding, rotary: nn.Module, kind: str | No
     if ours.shape != inv.shape or not torch.allclose(ours, inv, rtol=rtol, atol=1e-9):
         raise UsageError(f"rope: posenc's RoPE read from the {name} config ({ours.numel()} frequencies) differs from the "
                          f"model's rotary module ({inv.numel()}) on layers of type {kind!r}; refusing a wrong model")
-    ours_factor = encoding.attention_factor if isinstance(encoding, RoPE) else 1.0
+    ours_factor = encoding.attention_factor if isinstance(encoding, (RoPE, XDRoPE)) else 1.0
     if abs(ours_factor - factor) > 1e-6 * max(1.0, abs(factor)):
         raise UsageError(f"rope: posenc's attention factor {ours_factor} differs from the {name} model's "
                          f"{factor} on layers of type {kind!r}")

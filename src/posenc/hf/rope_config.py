@@ -173,7 +173,13 @@ def rope_from_hf(config: object, **options: Any) -> RoPE:
 #: text config or the whole one): Qwen2VLTextConfig and Qwen2_5_VLTextConfig 1e6,
 #: Qwen3VLTextConfig 5e5 (``default_theta``); tests/encodings/test_mrope.py checks them.
 DEFAULT_THETA = {"qwen2_vl": 1e6, "qwen2_vl_text": 1e6, "qwen2_5_vl": 1e6, "qwen2_5_vl_text": 1e6,
-                 "qwen3_vl": 5e5, "qwen3_vl_text": 5e5}
+                 "qwen3_vl": 5e5, "qwen3_vl_text": 5e5, "cosmos3_edge": 1e8, "cosmos3_edge_text": 1e8}
+
+#: The M-RoPE model types (besides those starting with ``qwen3``) whose rotary module always
+#: interleaves the sections (Qwen3-VL's rule), whatever ``mrope_interleaved`` says or when the config
+#: has no such key, and whose default sections are Qwen3-VL's (24, 20, 20): Cosmos3 Edge's
+#: ``Cosmos3EdgeTextRotaryEmbedding`` and Cohere Compass's ``CohereCompassRotaryEmbedding``.
+INTERLEAVED_SECTIONS = ("cosmos3_edge", "cosmos3_edge_text", "cohere_compass", "cohere_compass_text")
 
 
 def _get(cfg: object, key: str) -> Any:
@@ -230,9 +236,10 @@ def mrope_from_hf(config: object, **options: Any) -> MRoPE:
     As Hugging Face's config and rotary classes do: ``"type": "mrope"`` (the published Qwen2-VL
     config.json form) is the default frequencies; ``rope_theta`` is the block's, else the top
     level's, else the config class's default (:data:`DEFAULT_THETA`: 1e6 for Qwen2-VL and
-    Qwen2.5-VL, 5e5 for Qwen3-VL; another ``model_type`` must give it); a ``model_type`` starting
-    with ``qwen3`` always interleaves (Qwen3-VL's class does whatever the flag says), any other
-    interleaves only with ``mrope_interleaved``; without ``mrope_section``, (24, 20, 20) for qwen3,
+    Qwen2.5-VL, 5e5 for Qwen3-VL, 1e8 for Cosmos3 Edge; another ``model_type`` must give it); a
+    ``model_type`` starting with ``qwen3`` or in :data:`INTERLEAVED_SECTIONS` always interleaves (their
+    rotary classes interleave whatever the flag says), any other interleaves only with ``mrope_interleaved``;
+    without ``mrope_section``, (24, 20, 20) for those,
     (8, 12, 12) for a ``model_type`` starting with ``glm``, (16, 24, 24) otherwise. GLM-4V and
     GLM-OCR (:data:`INTERLEAVED_PAIRS`) pair features interleaved (``layout="interleaved"``), the
     others (GLM-4.5V's ``glm4v_moe`` included) half.
@@ -251,7 +258,7 @@ def mrope_from_hf(config: object, **options: Any) -> MRoPE:
         raise UsageError(f"mrope_from_hf: rope_type {rope_type!r} is not supported (default frequencies only: "
                          "'default', or 'mrope' as Qwen2-VL's config.json writes it)")
     model_type = str(_get(text, "model_type") or _get(config, "model_type") or "")
-    qwen3 = model_type.startswith("qwen3")
+    qwen3 = model_type.startswith("qwen3") or model_type in INTERLEAVED_SECTIONS
     heads, head_dim = _head_sizes(text, "mrope_from_hf", ("head_dim",))
     base = block.get("rope_theta", _get(text, "rope_theta"))
     if base is None:
@@ -317,4 +324,5 @@ def xdrope_from_hf(config: object, **options: Any) -> XDRoPE:
                   scaling=scaling, **options)
 
 
-__all__ = ["DEFAULT_THETA", "HFRope", "INTERLEAVED_PAIRS", "mrope_from_hf", "options_from_hf", "resolve_hf", "rope_from_hf", "xdrope_from_hf"]
+__all__ = ["DEFAULT_THETA", "HFRope", "INTERLEAVED_PAIRS", "INTERLEAVED_SECTIONS",
+           "mrope_from_hf", "options_from_hf", "resolve_hf", "rope_from_hf", "xdrope_from_hf"]

@@ -27,8 +27,10 @@ Some rows, read here (``transformers`` 5.24):
   scale ``1 + beta ln(1 + floor(pos / original))`` from the block's ``llama_4_scaling_beta``
   (:class:`~posenc.encodings.query_scale.LogFloorScale`), a key taken out of the RoPE block.
 - Qwen3-Next: its ``linear_attention`` layers have no positions (NoPE here).
-- The M-RoPE backbones (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, GLM-4V text): ``mrope`` layers, read by
-  :func:`posenc.mrope_from_hf` (sections, interleaving, GLM's interleaved pairs and partial rotary).
+- The M-RoPE backbones (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, GLM-4V, Cosmos3 Edge text): ``mrope`` layers,
+  read by :func:`posenc.mrope_from_hf` (sections, interleaving, GLM's interleaved pairs and partial
+  rotary); Cohere Compass: one ``mrope`` block per layer type; HunYuan-VL: ``xdrope`` layers
+  (``Family.mrope_encoding``), read by :func:`posenc.hf.rope_config.xdrope_from_hf`.
 
 The multimodal wrappers (``gemma3``, ``llama4``) are read through their ``text_config``.
 
@@ -48,7 +50,7 @@ from ..encodings.query_scale import LogFloorScale, Temperature
 from ..errors import UsageError
 from ..model.schedule import Layer, Schedule
 from .families import BY_MODEL_TYPE, family_of, getter, layer_config, text_config
-from .rope_config import mrope_from_hf, options_from_hf
+from .rope_config import mrope_from_hf, options_from_hf, xdrope_from_hf
 
 LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
 
@@ -90,9 +92,23 @@ def _rope(get, block_name: str, block, family: str, layout: str) -> dict:
     return options
 
 
-def _mrope(config: Any, layout: str) -> dict:
-    """The M-RoPE options of an M-RoPE family's config (:func:`posenc.mrope_from_hf`): base,
-    sections, interleaving, the pair layout and the rotated features."""
+def _mrope(config: Any, layout: str, block: Any = None, encoding: str = "mrope") -> dict:
+    """The multi-axis RoPE options of an M-RoPE family's config: for ``encoding="mrope"``
+    (:func:`posenc.mrope_from_hf`) base, sections, interleaving, the pair layout and the rotated
+    features; for ``"xdrope"`` (:func:`~posenc.hf.rope_config.xdrope_from_hf`: HunYuan-VL) base,
+    sections and the NTK-alpha scaling. ``block``: a layer type's RoPE block (one per type: Cohere
+    Compass), read in place of the config's ``rope_parameters``."""
+    if block is not None:
+        get = getter(config)
+        config = {"model_type": get("model_type"), "num_attention_heads": get("num_attention_heads"),
+                  "head_dim": get("head_dim"), "hidden_size": get("hidden_size"),
+                  "partial_rotary_factor": get("partial_rotary_factor"), "rope_parameters": block}
+    if encoding == "xdrope":
+        xd = xdrope_from_hf(config)
+        found: dict[str, Any] = {"base": xd.base, "xdrope_section": list(xd.xdrope_section)}
+        if xd.scaling.rope_type != "default":
+            found["scaling"] = {"rope_type": xd.scaling.rope_type, "alpha": xd.scaling.alpha}
+        return found
     enc = mrope_from_hf(config, layout=layout)
     options: dict[str, Any] = {"base": enc.base, "mrope_section": list(enc.mrope_section),
                                "mrope_interleaved": enc.mrope_interleaved}
@@ -167,7 +183,8 @@ def schedule_from_hf(config) -> Schedule:
         key = kind if family.rope_blocks == "per_type" else "all"
         if key not in rope_cache:
             own = getter(layer_config(config, family, kind)) if family.per_layer_config else get  # its head dim (Gemma 4)
-            rope_cache[key] = _mrope(config, family.layout) if family.mrope else _rope(own, *block_for(kind), name, family.layout)
+            rope_cache[key] = (_mrope(config, family.layout, block_for(kind)[1] if family.rope_blocks == "per_type" else None,
+                                      family.mrope_encoding) if family.mrope else _rope(own, *block_for(kind), name, family.layout))
         return dict(rope_cache[key])
 
     window = None
@@ -199,7 +216,7 @@ def schedule_from_hf(config) -> Schedule:
         elif family.nope == "full_layers_but_dense":  # a full layer with a dense MLP rotates when the prefix pattern is 1
             dense = (get("mlp_layer_types") or ["sparse"] * depth)[i] == "dense" and get("prefix_dense_sliding_window_pattern") == 1
             uses_rope = kind == "sliding_attention" or dense
-        layer: dict = {"encoding": ("mrope" if family.mrope else "rope") if uses_rope else "nope"}
+        layer: dict = {"encoding": (family.mrope_encoding if family.mrope else "rope") if uses_rope else "nope"}
         if uses_rope:
             layer["options"] = rope_options(kind)
             if family.nope == "layer_theta":
