@@ -131,12 +131,22 @@ def _refit_sections(keys: dict[str, Any], default: Any, even: bool) -> None:
     shrinks them to its tiny head: from the family's default sections (``default``, its real
     proportions: Qwen3-VL's interleaved ones need them) where it has some, else the block's own (an
     override's are written for the census's head dim of 16); ``even``: as equal as they go, the first
-    axis taking the rest (posenc interleaves Qwen3-VL's sections only while none is too long)."""
+    axis taking the rest (posenc interleaves Qwen3-VL's sections only while none is too long). A
+    block per layer type (Cohere Compass: ``rope_parameters[<layer type>]``) has each refitted."""
     block = keys.get("rope_parameters")
-    if not (isinstance(block, dict) and isinstance(block.get("mrope_section"), (list, tuple)) and "hidden_size" in keys):
+    if not isinstance(block, dict) or "hidden_size" not in keys:
         return
-    factor = block.get("partial_rotary_factor", keys.get("partial_rotary_factor", 1.0)) or 1.0
     head_dim = keys.get("head_dim") or keys["hidden_size"] // keys.get("num_attention_heads", 4)
+    if isinstance(block.get("mrope_section"), (list, tuple)):
+        keys["rope_parameters"] = _refit_block(block, default, even, head_dim, keys.get("partial_rotary_factor", 1.0))
+    elif all(isinstance(b, dict) for b in block.values()) and any("mrope_section" in b for b in block.values()):
+        keys["rope_parameters"] = {kind: _refit_block(b, None, even, head_dim, keys.get("partial_rotary_factor", 1.0))
+                                   if isinstance(b.get("mrope_section"), (list, tuple)) else b for kind, b in block.items()}
+
+
+def _refit_block(block: dict[str, Any], default: Any, even: bool, head_dim: int, partial: Any) -> dict[str, Any]:
+    """One block of :func:`_refit_sections`."""
+    factor = block.get("partial_rotary_factor", partial) or 1.0
     own = default if isinstance(default, (list, tuple)) and len(default) == len(block["mrope_section"]) else block["mrope_section"]
     total, sections = int(head_dim * factor) // 2, list(own)
     if even:
@@ -145,7 +155,7 @@ def _refit_sections(keys: dict[str, Any], default: Any, even: bool) -> None:
     else:
         fitted = [max(1, x * total // sum(sections)) for x in sections]
         fitted[-1] += total - sum(fitted)
-    keys["rope_parameters"] = {**block, "mrope_section": fitted}
+    return {**block, "mrope_section": fitted}
 
 
 def census_keys(base: Any, model_type: str | None, own: dict[str, Any], layers: int | None, census_layers: int,
@@ -243,9 +253,12 @@ def sizes_of(model: Any) -> str:
 
 
 def _sections(model: Any) -> list[int] | None:
-    """The M-RoPE sections of the built model's (text) config, if any."""
+    """The M-RoPE sections of the built model's (text) config, if any (a block per layer type: the
+    first block's)."""
     config = model.config
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     block = getattr(text, "rope_parameters", None)
+    if isinstance(block, dict) and "mrope_section" not in block:
+        block = next((b for b in block.values() if isinstance(b, dict) and "mrope_section" in b), None)
     found = block.get("mrope_section") if isinstance(block, dict) else None
     return list(found) if isinstance(found, (list, tuple)) else None

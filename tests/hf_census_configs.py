@@ -154,7 +154,6 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "dots3_note.text_config": _DOTS3,
     "dots3_note.vision_config": dict(per_layer_config={}, adapter_in_dim=64, adapter_out_dim=64, mlp_layer_types=["dense", "dense"]),
     "dots3_note.audio_config": dict(adapter_input_size=64, adapter_out_dim=64, downsample_hidden_size=32, feature_size=16),
-    "esmc": dict(num_key_value_heads=4),  # encoder census: "ESMC does not support grouped-query attention"
     "esm": dict(position_embedding_type="rotary"),  # ESM-2's (the default is absolute positions)
     # Inkling, Inkling-2 (no RoPE: use(model, "inkling")): small sliding heads, curves over 6 distances (crossed), the
     # log scaling from position 8 (reached), a head over the tiny vocabulary; Inkling-2-Loop loops its middle layer twice
@@ -189,6 +188,9 @@ def _settable(config: Any, key: str) -> bool:
         return False
 
 
+WITHOUT_GQA = ("esmc",)  # "ESMC does not support grouped-query attention"
+
+
 def _tiny_keys(config: Any, model_type: str | None) -> dict[str, Any]:
     """The tiny keys of one config (not its sub-configs)."""
     keys = {k: v for k, v in TINY.items() if _settable(config, k)}
@@ -212,6 +214,8 @@ def _tiny_keys(config: Any, model_type: str | None) -> dict[str, Any]:
     if "kv_lora_rank" in keys:  # MLA: every query head has its key head; head dims from the MLA keys
         keys["num_key_value_heads"] = keys.get("num_attention_heads", 4)
         keys.pop("head_dim", None)
+    if model_type in WITHOUT_GQA and "num_attention_heads" in keys:  # as many key/value heads as query heads, at any size
+        keys["num_key_value_heads"] = keys["num_attention_heads"]
     if model_type is not None:
         keys.update(OVERRIDES.get(model_type, {}))
     return keys
