@@ -20,7 +20,6 @@ random weights, against the untouched ``transformers`` backbone.
 from __future__ import annotations
 
 import copy
-import inspect
 
 import pytest
 import torch
@@ -30,6 +29,7 @@ transformers.logging.set_verbosity_error()
 
 import hf_census_configs as census  # noqa: E402
 import posenc.hf as phf  # noqa: E402
+from hf_backbone_decoding import assert_exact, cache_name, gap, hidden  # noqa: E402
 from posenc.errors import UsageError  # noqa: E402
 from posenc.hf.families import family_of  # noqa: E402
 
@@ -81,43 +81,6 @@ def untouched(model_type: str) -> torch.nn.Module:
     return copy.deepcopy(_BUILT[model_type])
 
 
-def hidden(model: torch.nn.Module, ids: torch.Tensor, **kwargs) -> torch.Tensor:
-    with torch.no_grad():
-        return model(ids, **kwargs).last_hidden_state
-
-
-def _cache_name(model: torch.nn.Module) -> str:
-    """transformers' cache keyword (``cache`` since 5.24; ``past_key_values`` before)."""
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-
-
-def greedy(model: torch.nn.Module, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor | None,
-           steps: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
-    """Cached greedy decoding of a bare backbone (next token: the last hidden state against the
-    input embeddings), each row continuing at its own max(id) + 1 on all three axes, as
-    Hugging Face's rope_deltas do: (tokens (B, steps), the last hidden states (B, steps, C))."""
-    table = model.get_input_embeddings().weight
-    name = _cache_name(model)
-    nxt = pos.amax(dim=(0, 2))  # (B,)
-    found, states = [], []
-    with torch.no_grad():
-        out = model(ids, attention_mask=mask, position_ids=pos, use_cache=True)
-        for _ in range(steps):
-            last = out.last_hidden_state[:, -1]  # (B, C)
-            states.append(last)
-            token = (last @ table.T).argmax(-1, keepdim=True)  # (B, 1)
-            found.append(token)
-            nxt = nxt + 1
-            if mask is not None:
-                mask = torch.cat((mask, torch.ones_like(token)), dim=1)
-            step = nxt.view(1, -1, 1).expand(3, -1, 1)  # (3, B, 1)
-            held = out.cache if name == "cache" else out.past_key_values
-            out = model(token, attention_mask=mask, position_ids=step, use_cache=True, **{name: held})
-    return torch.cat(found, dim=1), torch.stack(states, dim=1)
-
-
-def gap(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).abs().max())
 
 
 def padded(pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -141,20 +104,8 @@ def test_rope_equals_the_untouched_backbone(model_type: str) -> None:
     ids, pos = tokens(), image_ids()
     assert (pos[1] != pos[0]).any() and (pos[2] != pos[1]).any()  # the image rows differ on every axis
     text = torch.arange(LENGTH).expand(2, LENGTH)
-    for kwargs in ({}, {"position_ids": text}, {"position_ids": pos}, {"position_ids": torch.cat((text[None], pos))}):
-        assert gap(hidden(model, ids, **kwargs), hidden(ref, ids, **kwargs)) < TOLERANCE, list(kwargs)
-    # the image ids matter: the same model without them differs (the check above could fail)
-    assert gap(hidden(model, ids, position_ids=pos), hidden(model, ids)) > 1e-3
-    # a left-padded batch with an image row, at its real tokens
-    ppos, mask = padded(pos)
-    real = mask.bool()
-    assert gap(hidden(model, ids, position_ids=ppos, attention_mask=mask)[real],
-               hidden(ref, ids, position_ids=ppos, attention_mask=mask)[real]) < TOLERANCE
-    # cached greedy decoding after the image, unpadded and left-padded
-    for p, m in ((pos, None), (ppos, mask)):
-        ours, theirs = greedy(model, ids, p, m), greedy(ref, ids, p, m)
-        assert torch.equal(ours[0], theirs[0])
-        assert gap(ours[1], theirs[1]) < TOLERANCE
+    forms: list[dict] = [{}, {"position_ids": text}, {"position_ids": pos}, {"position_ids": torch.cat((text[None], pos))}]
+    assert_exact(model, ref, ids, pos, forms, padded(pos), TOLERANCE)
 
 
 def test_a_rotary_module_otherwise_than_its_config_is_refused() -> None:
@@ -188,7 +139,7 @@ def test_other_encodings_see_text_positions(model_type: str, encoding: str) -> N
     # cached decoding (teacher-forced) equals the full pass, unpadded and left-padded
     ppos, mask = padded(pos)
     cut = 14
-    name = _cache_name(model)
+    name = cache_name(model)
     for p, m in ((pos, None), (ppos, mask)):
         whole = hidden(model, ids, position_ids=p, attention_mask=m)
         with torch.no_grad():

@@ -21,7 +21,6 @@ own rotations are refused there, as on the other M-RoPE backbones.
 from __future__ import annotations
 
 import copy
-import inspect
 
 import pytest
 import torch
@@ -31,6 +30,7 @@ transformers.logging.set_verbosity_error()
 
 import hf_census_configs as census  # noqa: E402
 import posenc.hf as phf  # noqa: E402
+from hf_backbone_decoding import assert_exact, cache_name, gap, hidden  # noqa: E402
 from posenc.errors import UsageError  # noqa: E402
 from posenc.hf.families import family_of  # noqa: E402
 from posenc.hf.schedule_config import schedule_from_hf  # noqa: E402
@@ -129,42 +129,6 @@ def tokens(batch: int = 2, length: int = LENGTH, seed: int = 1) -> torch.Tensor:
     return torch.randint(3, census.VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
 
 
-def hidden(model: torch.nn.Module, ids: torch.Tensor, **kwargs) -> torch.Tensor:
-    with torch.no_grad():
-        return model(ids, **kwargs).last_hidden_state
-
-
-def gap(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).abs().max())
-
-
-def _cache_name(model: torch.nn.Module) -> str:
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-
-
-def greedy(model: torch.nn.Module, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor | None,
-           steps: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
-    """Cached greedy decoding of a bare backbone (next token: the last hidden state against the
-    input embeddings), each row going on at its own max(id) + 1 on every axis (the rope_deltas of
-    transformers; HunYuan-VL's: its slot): (tokens (B, steps), the last hidden states (B, steps, C))."""
-    table = model.get_input_embeddings().weight
-    name = _cache_name(model)
-    nxt = pos.amax(dim=(0, 2))  # (B,)
-    found, states = [], []
-    with torch.no_grad():
-        out = model(ids, attention_mask=mask, position_ids=pos, use_cache=True)
-        for _ in range(steps):
-            last = out.last_hidden_state[:, -1]  # (B, C)
-            states.append(last)
-            token = (last @ table.T).argmax(-1, keepdim=True)  # (B, 1)
-            found.append(token)
-            nxt = nxt + 1
-            if mask is not None:
-                mask = torch.cat((mask, torch.ones_like(token)), dim=1)
-            step = nxt.view(1, -1, 1).expand(pos.shape[0], -1, 1)  # (A, B, 1)
-            held = out.cache if name == "cache" else out.past_key_values
-            out = model(token, attention_mask=mask, position_ids=step, use_cache=True, **{name: held})
-    return torch.cat(found, dim=1), torch.stack(states, dim=1)
 
 
 # -- the rows and what use() reads from them ----------------------------------------------------------
@@ -198,20 +162,7 @@ def test_rope_equals_the_untouched_backbone(name: str) -> None:
     forms: list[dict] = [{}, {"position_ids": text}, {"position_ids": pos}]
     if AXES[name] == 3:  # the packed form: the text row first (HunYuan-VL's backbone refuses its 5-row form)
         forms.append({"position_ids": torch.cat((text[None], pos))})
-    for kwargs in forms:
-        assert gap(hidden(model, ids, **kwargs), hidden(ref, ids, **kwargs)) < TOLERANCE, list(kwargs)
-    # the image ids matter: the same model without them differs (the check above could fail)
-    assert gap(hidden(model, ids, position_ids=pos), hidden(model, ids)) > 1e-3
-    # a left-padded batch with an image row, at its real tokens
-    ppos, mask = padded(name, pos)
-    real = mask.bool()
-    assert gap(hidden(model, ids, position_ids=ppos, attention_mask=mask)[real],
-               hidden(ref, ids, position_ids=ppos, attention_mask=mask)[real]) < TOLERANCE
-    # cached greedy decoding after the image, unpadded and left-padded
-    for p, m in ((pos, None), (ppos, mask)):
-        ours, theirs = greedy(model, ids, p, m), greedy(ref, ids, p, m)
-        assert torch.equal(ours[0], theirs[0])
-        assert gap(ours[1], theirs[1]) < TOLERANCE
+    assert_exact(model, ref, ids, pos, forms, padded(name, pos), TOLERANCE)
 
 
 # -- a table that differs from the config is refused -------------------------------------------------
@@ -265,7 +216,7 @@ def test_alibi_sees_text_positions(name: str) -> None:
     full = hidden(model, ids, position_ids=pos)
     assert gap(full, hidden(model, ids)) < 1e-5
     assert gap(full, hidden(untouched(name), ids, position_ids=pos)) > 1e-3  # posenc's attention runs
-    cut, name_ = 14, _cache_name(model)
+    cut, name_ = 14, cache_name(model)
     with torch.no_grad():
         out = model(ids[:, :cut], position_ids=pos[..., :cut], use_cache=True)
         steps = []
