@@ -10,9 +10,10 @@ the last 2 reusing the keys and values of the last earlier layer of their type),
 with KV-shared layers it is refused), per-layer key/value heads (MiMo-V2-Flash: sinks and twice the
 key/value heads on its sliding layers), a rotation turned the other way (nanochat: its own only), the RoPE block's scaling on some layers
 (Molmo2: the others rotate unscaled, with a second rotary module), Lara mini (linear-attention
-layers, NoPE full layers), Falcon (layers in ``h``; refused with ALiBi) and GPT-J and CodeGen (no inv_freq: a
+layers, NoPE full layers), Falcon (layers in ``h``; refused with ALiBi), GPT-J and CodeGen (no inv_freq: a
 ``[sin | cos]`` table of base 10000, interleaved pairs on the first ``rotary_dim`` features; a table that is not
-posenc's RoPE is refused).
+posenc's RoPE is refused) and LongCat-Flash (MLA, two attention sublayers per decoder layer, each its own cache
+layer; with YaRN's mscale pair).
 
 The census (tests/hf/test_census.py) checks ``use(model, "rope")``, under which the model rotates q
 and k with its own tables and posenc only verifies them: it cannot see a row's layout, rope slice or
@@ -52,6 +53,10 @@ from posenc.hf.schedule_config import schedule_from_hf  # noqa: E402
 pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.filterwarnings("ignore")]
 
 LENGTH, PAD, STEPS, TOLERANCE = 20, 5, 3, 1e-4
+# YaRN past an original length of 8 with DeepSeek's mscale pair: the attention factor on the rotated
+# features, mscale_all_dim's factor in the layer's softmax scale (yarn_apply_mscale)
+_LONGCAT_YARN = {"rope_type": "yarn", "rope_theta": 1e7, "factor": 4.0, "original_max_position_embeddings": 8, "beta_fast": 32.0,
+                 "beta_slow": 1.0, "mscale": 0.707, "mscale_all_dim": 1.0}
 _DENSE_PREFIX = dict(num_hidden_layers=3, layer_types=["full_attention", "sliding_attention", "full_attention"],
                      mlp_layer_types=["dense", "sparse", "sparse"])
 
@@ -72,6 +77,7 @@ ROWS: list[tuple[str, dict[str, Any]]] = [
     ("gemma4_text", {}),
     ("gemma4_text", {"attention_k_eq_v": True, "per_layer_config": {"1": {"head_dim": 32, "num_key_value_heads": 1}}}),
     ("gptj", {}), ("gptj", {"rotary_dim": 16}), ("codegen", {}), ("codegen", {"rotary_dim": 4}),
+    ("longcat_flash", {}), ("longcat_flash", {"num_hidden_layers": 4, "rope_parameters": _LONGCAT_YARN}),
 ]
 
 
@@ -321,3 +327,30 @@ def test_sparse_attention_is_refused_naming_the_indexer(model_type: str) -> None
     model = build(model_type)
     with pytest.raises(UsageError, match=rf"{model_type}.*sparse attention \(an indexer"):
         phf.use(model, "rope")
+
+
+def test_longcat_runs_each_attention_sublayer_as_a_layer_of_its_own() -> None:
+    """LongCat-Flash's decoder layers hold two MLA sublayers each (a ModuleList self_attn, layer_idx 2i
+    and 2i + 1): each gets its own plan and KV cache layer. Under ALiBi (posenc's own scores, not the
+    model's), cached decoding equals the full pass, which a cache layer shared by the two sublayers or
+    a plan on one of them only would break; sublayers whose layer_idx do not number them in order are
+    refused before any forward."""
+    ref = build("longcat_flash", num_hidden_layers=4)
+    model = phf.use(copy.deepcopy(ref), "alibi")
+    planned = [m.layer_idx for m in model.modules() if "_posenc_plan" in m.__dict__]
+    assert planned == [0, 1, 2, 3] and ref.config.num_layers == 2
+    ids = torch.randint(3, census.VOCAB, (2, LENGTH), generator=torch.Generator().manual_seed(3))
+    full = output(model, ids).logits
+    out = output(model, ids[:, :LENGTH - STEPS], use_cache=True)
+    assert len(out.cache.layers) == 4
+    steps = [out.logits[:, -1]]
+    for t in range(LENGTH - STEPS, LENGTH - 1):
+        out = output(model, ids[:, t:t + 1], use_cache=True, cache=out.cache)
+        steps.append(out.logits[:, -1])
+    assert float((torch.stack(steps, 1) - full[:, LENGTH - STEPS - 1:LENGTH - 1]).abs().max()) < TOLERANCE
+    assert float((full - output(ref, ids).logits).abs().max()) > 1e-2  # ALiBi ran in place of the model's RoPE
+    swapped = copy.deepcopy(ref)
+    swapped.model.layers[0].self_attn[1].layer_idx, swapped.model.layers[1].self_attn[0].layer_idx = 2, 1
+    with pytest.raises(UsageError, match=r"'longcat_flash'.*attention layer 1 of the stack has layer_idx 2"):
+        phf.use(swapped, "rope")
+    assert not any(isinstance(m, RotaryStandIn) for m in swapped.modules())  # refused: left as it was

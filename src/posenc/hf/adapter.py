@@ -75,9 +75,9 @@ from .fallback import check_structure
 from .families import FAMILIES, family_of, qk_head_dim, text_config
 from .forward_state import ForwardState, RotaryStandIn
 from .inkling import inkling_plans, keep_other_attention, layer_stack, without_rope
-from .layers import attention_of, check_shared, decoder_stack, layer_plans, rotary_name
+from .layers import attention_slots, check_shared, decoder_stack, layer_plans, rotary_name
 from .rotary_sets import install_rotaries
-from .stack_names import layer_list
+from .stack_names import ATTENTION_NAMES, layer_list
 
 # -- what a checkpoint saved after use() carries, so that it loads right or not at all -------------
 #
@@ -221,15 +221,16 @@ def _planned(model: nn.Module, stack: nn.Module, encoding: str | nn.Module | Sch
     held = getattr(stack, "config", None)
     inner = held if held is not None and hasattr(held, "num_attention_heads") else text_config(config)
     family = family_of(getattr(inner, "model_type", None))
-    layers = list(cast(nn.ModuleList, layer_list(stack)))  # layers, Falcon's h, DBRX's blocks
-    attentions = [attention_of(layer) for layer in layers]
+    # layers, Falcon's h, DBRX's blocks; one entry per attention module (a layer holding several: one each, keyed by layer_idx)
+    layers, attentions = attention_slots(list(cast(nn.ModuleList, layer_list(stack))))
     types = getattr(inner, "layer_types", None)
-    if family is not None and family.no_attention and isinstance(types, (list, tuple)) and len(types) == len(layers):
+    if family is not None and family.no_attention and isinstance(types, (list, tuple)) and len(types) == len(attentions):
         # a hybrid's linear-attention layers never call the attention function (MiniMax's Lightning attention)
         attentions = [None if kind in family.no_attention else a for a, kind in zip(attentions, types)]
     if not any(a is not None for a in attentions):
         raise UsageError(f"model: no decoder layer of {type(model).__name__} has an attention module with layer_idx "
-                         "(posenc.hf looks for self_attn, attention or attn on each layer)")
+                         f"(posenc.hf looks for {', '.join(ATTENTION_NAMES)} on each layer: a module, or a ModuleList of "
+                         "modules each with its own layer_idx)")
     if getattr(inner, "use_bidirectional_attention", None):
         raise UsageError("model: use_bidirectional_attention is not supported by posenc.hf (a decoder with causal masks)")
     for key, why in family.refused_when if family is not None else ():  # what a row cannot run (Gemma 4's KV sharing)
@@ -281,7 +282,9 @@ def use(model: _Model, encoding: str | nn.Module | Schedule, **options: Any) -> 
 
     Raises:
         UsageError: naming the model's family: a model without a decoder stack of ``layers`` and
-            one ``rotary_emb``, a model outside the family table that is not the LLaMA pattern
+            one ``rotary_emb``, a layer holding several attention modules whose ``layer_idx`` do not
+            number the stack's attention layers in order, a config describing another number of
+            attention layers than the stack holds, a model outside the family table that is not the LLaMA pattern
             (:mod:`posenc.hf.fallback`: NoPE layers, per-layer bases, sinks, bidirectional
             attention, MLA, M-RoPE, per-layer head dims or tables, KV sharing, a mask of its own), an unknown encoding name or
             option, options that are not JSON values or given with a module or schedule, a built

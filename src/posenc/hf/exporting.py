@@ -42,7 +42,7 @@ from .adapter import MARKER
 from .attention import Encodings, LayerPlan, held_encoding
 from .families import Family, family_of, qk_head_dim, text_config
 from .forward_state import RotaryStandIn
-from .layers import attention_of, decoder_stack, family_schedule
+from .layers import attention_slots, decoder_stack, family_schedule
 from .stack_names import layer_list
 
 # transformers' rope types (transformers.modeling_rope_utils.ROPE_INIT_FUNCTIONS, 5.24) posenc can write.
@@ -97,8 +97,8 @@ def _plans(model: nn.Module) -> list[LayerPlan | None]:
     merge_and_unload)."""
     plans: list[LayerPlan | None] = []
     stack = decoder_stack(model)
-    for layer in cast(nn.ModuleList, layer_list(stack)):  # layers, Falcon's h, DBRX's blocks
-        attention = attention_of(layer)
+    # layers, Falcon's h, DBRX's blocks; a layer holding several attention modules: one plan each
+    for attention in attention_slots(list(cast(nn.ModuleList, layer_list(stack))))[1]:
         plan = None if attention is None else attention.__dict__.get("_posenc_plan")
         plans.append(None if plan is None else replace(plan, encoding=held_encoding(stack, plan)))
     return plans

@@ -288,6 +288,9 @@ FAMILIES: tuple[Family, ...] = (
            needs=_MLA_NEEDS + "; the log-floor query scale"),
     Family("Bailing hybrid", ("bailing_hybrid",), rope_slice="last", window="none", qk_head_dim=_MLA, no_attention=("linear_attention",),
            needs=_MLA_NEEDS + "; Gated DeltaNet layers have no positions"),
+    Family("LongCat-Flash", ("longcat_flash",), rope_slice="last", window="none", qk_head_dim=_MLA,
+           needs=_MLA_NEEDS + "; two attention sublayers per decoder layer (a ModuleList self_attn, layer_idx 2i and 2i + 1, "
+                 "num_hidden_layers = 2 x num_layers); LoRA scales on q and the kv latent before the rotation (nothing to do)"),
     Family("GLM-4", ("glm4",), layout="interleaved", needs="partial rotary (first half), interleaved pairs"),
     Family("GLM-4-MoE", ("glm4_moe",), needs="partial rotary (first half)"),
     Family("gpt-oss", ("gpt_oss",), typed_layers=True, sinks="sinks", needs="attention sinks (module.sinks); YaRN; alternating windows"),

@@ -34,7 +34,7 @@ from .mrope import check_axes, refuse_other
 from .rope_config import options_from_hf
 from .rotary_sets import layer_rotary, per_layer
 from .schedule_config import schedule_from_hf
-from .stack_names import ATTENTION_HOLDERS, ROTARY_NAMES, layer_list
+from .stack_names import ATTENTION_HOLDERS, ATTENTION_NAMES, ROTARY_NAMES, layer_list
 
 # -- the plan: family, sizes, schedule -----------------------------------------------------------
 
@@ -85,17 +85,62 @@ def decoder_stack(model: nn.Module) -> nn.Module:
                      "embedding computed once per forward on the decoder stack, and each layer's attention taking its tables)")
 
 
-def attention_of(layer: nn.Module) -> nn.Module | None:
-    """A decoder layer's attention module (the one with ``layer_idx``, or an encoder's, ``is_causal``
-    False: GTE, Nomic BERT and Jina v3 give theirs no index), or None (a linear-attention layer). A
-    hybrid layer's shared transformer block (Zamba2's ``shared_transformer``, see :func:`check_shared`) and a
+def _is_attention(module: Any) -> bool:
+    """An attention module: one with ``layer_idx`` (its KV cache layer), or an encoder's (``is_causal``
+    False: GTE, Nomic BERT and Jina v3 give theirs no index)."""
+    return isinstance(module, nn.Module) and (hasattr(module, "layer_idx") or getattr(module, "is_causal", None) is False)
+
+
+def attentions_of(layer: nn.Module) -> list[nn.Module]:
+    """A decoder layer's attention modules: the one with ``layer_idx`` (or an encoder's), or, where the
+    layer holds a ``ModuleList`` of them under one of :data:`~posenc.hf.stack_names.ATTENTION_NAMES`,
+    each of them, every one with an int ``layer_idx`` (its own KV cache layer: LongCat-Flash's two
+    sublayers, 2i and 2i + 1); empty for a layer without attention (a linear-attention layer). A hybrid
+    layer's shared transformer block (Zamba2's ``shared_transformer``, see :func:`check_shared`) and a
     DBRX block's ``norm_attn_norm`` are looked in too (:data:`~posenc.hf.stack_names.ATTENTION_HOLDERS`)."""
     for holder in (layer, *(getattr(layer, name, None) for name in ATTENTION_HOLDERS)):
-        for name in ("self_attn", "attention", "attn", "self_attention"):
+        for name in ATTENTION_NAMES:
             module = getattr(holder, name, None) if isinstance(holder, nn.Module) else None
-            if isinstance(module, nn.Module) and (hasattr(module, "layer_idx") or getattr(module, "is_causal", None) is False):
-                return module
-    return None
+            if (isinstance(module, nn.ModuleList) and len(module) > 0
+                    and all(_is_attention(m) and isinstance(getattr(m, "layer_idx", None), int) for m in module)):
+                return list(module)
+            if _is_attention(module):
+                return [cast(nn.Module, module)]
+    return []
+
+
+def attention_of(layer: nn.Module) -> nn.Module | None:
+    """A decoder layer's one attention module (:func:`attentions_of`), or None (none, or several)."""
+    found = attentions_of(layer)
+    return found[0] if len(found) == 1 else None
+
+
+def attention_slots(layers: list[nn.Module]) -> tuple[list[nn.Module], list[nn.Module | None]]:
+    """The attention layers of a decoder stack, in order, and the decoder layer holding each (two lists
+    of one length): one per decoder layer (its attention module, or None), except where a layer holds
+    several (:func:`attentions_of`), each of which is then an attention layer of its own, keyed by its
+    ``layer_idx``: the model's KV cache layer and its index in the config's per-layer lists
+    (``num_hidden_layers`` counts them: LongCat-Flash's 2 per decoder layer).
+
+    Raises:
+        UsageError: a stack with a layer of several attention modules whose ``layer_idx`` are not their
+            positions 0, 1, ... among all the stack's attention layers (posenc could not tell which
+            entry of the model's schedule each one is).
+    """
+    holders: list[nn.Module] = []
+    attentions: list[nn.Module | None] = []
+    for layer in layers:
+        found = attentions_of(layer)
+        holders.extend([layer] * max(1, len(found)))
+        attentions.extend(found or [None])
+    if len(attentions) > len(layers):
+        for i, (layer, attention) in enumerate(zip(holders, attentions)):
+            index = getattr(attention, "layer_idx", None)
+            if index != i:
+                raise UsageError(f"model: {type(layer).__name__} holds several attention modules, and attention layer {i} "
+                                 f"of the stack has layer_idx {index!r}: posenc.hf keys each by its layer_idx, which must "
+                                 "number the stack's attention layers 0, 1, ... in order")
+    return holders, attentions
 
 
 def check_shared(layers: list[nn.Module], attentions: list[nn.Module | None], plans: list[LayerPlan | None]) -> None:
@@ -346,6 +391,9 @@ def layer_plans(model: Any, config: Any, family: Family | None, attentions: list
     sizes = _sizes(model, config, family, rotary)
     causal = family.causal if family is not None else True
     own = family_schedule(config, family, depth)
+    if len(own.layers) != depth:  # each attention layer must have its schedule entry (zip would drop or shift them)
+        raise UsageError(f"model: its config describes {len(own.layers)} attention layers (num_hidden_layers, layer_types) "
+                         f"and its decoder stack holds {depth}; posenc.hf cannot tell which layer is which")
     if family is None:  # the generic fallback: each layer run alone against the schedule read (posenc.hf.fallback)
         expected = [_build(layer.encoding, dict(layer.options), sizes, causal) if layer.encoding == "rope" else None
                     for layer in own.layers]

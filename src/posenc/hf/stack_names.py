@@ -2,7 +2,9 @@
 
 Most families hold their layers in ``layers`` (``LlamaModel`` & co.); Falcon in ``h``; DBRX in
 ``blocks``, with each block's attention one module further in (``norm_attn_norm.attn``). Zamba2's
-hybrid layers hold their attention in a shared transformer block (``shared_transformer``).
+hybrid layers hold their attention in a shared transformer block (``shared_transformer``). A layer
+may hold several attention modules in a ``ModuleList`` under one of :data:`ATTENTION_NAMES`, each its
+own cache layer (LongCat-Flash's ``self_attn``: two sublayers, ``layer_idx`` 2i and 2i + 1).
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ ROTARY_NAMES = ("rotary_emb", "pos_emb")
 LAYER_LISTS = ("layers", "h", "blocks")
 #: The sub-modules of a layer its attention may be held in (besides the layer itself).
 ATTENTION_HOLDERS = ("shared_transformer", "norm_attn_norm")
+#: The names a layer's attention module (or ``ModuleList`` of them) goes by, in the order they are looked for.
+ATTENTION_NAMES = ("self_attn", "attention", "attn", "self_attention")
 
 
 def layer_list(stack: nn.Module) -> nn.ModuleList | None:
@@ -26,4 +30,4 @@ def layer_list(stack: nn.Module) -> nn.ModuleList | None:
     return None
 
 
-__all__ = ["ATTENTION_HOLDERS", "LAYER_LISTS", "ROTARY_NAMES", "layer_list"]
+__all__ = ["ATTENTION_HOLDERS", "ATTENTION_NAMES", "LAYER_LISTS", "ROTARY_NAMES", "layer_list"]
