@@ -232,7 +232,7 @@ ROW_CHECKS = ("the census, and tests/hf/test_family_rows.py: the row's RoPE rota
 ROWS_TESTED = {"minicpm3", "glm4_moe_lite", "sarvam_mla", "youtu", "axk1", "mistral4", "bailing_hybrid", "ernie4_5", "helium", "glm",
                "cohere2_moe", "afmoe", "exaone4", "flint", "beam", "ergo", "laguna", "mellum", "lfm3", "granite_swa", "muse_spark_text",
                "gemma3n_text", "gemma4_text", "mimo_v2_flash", "nanochat", "molmo2_text",
-               "lara_mini", "falcon", "gptj", "codegen", "longcat_flash"}
+               "lara_mini", "falcon", "gptj", "codegen", "longcat_flash", "moshi"}
 MROPE_CHECKS = ("the census, and tests/hf/test_mrope_backbones.py: 3-axis image rows, left padding, cached decoding; "
                 "ALiBi, T5, NoPE at text positions")
 #: the M-RoPE rows checked by tests/hf/test_mrope_rows.py (issue 47 item 4: the census's other M-RoPE backbones)

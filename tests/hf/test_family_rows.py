@@ -13,7 +13,9 @@ key/value heads on its sliding layers), a rotation turned the other way (nanocha
 layers, NoPE full layers), Falcon (layers in ``h``; refused with ALiBi), GPT-J and CodeGen (no inv_freq: a
 ``[sin | cos]`` table of base 10000, interleaved pairs on the first ``rotary_dim`` features; a table that is not
 posenc's RoPE is refused) and LongCat-Flash (MLA, two attention sublayers per decoder layer, each its own cache
-layer; with YaRN's mscale pair).
+layer; with YaRN's mscale pair), Moshi and RecurrentGemma (no rotary module on the decoder stack: each attention
+module holds its own; RecurrentGemma's RG-LRU layers, local attention and partial rotary; both decode through
+generate where the model returns no cache).
 
 The census (tests/hf/test_census.py) checks ``use(model, "rope")``, under which the model rotates q
 and k with its own tables and posenc only verifies them: it cannot see a row's layout, rope slice or
@@ -78,6 +80,9 @@ ROWS: list[tuple[str, dict[str, Any]]] = [
     ("gemma4_text", {"attention_k_eq_v": True, "per_layer_config": {"1": {"head_dim": 32, "num_key_value_heads": 1}}}),
     ("gptj", {}), ("gptj", {"rotary_dim": 16}), ("codegen", {}), ("codegen", {"rotary_dim": 4}),
     ("longcat_flash", {}), ("longcat_flash", {"num_hidden_layers": 4, "rope_parameters": _LONGCAT_YARN}),
+    ("moshi", {}), ("moshi", {"num_key_value_heads": 4, "rope_parameters": {"rope_type": "default", "rope_theta": 500.0}}),
+    ("recurrent_gemma", {}), ("recurrent_gemma", {"num_hidden_layers": 3, "block_types": ["attention", "recurrent", "attention"],
+                                                  "num_key_value_heads": 1, "attention_window_size": 5}),
 ]
 
 
@@ -120,6 +125,9 @@ def run(model: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
     position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
     out = output(model, ids, attention_mask=mask, position_ids=position_ids, use_cache=True)
     padded = scores(out, table)[mask.bool()]
+    if not hasattr(out, "cache"):  # RecurrentGemma keeps its caches in its modules and returns none: its generate
+        with torch.no_grad():
+            return full, padded, model.generate(ids, attention_mask=mask, max_new_tokens=STEPS, do_sample=False)[:, LENGTH:]
     tokens = []
     for _ in range(STEPS):
         token = scores(out, table)[:, -1].argmax(-1, keepdim=True)  # (B, 1)
@@ -354,3 +362,64 @@ def test_longcat_runs_each_attention_sublayer_as_a_layer_of_its_own() -> None:
     with pytest.raises(UsageError, match=r"'longcat_flash'.*attention layer 1 of the stack has layer_idx 2"):
         phf.use(swapped, "rope")
     assert not any(isinstance(m, RotaryStandIn) for m in swapped.modules())  # refused: left as it was
+
+
+@pytest.mark.parametrize("model_type", ["moshi", "recurrent_gemma"])
+def test_a_rotary_module_in_each_attention_is_stood_in_for_in_each(model_type: str) -> None:
+    """Moshi and RecurrentGemma hold no rotary module on the decoder stack: each attention module calls
+    its own (``Family.attention_rotary``). Every one of them is stood in for, sharing one forward state
+    that the stack starts (not each layer's call); under "rope" they pass the model's tables on, under
+    the row's schedule they are the identity (posenc rotates); use() again re-points the same
+    stand-ins; each layer's RoPE is verified against its own module (one altered in the last
+    attention layer is refused, the model left as it was; so is a layer without its rotary module)."""
+    ref = build(model_type)
+    attentions = [m for m in ref.modules() if type(m).__name__.endswith("Attention") and hasattr(m, "rotary_emb")]
+    assert len(attentions) >= 1 and not hasattr(ref.model, "rotary_emb")
+    model = phf.use(copy.deepcopy(ref), "rope")
+    held = [m.rotary_emb for m in model.modules() if type(m).__name__.endswith("Attention") and hasattr(m, "rotary_emb")]
+    assert len(held) == len(attentions) and all(isinstance(r, RotaryStandIn) for r in held)
+    assert len({id(r.forward_state) for r in held}) == 1 and not any(r.starts or r.identity for r in held)
+    again = phf.use(model, schedule_from_hf(ref.config))
+    assert [a.rotary_emb for a in again.modules() if hasattr(a, "rotary_emb")] == held and all(r.identity for r in held)
+    assert max(gaps(run(again), run(ref))[:2]) < TOLERANCE
+    tampered = copy.deepcopy(ref)
+    rotary = [m for m in tampered.modules() if type(m).__name__.endswith("Attention") and hasattr(m, "rotary_emb")][-1].rotary_emb
+    with torch.no_grad():
+        rotary.inv_freq.mul_(1.01)
+    with pytest.raises(UsageError, match=rf"'{model_type}'.*differs from the model's rotary module"):
+        phf.use(tampered, "rope")
+    assert not any(isinstance(m, RotaryStandIn) for m in tampered.modules())
+    unrotated = copy.deepcopy(ref)  # a layer without its rotary module (Moshi's depth decoder's): NoPE, not described
+    [m for m in unrotated.modules() if type(m).__name__.endswith("Attention") and hasattr(m, "rotary_emb")][-1].rotary_emb = None
+    with pytest.raises(UsageError, match=rf"'{model_type}'.*rotates inside each attention module with its 'rotary_emb', and "
+                                         r"\w+Attention \(layer_idx \d\) holds NoneType"):
+        phf.use(unrotated, "rope")
+
+
+def test_moshi_alibi_decodes_as_its_full_pass_within_its_cache() -> None:
+    """Another encoding in Moshi's attention (the stand-ins the identity): it reaches every layer (the
+    output differs from the model's RoPE) and cached greedy steps equal the full pass. Moshi's
+    ``sliding_window`` sizes only its DynamicCache (its mask is full causal), so the check stays within
+    it; past it the model itself, and posenc with it, decodes over the last ``sliding_window`` keys."""
+    ref = build("moshi", sliding_window=64)
+    model = phf.use(copy.deepcopy(ref), "alibi")
+    ids = torch.randint(3, census.VOCAB, (1, 12), generator=torch.Generator().manual_seed(2))
+    assert float((output(model, ids).logits - output(ref, ids).logits).abs().max()) > 1e-3
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=4, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    full = output(model, out.sequences, use_cache=False).logits[0]
+    assert max(float((step[0] - full[11 + i]).abs().max()) for i, step in enumerate(out.logits)) < TOLERANCE
+
+
+def test_a_rotary_module_in_each_layer_without_a_row_is_refused_naming_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without its row (``attention_rotary`` unknown), Moshi's stack has no rotary module and its layers
+    hold their own: refused naming the first, and what posenc needs."""
+    import posenc.hf.adapter as adapter
+    import posenc.hf.layers as layers
+
+    model = build("moshi")
+    monkeypatch.setattr(layers, "family_of", lambda model_type: None)
+    monkeypatch.setattr(adapter, "family_of", lambda model_type: None)
+    with pytest.raises(UsageError, match=r"'moshi'.*no rotary module: its layers hold their own \(layers.0.self_attn.rotary_emb, "
+                                         r"MoshiRotaryEmbedding\).*Family.attention_rotary"):
+        phf.use(model, "rope")

@@ -11,9 +11,14 @@ each kind, Mamba-2 scans in chunks of 8) and checked against its untouched ``tra
   rotary module is the identity) is the untouched model: posenc's RoPE reaches each attention layer
   with the right base, slice and window;
 - ALiBi keeps cached decoding equal to the full pass (the recurrent layers' own caches included);
-- a packed row: posenc's attention separates its documents, and the recurrent layers do not (none
-  of these families resets its state per document in transformers' torch code): with the recurrent
-  mixers silenced the row equals its documents alone, with them on a later document does not.
+- a packed row: posenc's attention separates its documents, and the recurrent layers do not (in
+  transformers' torch code only RecurrentGemma's RG-LRU resets its state, where a position is 0, and
+  its short convolution still crosses documents): with the recurrent mixers silenced the row equals
+  its documents alone, with them on a later document does not.
+
+RecurrentGemma (Griffin: RG-LRU recurrent blocks beside local attention, each attention module with
+its own rotary module) is one of them; with its convolutions cut to the current token a packed row
+equals its documents alone (the RG-LRU's reset).
 
 Beyond the census: Qwen3.5's 3-axis M-RoPE ids under "rope", Zamba2's tied transformer blocks, and
 the refusals (NoPE attention; forget gates in a shared block).
@@ -40,9 +45,10 @@ pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.filterwarnings(
 
 #: the hybrid families, as the census builds them (one layer of each kind)
 HYBRIDS = ["bamba", "falcon_h1", "granitemoehybrid", "lfm2", "lfm2_moe", "minimax", "olmo_hybrid", "qwen3_5_text",
-           "qwen3_5_moe_text", "zamba2", "zaya"]
-#: the modules of a layer that are not its attention (silenced in the packed-row test)
-MIXERS = ("mamba", "linear_attn", "conv")
+           "qwen3_5_moe_text", "zamba2", "zaya", "recurrent_gemma"]
+#: the modules of a layer that are not its attention (silenced in the packed-row test; RecurrentGemma's
+#: temporal_block is its attention on an attention layer, which is never silenced)
+MIXERS = ("mamba", "linear_attn", "conv", "temporal_block")
 LENGTH, PAD = 20, 5
 
 
@@ -102,7 +108,7 @@ def test_rope_is_the_untouched_model_and_runs_in_the_attention_layers_only(model
         assert err(logits(model, ids), logits(ref, ids)) < 1e-4
     attention_layers = planned(model)
     recurrent = [m for m in model.modules() if type(m).__name__.endswith(("Mixer", "GatedDeltaNet", "ShortConv",
-                                                                           "LightningAttention"))]
+                                                                           "LightningAttention", "RecurrentBlock"))]
     assert attention_layers and set(spy.modules) == attention_layers  # each attention layer, none of the others
     assert not any(id(m) in attention_layers for m in recurrent)
     assert len(spy.modules) == len(attention_layers)  # once per forward
@@ -155,12 +161,14 @@ def _silenced(model: torch.nn.Module) -> torch.nn.Module:
             if type(attention).__name__.endswith("LightningAttention"):
                 mixers.append(attention)
             for mixer in mixers:
+                if isinstance(mixer, torch.nn.Module) and mixer.__dict__.get("_posenc_plan") is not None:
+                    continue  # an attention layer's (RecurrentGemma's temporal_block)
                 for p in (mixer.parameters() if isinstance(mixer, torch.nn.Module) else ()):
                     p.zero_()
     return model
 
 
-PACKED = ["bamba", "falcon_h1", "lfm2", "minimax", "qwen3_5_text", "granitemoehybrid"]
+PACKED = ["bamba", "falcon_h1", "lfm2", "minimax", "qwen3_5_text", "granitemoehybrid", "recurrent_gemma"]
 
 
 @pytest.mark.parametrize("model_type", PACKED)
@@ -179,6 +187,27 @@ def test_a_packed_row_separates_documents_in_attention_not_in_recurrent_layers(m
     quiet = _silenced(model)
     packed = logits(quiet, ids, position_ids=pos, use_cache=False)
     assert err(packed, torch.cat([logits(quiet, d, use_cache=False) for d in docs], dim=1)) < 1e-4
+
+
+def test_recurrent_gemma_resets_its_rg_lru_where_a_position_is_zero() -> None:
+    """RecurrentGemma's RG-LRU restarts its state where a token's position is 0 (its own reset), and its
+    short convolution (width 4) does not: with each recurrent block's kernel cut to the current token a
+    packed row equals its documents alone (posenc's attention keeps them apart, the RG-LRU resets);
+    with the whole kernel the second document sees the first one's last tokens."""
+    lengths = (7, 9)
+    docs = [tokens(1, n, seed=10 + i) for i, n in enumerate(lengths)]
+    ids = torch.cat(docs, dim=1)
+    pos = torch.cat([torch.arange(n) for n in lengths])[None]
+    model = phf.use(build("recurrent_gemma"), "rope")
+    blocks = [layer.temporal_block for layer in model.model.layers if hasattr(layer.temporal_block, "rg_lru")]
+    assert blocks
+    assert err(logits(model, ids, position_ids=pos, use_cache=False)[:, 7:], logits(model, docs[1], use_cache=False)) > 1e-3
+    with torch.no_grad():
+        for block in blocks:
+            block.conv_1d.weight[..., :-1] = 0  # (lru_width, 1, width): the last tap is the current token
+    packed = logits(model, ids, position_ids=pos, use_cache=False)
+    assert err(packed, torch.cat([logits(model, d, use_cache=False) for d in docs], dim=1)) < 1e-4
+    assert err(packed, logits(model, ids, use_cache=False)) > 1e-3  # one document: the RG-LRU carries on
 
 
 def test_qwen3_5_three_axis_ids_under_rope_are_the_untouched_model() -> None:

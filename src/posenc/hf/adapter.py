@@ -11,8 +11,9 @@ this one (:func:`use`, the hooks it installs, saving and loading). How it plugs 
   is set to it. Without the mask function every mask the attention receives would be None; ours
   hands the attention the 2-D padding mask (B, Tk), True = real token, or None when nothing is
   padded. Windows, chunks and documents are posenc's, read from the layer's plan, not from masks.
-- The model's rotary module is wrapped by :class:`RotaryStandIn`, which returns the original's
-  output as the identity rotation, so the model's own rotation leaves q and k exactly as they are;
+- The model's rotary module (or each attention module's own: ``Family.attention_rotary``) is
+  wrapped by :class:`RotaryStandIn`, which returns the original's output as the identity rotation,
+  so the model's own rotation leaves q and k exactly as they are;
   the attention function applies the layer's encoding (``posenc.attend``), so the KV cache holds
   un-rotated keys and every key is rotated at its position at every step.
 - Each attention layer gets a :class:`LayerPlan`: its encoding and attention kind (window, chunk,
@@ -75,8 +76,8 @@ from .fallback import check_structure
 from .families import FAMILIES, family_of, qk_head_dim, text_config
 from .forward_state import ForwardState, RotaryStandIn
 from .inkling import inkling_plans, keep_other_attention, layer_stack, without_rope
-from .layers import attention_slots, check_shared, decoder_stack, layer_plans, rotary_name
-from .rotary_sets import install_rotaries
+from .layers import attention_slots, check_shared, decoder_stack, layer_plans
+from .rotary_sets import install_rotaries, place_rotaries, stack_rotary, stand_in_for
 from .stack_names import ATTENTION_NAMES, layer_list
 
 # -- what a checkpoint saved after use() carries, so that it loads right or not at all -------------
@@ -241,9 +242,8 @@ def _planned(model: nn.Module, stack: nn.Module, encoding: str | nn.Module | Sch
     if without_rope(family):  # Inkling, Inkling-2: no rotary module to stand in for (posenc.hf.inkling)
         plans, modules, record = inkling_plans(inner, cast(Any, family), attentions, encoding, options)
         return inner, family, layers, attentions, None, plans, modules, record
-    current = getattr(stack, cast(str, rotary_name(stack)))
-    stand_in = current if isinstance(current, RotaryStandIn) else RotaryStandIn(
-        cast(nn.Module, current), sin_first=family is not None and family.sincos_table is not None)  # (sin, cos): GPT-J
+    # the stack's rotary module, or the first attention's (Family.attention_rotary: RecurrentGemma, Moshi)
+    stand_in = stand_in_for(stack_rotary(stack, family, attentions), family)
     rotary = stand_in.original
     if family is None:
         check_structure(model, stack, inner, attentions, rotary)
@@ -299,7 +299,7 @@ def use(model: _Model, encoding: str | nn.Module | Schedule, **options: Any) -> 
     except UsageError as error:
         raise _naming_the_family(error, model) from error.__cause__
     if stand_in is not None:
-        setattr(stack, cast(str, rotary_name(stack)), stand_in)
+        place_rotaries(stack, family, attentions, stand_in)  # on the stack, or in each attention module
     else:
         keep_other_attention(model, attentions)
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
@@ -315,7 +315,8 @@ def use(model: _Model, encoding: str | nn.Module | Schedule, **options: Any) -> 
             isinstance(p.encoding, RoPE) and p.encoding.rotation_depends_on_length for p in plans if p is not None))
     if stand_in is not None and not stand_in.identity:
         plans = [None if p is None else replace(p, rotate=not isinstance(p.encoding, (RoPE, MRoPE, XDRoPE))) for p in plans]
-    install_rotaries(model, family, stand_in)  # a stack's other rotary modules, one per base (Granite-SWA)
+    # a stack's other rotary modules, one per base (Granite-SWA), or the other attention modules' own (RecurrentGemma)
+    install_rotaries(model, family, stand_in, attentions)
     slots = {id(module): i for i, module in enumerate(modules)}  # (each call runs the module held there then)
     plans = [None if p is None else replace(p, slot=slots.get(id(p.encoding))) for p in plans]
     state = stand_in.forward_state if stand_in is not None else stack.__dict__.setdefault("_posenc_forward_state", ForwardState())
@@ -332,7 +333,7 @@ def use(model: _Model, encoding: str | nn.Module | Schedule, **options: Any) -> 
             attention.__dict__["_posenc_hook_input"] = attention.register_forward_pre_hook(keep_input, with_kwargs=True)
             attention.__dict__["_posenc_hook_input_end"] = attention.register_forward_hook(drop_input, with_kwargs=True)
     _remove_hooks(stack)
-    positions = _positions_hook(state, start=stand_in is None)
+    positions = _positions_hook(state, start=stand_in is None or not stand_in.starts)
     stack.__dict__["_posenc_hook_positions"] = stack.register_forward_pre_hook(positions, with_kwargs=True)
     stack.__dict__["_posenc_hook_finish"] = stack.register_forward_hook(_finish_hook(state))
     stack.__dict__["_posenc_hook_marker"] = stack.register_load_state_dict_pre_hook(_marker_kept)

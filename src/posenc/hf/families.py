@@ -93,6 +93,12 @@ Definitions (r the rotated features of a head, D its q/k head dim):
   attention rotates the first ``rotary_dim`` features in interleaved pairs). posenc reads r from the
   table's width, verifies its RoPE read from the config against the whole table at use(), and its
   stand-in's identity rotation is (sin 0, cos 1).
+- ``attention_rotary``: the decoder stack holds no rotary module: each attention module holds its own
+  under this attribute and calls it on every forward with the positions it is passed
+  (RecurrentGemma's and Moshi's ``rotary_emb``, all built from the one RoPE block). posenc verifies
+  each layer's RoPE against the module of that layer, stands in for every one of them (sharing one
+  forward state, started by the decoder stack's pre-hook rather than by the first rotary call), and
+  reads the rotated features from the first.
 - ``fixed_theta``: the RoPE base fixed in the family's modeling code, whose config has no RoPE block
   (GPT-J, CodeGen: 10000); a ``rope_parameters`` or ``rope_theta`` the config holds is not read, as
   the model does not read it.
@@ -152,6 +158,7 @@ class Family:
     reversed_rotation: bool = False
     sincos_table: str | None = None
     fixed_theta: float | None = None
+    attention_rotary: str | None = None
     refused_when: tuple[tuple[str, str], ...] = ()
     own: str = "rope"
     query_sinks: str | None = None
@@ -251,6 +258,14 @@ FAMILIES: tuple[Family, ...] = (
     Family("CodeGen", ("codegen",), layout="interleaved", window="none", sincos_table="embed_positions", fixed_theta=10000.0,
            needs="GPT-J's rotation (partial rotary, interleaved pairs, a [sin, cos] table of base 10000 verified against "
                  "posenc's RoPE, rotated in float32); a fused qkv projection (nothing to do); layers in h"),
+    # Rotary inside each attention module (none on the decoder stack)
+    Family("RecurrentGemma", ("recurrent_gemma",), no_attention=("linear_attention",), attention_rotary="rotary_emb",
+           needs="RG-LRU recurrent layers have no positions (their own reset where a position is 0); local attention "
+                 "(sliding_attention, attention_window_size); partial rotary (first half); each attention's own rotary "
+                 "module; attention in temporal_block"),
+    Family("Moshi", ("moshi",), window="none", attention_rotary="rotary_emb",
+           needs="each attention's own rotary module; a full causal mask (its sliding_window sizes only its cache: past "
+                 "it the model, and posenc with it, decodes over the last sliding_window keys)"),
     # Per-layer bases (layer_rope_theta), a base of 0 for a NoPE layer
     Family("Muse", ("muse_glimmer_text", "muse_spark_text"), nope="zero_theta",
            needs="NoPE layers where layer_rope_theta is 0 (the others rotate with the one RoPE block)"),

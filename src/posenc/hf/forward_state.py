@@ -64,15 +64,18 @@ class RotaryStandIn(nn.Module):
     types and shapes as the identity rotation (cos = 1, sin = 0; a complex table of ones), so the
     model's own rotation leaves q and k exactly as they are, whatever its layout, slice or dtype.
     ``sin_first``: the original returns ``(sin, cos)`` (GPT-J, CodeGen: ``Family.sincos_table``), so
-    the identity is (zeros, ones).
+    the identity is (zeros, ones). ``starts``: False for a rotary module each attention layer calls
+    (``Family.attention_rotary``: RecurrentGemma, Moshi), where a call is not a new forward (the
+    decoder stack's pre-hook starts it).
     """
 
-    def __init__(self, original: nn.Module, sin_first: bool = False) -> None:
+    def __init__(self, original: nn.Module, sin_first: bool = False, starts: bool = True) -> None:
         super().__init__()
         self.original = original
         self.forward_state = ForwardState()
         self.identity = True  # False: the original's own tables pass through (the model rotates)
         self.sin_first = sin_first
+        self.starts = starts
 
     def __getattr__(self, name: str) -> Any:
         """What the model reads from its rotary module besides calling it (Ergo's ``rope_type``: the
@@ -86,7 +89,8 @@ class RotaryStandIn(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         state = self.forward_state
-        state.start()
+        if self.starts:
+            state.start()
         made = kwargs.get("position_ids", args[1] if len(args) > 1 else None)
         if isinstance(made, torch.Tensor) and made.dim() == 2 and not made.is_floating_point():
             state.made_position_ids = made  # what the model rotates at (see ForwardState)

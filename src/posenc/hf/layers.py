@@ -29,7 +29,7 @@ from ..errors import UsageError
 from ..model.schedule import Layer, Schedule
 from .attention import LayerPlan
 from .fallback import probe
-from .families import Family, layer_config, qk_head_dim
+from .families import Family, family_of, layer_config, qk_head_dim, text_config
 from .mrope import check_axes, refuse_other
 from .rope_config import options_from_hf
 from .rotary_sets import layer_rotary, per_layer
@@ -44,8 +44,17 @@ def rotary_name(stack: nn.Module) -> str | None:
     return next((n for n in ROTARY_NAMES if isinstance(getattr(stack, n, None), nn.Module)), None)
 
 
+def _rotary_in_attention(stack: nn.Module) -> bool:
+    """The stack's family holds a rotary module in each attention module (``Family.attention_rotary``)."""
+    config = getattr(stack, "config", None)
+    family = family_of(getattr(text_config(config), "model_type", None)) if config is not None else None
+    return family is not None and family.attention_rotary is not None
+
+
 def decoder_stack(model: nn.Module) -> nn.Module:
-    """The module holding ``layers`` and the rotary module (``rotary_emb``: ``LlamaModel`` & co.).
+    """The module holding ``layers`` and the rotary module (``rotary_emb``: ``LlamaModel`` & co.), or
+    only ``layers`` where the family's rotary modules sit in its attention modules
+    (``Family.attention_rotary``: RecurrentGemma, Moshi).
 
     Raises:
         UsageError: no such module within three levels (base model prefix, ``model``, ``language_model``, ``text_model``);
@@ -74,11 +83,20 @@ def decoder_stack(model: nn.Module) -> nn.Module:
         raise UsageError(f"model: the attention of {type(model).__name__} has no RoPE ({type(bare).__name__}'s rotary module "
                          "is None: NoPE attention, e.g. position_embedding_type=None), and posenc.hf runs only models "
                          "whose decoder stack computes a rotary embedding once per forward")
+    if plain is not None and _rotary_in_attention(plain):  # each attention's own (RecurrentGemma, Moshi)
+        return plain
     if plain is not None:
+        inside = next((n for n, m in plain.named_modules() if re.search("rotary", type(m).__name__, re.I)), None)
+        if inside is not None:  # a rotary module in each layer, and no family row naming it
+            raise UsageError(f"model: {type(model).__name__}'s decoder stack ({type(plain).__name__}) has no rotary module: "
+                             f"its layers hold their own ({inside}, {type(plain.get_submodule(inside)).__name__}), and "
+                             "posenc.hf runs a rotary module inside each attention module only for a family whose row names "
+                             "it (Family.attention_rotary: RecurrentGemma, Moshi), else one computed once per forward on "
+                             "the decoder stack")
         raise UsageError(f"model: {type(model).__name__}'s decoder stack ({type(plain).__name__}) has no rotary module: its "
-                         "attention has no RoPE on the stack (NoPE attention, as in Jamba, Nemotron-H and Kimi-Linear) or "
-                         "computes it inside each layer, and posenc.hf runs only models whose decoder stack computes a "
-                         "rotary embedding once per forward")
+                         "attention has no RoPE (NoPE attention, as in Jamba, Nemotron-H and Kimi-Linear), and posenc.hf "
+                         "runs only models whose decoder stack computes a rotary embedding once per forward or whose "
+                         "attention modules hold their own (Family.attention_rotary)")
     source = next((f"{n} ({type(m).__name__})" for n, m in model.named_modules() if re.search("rotary|sinusoidal", type(m).__name__, re.I)), None)
     raise UsageError(f"model: {type(model).__name__} has no decoder stack with `layers` and one `rotary_emb` module"
                      f"{f', its positions come from {source}' if source else ''} (posenc.hf needs the model's rotary "
@@ -464,7 +482,8 @@ def layer_plans(model: Any, config: Any, family: Family | None, attentions: list
                 enc = _build(layer.encoding, dict(layer.options), own, causal)
                 built[key] = enc
         if from_config:
-            _verify_rope(enc, layer_rotary(rotary, model, family, config, i), kind, family, getattr(config, "model_type", None))
+            _verify_rope(enc, layer_rotary(rotary, model, family, config, i, attention), kind, family,
+                         getattr(config, "model_type", None))
         if offers(enc, Selects):
             raise UsageError(f"{getattr(enc, 'name', type(enc).__name__)}: posenc.hf does not run selective attention (a "
                              "transformers KV cache keeps no per-key selection sums, so cached decoding would differ from "

@@ -17,8 +17,10 @@ ROTARY_NAMES = ("rotary_emb", "pos_emb")
 LAYER_LISTS = ("layers", "h", "blocks")
 #: The sub-modules of a layer its attention may be held in (besides the layer itself).
 ATTENTION_HOLDERS = ("shared_transformer", "norm_attn_norm")
-#: The names a layer's attention module (or ``ModuleList`` of them) goes by, in the order they are looked for.
-ATTENTION_NAMES = ("self_attn", "attention", "attn", "self_attention")
+#: The names a layer's attention module (or ``ModuleList`` of them) goes by, in the order they are looked for
+#: (RecurrentGemma's ``temporal_block``: attention on its attention layers, the RG-LRU recurrent block,
+#: without ``layer_idx``, on the others).
+ATTENTION_NAMES = ("self_attn", "attention", "attn", "self_attention", "temporal_block")
 
 
 def layer_list(stack: nn.Module) -> nn.ModuleList | None:
