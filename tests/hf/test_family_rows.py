@@ -415,10 +415,10 @@ def test_a_rotary_module_in_each_layer_without_a_row_is_refused_naming_it(monkey
     """Without its row (``attention_rotary`` unknown), Moshi's stack has no rotary module and its layers
     hold their own: refused naming the first, and what posenc needs."""
     import posenc.hf.adapter as adapter
-    import posenc.hf.layers as layers
+    import posenc.hf.stack as stack
 
     model = build("moshi")
-    monkeypatch.setattr(layers, "family_of", lambda model_type: None)
+    monkeypatch.setattr(stack, "family_of", lambda model_type: None)
     monkeypatch.setattr(adapter, "family_of", lambda model_type: None)
     with pytest.raises(UsageError, match=r"'moshi'.*no rotary module: its layers hold their own \(layers.0.self_attn.rotary_emb, "
                                          r"MoshiRotaryEmbedding\).*Family.attention_rotary"):

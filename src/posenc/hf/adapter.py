@@ -76,9 +76,9 @@ from .fallback import check_structure
 from .families import FAMILIES, family_of, qk_head_dim, text_config
 from .forward_state import ForwardState, RotaryStandIn
 from .inkling import inkling_plans, keep_other_attention, layer_stack, without_rope
-from .layers import attention_slots, check_shared, decoder_stack, layer_plans
+from .layers import check_shared, layer_plans
 from .rotary_sets import install_rotaries, place_rotaries, stack_rotary, stand_in_for
-from .stack_names import ATTENTION_NAMES, layer_list
+from .stack import ATTENTION_NAMES, attention_slots, decoder_stack, layer_list
 
 # -- what a checkpoint saved after use() carries, so that it loads right or not at all -------------
 #

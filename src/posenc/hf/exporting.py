@@ -42,8 +42,8 @@ from .adapter import MARKER
 from .attention import Encodings, LayerPlan, held_encoding
 from .families import Family, family_of, qk_head_dim, text_config
 from .forward_state import RotaryStandIn
-from .layers import attention_slots, decoder_stack, family_schedule
-from .stack_names import layer_list
+from .layers import family_schedule
+from .stack import attention_slots, decoder_stack, layer_list
 
 # transformers' rope types (transformers.modeling_rope_utils.ROPE_INIT_FUNCTIONS, 5.24) posenc can write.
 EXPRESSIBLE = ("default", "linear", "dynamic", "yarn", "longrope", "llama3")

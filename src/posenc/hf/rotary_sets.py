@@ -34,7 +34,7 @@ from torch import nn
 from ..errors import UsageError
 from .families import Family, layer_config, qk_head_dim
 from .forward_state import RotaryStandIn
-from .stack_names import ROTARY_NAMES
+from .stack import ROTARY_NAMES
 
 
 def _holder(model: nn.Module, family: Family) -> nn.Module:
