@@ -33,8 +33,8 @@ BY_TYPE = {c.model_type: c for c in CASES}
 ROWED = sorted({t for f in FAMILIES if not f.causal for t in f.model_types} | {"modernvbert", "ultravbert"})
 #: the encoders posenc refuses, and what the refusal must name
 REASONS = {
-    "roformer": "no decoder stack with `layers` and one `rotary_emb`",  # sinusoidal tables inside each layer
-    "esm": "no decoder stack with `layers` and one `rotary_emb`",  # a rotary module inside each attention
+    # its attention computes its scores itself (no attention interface), rotating with the encoder's sinusoidal table
+    "roformer": "not through transformers' attention interface.*embed_positions",
     "neomme": "bidirectional.*one rotary table per layer type",  # 2-axis positions, per-layer configs: no row
 }
 

@@ -54,7 +54,7 @@ Definitions (r the rotated features of a head, D its q/k head dim):
   ``hybrid_sliding`` ones slide. Their RoPE tables keep the family's name (``hybrid_inv_freq``).
 - ``qk_head_dim``: the config keys whose sum is D (MLA: ``qk_nope_head_dim + qk_rope_head_dim``);
   by default ``head_dim``, else ``hidden_size // num_attention_heads``.
-- ``causal``: a decoder; the encoders (ModernBERT, EuroBERT, GTE, Nomic BERT, Jina v3, UltraBERT) are
+- ``causal``: a decoder; the encoders (ModernBERT, EuroBERT, GTE, Nomic BERT, Jina v3, ESM-2, UltraBERT) are
   bidirectional, and their attention modules may have no ``layer_idx`` (GTE, Nomic BERT, Jina v3).
 - ``window_per_side``: ``window_key`` counts the keys on each side (UltraBERT's ``sliding_window``:
   ``|i - j| <= w``), where posenc's bidirectional window W is the total width (``|i - j| <= W // 2``),
@@ -102,6 +102,9 @@ Definitions (r the rotated features of a head, D its q/k head dim):
 - ``fixed_theta``: the RoPE base fixed in the family's modeling code, whose config has no RoPE block
   (GPT-J, CodeGen: 10000); a ``rope_parameters`` or ``rope_theta`` the config holds is not read, as
   the model does not read it.
+- ``theta_key``: the config key of the RoPE base of a family whose config has no ``rope_parameters``
+  block and whose modeling code rotates with the default frequencies of that base (ESM-2's
+  ``rope_theta``, read by its ``EsmRotaryEmbedding``); a ``rope_parameters`` the config may hold is not read.
 - ``refused_when``: (config key, why) pairs: :func:`posenc.hf.use` refuses a model whose config sets
   the key (true or non-zero), saying why (what posenc lacks for it).
 - ``own``: the encoding of the family's own attention, ``"rope"`` for all but the Inkling families
@@ -159,6 +162,7 @@ class Family:
     sincos_table: str | None = None
     fixed_theta: float | None = None
     attention_rotary: str | None = None
+    theta_key: str | None = None
     refused_when: tuple[tuple[str, str], ...] = ()
     own: str = "rope"
     query_sinks: str | None = None
@@ -346,6 +350,12 @@ FAMILIES: tuple[Family, ...] = (
     Family("Jina v3", ("jina_embeddings_v3",), window="none", causal=False, needs="an encoder; attention modules without layer_idx"),
     Family("ESM C", ("esmc",), window="none", causal=False,
            needs="an encoder; q/k layer norms before RoPE (nothing to do); sequence_id chains refused at the forward"),
+    Family("ESM-2", ("esm",), window="none", causal=False, theta_key="rope_theta",
+           refused_when=(("is_decoder", "a causal decoder (ESM's is_decoder), where posenc's row runs it as the "
+                          "bidirectional encoder it is"),),
+           needs="an encoder (RoPE with position_embedding_type='rotary'); layers in encoder.layer, attention in "
+                 "attention.self, the rotary module rotary_embeddings beside them; its base rope_theta (no RoPE block); "
+                 "q scaled by head_dim**-0.5 before the rotation and scaling 1 passed (nothing to do)"),
     Family("UltraBERT", ("ultrabert",), typed_layers=True, rope_blocks="per_type", causal=False, window_per_side=True,
            needs="an encoder; a RoPE block per layer type; local windows of sliding_window keys on each side"),
 )

@@ -144,8 +144,10 @@ def schedule_from_hf(config) -> Schedule:
     depth = int(_need(get, "num_hidden_layers", name))
     beta: float | LogFloorScale | None = None
     # a base fixed in the modeling code (GPT-J, CodeGen: no RoPE block in the config, none read)
-    params = ({"rope_type": "default", "rope_theta": family.fixed_theta} if family.fixed_theta is not None
-              else _need(get, "rope_parameters", name))
+    # or a base the config holds beside no RoPE block (ESM-2's rope_theta, the default rotation: Family.theta_key)
+    params: Any = ({"rope_type": "default", "rope_theta": family.fixed_theta} if family.fixed_theta is not None
+                   else {"rope_type": "default", "rope_theta": _need(get, family.theta_key, name)} if family.theta_key is not None
+                   else _need(get, "rope_parameters", name))
     if family.log_beta and isinstance(params, Mapping) and "llama_4_scaling_beta" in params:
         params = dict(params)
         beta = float(params.pop("llama_4_scaling_beta"))

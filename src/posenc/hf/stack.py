@@ -5,7 +5,10 @@ Most families hold their layers in ``layers`` (``LlamaModel`` & co.); Falcon in 
 ``blocks``, with each block's attention one module further in (``norm_attn_norm.attn``). Zamba2's
 hybrid layers hold their attention in a shared transformer block (``shared_transformer``). A layer
 may hold several attention modules in a ``ModuleList`` under one of :data:`ATTENTION_NAMES`, each its
-own cache layer (LongCat-Flash's ``self_attn``: two sublayers, ``layer_idx`` 2i and 2i + 1).
+own cache layer (LongCat-Flash's ``self_attn``: two sublayers, ``layer_idx`` 2i and 2i + 1). A BERT-style
+encoder keeps its layers one module further in (ESM-2's ``encoder.layer``), its rotary module beside it
+on the model (``rotary_embeddings``), and each layer's attention module inside ``attention``
+(``attention.self``).
 """
 
 from __future__ import annotations
@@ -18,22 +21,26 @@ from torch import nn
 from ..errors import UsageError
 from .families import family_of, text_config
 
-#: The names a decoder stack's rotary module goes by (LFM2-MoE's is ``pos_emb``).
-ROTARY_NAMES = ("rotary_emb", "pos_emb")
-#: The names a decoder stack's list of layers goes by, in the order they are looked for.
-LAYER_LISTS = ("layers", "h", "blocks")
-#: The sub-modules of a layer its attention may be held in (besides the layer itself).
-ATTENTION_HOLDERS = ("shared_transformer", "norm_attn_norm")
+#: The names a decoder stack's rotary module goes by (LFM2-MoE's is ``pos_emb``, ESM-2's ``rotary_embeddings``).
+ROTARY_NAMES = ("rotary_emb", "pos_emb", "rotary_embeddings")
+#: The names (dotted paths) a decoder stack's list of layers goes by, in the order they are looked for
+#: (a BERT-style encoder's: ``encoder.layer``, ESM-2).
+LAYER_LISTS = ("layers", "h", "blocks", "encoder.layer")
+#: The sub-modules of a layer its attention may be held in (besides the layer itself; a BERT-style
+#: layer's ``attention`` holds the attention module as ``self``, with the output projection beside it).
+ATTENTION_HOLDERS = ("shared_transformer", "norm_attn_norm", "attention")
 #: The names a layer's attention module (or ``ModuleList`` of them) goes by, in the order they are looked for
 #: (RecurrentGemma's ``temporal_block``: attention on its attention layers, the RG-LRU recurrent block,
-#: without ``layer_idx``, on the others).
-ATTENTION_NAMES = ("self_attn", "attention", "attn", "self_attention", "temporal_block")
+#: without ``layer_idx``, on the others; a BERT-style ``attention``'s ``self``).
+ATTENTION_NAMES = ("self_attn", "attention", "attn", "self_attention", "temporal_block", "self")
 
 
 def layer_list(stack: nn.Module) -> nn.ModuleList | None:
     """The first of ``stack``'s :data:`LAYER_LISTS` that is a ``ModuleList``, or None."""
     for name in LAYER_LISTS:
-        found = getattr(stack, name, None)
+        found: Any = stack
+        for part in name.split("."):  # a dotted path (encoder.layer)
+            found = getattr(found, part, None)
         if isinstance(found, nn.ModuleList):
             return found
     return None
@@ -81,10 +88,17 @@ def decoder_stack(model: nn.Module) -> nn.Module:
         frontier = found
     if bare is not None:
         raise UsageError(f"model: the attention of {type(model).__name__} has no RoPE ({type(bare).__name__}'s rotary module "
-                         "is None: NoPE attention, e.g. position_embedding_type=None), and posenc.hf runs only models "
+                         "is None: NoPE attention or absolute positions, e.g. position_embedding_type=None or 'absolute'), and "
+                         "posenc.hf runs only models "
                          "whose decoder stack computes a rotary embedding once per forward")
     if plain is not None and _rotary_in_attention(plain):  # each attention's own (RecurrentGemma, Moshi)
         return plain
+    source = next((f"{n} ({type(m).__name__})" for n, m in model.named_modules() if re.search("rotary|sinusoidal", type(m).__name__, re.I)), None)
+    if plain is not None and source is not None and not getattr(type(model), "_supports_attention_backend", False):
+        raise UsageError(f"model: {type(model).__name__}'s attention computes its scores itself, not through transformers' "
+                         f"attention interface ({type(model).__name__} does not set _supports_attention_backend), so posenc's "
+                         f"attention cannot take it over; its layers rotate q and k with the tables of {source}, handed "
+                         "to each layer, where posenc.hf needs a rotary module whose tables it can verify and stand in for")
     if plain is not None:
         inside = next((n for n, m in plain.named_modules() if re.search("rotary", type(m).__name__, re.I)), None)
         if inside is not None:  # a rotary module in each layer, and no family row naming it
@@ -97,7 +111,6 @@ def decoder_stack(model: nn.Module) -> nn.Module:
                          "attention has no RoPE (NoPE attention, as in Jamba, Nemotron-H and Kimi-Linear), and posenc.hf "
                          "runs only models whose decoder stack computes a rotary embedding once per forward or whose "
                          "attention modules hold their own (Family.attention_rotary)")
-    source = next((f"{n} ({type(m).__name__})" for n, m in model.named_modules() if re.search("rotary|sinusoidal", type(m).__name__, re.I)), None)
     raise UsageError(f"model: {type(model).__name__} has no decoder stack with `layers` and one `rotary_emb` module"
                      f"{f', its positions come from {source}' if source else ''} (posenc.hf needs the model's rotary "
                      "embedding computed once per forward on the decoder stack, and each layer's attention taking its tables)")
