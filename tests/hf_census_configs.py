@@ -333,14 +333,16 @@ def _class_config(case: Case, config: Any) -> tuple[Any, Any]:
     return (config, model_class(case).from_config) if sub is None else (sub, cls._from_config)
 
 
-def build(case: Case) -> torch.nn.Module:
+def build(case: Case, **overrides: Any) -> torch.nn.Module:
     """The family's tiny model, every weight moved off its init value (norm weights not 1, sinks
-    not 0), in eval mode.
+    not 0), in eval mode; ``overrides`` are set on its tiny config first.
 
     Raises:
         ValueError: the tiny model would have more than :data:`LIMIT` parameters (it needs an override).
     """
     config = tiny_config(case.model_type)
+    for key, value in overrides.items():
+        setattr(config, key, value)
     config, make = _class_config(case, config)
     with torch.device("meta"):
         shell = make(config)
