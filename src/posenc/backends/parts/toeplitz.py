@@ -15,7 +15,7 @@ into ~40 kernel calls at 1,024 tokens (each a parallel region of its own).
 A learned table (T5 training) takes the same two kernel calls for its output and dq, dk, dv; the
 kernel's backward gives no dS to sum per relative position, so the caller hands in ``table_grad``,
 which computes the table's gradient alone from the saved output and log-sum-exp (the blocked
-backend: its band's dS written out, one kernel forward per far region, no dq, dk, dv there).
+backend: its band's dS written out, one kernel forward per far-future region, no dq, dk, dv there).
 """
 
 from __future__ import annotations
