@@ -240,6 +240,13 @@ MROPE_ROWS_TESTED = {"cosmos3_edge_text", "cohere_compass_text", "hunyuan_vl_tex
 MROPE_ROW_CHECKS = ("the census, and tests/hf/test_mrope_rows.py: 3- or 4-axis image rows, left padding, cached decoding, "
                     "tables that differ from the config refused; ALiBi at text positions")
 
+#: the rows whose model rotates itself beyond M-RoPE (a learned per-channel weight after the rotation), checked by
+#: tests/hf/test_model_rotates.py
+MODEL_ROTATES_TESTED = {"hunyuan_v1_dense", "hunyuan_v1_moe", "dory"}
+MODEL_ROTATES_CHECKS = ('the census, and tests/hf/test_model_rotates.py: "rope" is the untouched model (forward, left padding, '
+                        "cached decoding), tables that differ from the config refused, posenc's rotations refused; ALiBi against "
+                        "a reference, ALiBi, T5, NoPE decoding as their full pass")
+
 
 def family_table() -> str:
     rows = ["| family | model_type | what it needed | tested |", "|---|---|---|---|"]
@@ -250,6 +257,7 @@ def family_table() -> str:
         hybrid = bool(family.no_attention or family.type_names)
         checks = (CHECKS if tested else ROW_CHECKS if ROWS_TESTED & set(family.model_types)
                   else INKLING_CHECKS if family.own != "rope"
+                  else MODEL_ROTATES_CHECKS if MODEL_ROTATES_TESTED & set(family.model_types)
                   else (MROPE_ROW_CHECKS if MROPE_ROWS_TESTED & set(family.model_types) else MROPE_CHECKS) if family.mrope
                   else HYBRID_CHECKS if hybrid
                   else 'the schedule only (tests/hf/test_schedule_config.py)')

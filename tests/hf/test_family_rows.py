@@ -157,11 +157,12 @@ def test_the_row_is_the_model_with_posenc_rotating(model_type: str, more: dict[s
 
 
 def _rows() -> list[str]:
-    """Every census type with a RoPE row posenc can rotate itself (not M-RoPE, not reversed, not Inkling)."""
+    """Every census type with a RoPE row posenc can rotate itself (not one whose model must rotate: M-RoPE, HunYuan v1; not reversed, not Inkling)."""
     found = []
     for entry in census.cases():
         row = family_of(entry.model_type)
-        if row is not None and row.own == "rope" and not row.mrope and not row.reversed_rotation and entry.model_type not in census.UNBUILDABLE:
+        if (row is not None and row.own == "rope" and not row.model_rotates and not row.reversed_rotation
+                and entry.model_type not in census.UNBUILDABLE):
             found.append(entry.model_type)
     return found
 

@@ -310,9 +310,11 @@ def use(model: _Model, encoding: str | nn.Module | Schedule, **options: Any) -> 
     # The model's own RoPE, verified equal to posenc's (use(model, "rope")), whose rotation does not
     # depend on the length: the model rotates q and k itself, so the cache keeps rotated keys and a
     # decode step rotates one key, not the whole cache. Everything else rotates in the attention.
+    # A family whose model must rotate itself (Family.model_rotates: M-RoPE, a learned q/k norm after the
+    # rotation) keeps its own rotation under "rope" whatever it depends on; other encodings got no rotation.
     if stand_in is not None:
-        stand_in.identity = not (record.get("from_config") and not any(
-            isinstance(p.encoding, RoPE) and p.encoding.rotation_depends_on_length for p in plans if p is not None))
+        stand_in.identity = not (record.get("from_config") and (family is not None and family.model_rotates or not any(
+            isinstance(p.encoding, RoPE) and p.encoding.rotation_depends_on_length for p in plans if p is not None)))
     if stand_in is not None and not stand_in.identity:
         plans = [None if p is None else replace(p, rotate=not isinstance(p.encoding, (RoPE, MRoPE, XDRoPE))) for p in plans]
     # a stack's other rotary modules, one per base (Granite-SWA), or the other attention modules' own (RecurrentGemma)

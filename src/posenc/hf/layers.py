@@ -190,10 +190,10 @@ def layer_plans(model: Any, config: Any, family: Family | None, attentions: list
             record["from_config"] = True
     else:
         raise UsageError(f"encoding must be a posenc encoding name, a schedule or an encoding module, got {type(encoding).__name__}")
-    if family is not None and family.mrope:  # what posenc cannot run on an M-RoPE backbone (posenc.hf.mrope)
+    if family is not None and family.model_rotates:  # the model rotates itself: no rotation of posenc's (posenc.hf.mrope)
         names = {layer.encoding for layer in layers} | ({encoding} if isinstance(encoding, str) else set())
-        refuse_other(getattr(config, "model_type", None), encoding if isinstance(encoding, nn.Module) else None, names,
-                     from_config)
+        refuse_other(getattr(config, "model_type", None), family, encoding if isinstance(encoding, nn.Module) else None,
+                     names, from_config)
     built: dict[Any, PositionalEncoding] = {}
     modules: list[nn.Module] = []
     plans: list[LayerPlan | None] = []

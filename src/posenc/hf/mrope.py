@@ -22,10 +22,13 @@ token's 3-axis ids, nor those of the keys in a KV cache, so:
 - another encoding sees each token at its text position (the sequence slot counted from the row's
   first real token, or the ``position_ids`` given as (B, T), or the text row of the 4-row form): an
   image token sits at its slot, as if it were a text token (docs/hf.md, "M-RoPE backbones").
-- refused at use() (:func:`refuse_other`): any other rotation (``"rope"`` with options, a remap of
-  it, ``"mrope"`` or another multi-axis rotation, a RoPE module, a schedule's rope layer), which
-  posenc would apply at 1-D text positions, not at the image tokens' 3-axis ids; and absolute
-  encodings, whose embedding needs the position ids the layers are not handed.
+- refused at use() (:func:`refuse_other`, for every row with ``Family.model_rotates``: these, and
+  the families whose learned per-channel weight follows the rotation, HunYuan v1 and Dory): any
+  other rotation (``"rope"`` with options, a remap of it, ``"mrope"`` or another multi-axis
+  rotation, xPos, FoPE, PoPE, a RoPE module, a schedule's rope layer), which posenc would apply at
+  1-D text positions, not at the image tokens' 3-axis ids (HunYuan v1, Dory: before the weight);
+  and on an M-RoPE backbone absolute encodings, whose embedding needs the position ids the layers
+  are not handed.
 """
 
 from __future__ import annotations
@@ -41,10 +44,11 @@ from torch import nn
 from ..encodings import get_class
 from ..encodings.base import PositionalEncoding
 from ..encodings.mrope import MRoPE
-from ..encodings.protocol import Embeds, Remaps, offers
+from ..encodings.protocol import Embeds, Remaps, Rotates, offers
 from ..encodings.rope import RoPE, RotaryTable
 from ..encodings.xdrope import XDRoPE
 from ..errors import UsageError
+from .families import Family
 
 _PROBE_LENGTH = 7
 
@@ -131,28 +135,33 @@ def _compare(encoding: MRoPE | XDRoPE, rotary: nn.Module, held: torch.Tensor, ap
                          f"the config ({encoding.extra_repr()}); refusing a wrong model")
 
 
-def refuse_other(model_type: Any, module: nn.Module | None, names: set[str], from_config: bool) -> None:
-    """On an M-RoPE backbone, refuse what posenc cannot run there (see the module docstring):
-    ``module`` the encoding module given to use() (or None), ``names`` the registry names of the
-    encodings asked for (the name given, a schedule's layers).
+def refuse_other(model_type: Any, family: Family, module: nn.Module | None, names: set[str], from_config: bool) -> None:
+    """In a family whose model must rotate q and k itself (``Family.model_rotates``: the M-RoPE
+    backbones, see the module docstring; HunYuan v1, whose learned q/k norm follows the rotation),
+    refuse what posenc cannot run there: ``module`` the encoding module given to use() (or None),
+    ``names`` the registry names of the encodings asked for (the name given, a schedule's layers).
+    A rotation is any encoding that rotates q and k (``Rotates``: RoPE, xPos, FoPE, PoPE, the
+    multi-axis rotations) or remaps a rotation (``Remaps``: SelfExtend, ReRoPE, STRING, DCA); on an
+    M-RoPE backbone an absolute encoding is refused too (its layers are not handed position ids).
 
     Raises:
-        UsageError: naming the model type, the encoding and what posenc lacks.
+        UsageError: naming the model type, the encoding and the family's reason.
     """
-    if from_config:
+    if from_config or not family.model_rotates:
         return
-    lacks = ("its layers are not handed the 3-axis (temporal, height, width) ids, nor are a cached key's known, so "
-             "posenc would rotate at 1-D text positions, not at an image token's ids; use(model, 'rope') without "
-             "options runs the model's own M-RoPE, and a non-rotary encoding runs at the text positions")
     classes: list[tuple[str, Any]] = [(n, get_class(n)) for n in sorted(names)]
     if module is not None:
         classes.append((getattr(module, "name", type(module).__name__), type(module)))
     for name, cls in classes:
         if isinstance(cls, type) and issubclass(cls, PositionalEncoding):
-            rotary = issubclass(cls, (RoPE, MRoPE)) or offers(cls, Remaps) or int(getattr(cls, "position_axes", 1)) > 1
+            rotary = (issubclass(cls, (RoPE, MRoPE)) or offers(cls, Rotates) or offers(cls, Remaps)
+                      or int(getattr(cls, "position_axes", 1)) > 1)
             if rotary:
-                raise UsageError(f"model_type {model_type!r} is an M-RoPE backbone, and encoding {name!r} is a rotation: {lacks}")
-            if offers(cls, Embeds):
+                raise UsageError(f"model_type {model_type!r} {family.model_rotates}; encoding {name!r} is a rotation, which "
+                                 "posenc would apply inside the attention function. use(model, 'rope') without options runs "
+                                 "the model's own rotation (verified against its config), and an encoding without a rotation "
+                                 "(ALiBi, T5, NoPE, ...) replaces it")
+            if family.mrope and offers(cls, Embeds):
                 raise UsageError(f"model_type {model_type!r} is an M-RoPE backbone, and encoding {name!r} is absolute: its "
                                  "embedding needs each token's position ids, which this backbone does not hand its layers")
 
