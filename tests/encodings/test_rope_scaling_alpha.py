@@ -257,9 +257,12 @@ def test_export_refuses_the_scalings_transformers_cannot_express() -> None:
 
 
 def test_a_hunyuan_model_under_use_with_ntk_alpha_equals_itself() -> None:
-    """Live: transformers' HunYuan dense model (its checkpoint's "dynamic" block with alpha) under
-    ``posenc.hf.use(model, "rope", scaling={"rope_type": "ntk_alpha", "alpha": a})`` equals the
-    untouched model for its own alpha, and differs for another."""
+    """Live: transformers' HunYuan dense model (its checkpoint's "dynamic" block with alpha). posenc's
+    RoPE with ``{"rope_type": "ntk_alpha", "alpha": a}`` has the frequencies of the model's rotary
+    module for its own alpha, and others for another; ``posenc.hf.use(model, "rope")`` reads that
+    block from the config, verifies it against the module and equals the untouched model, its
+    q/k norms' weights moved off 1. A rotation of posenc's own there (the same block given as an
+    option) is refused: the model normalises q and k after its rotation with a learned weight."""
     from transformers.models.hunyuan_v1_dense.configuration_hunyuan_v1_dense import HunYuanDenseV1Config
     from transformers.models.hunyuan_v1_dense.modeling_hunyuan_v1_dense import HunYuanDenseV1ForCausalLM
 
@@ -272,13 +275,19 @@ def test_a_hunyuan_model_under_use_with_ntk_alpha_equals_itself() -> None:
                                                                                          "beta_slow": 1, "mscale": 1.0}})
     torch.manual_seed(0)
     original = HunYuanDenseV1ForCausalLM(HunYuanDenseV1Config(**copy.deepcopy(d))).eval()
+    with torch.no_grad():
+        for p in original.parameters():
+            p.add_(torch.randn_like(p) * 0.05)  # the q/k norms' weights off 1: a rotation after them would differ
+    held = original.model.rotary_emb.inv_freq
+    for alpha, same in ((1000.0, True), (10.0, False)):
+        ours = posenc.build("rope", num_heads=4, head_dim=16, base=10000.0, scaling={"rope_type": "ntk_alpha", "alpha": alpha})
+        assert torch.allclose(ours.inv_freq.float(), held.float(), rtol=1e-5, atol=0) == same, alpha
     ids = torch.randint(0, 64, (2, 40))
     with torch.no_grad():
         want = original(ids).logits
-    for alpha, same in ((1000.0, True), (10.0, False)):
-        model = HunYuanDenseV1ForCausalLM(HunYuanDenseV1Config(**copy.deepcopy(d))).eval()
-        model.load_state_dict(original.state_dict())
-        hf.use(model, "rope", scaling={"rope_type": "ntk_alpha", "alpha": alpha})
-        with torch.no_grad():
-            got = model(ids).logits
-        assert ((got - want).abs().max().item() < 1e-5) == same, alpha  # seen: 1.8e-7 for its own alpha
+    model = copy.deepcopy(original)
+    hf.use(model, "rope")
+    with torch.no_grad():
+        assert (model(ids).logits - want).abs().max().item() < 1e-5
+    with pytest.raises(UsageError, match="after the rotation"):
+        hf.use(copy.deepcopy(original), "rope", scaling={"rope_type": "ntk_alpha", "alpha": 1000.0})
