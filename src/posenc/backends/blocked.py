@@ -128,13 +128,13 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec, b
     tq, tk = q.shape[-2], k.shape[-2]
     if fast_path(spec, tq, tk):
         if block is None and toeplitz.applies(spec, q, v):  # non-causal: one kernel call, its mask a view of a table
-            return _fixed_or_tailed(q, k, v, spec)
+            return _one_call(q, k, v, spec)
         return _tailed(q, k, v, spec, block)
     return explicit.attend(q, k, v, spec, block)
 
 
 @opaque_to_compile  # one opaque call, as _tailed: the table, the flipped keys and the kernel stay out of compiled frames
-def _fixed_or_tailed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec) -> torch.Tensor:
+def _one_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ScoreSpec) -> torch.Tensor:
     """A non-causal call: one kernel call each way with the bias table as its mask
     (backends/parts/toeplitz.py). A table that takes a gradient (T5's, learned) gets it from the
     plan of :func:`_tailed` (:func:`_table_grad`), since the kernel's backward gives no dS."""

@@ -76,7 +76,7 @@ Definitions (r the rotated features of a head, D its q/k head dim):
 
 - ``model_rotates``: the model must rotate q and k itself, and why posenc cannot (a clause completing
   "model_type X ..."): its rotation happens where posenc's attention function cannot place one. The
-  M-RoPE rows (their layers are not handed the 3-axis ids), HunYuan v1 (a learned q/k RMSNorm after
+  M-RoPE rows (their layers are not handed the 3-axis ids; set for every ``mrope`` row), HunYuan v1 (a learned q/k RMSNorm after
   the rotation) and Dory (a learned per-channel query scale after it): a learned per-channel weight
   does not commute with a rotation. Under ``use(model, "rope")`` without options
   the rotary module passes through (the plan's ``rotate=False``) after posenc verified its tables
@@ -181,15 +181,14 @@ class Family:
     needs: str = ""  # what the family needed beyond the LLaMA pattern, for docs/hf.md
 
     def __post_init__(self) -> None:
-        if self.mrope and not self.model_rotates:
-            raise ValueError(f"Family {self.name!r}: an M-RoPE row needs model_rotates (its layers are not handed the "
-                             "3-axis ids, so only the model can rotate)")
+        if self.mrope and self.model_rotates is None:  # an M-RoPE row: only the model can rotate (its layers lack the ids)
+            object.__setattr__(self, "model_rotates", _MROPE_ROTATES)
 
 
 _EVERY = "every_layer"
 _MLA = ("qk_nope_head_dim", "qk_rope_head_dim")
 _MLA_NEEDS = "MLA (DeepSeek-V3's layout): the rope part is the last qk_rope_head_dim features, de-interleaved; value head dim differs"
-#: Family.model_rotates of the M-RoPE rows (posenc.hf.mrope)
+#: Family.model_rotates of the M-RoPE rows (posenc.hf.mrope), set for every row with ``mrope``
 _MROPE_ROTATES = ("is an M-RoPE backbone: its layers are not handed the 3-axis (temporal, height, width) ids, nor are a "
                   "cached key's known, so posenc would rotate at 1-D text positions, not at an image token's ids (an "
                   "encoding without a rotation runs at the text positions)")
@@ -345,18 +344,18 @@ FAMILIES: tuple[Family, ...] = (
     Family("Llama 4", ("llama4_text", "llama4"), typed_layers=True, layout="interleaved", nope="no_rope_layers",
            chunk_key="attention_chunk_size", temperature=True, qk_norm_after_rotation="use_qk_norm",
            needs="NoPE layers with the query temperature (posenc's, at each document's positions); chunked attention on RoPE layers; complex pairs"),
-    Family("Qwen2-VL text", ("qwen2_vl_text", "qwen2_5_vl_text"), mrope=True, model_rotates=_MROPE_ROTATES,
+    Family("Qwen2-VL text", ("qwen2_vl_text", "qwen2_5_vl_text"), mrope=True,
            needs="M-RoPE (contiguous sections over 3-axis ids), rotated by the model, verified against posenc's mrope"),
-    Family("Qwen3-VL text", ("qwen3_vl_text", "qwen3_vl_moe_text"), window="none", mrope=True, model_rotates=_MROPE_ROTATES,
+    Family("Qwen3-VL text", ("qwen3_vl_text", "qwen3_vl_moe_text"), window="none", mrope=True,
            needs="M-RoPE (interleaved sections), rotated by the model, verified against posenc's mrope; router kwargs ignored"),
-    Family("GLM-4V text", ("glm4v_text", "glm_ocr_text"), layout="interleaved", window="none", mrope=True, model_rotates=_MROPE_ROTATES,
+    Family("GLM-4V text", ("glm4v_text", "glm_ocr_text"), layout="interleaved", window="none", mrope=True,
            needs="M-RoPE (contiguous sections), interleaved pairs, partial rotary; rotated by the model, verified against posenc's mrope"),
-    Family("GLM-4V-MoE text", ("glm4v_moe_text",), window="none", mrope=True, model_rotates=_MROPE_ROTATES,
+    Family("GLM-4V-MoE text", ("glm4v_moe_text",), window="none", mrope=True,
            needs="M-RoPE (contiguous sections), half pairs, partial rotary; rotated by the model, verified against posenc's mrope"),
-    Family("Cosmos3 Edge text", ("cosmos3_edge_text",), window="none", mrope=True, model_rotates=_MROPE_ROTATES,
+    Family("Cosmos3 Edge text", ("cosmos3_edge_text",), window="none", mrope=True,
            needs="M-RoPE (interleaved sections, as Qwen3-VL, without mrope_interleaved in its config); rotated by the model, "
                  "verified against posenc's mrope"),
-    Family("Cohere Compass text", ("cohere_compass_text",), typed_layers=True, rope_blocks="per_type", mrope=True, model_rotates=_MROPE_ROTATES,
+    Family("Cohere Compass text", ("cohere_compass_text",), typed_layers=True, rope_blocks="per_type", mrope=True,
            needs="M-RoPE (interleaved sections) with a RoPE block per layer type (a None block: NoPE); rotated by the model, "
                  "each type's table verified against posenc's mrope"),
     Family("HunYuan v1", ("hunyuan_v1_dense", "hunyuan_v1_moe"), window="none", model_rotates=_NORM_AFTER_ROTATION,
@@ -367,7 +366,7 @@ FAMILIES: tuple[Family, ...] = (
            needs="a RoPE block per layer type; unit-norm q and k, then the rotation, then a learned per-channel query scale "
                  "(sqk): rotated by the model (its tables verified against posenc's RoPE); recurrent layers looped, each loop "
                  "its own cache layer (cache_offset)"),
-    Family("HunYuan-VL text", ("hunyuan_vl_text",), window="none", mrope=True, model_rotates=_MROPE_ROTATES, mrope_encoding="xdrope",
+    Family("HunYuan-VL text", ("hunyuan_vl_text",), window="none", mrope=True, mrope_encoding="xdrope",
            needs="XD-RoPE (4 axes, sections over features, NTK-alpha base); q/k norms after the rotation; rotated by the model, "
                  "verified against posenc's xdrope"),
     # No RoPE: the Inkling bias (posenc.hf.inkling), windows on the hybrid_sliding layers

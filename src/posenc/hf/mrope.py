@@ -87,7 +87,7 @@ def check_axes(encoding: MRoPE | XDRoPE, rotary: nn.Module, model_type: Any, kin
     held = getattr(rotary, name, None)
     if not isinstance(held, torch.Tensor):
         raise UsageError(f"model_type {model_type!r}: its rotary module {type(rotary).__name__} has no inv_freq buffer "
-                         f"to check its M-RoPE against the config")
+                         "to check its M-RoPE against the config")
     if held.is_meta:
         return
     apply = getattr(sys.modules.get(type(rotary).__module__), "apply_rotary_pos_emb", None)
